@@ -1,0 +1,135 @@
+"""Communication volumes and placement.
+
+Placement: Megatron's default rank order, innermost first, tp-cp-ep-dp-pp (tp = 1). Global rank
+g = pp_index * (N / p) + l, with l the rank inside its stage; NVLink domains are consecutive blocks of the
+cluster's domain size. EP groups are e consecutive stage ranks (EP folded over DP * c); dense FSDP groups
+take f_d dp indices at stride c; expert FSDP groups take f_e expert-data-parallel indices at stride e.
+From the member lists follow a (group members sharing a domain), the FSDP shards per domain, and whether a
+PP hop stays inside a domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import comb
+
+import numpy as np
+
+
+def _min_members_per_domain(groups: np.ndarray, domain: int) -> int:
+    """groups: [n_groups, size] global ranks. The smallest number of a member's group peers (itself
+    included) in its NVLink domain, over all members: the worst member sets the collective's time."""
+    dom = groups // domain
+    key = dom + np.arange(groups.shape[0])[:, None] * (int(dom.max()) + 1)
+    _, counts = np.unique(key, return_counts=True)
+    return int(counts.min())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Group members per NVLink domain for one layout (the worst member of each group kind)."""
+
+    ep_local: int
+    """a: EP ranks in one NVLink domain (of e)."""
+    dense_fsdp_local: int
+    expert_fsdp_local: int
+    pp_hop_in_domain: tuple[bool, ...]
+    """For each rank boundary r -> r+1 (mod p): do all its hops stay inside a domain."""
+    pipeline_in_domain: bool
+    """All pipeline ranks of a replica share one domain (activation balancing stays on NVLink)."""
+
+
+def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int) -> Placement:
+    """Members per domain of each group kind under the tp-cp-ep-dp-pp order."""
+    stage = gpus // p
+    # One stage is enough: stages are congruent blocks, but their offsets against the domain grid differ.
+    ep_a = dense_a = exp_a = stage
+    for s in range(p):
+        base = s * stage
+        local = np.arange(stage)
+        ep_groups = base + local.reshape(-1, e)
+        ep_a = min(ep_a, _min_members_per_domain(ep_groups, domain))
+        # dense FSDP: same cp index, f_d consecutive dp indices -> stride c
+        dp = stage // c
+        grid = (base + local).reshape(dp, c)  # [dp, cp]
+        dense_groups = grid.reshape(dp // f_d, f_d, c).transpose(0, 2, 1).reshape(-1, f_d)
+        dense_a = min(dense_a, _min_members_per_domain(dense_groups, domain))
+        edp = stage // e
+        egrid = (base + local).reshape(edp, e)  # [edp, ep]
+        exp_groups = egrid.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
+        exp_a = min(exp_a, _min_members_per_domain(exp_groups, domain))
+    hops = []
+    for r in range(p):
+        src = r * stage + np.arange(stage)
+        dst = ((r + 1) % p) * stage + np.arange(stage)
+        hops.append(bool(np.all(src // domain == dst // domain)))
+    replica = np.arange(p) * stage
+    return Placement(ep_a, dense_a, exp_a, tuple(hops), bool(np.all(replica // domain == replica[0] // domain)))
+
+
+def ep_remote_copies(top_k: int, e: int) -> float:
+    """Remote GPU copies per token, one copy per assignment: k (1 - 1/e) (seed 002: 15.75 at EP64)."""
+    return top_k * (1 - 1 / e)
+
+
+def ep_cross_domain_copies(top_k: int, e: int, a: int) -> float:
+    """Copies per token that leave the NVLink domain: k (1 - a/e)."""
+    return top_k * (1 - a / e)
+
+
+def ep_hit_probability(num_experts: int, top_k: int, e: int) -> float:
+    """P(a given EP rank holds at least one of a token's k experts), uniform top-k without replacement:
+    1 - C(E - E/e, k) / C(E, k)."""
+    return 1 - comb(num_experts - num_experts // e, top_k) / comb(num_experts, top_k)
+
+
+def ep_remote_copies_dedup(num_experts: int, top_k: int, e: int) -> float:
+    """Expected distinct remote ranks per token: (e - 1)(1 - C(E - E/e, k)/C(E, k)) (seed 002: 14.14)."""
+    return (e - 1) * ep_hit_probability(num_experts, top_k, e)
+
+
+def ep_cross_domain_copies_dedup(num_experts: int, top_k: int, e: int, a: int) -> float:
+    """Expected distinct destination ranks outside the domain: (e - a) * hit probability."""
+    return (e - a) * ep_hit_probability(num_experts, top_k, e)
+
+
+def ep_payload_bytes(exchanges: int, tokens: int, width: int, copies: float, bytes_per_value: int = 2) -> float:
+    """exchanges * T * latent width * 2 * copies (seed 002)."""
+    return exchanges * tokens * width * bytes_per_value * copies
+
+
+def ep_exchanges(full_recompute: bool, dispatch_recompute: bool) -> int:
+    """Payload exchanges per MoE layer per microbatch: 4 (dispatch, combine and their transposes),
+    6 with full checkpointing (the route is traversed again); dispatch recompute replays one dispatch."""
+    if full_recompute:
+        return 6
+    return 5 if dispatch_recompute else 4
+
+
+def routing_map_bytes(tokens: int, num_experts: int) -> int:
+    """HybridEP Boolean routing map [T, E], one byte per entry (seed 002: 3.5 MiB at T = 4096)."""
+    return tokens * num_experts
+
+
+def routing_map_allgathers_per_layer(full_recompute: bool) -> int:
+    """Routing-map all-gathers per MoE layer per microbatch: the original and the recomputed forward."""
+    return 2 if full_recompute else 1
+
+
+def allgather_received(total_bytes: float, n: int) -> float:
+    """Ring all-gather: each rank receives S (1 - 1/n) of the S-byte output."""
+    return total_bytes * (1 - 1 / n)
+
+
+def hierarchical_split(total_bytes: float, n: int, a: int) -> tuple[float, float]:
+    """(NVLink, NIC) bytes per rank of an all-gather or reduce-scatter of S bytes over n ranks, a of them per
+    domain: NVLink S(1 - 1/a); NIC (S/a)(1 - a/n), the per-rank share of a domain's one import (seed 002)."""
+    if n <= 1:
+        return 0.0, 0.0
+    a = min(a, n)
+    return total_bytes * (1 - 1 / a), (total_bytes / a) * (1 - a / n)
+
+
+def attn_res_packet_bytes(residual_streams: int | np.ndarray, tokens: int, hidden: int) -> int | np.ndarray:
+    """PP packet: (1 hidden + R residual) BF16 [T, d] streams (seed 002; seed 003's first boundary)."""
+    return (1 + residual_streams) * tokens * hidden * 2

@@ -1,0 +1,404 @@
+"""evaluate(): the per-rank memory ledger and the roofline-plus-bubble step time of one layout.
+
+peak(r) = persistent(r) + max(activation-phase peak(r), optimizer-phase transient(r))   (spec section 2)
+step    = (M + (p - 1)/v) * max_r t_r + max_r update_r, t_r = max over resources       (seed 002)
+
+Every number is a sum of the per-layer coefficients in k3opt.coefficients over the layout's split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from k3opt.coefficients import RESOURCES, Coefficients, Shape, coefficients
+from k3opt.schedule import bubble_fraction, bubble_overhead
+from k3opt.specs import (
+    GIB,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    check_layout,
+    load_cluster,
+    load_model,
+)
+from k3opt.structure import ParamCounts, structure_of
+
+PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers")
+ACTIVATION = ("activations", "attnres_bank", "recompute_working_set", "grad_transient", "pp_buffers",
+              "ep_buffers", "routing_map", "logits")
+OPTIMIZER = ("optimizer_transient",)
+
+TERM_INFO: dict[str, tuple[str, str]] = {
+    "master": ("derived", "FP32 master shard: 4 x (D/f_d + E/(e f_e))"),
+    "grads": ("derived", "FP32 gradient shard: 4 x resident parameters (pipeline ZeRO-2: two FP32 "
+                         "chunk-sized buffers, the shards on the host)"),
+    "optimizer": ("derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
+    "bf16_view": ("derived", "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
+    "moonep_slots": ("derived", "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
+    "grad_accum": ("derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
+    "moonep_buffers": ("assumption", "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers "
+                                     "of one MoE layer at uniform routing, allocated for the whole run"),
+    "activations": ("derived", "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 "
+                               "[T, d] layer input per layer)"),
+    "attnres_bank": ("derived", "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per "
+                                "in-flight microbatch"),
+    "recompute_working_set": ("derived", "saved set of the one layer being recomputed in backward"),
+    "grad_transient": ("derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus "
+                                  "two BF16 [T, d] gradient streams"),
+    "pp_buffers": ("assumption", "one forward and one backward packet in each direction live: "
+                                 "2 x max over chunks (in + out packet), packet = (1 + R) x BF16 [T, d]"),
+    "ep_buffers": ("derived", "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
+    "routing_map": ("derived", "HybridEP Boolean routing map gathered across EP: e x T x experts bytes"),
+    "logits": ("derived", "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy"),
+    "optimizer_transient": ("derived", "without P2P Muon: the full BF16 parameter group all-gathered at the step "
+                                       "(2 x (D + E/e)); with P2P Muon: the pulled share; plus the largest "
+                                       "Newton-Schulz working set"),
+}
+
+UNPRICED = (
+    "CP attention communication (KDA state exchange, MLA KV redistribution) is not priced (seed 002)",
+    "element-wise recompute work (selective recompute, fused SiTU, MoE backward rewrite) has no vector-unit roof",
+    "vision-tower activations: microbatches are text-only in this model",
+    "collective latency, rank skew and routing imbalance (routing is modelled uniform / forced-balanced)",
+)
+
+
+@dataclass(frozen=True)
+class LedgerTerm:
+    key: str
+    bytes: int
+    phase: str  # persistent | activation | optimizer | host
+    kind: str   # derived | assumption | measured
+    formula: str
+
+
+@dataclass(frozen=True)
+class RankEvaluation:
+    """One physical pipeline rank: its ledger (bytes by key), its peak and its per-microbatch time."""
+
+    rank: int
+    chunks: tuple[tuple[int, int], ...]
+    """Layer ranges [start, end) of the rank's chunks."""
+    ledger: dict[str, int]
+    terms: tuple[LedgerTerm, ...]
+    persistent_bytes: int
+    activation_phase_bytes: int
+    optimizer_phase_bytes: int
+    peak_bytes: int
+    capacity_bytes: int
+    fits: bool
+    in_flight: float
+    """Microbatches (chunk-microbatches under interleaving) held at the activation peak."""
+    host_bytes: int
+    host_capacity_bytes: int
+    host_fits: bool
+    time_s: dict[str, float]
+    """Seconds per microbatch on each resource."""
+    update_s: dict[str, float]
+    binding: str
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    @property
+    def stage_time_s(self) -> float:
+        return max(self.time_s.values())
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    """Optimistic: every resource overlaps (max over resources per stage), plus the exposed update."""
+    serial_step_time_s: float
+    """Upper bound: resources serialized (sum per stage), plus the serialized update."""
+    stage_time_s: float
+    slowest_rank: int
+    binding: str
+    update_time_s: float
+    bubble_overhead: float
+    bubble_fraction: float
+    slots: float
+    tokens_per_update: int
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    model_flops_per_token: float
+    mfu_convention: str
+    unpriced: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    figure: str
+    modeled: float
+    measured: float
+    unit: str
+
+    @property
+    def gap(self) -> float:
+        return self.measured - self.modeled
+
+    @property
+    def gap_pct(self) -> float:
+        return 100 * self.gap / self.measured
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: Layout
+    model: ModelSpec
+    cluster: ClusterSpec
+    params: ParamCounts
+    ranks: tuple[RankEvaluation, ...]
+    step: StepTime
+    capacity_bytes: int
+    validation: tuple[Comparison, ...] = field(default=())
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def worst_rank(self) -> int:
+        return max(self.ranks, key=lambda r: r.peak_bytes).rank
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits and r.host_fits for r in self.ranks)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the same numbers the tables print."""
+        return {
+            "layout": self.layout.model_dump(mode="json", exclude_none=True),
+            "model": self.model.name,
+            "cluster": self.cluster.name,
+            "params": {k: getattr(self.params, k) for k in
+                       ("total", "muon", "adamw", "routed", "active_matrix", "active_routed",
+                        "active_conventional")},
+            "capacity_bytes": self.capacity_bytes,
+            "peak_bytes": self.peak_bytes,
+            "worst_rank": self.worst_rank,
+            "fits": self.fits,
+            "ranks": [
+                {
+                    "rank": r.rank, "chunks": [list(c) for c in r.chunks], "ledger_bytes": r.ledger,
+                    "persistent_bytes": r.persistent_bytes,
+                    "activation_phase_bytes": r.activation_phase_bytes,
+                    "optimizer_phase_bytes": r.optimizer_phase_bytes, "peak_bytes": r.peak_bytes,
+                    "headroom_bytes": r.headroom_bytes, "fits": r.fits, "in_flight": r.in_flight,
+                    "host_bytes": r.host_bytes, "host_fits": r.host_fits,
+                    "time_per_microbatch_s": r.time_s, "update_s": r.update_s, "binding": r.binding,
+                }
+                for r in self.ranks
+            ],
+            "terms": {t.key: {"phase": t.phase, "kind": t.kind, "formula": t.formula}
+                      for t in self.ranks[0].terms},
+            "step": {k: getattr(self.step, k) for k in StepTime.__dataclass_fields__},
+            "validation": [
+                {"figure": c.figure, "modeled": c.modeled, "measured": c.measured, "unit": c.unit,
+                 "gap": c.gap, "gap_pct": c.gap_pct}
+                for c in self.validation
+            ],
+        }
+
+
+def chunk_bounds(split: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    return [(int(edges[j]), int(edges[j + 1])) for j in range(len(split))]
+
+
+def _chunk_sum(arr: np.ndarray, cf: Coefficients, j: int, k: int, bounds: list[tuple[int, int]]) -> float:
+    s, e = bounds[j]
+    total = float(arr[s:e].sum())
+    if j == 0:
+        total += float(arr[cf.first])
+    if j == k - 1:
+        total += float(arr[cf.last])
+    return total
+
+
+def _chunk_indices(cf: Coefficients, j: int, k: int, bounds: list[tuple[int, int]]) -> list[int]:
+    s, e = bounds[j]
+    idx = list(range(s, e))
+    if j == 0:
+        idx.append(cf.first)
+    if j == k - 1:
+        idx.append(cf.last)
+    return idx
+
+
+def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, Any]:
+    """Ledger bytes (floats), host bytes, in-flight count and per-resource time of physical rank r."""
+    sh = cf.shape
+    p, k = sh.pp, sh.chunks
+    bounds = chunk_bounds(split)
+    closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
+    mine = list(range(r, k, p))
+    idx = [i for j in mine for i in _chunk_indices(cf, j, k, bounds)]
+
+    def csum(arr: np.ndarray) -> list[float]:
+        return [_chunk_sum(arr, cf, j, k, bounds) for j in mine]
+
+    out: dict[str, float] = {}
+    out["master"] = sum(csum(cf.master))
+    if sh.toggles.pipeline_zero2_host_grads:
+        out["grads"] = 2 * max(csum(cf.chunk_grad_buffer))
+    else:
+        out["grads"] = sum(csum(cf.grads))
+    out["optimizer"] = sum(csum(cf.optimizer))
+    out["bf16_view"] = sum(csum(cf.bf16_view))
+    out["moonep_slots"] = sum(csum(cf.moonep_slots))
+    out["grad_accum"] = sum(csum(cf.grad_accum))
+    has_moe = sum(csum(cf.moe)) > 0
+    out["moonep_buffers"] = cf.moonep_buffers if has_moe else 0.0
+
+    act = csum(cf.act)
+    bank = [closes_cum[bounds[j][1]] * cf.stream_bytes for j in mine]
+    comps = cf.compositions[r]
+    n_peak = max(sum(c) for c in comps)
+    scale = 1.0
+    if cf.balanced_inflight is not None:
+        scale = cf.balanced_inflight / n_peak
+    if sh.toggles.activation_offload:
+        gpu_act = sh.offload_resident_layers * max(float(cf.act[i]) for i in idx)
+        host_act = max(sum(c * a for c, a in zip(comp, act, strict=True)) for comp in comps) * scale
+        best_bank = max(sum(c * b for c, b in zip(comp, bank, strict=True)) for comp in comps) * scale
+        out["activations"], out["attnres_bank"] = gpu_act, best_bank
+        in_flight = n_peak * scale
+    else:
+        host_act = 0.0
+        best = max(comps, key=lambda comp: sum(c * (a + b) for c, a, b in zip(comp, act, bank, strict=True)))
+        out["activations"] = sum(c * a for c, a in zip(best, act, strict=True)) * scale
+        out["attnres_bank"] = sum(c * b for c, b in zip(best, bank, strict=True)) * scale
+        in_flight = sum(best) * scale
+    ws_i = max(idx, key=lambda i: cf.working_set[i])
+    out["recompute_working_set"] = float(cf.recompute_ws[ws_i])
+    out["grad_transient"] = float(cf.working_set[ws_i] - cf.recompute_ws[ws_i])
+
+    packets = []
+    pp_time = {"nvlink": 0.0, "nic": 0.0}
+    for j in mine:
+        s, e = bounds[j]
+        pin = (1 + closes_cum[s]) * cf.stream_bytes if j > 0 else 0.0
+        pout = (1 + closes_cum[e]) * cf.stream_bytes if j < k - 1 else 0.0
+        packets.append(pin + pout)
+        # Per direction: forward out + backward out (the gradient of the input packet), and the same in.
+        if j > 0:
+            hop = (r - 1) % p
+            pp_time["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += pin * cf.pp_seconds_per_byte[hop]
+        if j < k - 1:
+            pp_time["nvlink" if cf.pp_on_nvlink[r] else "nic"] += pout * cf.pp_seconds_per_byte[r]
+    out["pp_buffers"] = 2 * max(packets)
+    out["ep_buffers"] = cf.ep_buffers if has_moe else 0.0
+    out["routing_map"] = cf.routing_map if has_moe else 0.0
+    out["logits"] = cf.logits if (k - 1) in mine else 0.0
+
+    view = sum(csum(cf.view_params))
+    resident = sum(csum(cf.resident_params))
+    ns_ws = max(float(cf.ns_working_set[i]) for i in idx)
+    out["optimizer_transient"] = (2 * resident if sh.toggles.p2p_muon else 2 * view) + ns_ws
+
+    host = host_act + sum(csum(cf.host_grads))
+
+    time = {res: float(sum(csum(cf.time[res]))) for res in RESOURCES}
+    time["nvlink"] += pp_time["nvlink"]
+    time["nic"] += pp_time["nic"]
+    if cf.balanced_inflight is not None and n_peak > cf.balanced_inflight:
+        # Remote offload of the excess over the average, out and back, every microbatch (seed 001).
+        moved = 2 * sum(act) * (1 - cf.balanced_inflight / n_peak)
+        time[cf.balance_resource] += moved * cf.balance_seconds_per_byte
+    update = {res: float(sum(csum(cf.update[res]))) for res in RESOURCES}
+    return {"ledger": out, "host": host, "in_flight": in_flight, "time": time, "update": update,
+            "chunks": tuple(bounds[j] for j in mine)}
+
+
+def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None,
+             reserve_gib: float | None = None) -> Evaluation:
+    """Per-rank ledger and step time of `layout` (model and cluster: objects, preset names or paths;
+    default: the layout's own `model` / `cluster` fields, else kimi-k3 on gb200-nvl72)."""
+    model = load_model(model or layout.model or "kimi-k3") if not isinstance(model, ModelSpec) else model
+    cluster = (load_cluster(cluster or layout.cluster or "gb200-nvl72")
+               if not isinstance(cluster, ClusterSpec) else cluster)
+    check_layout(layout, model, cluster)
+    shape = Shape.of(layout)
+    cf = coefficients(shape, model, cluster)
+    reserve = layout.reserve_gib if reserve_gib is None else reserve_gib
+    capacity = cluster.hbm_bytes - int(round(reserve * GIB))
+    host_capacity = cluster.host_memory_bytes
+
+    ranks = []
+    for r in range(layout.pp):
+        rl = rank_ledger(cf, layout.split, r)
+        ledger = {key: int(round(val)) for key, val in rl["ledger"].items()}
+        persistent = sum(ledger[k] for k in PERSISTENT)
+        act_phase = sum(ledger[k] for k in ACTIVATION)
+        opt_phase = sum(ledger[k] for k in OPTIMIZER)
+        peak = persistent + max(act_phase, opt_phase)
+        terms = []
+        for key in PERSISTENT + ACTIVATION + OPTIMIZER:
+            kind, formula = TERM_INFO[key]
+            if key == "logits":
+                formula = cf.logits_formula
+            phase = "persistent" if key in PERSISTENT else "activation" if key in ACTIVATION else "optimizer"
+            terms.append(LedgerTerm(key, ledger[key], phase, kind, formula))
+        host = int(round(rl["host"]))
+        time = rl["time"]
+        binding = max(time, key=time.get)
+        ranks.append(RankEvaluation(
+            rank=r, chunks=rl["chunks"], ledger=ledger, terms=tuple(terms), persistent_bytes=persistent,
+            activation_phase_bytes=act_phase, optimizer_phase_bytes=opt_phase, peak_bytes=peak,
+            capacity_bytes=capacity, fits=peak <= capacity, in_flight=rl["in_flight"], host_bytes=host,
+            host_capacity_bytes=host_capacity, host_fits=host <= host_capacity, time_s=time,
+            update_s=rl["update"], binding=binding,
+        ))
+
+    step = _step(cf, ranks, model, cluster, layout)
+    validation = []
+    if layout.measured is not None:
+        m = layout.measured
+        if m.peak_gib is not None:
+            validation.append(Comparison("peak HBM, worst rank", max(r.peak_bytes for r in ranks) / GIB,
+                                         m.peak_gib, "GiB"))
+        if m.step_time_s is not None:
+            validation.append(Comparison("step time", step.step_time_s, m.step_time_s, "s"))
+        if m.tokens_per_s_per_gpu is not None:
+            validation.append(Comparison("tokens/s per GPU", step.tokens_per_s_per_gpu,
+                                         m.tokens_per_s_per_gpu, "tokens/s"))
+    return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
+                      ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation))
+
+
+def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, cluster: ClusterSpec,
+          layout: Layout) -> StepTime:
+    sh = cf.shape
+    slowest = max(ranks, key=lambda r: r.stage_time_s)
+    stage = slowest.stage_time_s
+    update = max(max(r.update_s.values()) for r in ranks)
+    serial_stage = max(sum(r.time_s.values()) for r in ranks)
+    serial_update = max(sum(r.update_s.values()) for r in ranks)
+    step = cf.slots * stage + update
+    serial = cf.slots * serial_stage + serial_update
+    tokens = sh.tokens_per_update
+    tps = tokens / step
+    mfu = cf.model_flops_per_token * tps / (sh.gpus * cluster.bf16_tflops * 1e12)
+    return StepTime(
+        step_time_s=step, serial_step_time_s=serial, stage_time_s=stage, slowest_rank=slowest.rank,
+        binding=slowest.binding, update_time_s=update,
+        bubble_overhead=bubble_overhead(sh.pp, sh.vp, sh.microbatches),
+        bubble_fraction=bubble_fraction(sh.pp, sh.vp, sh.microbatches), slots=cf.slots,
+        tokens_per_update=tokens, tokens_per_s=tps, tokens_per_s_per_gpu=tps / sh.gpus, mfu=mfu,
+        model_flops_per_token=cf.model_flops_per_token,
+        mfu_convention=("6 x learned active matrices per token + MLA score/value contractions with the causal "
+                        "half (Megatron convention), document length "
+                        f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
+                        f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
+        unpriced=UNPRICED,
+    )

@@ -1,0 +1,119 @@
+"""Text reports: the per-rank ledger table, the step-time breakdown, the validation GAP."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from k3opt.coefficients import RESOURCES
+from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, TERM_INFO, Evaluation
+from k3opt.specs import GIB, MIB, TOGGLE_NAMES, Layout
+
+
+def split_text(split: list[int] | tuple[int, ...]) -> str:
+    """Run-length form of a split: [12]*7 + [9] -> '12x7+9'."""
+    out: list[str] = []
+    i = 0
+    while i < len(split):
+        j = i
+        while j < len(split) and split[j] == split[i]:
+            j += 1
+        out.append(f"{split[i]}x{j - i}" if j - i > 1 else str(split[i]))
+        i = j
+    return "+".join(out)
+
+
+def toggles_text(layout: Layout) -> str:
+    on = [t for t in TOGGLE_NAMES if getattr(layout.toggles, t)]
+    return ",".join(on) if on else "none"
+
+
+def layout_text(layout: Layout) -> str:
+    return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
+            f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "
+            f"split {split_text(layout.split)} recompute={layout.recompute.value} "
+            f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")
+
+
+def ledger_frame(ev: Evaluation) -> pd.DataFrame:
+    """Rows: ledger terms and phase totals, GiB; columns: ranks."""
+    rows: dict[str, list[float]] = {}
+    for key in PERSISTENT + ACTIVATION + OPTIMIZER:
+        rows[key] = [r.ledger[key] / GIB for r in ev.ranks]
+    rows["= persistent"] = [r.persistent_bytes / GIB for r in ev.ranks]
+    rows["= activation phase"] = [r.activation_phase_bytes / GIB for r in ev.ranks]
+    rows["= optimizer phase"] = [r.optimizer_phase_bytes / GIB for r in ev.ranks]
+    rows["PEAK"] = [r.peak_bytes / GIB for r in ev.ranks]
+    rows["headroom"] = [r.headroom_bytes / GIB for r in ev.ranks]
+    rows["in-flight microbatches"] = [r.in_flight for r in ev.ranks]
+    rows["host memory"] = [r.host_bytes / GIB for r in ev.ranks]
+    return pd.DataFrame(rows, index=[f"rank{r.rank}" for r in ev.ranks]).T
+
+
+def time_frame(ev: Evaluation) -> pd.DataFrame:
+    """Per rank: milliseconds per microbatch on each resource, and the binding one."""
+    data = []
+    for r in ev.ranks:
+        row = {"layers": " ".join(f"{a}-{b - 1}" for a, b in r.chunks)}
+        row.update({f"{res}_ms": r.time_s[res] * 1e3 for res in RESOURCES})
+        row["stage_ms"] = r.stage_time_s * 1e3
+        row["binds"] = r.binding
+        row["update_ms"] = max(r.update_s.values()) * 1e3
+        data.append(row)
+    return pd.DataFrame(data, index=[f"rank{r.rank}" for r in ev.ranks])
+
+
+def _fmt(df: pd.DataFrame, digits: int = 2) -> str:
+    return df.to_string(float_format=lambda x: f"{x:,.{digits}f}")
+
+
+def explain_text(ev: Evaluation, terms: bool = True) -> str:
+    lay, p, cl = ev.layout, ev.params, ev.cluster
+    reserve = (cl.hbm_bytes - ev.capacity_bytes) / GIB
+    lines = [
+        f"{lay.name or 'layout'}: {ev.model.name} on {cl.name}, {lay.gpus} GPUs",
+        f"  {layout_text(lay)}",
+        f"  parameters {p.total:,} (Muon {p.muon:,}, AdamW {p.adamw:,}); routed {p.routed:,}; "
+        f"learned active matrices per token {p.active_matrix:,}",
+        f"  HBM line {cl.hbm_bytes / GIB:.2f} GiB ({cl.hbm_mib:,} MiB, nvidia-smi) - reserve {reserve:.2f} GiB "
+        f"= {ev.capacity_bytes / GIB:.2f} GiB usable per GPU; host {cl.host_memory_gb:g} GB per GPU",
+        "",
+        "Per-rank memory ledger (GiB); peak = persistent + max(activation phase, optimizer phase)",
+        _fmt(ledger_frame(ev)),
+        "",
+    ]
+    worst = ev.ranks[ev.worst_rank]
+    verdict = "fits" if ev.fits else "DOES NOT FIT"
+    lines.append(f"worst rank {worst.rank}: peak {worst.peak_bytes / GIB:.2f} GiB, headroom "
+                 f"{worst.headroom_bytes / GIB:.2f} GiB: {verdict}"
+                 + ("" if all(r.host_fits for r in ev.ranks) else " (host memory exceeded)"))
+    s = ev.step
+    lines += [
+        "",
+        "Step time: per microbatch, work on each resource divided by its bandwidth (ms)",
+        _fmt(time_frame(ev), 1),
+        "",
+        f"step {s.step_time_s:.3f} s = {s.slots:g} slots x {s.stage_time_s * 1e3:.1f} ms (rank {s.slowest_rank}, "
+        f"{s.binding}-bound) + exposed update {s.update_time_s * 1e3:.1f} ms; serial bound "
+        f"{s.serial_step_time_s:.3f} s",
+        f"bubble overhead {100 * s.bubble_overhead:.2f}% of useful work, {100 * s.bubble_fraction:.2f}% of the "
+        f"compute-plus-bubble interval",
+        f"tokens per update {s.tokens_per_update:,}; {s.tokens_per_s:,.0f} tokens/s; "
+        f"{s.tokens_per_s_per_gpu:,.1f} tokens/s per GPU; MFU {100 * s.mfu:.1f}%",
+        f"MFU convention: {s.model_flops_per_token / 1e9:.2f} GFLOP per token = {s.mfu_convention}",
+        "unpriced: " + "; ".join(s.unpriced),
+    ]
+    if ev.validation:
+        lines += ["", "Validation against measurement (modeled vs measured; the GAP is what the model does not "
+                      "explain, never a scale factor)"]
+        for c in ev.validation:
+            lines.append(f"  {c.figure}: modeled {c.modeled:,.2f} {c.unit}, measured {c.measured:,.2f} {c.unit}, "
+                         f"GAP {c.gap:+,.2f} {c.unit} ({c.gap_pct:+.1f}% of measured)")
+    if terms:
+        lines += ["", "Ledger terms"]
+        for key, (kind, formula) in TERM_INFO.items():
+            lines.append(f"  {key:<22} [{kind}] {formula}")
+    return "\n".join(lines)
+
+
+def mib(x: float) -> str:
+    return f"{x / MIB:,.1f} MiB"

@@ -1,0 +1,494 @@
+"""Pydantic models for the four input files (model, cluster, layout, job) and their TOML loading.
+
+Every file is validated on load: unknown keys are rejected, sizes must be positive, and cross-field rules
+(divisibility of the parallel degrees) are checked here when they need no model. Rules that need the model
+(the split covers its layers, EP divides its experts) live in :func:`check_layout`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from k3opt.errors import LayoutError, PresetNotFoundError, SpecError
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+PosInt = Annotated[int, Field(gt=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class KDASpec(_Strict):
+    """Kimi Delta Attention (linear attention) shapes."""
+
+    num_heads: PosInt
+    head_dim: PosInt
+    short_conv_kernel: PosInt
+    decay_rank: PosInt
+    """Rank of the low-rank per-channel decay gate (f_a [r, d], f_b [H*dk, r])."""
+    full_rank_output_gate: bool = True
+    chunk_size: PosInt = 64
+    """Chunk length of the chunked delta-rule scan; sets the scan's intra-chunk FLOPs."""
+
+
+class MLASpec(_Strict):
+    """Gated multi-head latent attention shapes."""
+
+    num_heads: PosInt
+    q_lora_rank: PosInt
+    kv_lora_rank: PosInt
+    qk_nope_head_dim: PosInt
+    qk_rope_head_dim: PosInt
+    v_head_dim: PosInt
+    output_gate: bool = True
+
+
+class DenseFFNSpec(_Strict):
+    intermediate_size: PosInt
+
+
+class MoESpec(_Strict):
+    """Latent MoE: the routed stream is compressed to `latent_size` before dispatch."""
+
+    num_experts: PosInt
+    experts_per_token: PosInt
+    latent_size: PosInt
+    expert_intermediate_size: PosInt
+    shared_intermediate_size: int = Field(ge=0)
+
+
+class AttnResSpec(_Strict):
+    """Block Attention Residuals."""
+
+    block_size: PosInt
+    bank_representatives: PosInt
+    """Seed 001's bank size: up to this many representatives of width d (shown as a cross-check)."""
+    sublayers_per_layer: PosInt = 2
+    """Seed 002 counts blocks over sublayers: a 12-layer stage emits 2 residual blocks."""
+
+
+class VisionSpec(_Strict):
+    """MoonViT-style vision tower plus patch-merge projector (all AdamW, no per-token text work)."""
+
+    num_blocks: PosInt
+    hidden_size: PosInt
+    num_heads: PosInt
+    head_dim: PosInt
+    intermediate_size: PosInt
+    patch_size: PosInt
+    image_channels: PosInt = 3
+    pos_emb_grid: PosInt
+    merge_kernel: PosInt
+    """Patches merged into one projector input (2 x 2 = 4)."""
+    projector_hidden_size: PosInt
+
+
+class OptimizerSpec(_Strict):
+    adamw_matrices: list[str] = Field(default_factory=list)
+    """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.structure)."""
+
+
+class ModelSpec(_Strict):
+    """A decoder stack of KDA / MLA attention with dense or latent-MoE FFNs, read from TOML."""
+
+    name: str
+    hidden_size: PosInt
+    num_layers: PosInt
+    vocab_size: PosInt
+    tie_word_embeddings: bool = False
+    full_attention_layers: list[int] = Field(default_factory=list)
+    dense_ffn_layers: list[int] = Field(default_factory=list)
+    kda: KDASpec | None = None
+    mla: MLASpec | None = None
+    dense_ffn: DenseFFNSpec | None = None
+    moe: MoESpec | None = None
+    attn_res: AttnResSpec | None = None
+    vision: VisionSpec | None = None
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+
+    @model_validator(mode="after")
+    def _layers(self) -> ModelSpec:
+        for field in ("full_attention_layers", "dense_ffn_layers"):
+            bad = [i for i in getattr(self, field) if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"{field} has layer indices outside 0..{self.num_layers - 1}: {bad}")
+        if len(self.full_attention_layers) < self.num_layers and self.kda is None:
+            raise ValueError("some layers are linear attention but the [kda] table is missing")
+        if self.full_attention_layers and self.mla is None:
+            raise ValueError("full_attention_layers is set but the [mla] table is missing")
+        if self.dense_ffn_layers and self.dense_ffn is None:
+            raise ValueError("dense_ffn_layers is set but the [dense_ffn] table is missing")
+        if len(set(self.dense_ffn_layers)) < self.num_layers and self.moe is None:
+            raise ValueError("some layers are MoE but the [moe] table is missing")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- cluster
+
+
+class ClusterSpec(_Strict):
+    """Per-GPU physical quantities. Bandwidths are per GPU, per direction; FLOP/s are dense peaks.
+
+    Every field is a named physical quantity a user may override with a measurement (for example a
+    measured NCCL bus bandwidth instead of the NVLink peak)."""
+
+    name: str
+    hbm_mib: PosInt
+    """HBM capacity as nvidia-smi reports it, MiB."""
+    hbm_gbps: PosFloat
+    bf16_tflops: PosFloat
+    fp8_tflops: PosFloat
+    nvlink_gbps: PosFloat
+    nvlink_domain_gpus: PosInt
+    nic_gbps: PosFloat
+    host_memory_gb: PosFloat
+    """Host memory available to one GPU's process (offloaded activations, host gradient shards), GB."""
+    host_link_gbps: PosFloat
+    """GPU <-> host copy bandwidth, per direction."""
+    source: str = ""
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_mib * MIB
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_gb * 1e9)
+
+
+# -------------------------------------------------------------------------------------------- layout
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Element-wise ops are recomputed in backward; GEMM inputs and attention outputs are kept."""
+    FULL = "full"
+    """Only each layer's input is kept; the layer's forward is replayed in backward."""
+
+
+class FsdpLifecycle(StrEnum):
+    PER_MICROBATCH = "per_microbatch"
+    """BF16 view kept for the update; gradients reduce-scattered every microbatch (seed 000 reference)."""
+    ACCUMULATE = "accumulate"
+    """BF16 view kept; gradients accumulated in an unsharded FP32 buffer, one reduce-scatter per update."""
+
+
+class Toggles(_Strict):
+    """Memory toggles of the K3 paper section 5.2.2 (seed 001) and seed 004; false when absent."""
+
+    fp8_activations: bool = False
+    """Block-wise FP8 storage of saved GEMM inputs (1 byte + one FP32 scale per block)."""
+    activation_offload: bool = False
+    """Saved activations go to host memory; the current and the prefetched layer stay on the GPU."""
+    balance_activations: bool = False
+    """Remote offload between PP ranks: each rank holds the average in-flight count."""
+    moe_backward_rewrite: bool = False
+    """dL/dp_e from a_e and the upstream gradient: the expert outputs are not saved."""
+    dispatch_recompute: bool = False
+    """Only the pre-dispatch input is saved; the dispatch is replayed in backward."""
+    fused_situ: bool = False
+    """Streaming SiTU-GLU: saves the BF16 [R, 2H] input instead of six FP32 [R, H] copies (seed 004)."""
+    pipeline_zero2_host_grads: bool = False
+    """Two chunk-sized FP32 gradient buffers on the GPU; the gradient shards live in host memory."""
+    p2p_muon: bool = False
+    """Muon pulls only the matrices it orthogonalizes: no full BF16 parameter all-gather at the step."""
+    moonep: bool = False
+    """MoonEP: room for one more copy of the local expert weights and fixed all-to-all buffers."""
+    fused_cross_entropy: bool = False
+    """Cross-entropy over token chunks: the [T, vocab] logits are never materialized whole."""
+    ep_dedup: bool = False
+    """Dispatcher sends a token once per destination rank (expected distinct ranks, seed 002)."""
+
+
+TOGGLE_NAMES: tuple[str, ...] = tuple(Toggles.model_fields)
+
+
+class Measured(_Strict):
+    """Figures a real run measured, for validation only (never an input to the model)."""
+
+    peak_gib: PosFloat | None = None
+    step_time_s: PosFloat | None = None
+    tokens_per_s_per_gpu: PosFloat | None = None
+    note: str = ""
+
+
+class Layout(_Strict):
+    """One parallel layout of a training job. `split` lists layers per chunk, p*v entries in order;
+    chunk j runs on PP rank j mod p."""
+
+    gpus: PosInt
+    pp: PosInt = 1
+    vp: PosInt = 1
+    cp: PosInt = 1
+    ep: PosInt = 1
+    expert_fsdp: PosInt = 1
+    dense_fsdp: PosInt = 1
+    microbatches: PosInt = 1
+    rows: PosInt = 1
+    context: PosInt = 4096
+    document_length: PosInt | None = None
+    """Tokens per packed document for MLA attention work; defaults to the context (upper scenario)."""
+    split: list[PosInt]
+    recompute: Recompute = Recompute.FULL
+    fsdp_lifecycle: FsdpLifecycle = FsdpLifecycle.PER_MICROBATCH
+    toggles: Toggles = Field(default_factory=Toggles)
+    reserve_gib: float = Field(default=0.0, ge=0)
+    """HBM kept back for the CUDA context, NCCL and library workspaces; the peak must fit under the rest."""
+    fp8_block_size: PosInt = 128
+    """Elements per FP8 scale (1 x 128 block-wise recipe)."""
+    ce_chunk_tokens: PosInt = 1024
+    """Tokens per chunk of the fused/chunked cross-entropy."""
+    offload_resident_layers: PosInt = 2
+    """Layers whose saved activations stay on the GPU under offload: the current and the prefetched."""
+    domain_gpus_used: PosInt | None = None
+    """GPUs the job occupies in each NVLink domain (default: all of it). 512 GPUs as 8 racks x 64 is 64:
+    ranks then fill domains in blocks of 64, so an EP64 group never straddles two domains."""
+    model: str | None = None
+    cluster: str | None = None
+    name: str = ""
+    measured: Measured | None = None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas N / (p * c)."""
+        return self.gpus // (self.pp * self.cp)
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage, DP * c = N / p."""
+        return self.gpus // self.pp
+
+    @property
+    def local_tokens(self) -> int:
+        """T = rows * context / c."""
+        return self.rows * self.context // self.cp
+
+    @property
+    def effective_document_length(self) -> int:
+        return self.document_length or self.context
+
+    @model_validator(mode="after")
+    def _degrees(self) -> Layout:
+        n, p, c, e = self.gpus, self.pp, self.cp, self.ep
+        if n % (p * c):
+            raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")
+        ranks = n // p
+        if ranks % e:
+            raise ValueError(f"ep ({e}) must divide the {ranks} ranks of a stage (gpus / pp = {n} / {p})")
+        if ranks % self.dense_fsdp:
+            raise ValueError(f"dense_fsdp ({self.dense_fsdp}) must divide the {ranks} ranks of a stage")
+        edp = ranks // e
+        if edp % self.expert_fsdp:
+            raise ValueError(
+                f"expert_fsdp ({self.expert_fsdp}) must divide the {edp} expert-data-parallel ranks "
+                f"(gpus / (pp * ep) = {n} / ({p} * {e}))"
+            )
+        if len(self.split) != p * self.vp:
+            raise ValueError(
+                f"split has {len(self.split)} entries but pp * vp = {p} * {self.vp} = {p * self.vp} chunks"
+            )
+        if (self.rows * self.context) % c:
+            raise ValueError(f"rows * context ({self.rows * self.context}) must be divisible by cp ({c})")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- job
+
+
+class SearchSpace(_Strict):
+    """Optional narrowing of the search; every list is the allowed values, absent means all."""
+
+    pp: list[PosInt] | None = None
+    vp: list[PosInt] | None = None
+    cp: list[PosInt] | None = None
+    ep: list[PosInt] | None = None
+    expert_fsdp: list[PosInt] | None = None
+    dense_fsdp: list[PosInt] | None = None
+    microbatches: list[PosInt] | None = None
+    recompute: list[Recompute] | None = None
+    fsdp_lifecycle: list[FsdpLifecycle] | None = None
+    forbid_toggles: list[str] = Field(default_factory=list)
+    """Toggles the planner may not switch on."""
+    require_toggles: list[str] = Field(default_factory=list)
+    """Toggles every layout must have on."""
+    split: list[PosInt] | None = None
+    """Fix the layer split (then p * v must match its length)."""
+    max_vp: PosInt = 4
+
+    @field_validator("forbid_toggles", "require_toggles")
+    @classmethod
+    def _known_toggles(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in TOGGLE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown toggles {unknown}; known: {', '.join(TOGGLE_NAMES)}")
+        return v
+
+
+class Job(_Strict):
+    """What a user asks the planner: GPUs, context, tokens per update, memory reserve."""
+
+    model: str = "kimi-k3"
+    cluster: str = "gb200-nvl72"
+    gpus: PosInt | list[PosInt]
+    context: PosInt = 4096
+    rows: PosInt = 1
+    tokens_per_update: PosInt | None = None
+    """Global tokens per update; fixes M = tokens / (DP * rows * context). Absent: search.microbatches."""
+    document_length: PosInt | None = None
+    reserve_gib: float = Field(default=0.0, ge=0)
+    domain_gpus_used: PosInt | None = None
+    """GPUs used per NVLink domain (placement); default: whole domains."""
+    search: SearchSpace = Field(default_factory=SearchSpace)
+    name: str = ""
+
+    @property
+    def gpu_counts(self) -> list[int]:
+        return list(self.gpus) if isinstance(self.gpus, list) else [self.gpus]
+
+    @model_validator(mode="after")
+    def _microbatches(self) -> Job:
+        if self.tokens_per_update is None and not self.search.microbatches:
+            raise ValueError("give tokens_per_update or a [search] microbatches list")
+        if isinstance(self.gpus, list) and not self.gpus:
+            raise ValueError("gpus is an empty list")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _format_validation_error(err: ValidationError, what: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(file)"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (remove it or check its spelling)"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{what}: {loc}: {msg}{extra}"
+
+
+def _read_toml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PresetNotFoundError(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise SpecError(f"{what}: {path} is a directory, not a TOML file") from None
+    if not text.strip():
+        raise SpecError(f"{what}: {path} is empty; it needs at least the required fields")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError(f"{what}: {path} is not valid TOML ({err})") from None
+
+
+_PRESET_DIRS = {"model": "constraints/models", "cluster": "constraints/clusters",
+                "job": "constraints/jobs", "layout": "layouts"}
+
+
+def preset_dir(kind: str) -> Path:
+    """The folder holding the shipped presets of one kind: inside the installed package, or the
+    repository's top-level folder when k3opt runs from a source checkout."""
+    rel = _PRESET_DIRS[kind]
+    installed = Path(str(resources.files("k3opt"))) / rel
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / rel
+
+
+def preset_names(kind: str) -> list[str]:
+    d = preset_dir(kind)
+    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+
+
+def resolve(name_or_path: str | Path, kind: str) -> Path:
+    """A path to an existing file, or the name of a shipped preset."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists() or "/" in str(name_or_path):
+        if p.exists():
+            return p
+        raise PresetNotFoundError(f"{kind} file not found: {p}")
+    candidate = preset_dir(kind) / f"{name_or_path}.toml"
+    if candidate.exists():
+        return candidate
+    known = ", ".join(preset_names(kind)) or "none"
+    raise PresetNotFoundError(f"unknown {kind} preset '{name_or_path}'; known presets: {known} (or give a path)")
+
+
+def _load(cls: type[BaseModel], name_or_path: str | Path, kind: str) -> Any:
+    path = resolve(name_or_path, kind)
+    data = _read_toml(path, f"{kind} {path.name}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err, f"{kind} {path.name}")) from None
+
+
+def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
+    """A model preset name (`kimi-k3`) or a path to a model TOML."""
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    return _load(ModelSpec, name_or_path, "model")
+
+
+def load_cluster(name_or_path: str | Path = "gb200-nvl72") -> ClusterSpec:
+    """A cluster preset name (`gb200-nvl72`) or a path to a cluster TOML."""
+    if isinstance(name_or_path, ClusterSpec):
+        return name_or_path
+    return _load(ClusterSpec, name_or_path, "cluster")
+
+
+def load_layout(name_or_path: str | Path) -> Layout:
+    """A layout file (or the name of a shipped layout, e.g. `k3-gb200-512-reference`)."""
+    return _load(Layout, name_or_path, "layout")
+
+
+def load_job(name_or_path: str | Path = "k3-512-4k") -> Job:
+    """A job file (or the name of a shipped job, e.g. `k3-512-4k`)."""
+    return _load(Job, name_or_path, "job")
+
+
+def make_layout(**fields: Any) -> Layout:
+    """Build a Layout from keyword fields, raising LayoutError (not a pydantic error) on bad input."""
+    try:
+        return Layout.model_validate(fields)
+    except ValidationError as err:
+        raise LayoutError(_format_validation_error(err, "layout")) from None
+
+
+def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> None:
+    """Rules that need the model: the split covers every layer, EP divides the experts."""
+    total = sum(layout.split)
+    if total != model.num_layers:
+        raise LayoutError(
+            f"layout split {layout.split} covers {total} layers; {model.name} has {model.num_layers}"
+        )
+    if model.moe is not None and model.moe.num_experts % layout.ep:
+        raise LayoutError(f"ep ({layout.ep}) must divide the {model.moe.num_experts} experts of {model.name}")
+    if cluster is not None and layout.domain_gpus_used is not None \
+            and layout.domain_gpus_used > cluster.nvlink_domain_gpus:
+        raise LayoutError(
+            f"domain_gpus_used ({layout.domain_gpus_used}) exceeds the {cluster.nvlink_domain_gpus}-GPU NVLink "
+            f"domain of {cluster.name}"
+        )
+    if model.moe is None and layout.ep != 1:
+        raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
+
+
+Kind = Literal["model", "cluster", "layout", "job"]

@@ -1,0 +1,418 @@
+"""Model structure derived from shapes: per-layer parameter inventory (Muon / AdamW, routed / non-routed,
+learned active matrices per token) and per-layer-kind saved-for-backward tensors.
+
+Nothing here is a typed-in total: every count is a product of the shapes in the model TOML. The layer kinds
+(KDA or MLA attention; dense or latent-MoE FFN; embedding, vision and LM head on the edges) are read from
+the model file, so other presets are data, not code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from math import prod
+
+import numpy as np
+
+from k3opt.specs import ModelSpec
+
+BF16, FP32, INT64 = 2, 4, 8
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One trainable tensor (or `count` identical ones, e.g. the experts of a layer)."""
+
+    name: str
+    shape: tuple[int, ...]
+    optimizer: str  # "muon" | "adamw"
+    count: int = 1
+    routed: bool = False
+    active_per_token: int = 0
+    """How many of the `count` copies a token multiplies with (0: no per-token matmul work)."""
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape) * self.count
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
+
+    @property
+    def active_matrix_params(self) -> int:
+        return prod(self.shape) * self.active_per_token if self.is_matrix else 0
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor autograd keeps for backward, per token. `gemm_input`: a GEMM input (FP8-storable);
+    `recomputable`: the output of an element-wise or short-conv op that selective recompute replays;
+    `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output)."""
+
+    name: str
+    values_per_token: int
+    bytes_per_value: int
+    gemm_input: bool = False
+    recomputable: bool = False
+    role: str = ""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.values_per_token * self.bytes_per_value
+
+
+@dataclass(frozen=True)
+class Block:
+    """A sub-layer (attention, FFN, norms) or an edge block (embedding, vision, LM head)."""
+
+    name: str
+    kind: str
+    tensors: tuple[Tensor, ...]
+    saved: tuple[Saved, ...] = ()
+    attention_flops_per_token_per_doc_token: int = 0
+    """Causal training (fwd + bwd) score/value FLOPs per token per token of its document: 3 H (d_qk + d_v)."""
+    scan_flops_per_token: int = 0
+    """Training FLOPs of the chunked linear-attention scan per token (fwd + bwd)."""
+    moe_layers: int = 0
+
+    def params(self, optimizer: str | None = None, routed: bool | None = None) -> int:
+        return sum(
+            t.numel for t in self.tensors
+            if (optimizer is None or t.optimizer == optimizer) and (routed is None or t.routed == routed)
+        )
+
+    @property
+    def active_matrix_params(self) -> int:
+        return sum(t.active_matrix_params for t in self.tensors)
+
+    @property
+    def routed_active_params(self) -> int:
+        return sum(t.active_matrix_params for t in self.tensors if t.routed)
+
+    @property
+    def non_matmul_text_params(self) -> int:
+        """Small non-matmul weights (norms, conv, biases) counted by the conventional active figure."""
+        if self.kind in ("embedding", "vision"):
+            return 0
+        return sum(t.numel for t in self.tensors if t.active_per_token == 0 and not t.routed
+                   and not (t.is_matrix and t.name.endswith(("lm_head", "embed"))))
+
+
+def _m(name: str, out: int, inp: int, opt: str, active: bool = True) -> Tensor:
+    return Tensor(name, (out, inp), opt, active_per_token=1 if active else 0)
+
+
+def _v(name: str, *shape: int) -> Tensor:
+    return Tensor(name, tuple(shape), "adamw")
+
+
+class Structure:
+    """The block inventory of one model: `layers[i]` is the list of blocks of layer i; `first` and `last`
+    are the edge blocks carried by the first and the last chunk."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        self.model = model
+        self._adamw = set(model.optimizer.adamw_matrices)
+        self.layers: list[list[Block]] = [self._layer(i) for i in range(model.num_layers)]
+        self.first: list[Block] = [self._embedding()] + ([self._vision()] if model.vision else [])
+        self.last: list[Block] = [self._head()]
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _opt(self, qualified: str) -> str:
+        return "adamw" if qualified in self._adamw else "muon"
+
+    def is_mla(self, i: int) -> bool:
+        return i in self.model.full_attention_layers
+
+    def is_dense(self, i: int) -> bool:
+        return i in self.model.dense_ffn_layers
+
+    def layer_kind(self, i: int) -> str:
+        return f"{'mla' if self.is_mla(i) else 'kda'}+{'dense' if self.is_dense(i) else 'moe'}"
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def _norm_saved(self, prefix: str) -> tuple[Saved, ...]:
+        d = self.model.hidden_size
+        return (
+            Saved(f"{prefix}_norm_input", d, BF16),
+            Saved(f"{prefix}_norm_rstd", 1, FP32),
+            Saved(f"{prefix}_norm_output", d, BF16, gemm_input=True, recomputable=True),
+        )
+
+    def _attn_res_saved(self, prefix: str) -> tuple[Saved, ...]:
+        ar = self.model.attn_res
+        if ar is None:
+            return ()
+        return (Saved(f"{prefix}_attn_res_scores", ar.bank_representatives, FP32),)
+
+    def _kda(self, i: int) -> Block:
+        k, d = self.model.kda, self.model.hidden_size
+        assert k is not None
+        hd = k.num_heads * k.head_dim
+        t = [_m(f"kda.{n}_proj", hd, d, self._opt(f"kda.{n}_proj")) for n in ("q", "k", "v")]
+        if k.full_rank_output_gate:
+            t.append(_m("kda.g_proj", hd, d, self._opt("kda.g_proj")))
+        t += [
+            _m("kda.o_proj", d, hd, self._opt("kda.o_proj")),
+            _m("kda.f_a_proj", k.decay_rank, d, self._opt("kda.f_a_proj")),
+            _m("kda.f_b_proj", hd, k.decay_rank, self._opt("kda.f_b_proj")),
+            _m("kda.beta_proj", k.num_heads, d, self._opt("kda.beta_proj")),
+            _v("kda.conv1d", 3, hd, k.short_conv_kernel),
+            _v("kda.dt_bias", hd),
+            _v("kda.A_log", k.num_heads),
+            _v("kda.o_norm", k.head_dim),
+        ]
+        saved = (
+            *self._norm_saved("attn"),
+            *self._attn_res_saved("attn"),
+            Saved("kda_qkv_pre_conv", 3 * hd, BF16),
+            Saved("kda_qkv_post_conv", 3 * hd, BF16, recomputable=True),
+            Saved("kda_decay_lowrank", k.decay_rank, BF16, gemm_input=True),
+            Saved("kda_decay_gate", hd, BF16),
+            Saved("kda_beta", k.num_heads, FP32),
+            Saved("kda_output_gate", hd, BF16),
+            Saved("kda_scan_output", hd, BF16),
+            Saved("kda_gated_norm_output", hd, BF16, gemm_input=True, recomputable=True),
+        )
+        c, dk = k.chunk_size, k.head_dim
+        # Chunked delta rule, per token per head, forward: intra-chunk K K^T, W = T K, U = T V, Q K^T and
+        # A V cost C(4 dk + 3 dv); the inter-chunk state read q S, W S and K^T U' cost 6 dk dv. Training = 3x.
+        scan = 3 * k.num_heads * (c * (4 * dk + 3 * dk) + 6 * dk * dk)
+        return Block(f"layer{i}.kda", "kda", tuple(t), saved, scan_flops_per_token=scan)
+
+    def _mla(self, i: int) -> Block:
+        a, d = self.model.mla, self.model.hidden_size
+        assert a is not None
+        h, qk = a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        t = [
+            _m("mla.q_a_proj", a.q_lora_rank, d, self._opt("mla.q_a_proj")),
+            _m("mla.q_b_proj", h * qk, a.q_lora_rank, self._opt("mla.q_b_proj")),
+            _m("mla.kv_a_proj", a.kv_lora_rank + a.qk_rope_head_dim, d, self._opt("mla.kv_a_proj")),
+            _m("mla.kv_b_proj", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank,
+               self._opt("mla.kv_b_proj")),
+            _m("mla.o_proj", d, h * a.v_head_dim, self._opt("mla.o_proj")),
+            _v("mla.q_a_norm", a.q_lora_rank),
+            _v("mla.kv_a_norm", a.kv_lora_rank),
+        ]
+        saved = [
+            *self._norm_saved("attn"),
+            *self._attn_res_saved("attn"),
+            Saved("mla_q_a_output", a.q_lora_rank, BF16),
+            Saved("mla_q_a_norm_output", a.q_lora_rank, BF16, gemm_input=True, recomputable=True),
+            Saved("mla_kv_a_output", a.kv_lora_rank + a.qk_rope_head_dim, BF16),
+            Saved("mla_kv_a_norm_output", a.kv_lora_rank, BF16, gemm_input=True, recomputable=True),
+            Saved("mla_q", h * qk, BF16),
+            Saved("mla_k", h * qk, BF16),
+            Saved("mla_v", h * a.v_head_dim, BF16),
+            Saved("mla_attn_output", h * a.v_head_dim, BF16),
+            Saved("mla_softmax_lse", h, FP32),
+        ]
+        if a.output_gate:
+            t.append(_m("mla.g_proj", h * a.v_head_dim, d, self._opt("mla.g_proj")))
+            saved += [
+                Saved("mla_output_gate", h * a.v_head_dim, BF16),
+                Saved("mla_gated_output", h * a.v_head_dim, BF16, gemm_input=True, recomputable=True),
+            ]
+        attn = 3 * h * (qk + a.v_head_dim)  # causal: half of 2 * 2 * S * H * (d_qk + d_v), times 3
+        return Block(f"layer{i}.mla", "mla", tuple(t), tuple(saved),
+                     attention_flops_per_token_per_doc_token=attn)
+
+    def _situ(self, prefix: str, rows_per_token: int, width: int) -> tuple[Saved, ...]:
+        # Seed 004: naive SiTU-GLU autograd keeps 6 FP32 [R, H]; the fused op keeps the BF16 [R, 2H] input.
+        return (
+            Saved(f"{prefix}_situ_fp32_copies", 6 * rows_per_token * width, FP32, role="situ_naive"),
+            Saved(f"{prefix}_situ_input", 2 * rows_per_token * width, BF16, role="situ_fused"),
+        )
+
+    def _dense_ffn(self, i: int) -> Block:
+        f, d = self.model.dense_ffn, self.model.hidden_size
+        assert f is not None
+        n = f.intermediate_size
+        t = (
+            _m("ffn.gate_proj", n, d, self._opt("ffn.gate_proj")),
+            _m("ffn.up_proj", n, d, self._opt("ffn.up_proj")),
+            _m("ffn.down_proj", d, n, self._opt("ffn.down_proj")),
+        )
+        saved = (
+            *self._norm_saved("mlp"),
+            *self._attn_res_saved("mlp"),
+            *self._situ("ffn", 1, n),
+            Saved("ffn_act_output", n, BF16, gemm_input=True, recomputable=True),
+        )
+        return Block(f"layer{i}.dense_ffn", "dense_ffn", t, saved)
+
+    def _moe(self, i: int) -> Block:
+        m, d = self.model.moe, self.model.hidden_size
+        assert m is not None
+        k, w, f, s = m.experts_per_token, m.latent_size, m.expert_intermediate_size, m.shared_intermediate_size
+        t = [
+            _m("moe.router", m.num_experts, d, self._opt("moe.router")),
+            _m("moe.latent_down", w, d, self._opt("moe.latent_down")),
+            _m("moe.latent_up", d, w, self._opt("moe.latent_up")),
+            _v("moe.latent_norm", w),
+        ]
+        for name, shape in (("w1", (f, w)), ("w3", (f, w)), ("w2", (w, f))):
+            t.append(Tensor(f"moe.experts.{name}", shape, self._opt(f"moe.experts.{name}"),
+                            count=m.num_experts, routed=True, active_per_token=k))
+        saved = [
+            *self._norm_saved("mlp"),
+            *self._attn_res_saved("mlp"),
+            Saved("moe_router_scores", m.num_experts, FP32),
+            Saved("moe_topk_weights", k, FP32),
+            Saved("moe_topk_indices", k, INT64),
+            Saved("moe_latent_down_output", w, BF16),
+            Saved("moe_latent_norm_output", w, BF16, recomputable=True),
+            Saved("moe_dispatched_inputs", k * w, BF16, gemm_input=True, role="dispatch_copy"),
+            *self._situ("moe_expert", k, f),
+            Saved("moe_expert_act_output", k * f, BF16, gemm_input=True, recomputable=True),
+            Saved("moe_expert_outputs", k * w, BF16, role="expert_output"),
+            Saved("moe_combined_latent", w, BF16, gemm_input=True),
+        ]
+        if s:
+            t += [
+                _m("moe.shared_gate", s, d, self._opt("moe.shared_gate")),
+                _m("moe.shared_up", s, d, self._opt("moe.shared_up")),
+                _m("moe.shared_down", d, s, self._opt("moe.shared_down")),
+            ]
+            saved += [*self._situ("moe_shared", 1, s),
+                      Saved("moe_shared_act_output", s, BF16, gemm_input=True, recomputable=True)]
+        return Block(f"layer{i}.moe", "moe", tuple(t), tuple(saved), moe_layers=1)
+
+    def _layer_vectors(self, i: int) -> Block:
+        d = self.model.hidden_size
+        t = [_v("input_norm", d), _v("post_attention_norm", d)]
+        if self.model.attn_res is not None:
+            # The layer-0 attention pair is never used (the bank is empty there) and is not counted.
+            if i > 0:
+                t += [_v("attn_res.attn_norm", d), _v("attn_res.attn_proj", 1, d)]
+            t += [_v("attn_res.mlp_norm", d), _v("attn_res.mlp_proj", 1, d)]
+        return Block(f"layer{i}.vectors", "vectors", tuple(t))
+
+    def _layer(self, i: int) -> list[Block]:
+        attn = self._mla(i) if self.is_mla(i) else self._kda(i)
+        ffn = self._dense_ffn(i) if self.is_dense(i) else self._moe(i)
+        return [attn, ffn, self._layer_vectors(i)]
+
+    def _embedding(self) -> Block:
+        d, v = self.model.hidden_size, self.model.vocab_size
+        return Block("embedding", "embedding", (Tensor("embed", (v, d), "adamw"),),
+                     (Saved("token_ids", 1, INT64),))
+
+    def _head(self) -> Block:
+        d, v = self.model.hidden_size, self.model.vocab_size
+        t = [_v("final_norm", d)]
+        if self.model.attn_res is not None:
+            t += [_v("attn_res.output_norm", d), _v("attn_res.output_proj", 1, d)]
+        if not self.model.tie_word_embeddings:
+            t.append(Tensor("lm_head", (v, d), "adamw", active_per_token=1))
+        return Block("lm_head", "head", tuple(t), self._norm_saved("final"))
+
+    def _vision(self) -> Block:
+        vs, d = self.model.vision, self.model.hidden_size
+        assert vs is not None
+        w, qkv = vs.hidden_size, vs.num_heads * vs.head_dim
+        t = []
+        for name, shape in (("wqkv", (3 * qkv, w)), ("wo", (w, qkv)), ("fc0", (vs.intermediate_size, w)),
+                            ("fc1", (w, vs.intermediate_size)), ("norm0", (w,)), ("norm1", (w,))):
+            t.append(Tensor(f"vision.blocks.{name}", shape, "adamw", count=vs.num_blocks))
+        t += [
+            Tensor("vision.patch_embed", (w, vs.image_channels, vs.patch_size, vs.patch_size), "adamw"),
+            Tensor("vision.pos_emb", (vs.pos_emb_grid, vs.pos_emb_grid, w), "adamw"),
+            _v("vision.final_norm", w),
+            Tensor("projector.proj0", (vs.projector_hidden_size, w * vs.merge_kernel), "adamw"),
+            Tensor("projector.proj2", (d, vs.projector_hidden_size), "adamw"),
+            _v("projector.post_norm", d),
+        ]
+        return Block("vision", "vision", tuple(t))
+
+    # -- whole-model figures --------------------------------------------------------------------
+    def all_blocks(self) -> list[Block]:
+        return [b for layer in self.layers for b in layer] + self.first + self.last
+
+    def _sum(self, fn) -> int:  # noqa: ANN001
+        return sum(fn(b) for b in self.all_blocks())
+
+    @cached_property
+    def params(self) -> ParamCounts:
+        total = self._sum(lambda b: b.params())
+        muon = self._sum(lambda b: b.params("muon"))
+        routed = self._sum(lambda b: b.params(routed=True))
+        active = self._sum(lambda b: b.active_matrix_params)
+        return ParamCounts(
+            total=total, muon=muon, adamw=total - muon, routed=routed, active_matrix=active,
+            active_routed=self._sum(lambda b: b.routed_active_params),
+            active_conventional=active + self._sum(lambda b: b.non_matmul_text_params),
+        )
+
+    # -- per-layer arrays (what the ledger, the roofline and the search sum over layer ranges) ----
+    @cached_property
+    def arrays(self) -> LayerArrays:
+        L = self.model.num_layers
+        a = LayerArrays(L)
+        for i, blocks in enumerate(self.layers):
+            for b in blocks:
+                a.nonrouted_muon[i] += b.params("muon", routed=False)
+                a.adamw[i] += b.params("adamw")
+                a.routed[i] += b.params(routed=True)
+                a.active_nonrouted[i] += b.active_matrix_params - b.routed_active_params
+                a.active_routed[i] += b.routed_active_params
+                a.attention_flops_per_doc_token[i] += b.attention_flops_per_token_per_doc_token
+                a.scan_flops[i] += b.scan_flops_per_token
+                a.moe[i] += b.moe_layers
+            a.mla[i] = int(self.is_mla(i))
+        return a
+
+    def muon_matrices(self, blocks: list[Block]) -> list[tuple[Tensor, int]]:
+        return [(t, t.count) for b in blocks for t in b.tensors if t.optimizer == "muon" and t.is_matrix]
+
+
+@dataclass
+class LayerArrays:
+    """Per-layer integer arrays, indexed by layer (0 .. L-1)."""
+
+    n: int
+    nonrouted_muon: np.ndarray = field(init=False)
+    adamw: np.ndarray = field(init=False)
+    routed: np.ndarray = field(init=False)
+    active_nonrouted: np.ndarray = field(init=False)
+    active_routed: np.ndarray = field(init=False)
+    attention_flops_per_doc_token: np.ndarray = field(init=False)
+    scan_flops: np.ndarray = field(init=False)
+    moe: np.ndarray = field(init=False)
+    mla: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("nonrouted_muon", "adamw", "routed", "active_nonrouted", "active_routed",
+                     "attention_flops_per_doc_token", "scan_flops", "moe", "mla"):
+            setattr(self, name, np.zeros(self.n, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Whole-model parameter figures (ints)."""
+
+    total: int
+    muon: int
+    adamw: int
+    routed: int
+    active_matrix: int
+    """Learned matrix parameters a token multiplies with (routed top-k share, LM head, no embedding)."""
+    active_routed: int
+    active_conventional: int
+    """Active matrices plus the small non-matmul text weights (the conventional 'active parameters')."""
+
+    @property
+    def training_flops_per_token(self) -> int:
+        """6 x active matrix parameters (2 forward, 4 backward)."""
+        return 6 * self.active_matrix
+
+
+_CACHE: dict[str, Structure] = {}
+
+
+def structure_of(model: ModelSpec) -> Structure:
+    key = model.model_dump_json()
+    if key not in _CACHE:
+        _CACHE[key] = Structure(model)
+    return _CACHE[key]
