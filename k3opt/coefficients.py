@@ -107,6 +107,9 @@ class Coefficients:
     view_params: np.ndarray = field(repr=False)
     resident_params: np.ndarray = field(repr=False)
     ns_working_set: np.ndarray = field(repr=False)
+    ns_flops: np.ndarray = field(repr=False)
+    """Newton-Schulz FLOPs per update this rank does for each layer's Muon matrices (its share)."""
+    ns_flops_routed: np.ndarray = field(repr=False)
     # per-microbatch work (seconds on each resource) and per-update work
     time: dict[str, np.ndarray] = field(repr=False)
     update: dict[str, np.ndarray] = field(repr=False)
@@ -118,6 +121,7 @@ class Coefficients:
     ep_buffers: float = 0.0
     moonep_buffers: float = 0.0
     routing_map: float = 0.0
+    routing_map_allgathers_per_layer: int = 0
     logits: float = 0.0
     logits_formula: str = ""
     compositions: tuple[tuple[tuple[int, ...], ...], ...] = ()
@@ -265,12 +269,15 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
 
     # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices.
     ns_flops = np.zeros(n)
+    ns_flops_routed = np.zeros(n)
     ns_ws = np.zeros(n)
     for i, bl in enumerate(blocks):
         for t, count in st.muon_matrices(bl):
             rows, cols = t.shape
             share = (count / e) / fe if t.routed else count / fd
             ns_flops[i] += newton_schulz_flops(rows, cols) * share
+            if t.routed:
+                ns_flops_routed[i] += newton_schulz_flops(rows, cols) * share
             ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
 
     # ---------------------------------------------------------------- per-microbatch work
@@ -300,6 +307,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     nvl = np.zeros(n)
     nic = np.zeros(n)
     routing_map = ep_buffers = 0.0
+    n_ag = 0
     if model.moe is not None:
         m = model.moe
         exch = comm.ep_exchanges(full, tg.dispatch_recompute)
@@ -381,7 +389,8 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         master=master, grads=grads, optimizer=optimizer, bf16_view=bf16_view, moonep_slots=moonep_slots,
         grad_accum=grad_accum, chunk_grad_buffer=chunk_grad_buffer, host_grads=host_grads,
         act=act, working_set=working_set, recompute_ws=recompute_ws, grad_transient=grad_transient,
-        closes=closes, moe=moe, view_params=view, resident_params=resident, ns_working_set=ns_ws,
+        closes=closes, moe=moe, view_params=view, resident_params=resident, ns_working_set=ns_ws, ns_flops=ns_flops,
+        ns_flops_routed=ns_flops_routed, routing_map_allgathers_per_layer=n_ag,
         time=time, update=update, tensor_flops=tensor_flops, model_flops_per_token=model_flops_per_token,
         stream_bytes=stream, ep_buffers=0.0 if tg.moonep else ep_buffers,
         moonep_buffers=ep_buffers if tg.moonep else 0.0, routing_map=routing_map,

@@ -99,6 +99,9 @@ class RankEvaluation:
     """Seconds per microbatch on each resource."""
     update_s: dict[str, float]
     binding: str
+    counts: dict[str, Any] = field(default_factory=dict)
+    """Per-update counts: Newton-Schulz FLOPs (all / routed), MoE layers, routing-map all-gathers, and per
+    outgoing PP hop the AttnRes residual streams and the packet bytes."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -196,6 +199,7 @@ class Evaluation:
                     "headroom_bytes": r.headroom_bytes, "fits": r.fits, "in_flight": r.in_flight,
                     "host_bytes": r.host_bytes, "host_fits": r.host_fits,
                     "time_per_microbatch_s": r.time_s, "update_s": r.update_s, "binding": r.binding,
+                    "counts": r.counts,
                 }
                 for r in self.ranks
             ],
@@ -316,8 +320,17 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
         moved = 2 * sum(act) * (1 - cf.balanced_inflight / n_peak)
         time[cf.balance_resource] += moved * cf.balance_seconds_per_byte
     update = {res: float(sum(csum(cf.update[res]))) for res in RESOURCES}
+    counts = {
+        "newton_schulz_flops": float(sum(csum(cf.ns_flops))),
+        "newton_schulz_routed_flops": float(sum(csum(cf.ns_flops_routed))),
+        "moe_layers": int(sum(csum(cf.moe))),
+        "routing_map_allgathers_per_update": int(sum(csum(cf.moe))) * cf.routing_map_allgathers_per_layer
+        * sh.microbatches,
+        "residual_streams_out": [int(closes_cum[bounds[j][1]]) for j in mine if j < k - 1],
+        "pp_packet_out_bytes": [int((1 + closes_cum[bounds[j][1]]) * cf.stream_bytes) for j in mine if j < k - 1],
+    }
     return {"ledger": out, "host": host, "in_flight": in_flight, "time": time, "update": update,
-            "chunks": tuple(bounds[j] for j in mine)}
+            "chunks": tuple(bounds[j] for j in mine), "counts": counts}
 
 
 def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None,
@@ -357,7 +370,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
             activation_phase_bytes=act_phase, optimizer_phase_bytes=opt_phase, peak_bytes=peak,
             capacity_bytes=capacity, fits=peak <= capacity, in_flight=rl["in_flight"], host_bytes=host,
             host_capacity_bytes=host_capacity, host_fits=host <= host_capacity, time_s=time,
-            update_s=rl["update"], binding=binding,
+            update_s=rl["update"], binding=binding, counts=rl["counts"],
         ))
 
     step = _step(cf, ranks, model, cluster, layout)

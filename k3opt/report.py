@@ -7,6 +7,7 @@ import pandas as pd
 from k3opt.coefficients import RESOURCES
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, TERM_INFO, Evaluation
 from k3opt.specs import GIB, MIB, TOGGLE_NAMES, Layout
+from k3opt.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 
 
 def split_text(split: list[int] | tuple[int, ...]) -> str:
@@ -108,6 +109,12 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         for c in ev.validation:
             lines.append(f"  {c.figure}: modeled {c.modeled:,.2f} {c.unit}, measured {c.measured:,.2f} {c.unit}, "
                          f"GAP {c.gap:+,.2f} {c.unit} ({c.gap_pct:+.1f}% of measured)")
+    st = structure_of(ev.model)
+    kinds = sorted({b.kind for layer in st.layers for b in layer} & {"kda", "mla", "moe", "dense_ffn"})
+    cross = [f"{k} {st.saved_values_per_token(k):,} ({st.saved_values_per_token(k, True):,} with fused SiTU)"
+             + (f" vs seed 001 ~{SEED_001_SAVED_VALUES_PER_TOKEN[k]:,}" if k in SEED_001_SAVED_VALUES_PER_TOKEN else "")
+             for k in kinds]
+    lines += ["", "Saved-for-backward values per token, no recompute, derived from shapes: " + "; ".join(cross)]
     if terms:
         lines += ["", "Ledger terms"]
         for key, (kind, formula) in TERM_INFO.items():

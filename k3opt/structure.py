@@ -363,6 +363,13 @@ class Structure:
             a.mla[i] = int(self.is_mla(i))
         return a
 
+    def saved_values_per_token(self, kind: str, fused_situ: bool = False) -> int:
+        """Saved-for-backward values per token of one block kind without recompute (seed 001 cross-check:
+        KDA about 70k, MLA about 75k, MoE about 245k)."""
+        block = next(b for layer in self.layers for b in layer if b.kind == kind)
+        drop = "situ_naive" if fused_situ else "situ_fused"
+        return sum(s.values_per_token for s in block.saved if s.role != drop)
+
     def muon_matrices(self, blocks: list[Block]) -> list[tuple[Tensor, int]]:
         return [(t, t.count) for b in blocks for t in b.tensors if t.optimizer == "muon" and t.is_matrix]
 
@@ -407,6 +414,9 @@ class ParamCounts:
         """6 x active matrix parameters (2 forward, 4 backward)."""
         return 6 * self.active_matrix
 
+
+SEED_001_SAVED_VALUES_PER_TOKEN = {"kda": 70_000, "mla": 75_000, "moe": 245_000}
+"""Seed 001's order-of-magnitude figures, shown beside the derived values (never used as inputs)."""
 
 _CACHE: dict[str, Structure] = {}
 

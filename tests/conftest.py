@@ -1,0 +1,27 @@
+"""Shared fixtures: the shipped K3 model, the GB200 preset and the seed-000 reference layout."""
+
+from __future__ import annotations
+
+import pytest
+
+import k3opt
+
+
+@pytest.fixture(scope="session")
+def model() -> k3opt.ModelSpec:
+    return k3opt.load_model("kimi-k3")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> k3opt.ClusterSpec:
+    return k3opt.load_cluster("gb200-nvl72")
+
+
+@pytest.fixture(scope="session")
+def reference() -> k3opt.Layout:
+    return k3opt.load_layout("k3-gb200-512-reference")
+
+
+@pytest.fixture(scope="session")
+def reference_eval(reference, model, cluster) -> k3opt.Evaluation:
+    return k3opt.evaluate(reference, model=model, cluster=cluster)

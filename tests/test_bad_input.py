@@ -1,0 +1,113 @@
+"""Bad input: one clear line naming the field and the rule, exit status 2 from the CLI, a typed exception
+from the library, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+
+REFERENCE = """
+gpus = 512
+pp = 8
+vp = 1
+cp = 1
+ep = 64
+expert_fsdp = 1
+dense_fsdp = 64
+microbatches = 64
+rows = 1
+context = 4096
+split = [12, 12, 12, 12, 12, 12, 12, 9]
+recompute = "full"
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "layout.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _with(**fields: str) -> str:
+    lines = [ln for ln in REFERENCE.strip().splitlines() if ln.split(" = ")[0] not in fields]
+    lines += [f"{k} = {v}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+CASES = {
+    "malformed_toml": ("gpus = 512\npp = = 8\n", k3opt.SpecError, "not valid TOML"),
+    "empty_file": ("   \n", k3opt.SpecError, "empty"),
+    "split_wrong_total": (_with(split="[12, 12, 12, 12, 12, 12, 12, 8]"), k3opt.LayoutError, "covers 92 layers"),
+    "split_wrong_length": (_with(split="[31, 31, 31]"), k3opt.SpecError, "split has 3 entries"),
+    "gpus_not_divisible_by_pp_cp": (_with(gpus="500"), k3opt.SpecError, "divisible by pp * cp"),
+    "ep_not_dividing_experts": (_with(gpus="48", ep="3", dense_fsdp="1", split="[12, 12, 12, 12, 12, 12, 12, 9]"),
+                                k3opt.LayoutError, "must divide the 896 experts"),
+    "ep_not_dividing_stage_ranks": (_with(ep="128"), k3opt.SpecError, "must divide the 64 ranks of a stage"),
+    "dense_fsdp_not_dividing": (_with(dense_fsdp="48"), k3opt.SpecError, "dense_fsdp (48) must divide"),
+    "expert_fsdp_not_dividing": (_with(expert_fsdp="2"), k3opt.SpecError, "expert_fsdp (2) must divide"),
+    "non_positive_size": (_with(microbatches="0"), k3opt.SpecError, "microbatches"),
+    "negative_context": (_with(context="-4096"), k3opt.SpecError, "context"),
+    "unknown_recompute": (_with(recompute='"some"'), k3opt.SpecError, "recompute"),
+    "unknown_toggle": (REFERENCE + "[toggles]\nfp4_activations = true\n", k3opt.SpecError, "unknown key"),
+    "unknown_key": (_with(pipeline="8"), k3opt.SpecError, "pipeline: unknown key"),
+    "missing_field": ("gpus = 512\n", k3opt.SpecError, "split: required field is missing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_library_raises_typed_error(tmp_path, case):
+    text, exc, fragment = CASES[case]
+    path = _write(tmp_path, text)
+    with pytest.raises(exc) as info:
+        k3opt.evaluate(k3opt.load_layout(path))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cli_exits_2_with_one_line(tmp_path, case):
+    text, _, fragment = CASES[case]
+    path = _write(tmp_path, text)
+    result = CliRunner().invoke(main, ["explain", str(path)])
+    assert result.exit_code == 2
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("k3opt: error:")
+    assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_unknown_presets(tmp_path):
+    with pytest.raises(k3opt.PresetNotFoundError, match="unknown model preset 'kimi-k9'; known presets: kimi-k3"):
+        k3opt.load_model("kimi-k9")
+    with pytest.raises(k3opt.PresetNotFoundError, match="gb200-nvl72"):
+        k3opt.load_cluster("gb201")
+    result = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--cluster", "tpu-v9"])
+    assert result.exit_code == 2 and "unknown cluster preset 'tpu-v9'" in result.output
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(k3opt.PresetNotFoundError, match="layout file not found"):
+        k3opt.load_layout(tmp_path / "nope.toml")
+    result = CliRunner().invoke(main, ["explain", str(tmp_path / "nope.toml")])
+    assert result.exit_code == 2 and "file not found" in result.output
+
+
+def test_malformed_cluster_file_names_field(tmp_path):
+    path = _write(tmp_path, 'name = "x"\nhbm_mib = -1\n', "cluster.toml")
+    with pytest.raises(k3opt.SpecError, match="hbm_mib"):
+        k3opt.load_cluster(path)
+
+
+def test_make_layout_raises_layout_error():
+    with pytest.raises(k3opt.LayoutError, match="split has 1 entries"):
+        k3opt.make_layout(gpus=8, pp=2, split=[93])
+
+
+def test_every_error_is_a_k3opt_error():
+    for exc in (k3opt.SpecError, k3opt.LayoutError, k3opt.PresetNotFoundError, k3opt.InfeasibleJobError):
+        assert issubclass(exc, k3opt.K3optError)

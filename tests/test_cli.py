@@ -1,0 +1,46 @@
+"""The explain command: all eight ranks' ledgers, the step-time breakdown, the 146.18 GiB comparison."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from k3opt.cli import main
+
+
+def test_explain_reference_prints_ranks_step_and_gap():
+    result = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    header = next(ln for ln in out.splitlines() if ln.strip().startswith("rank0"))
+    assert header.split() == [f"rank{r}" for r in range(8)]
+    for key in ("master", "optimizer_transient", "PEAK", "headroom", "attnres_bank", "logits"):
+        assert key in out
+    assert "measured 146.18 GiB" in out and "GAP" in out
+    assert "bubble overhead 10.94%" in out and "9.86%" in out
+    assert "tokens per update 16,777,216" in out
+    assert "unpriced: CP attention communication" in out
+
+
+def test_explain_json_has_the_same_numbers():
+    text = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference"]).output
+    data = json.loads(CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--json"]).output)
+    assert len(data["ranks"]) == 8
+    assert data["ranks"][3]["ledger_bytes"]["activations"] == 3_523_215_360
+    assert data["validation"][0]["measured"] == 146.18
+    peak_gib = data["peak_bytes"] / 2**30
+    assert f"modeled {peak_gib:,.2f} GiB" in text
+
+
+def test_explain_reserve_moves_the_hbm_line():
+    a = json.loads(CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--json"]).output)
+    b = json.loads(CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--json",
+                                             "--reserve-gib", "10"]).output)
+    assert a["capacity_bytes"] - b["capacity_bytes"] == 10 * 2**30
+
+
+def test_explain_other_cluster_preset():
+    result = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--cluster", "h100-sxm"])
+    assert result.exit_code == 0
+    assert "DOES NOT FIT" in result.output
