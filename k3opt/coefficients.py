@@ -196,24 +196,80 @@ def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coeffi
     return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json())
 
 
-@lru_cache(maxsize=2048)
-def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficients:
+@dataclass(frozen=True)
+class _Static:
+    """Shape-independent per-layer arrays of one model (length L + 2)."""
+
+    pn_muon: np.ndarray
+    p_adam: np.ndarray
+    p_routed: np.ndarray
+    active: np.ndarray
+    attn: np.ndarray
+    scan: np.ndarray
+    moe: np.ndarray
+    ns_routed_all: np.ndarray
+    """Newton-Schulz FLOPs of all of a layer's routed matrices (every expert)."""
+    ns_nonrouted: np.ndarray
+    ns_ws: np.ndarray
+    head_active: int
+
+
+@lru_cache(maxsize=16)
+def _static(model_json: str) -> _Static:
     model = ModelSpec.model_validate_json(model_json)
-    cluster = ClusterSpec.model_validate_json(cluster_json)
     st: Structure = structure_of(model)
-    tg = shape.toggles
-    L, n = model.num_layers, model.num_layers + 2
-    T, d = shape.tokens, model.hidden_size
-    e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
-    full = shape.recompute == Recompute.FULL
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
 
     def per(fn) -> np.ndarray:  # noqa: ANN001
         return np.array([float(sum(fn(b) for b in bl)) for bl in blocks])
 
-    pn_muon = per(lambda b: b.params("muon", routed=False))
-    p_adam = per(lambda b: b.params("adamw"))
-    p_routed = per(lambda b: b.params(routed=True))
+    n = len(blocks)
+    ns_r, ns_n, ns_ws = np.zeros(n), np.zeros(n), np.zeros(n)
+    for i, bl in enumerate(blocks):
+        for t, count in st.muon_matrices(bl):
+            rows, cols = t.shape
+            if t.routed:
+                ns_r[i] += newton_schulz_flops(rows, cols) * count
+            else:
+                ns_n[i] += newton_schulz_flops(rows, cols) * count
+            ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    return _Static(
+        pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw")),
+        p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
+        attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
+        moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
+        head_active=sum(t.active_matrix_params for t in st.last[0].tensors),
+    )
+
+
+@lru_cache(maxsize=512)
+def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, ...]:
+    """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
+    st = structure_of(ModelSpec.model_validate_json(model_json))
+    blocks: list[list[Block]] = [*st.layers, st.first, st.last]
+    out = np.zeros((3, len(blocks)))
+    for i, bl in enumerate(blocks):
+        for b in bl:
+            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block)) * tokens
+    return out[0], out[1], out[2]
+
+
+@lru_cache(maxsize=4096)
+def _placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
+    return comm.placement(gpus, p, c, e, fe, fd, domain)
+
+
+@lru_cache(maxsize=8192)
+def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficients:
+    model = ModelSpec.model_validate_json(model_json)
+    cluster = ClusterSpec.model_validate_json(cluster_json)
+    sa = _static(model_json)
+    tg = shape.toggles
+    L, n = model.num_layers, model.num_layers + 2
+    T, d = shape.tokens, model.hidden_size
+    e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
+    full = shape.recompute == Recompute.FULL
+    pn_muon, p_adam, p_routed = sa.pn_muon, sa.p_adam, sa.p_routed
     pn = pn_muon + p_adam
     # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e).
     res_muon = pn_muon / fd + p_routed / (e * fe)
@@ -232,16 +288,10 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     grad_accum = 4 * view if accumulate else np.zeros(n)
     chunk_grad_buffer = 4 * view
 
-    # Saved-for-backward bytes per microbatch.
-    saved = np.zeros(n)
-    recomputable = np.zeros(n)
-    fp8_values = np.zeros(n)
-    for i, bl in enumerate(blocks):
-        for b in bl:
-            s, rc, f8 = saved_per_token(b, tg, shape.fp8_block_size)
-            saved[i] += s * T
-            recomputable[i] += rc * T
-            fp8_values[i] += f8 * T
+    # Saved-for-backward bytes per microbatch (only the activation toggles matter for the cache key).
+    act_toggles = Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
+                          dispatch_recompute=tg.dispatch_recompute, moe_backward_rewrite=tg.moe_backward_rewrite)
+    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size)
     layer = np.arange(n) < L
     stream = T * d * BF16
     if shape.recompute == Recompute.NONE:
@@ -265,33 +315,23 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         closes = np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
     else:
         closes = np.zeros(n)
-    moe = per(lambda b: b.moe_layers)
+    moe = sa.moe
 
     # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices.
-    ns_flops = np.zeros(n)
-    ns_flops_routed = np.zeros(n)
-    ns_ws = np.zeros(n)
-    for i, bl in enumerate(blocks):
-        for t, count in st.muon_matrices(bl):
-            rows, cols = t.shape
-            share = (count / e) / fe if t.routed else count / fd
-            ns_flops[i] += newton_schulz_flops(rows, cols) * share
-            if t.routed:
-                ns_flops_routed[i] += newton_schulz_flops(rows, cols) * share
-            ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    ns_flops_routed = sa.ns_routed_all / (e * fe)
+    ns_flops = ns_flops_routed + sa.ns_nonrouted / fd
+    ns_ws = sa.ns_ws
 
     # ---------------------------------------------------------------- per-microbatch work
-    active = per(lambda b: b.active_matrix_params)
-    attn = per(lambda b: b.attention_flops_per_token_per_doc_token)
-    scan = per(lambda b: b.scan_flops_per_token)
+    active, attn, scan = sa.active, sa.attn, sa.scan
     s_eff = min(shape.document_length, shape.context)
     rc_factor = 4 / 3 if full else 1.0
     fwd_bwd = T * (6 * active + attn * s_eff + scan)
     tensor_flops = np.where(layer, fwd_bwd * rc_factor, fwd_bwd)
     if tg.fused_cross_entropy:
         # Chunked cross-entropy recomputes each chunk's logits in backward: one more LM-head forward.
-        tensor_flops[L + 1] += 2 * T * sum(t.active_matrix_params for t in st.last[0].tensors)
-    model_flops_per_token = float(6 * st.params.active_matrix + attn[:L].sum() * s_eff)
+        tensor_flops[L + 1] += 2 * T * sa.head_active
+    model_flops_per_token = float(6 * active.sum() + attn[:L].sum() * s_eff)
 
     passes = 4 if full else 3
     hbm = passes * BF16 * view                          # weights read per pass
@@ -303,7 +343,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
     domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
-    pl = comm.placement(shape.gpus, shape.pp, shape.cp, e, fe, fd, domain)
+    pl = _placement(shape.gpus, shape.pp, shape.cp, e, fe, fd, domain)
     nvl = np.zeros(n)
     nic = np.zeros(n)
     routing_map = ep_buffers = 0.0
