@@ -6,6 +6,7 @@ Public API (stable names):
 
 from k3opt.errors import InfeasibleJobError, K3optError, LayoutError, PresetNotFoundError, SpecError
 from k3opt.evaluate import Evaluation, RankEvaluation, StepTime, evaluate
+from k3opt.search import Plan, PlanItem, plan
 from k3opt.specs import (
     ClusterSpec,
     Job,
@@ -22,6 +23,6 @@ from k3opt.specs import (
 __all__ = [
     "ClusterSpec", "Evaluation", "InfeasibleJobError", "Job", "K3optError", "Layout", "LayoutError",
     "ModelSpec", "PresetNotFoundError", "RankEvaluation", "SpecError", "StepTime", "Toggles", "evaluate",
-    "load_cluster", "load_job", "load_layout", "load_model", "make_layout",
+    "load_cluster", "load_job", "load_layout", "load_model", "make_layout", "Plan", "PlanItem", "plan",
 ]
 __version__ = "0.1.0"

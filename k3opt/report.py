@@ -124,3 +124,72 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
 
 def mib(x: float) -> str:
     return f"{x / MIB:,.1f} MiB"
+
+
+def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
+    """One row per layout: every decision and every ledger term a column, units in the column names.
+    Ledger columns are the worst rank's (the rank that sets the peak)."""
+    from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT
+
+    rows = []
+    for rank, it in enumerate(items, start=1):
+        lay, ev = it.layout, it.evaluation
+        worst = ev.ranks[ev.worst_rank]
+        row: dict = {
+            "rank": rank, "gpus": lay.gpus, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep,
+            "expert_fsdp": lay.expert_fsdp, "dense_fsdp": lay.dense_fsdp, "microbatches": lay.microbatches,
+            "rows": lay.rows, "context_tokens": lay.context, "split_layers": " ".join(map(str, lay.split)),
+            "recompute": lay.recompute.value, "fsdp_lifecycle": lay.fsdp_lifecycle.value,
+        }
+        row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
+        s = ev.step
+        row.update({
+            "step_time_s": s.step_time_s, "serial_step_time_s": s.serial_step_time_s,
+            "tokens_per_update": s.tokens_per_update, "tokens_per_s": s.tokens_per_s,
+            "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "mfu_pct": 100 * s.mfu,
+            "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
+            "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
+            "peak_gib": ev.peak_bytes / GIB, "capacity_gib": ev.capacity_bytes / GIB,
+            "headroom_gib": ev.headroom_bytes / GIB, "host_gib_max": max(r.host_bytes for r in ev.ranks) / GIB,
+        })
+        for key in PERSISTENT + ACTIVATION + OPTIMIZER:
+            row[f"{key}_gib"] = worst.ledger[key] / GIB
+        row.update({f"rank{r.rank}_peak_gib": r.peak_bytes / GIB for r in ev.ranks})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Plan
+    job = plan.job
+    gpus = ", ".join(str(g) for g in job.gpu_counts)
+    lines = [
+        f"{job.name or 'job'}: {job.model} on {gpus} {job.cluster} GPUs, context {job.context}, rows {job.rows}, "
+        f"tokens per update {job.tokens_per_update or 'from [search] microbatches'}, reserve {job.reserve_gib:g} GiB",
+        f"status {plan.status}: best {plan.layouts[0].step_time_s:.3f} s, bound {plan.bound:.3f} s, "
+        f"gap {100 * plan.gap:.2f}%; {plan.frames_solved} CP-SAT models solved of {plan.frames_total} parallel "
+        f"shapes in {plan.solve_time_s:.1f} s (largest model {plan.model_size.get('variables', 0):,} variables, "
+        f"{plan.model_size.get('constraints', 0):,} constraints)",
+        "",
+    ]
+    df = plan_frame(plan.layouts)
+    cols = {
+        "rank": "#", "pp": "PP", "vp": "VP", "cp": "CP", "ep": "EP", "expert_fsdp": "eFSDP",
+        "dense_fsdp": "dFSDP", "microbatches": "M", "split_layers": "split", "recompute": "recompute",
+        "step_time_s": "step_s", "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
+        "headroom_gib": "headroom_GiB", "binding_resource": "binds",
+    }
+    table = df[list(cols)].rename(columns=cols)
+    table["split"] = [split_text(it.layout.split) for it in plan.layouts]
+    table["toggles"] = [toggles_text(it.layout) for it in plan.layouts]
+    lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
+    lines.append("")
+    lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
+                 "FSDP degrees, M), each with its best split, recompute mode and toggles. Ties in step time go to "
+                 "the lower worst-rank peak.")
+    if show_ledger is not None:
+        if not 1 <= show_ledger <= len(plan.layouts):
+            from k3opt.errors import K3optError
+
+            raise K3optError(f"--show-ledger {show_ledger}: the plan has layouts 1..{len(plan.layouts)}")
+        lines += ["", explain_text(plan.layouts[show_ledger - 1].evaluation, terms=False)]
+    return "\n".join(lines)

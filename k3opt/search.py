@@ -55,6 +55,9 @@ ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatc
 """Toggles that change the saved-for-backward set; they form one-hot activation modes with the recompute mode."""
 RANK_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
                 "fused_cross_entropy", "moonep")
+NEVER_CHOSEN = ("moonep",)
+"""MoonEP only adds memory here: its benefit, expert-load balance, is outside the forced-balanced routing model.
+It is searched only when a job requires it."""
 """Toggles that act on one rank-level term each; they are Boolean decisions of the frame model."""
 FIXED_TOGGLES = ("ep_dedup",)
 """A property of the dispatcher, not a memory decision: set it with [search] require_toggles."""
@@ -111,7 +114,7 @@ class Plan:
         """The CSV schema: one row per layout, every decision and every ledger term a column, units in names."""
         from k3opt.report import plan_frame
 
-        return plan_frame(self.pareto if which == "pareto" else self.layouts)
+        return plan_frame(self.pareto if which == "pareto" and self.pareto else self.layouts)
 
 
 # ------------------------------------------------------------------------------------- enumeration
@@ -178,7 +181,7 @@ def _choices(job: Job, name: str) -> list[bool]:
         return [True]
     if name in job.search.forbid_toggles:
         return [False]
-    if name in FIXED_TOGGLES:
+    if name in FIXED_TOGGLES or name in NEVER_CHOSEN:
         return [False]
     return [False, True]
 
@@ -599,10 +602,17 @@ class FrameModel:
                 m.add(update >= u)
         # Redundant cuts: the slowest rank carries at least the mean work of every resource, and the update at
         # least its mean; without them the bound does not move (CP-SAT practice notes, A11).
+        moe = self.c0.moe[: self.L] > 0
+        k_moe = -(-int(moe.sum()) // f.pp)
         for (md, lc), cf in self.base.items():
             for res in cf.time:
-                m.add(f.pp * stage >= int(self._t(cf.time[res]).sum())).only_enforce_if([self.mv[md], self.lv[lc]])
+                t = self._t(cf.time[res])
+                m.add(f.pp * stage >= int(t.sum())).only_enforce_if([self.mv[md], self.lv[lc]])
                 m.add(f.pp * update >= int(self._t(cf.update[res]).sum())).only_enforce_if(self.lv[lc])
+                if k_moe:
+                    # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers.
+                    m.add(stage >= int(np.sort(t[: self.L][moe])[:k_moe].sum())).only_enforce_if(
+                        [self.mv[md], self.lv[lc]])
         peak_mib = m.new_int_var(0, self.tie_max, "peak_mib")
         for rk in self.ranks:
             m.add(peak_mib * (PEAK_TIE_UNIT // MEM_UNIT) >= rk["peak"])
@@ -611,6 +621,17 @@ class FrameModel:
         self.peak_mib = peak_mib
         self.stage, self.update = stage, update
         m.minimize(self.step_units * (self.tie_max + 1) + peak_mib)
+
+    def add_stage_bound(self, stage_lb_s: float, split: list[int] | None) -> None:
+        """A valid lower bound on the stage time (from the node's dynamic program) and its split as a hint."""
+        if math.isfinite(stage_lb_s) and stage_lb_s > 0:
+            self.m.add(self.stage >= int(math.floor(stage_lb_s / TIME_UNIT)))
+        if split is not None and len(split) == self.K:
+            self.m.clear_hints()
+            bounds = np.cumsum(split)
+            for j in range(1, self.K):
+                for i in range(self.L):
+                    self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
 
     # -- solve --------------------------------------------------------------------------------
     def solve(self, time_limit: float, workers: int = 2, presolve: bool = True,
@@ -674,6 +695,12 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
     lcs = [lifecycle] if lifecycle is not None else lifecycles(job)
     modes = undominated_modes(job, f, modes, lcs, model, cluster)
     fm = FrameModel(job, f, model, cluster, modes=modes, lcs=lcs)
+    if recompute is not None and lifecycle is not None:
+        key = (job.model_dump_json(), f, recompute, lifecycle)
+        if key not in _DP_HINTS:
+            node_lower_bound(job, f, recompute, lifecycle, model, cluster)
+        stage_lb, split = _DP_HINTS.get(key, (0.0, None))
+        fm.add_stage_bound(stage_lb, split)
     res = fm.solve(time_limit, workers, presolve, peak_cap_mib)
     return res, _item(job, f, fm, res, model, cluster)
 
@@ -703,20 +730,147 @@ def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLi
     return keep
 
 
+_DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+"""(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
+
+
 def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                      cluster: ClusterSpec) -> tuple[float, float]:
-    """(step-time bound, worst-rank peak bound) of one frame, recompute mode and lifecycle, over every split
-    and toggle. Time: every resource's mean load over the p ranks under the cheapest activation mode (the toggles
-    only add work). Peak: see `_peak_lower_bound`."""
+    """(step-time bound, worst-rank peak bound) of one frame, recompute mode and lifecycle, over every split and
+    toggle. Work uses the cheapest activation mode (the toggles only add work), memory the leanest one.
+
+    v = 1: a dynamic program over contiguous stage ranges gives the exact min-max of a relaxed stage cost (each
+    rank's work on every resource; the stage must fit persistent + in-flight saved bytes, or the optimizer phase,
+    under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
     allowed = _allowed_on(job)
     cf = coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
                                   lc), model, cluster)
-    p = f.pp
-    stage = max(float(cf.time[res].sum()) for res in cf.time) / p
-    update = max(float(cf.update[res].sum()) for res in cf.update) / p
     lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
     lcf = coefficients(frame_shape(job, f, lean, lc), model, cluster)
-    return cf.slots * stage + update, _peak_lower_bound(job, f, lcf, cluster, allowed)
+    p = f.pp
+    update = max(float(cf.update[res].sum()) for res in cf.update) / p
+    peak = _peak_lower_bound(job, f, lcf, cluster, allowed)
+    cap = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    if f.vp == 1 and job.search.split is None:
+        ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
+            if "activation_offload" in allowed else None
+        stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
+        _DP_HINTS[(job.model_dump_json(), f, rc, lc)] = (stage, split)
+        return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
+    stage = max(float(cf.time[res].sum()) for res in cf.time) / p
+    return cf.slots * stage + update, peak
+
+
+def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
+               allowed: set[str]) -> tuple[float, float, list[int] | None]:
+    """Exact min over contiguous v = 1 splits of (max stage work, max stage memory) by dynamic programming over
+    (rank, boundary), with work from the cheapest mode and memory from the leanest (so both are lower bounds):
+    persistent + in-flight saved bytes and AttnRes bank + the largest working set + PP, EP and routing buffers +
+    logits, or the optimizer phase, under the HBM line; offload when the host holds the saved bytes.
+    Returns (inf, inf, None) when no split fits, and the argmin split of the work."""
+    L, p = cf.n_layers, cf.shape.pp
+    idx = np.arange(L + 1)
+    a_i, b_i = np.meshgrid(idx, idx, indexing="ij")
+    valid = b_i > a_i
+
+    def rng(arr: np.ndarray) -> np.ndarray:
+        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
+        return pre[b_i] - pre[a_i]
+
+    def edge(arr: np.ndarray, r: int) -> float:
+        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
+
+    def range_max(arr: np.ndarray) -> np.ndarray:
+        out = np.full((L + 1, L + 1), -np.inf)
+        for a in range(L):
+            out[a, a + 1:] = np.maximum.accumulate(arr[a:L])
+        return out
+
+    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+    opt = 2 * (lean.resident_params if "p2p_muon" in allowed else lean.view_params)
+    Pr, Ar = rng(P), rng(lean.act)
+    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
+    grads = rng(lean.grads)
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
+    Pr = Pr + grads
+    P = P + lean.grads
+    Or = rng(opt) + range_max(lean.ns_working_set)
+    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
+    bank = R[b_i] * lean.stream_bytes
+    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
+    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
+    has_moe = rng(lean.moe) > 0
+    buffers = 2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers)
+    ws = range_max(lean.working_set)
+    work = {res: rng(cf.time[res]) for res in cf.time}
+    host_off = rng(off.time["host_link"]) if off is not None else None
+    best_t = np.full(L + 1, np.inf)
+    best_m = np.full(L + 1, np.inf)
+    choice = np.zeros((p, L + 1), dtype=int)
+    for r in range(p):
+        n_own = max(sum(c) for c in lean.compositions[r])
+        t_base = np.max([w + edge(cf.time[res], r) for res, w in work.items()], axis=0)
+        options = [(n_own, t_base)]
+        if lean.balanced_inflight is not None and "balance_activations" in allowed and \
+                lean.balanced_inflight < n_own:
+            # Balancing holds the average, paying the excess out and back on the network every microbatch.
+            moved = 2 * (Ar + edge(lean.act, r)) * (1 - lean.balanced_inflight / n_own)
+            res = lean.balance_resource
+            t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r) + moved * lean.balance_seconds_per_byte)
+            options.append((lean.balanced_inflight, t_bal))
+        t_r, mem_r = np.full((L + 1, L + 1), np.inf), np.full((L + 1, L + 1), np.inf)
+        for n, t_opt in options:
+            t_n, m_n = _dp_stage(n, t_opt, r, p, L, P, Pr, Ar, Or, opt, bank, buffers, ws, has_moe, lean, off,
+                                 host_off, edge, range_max, cluster, cap, valid)
+            t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
+        t, mem = t_r, mem_r
+        if r == 0:
+            new_t, new_m = t[0].copy(), mem[0].copy()
+        else:
+            cand = np.maximum(best_t[:, None], t)
+            choice[r] = np.argmin(cand, axis=0)
+            new_t = cand[choice[r], idx]
+            new_m = np.min(np.maximum(best_m[:, None], mem), axis=0)
+        best_t, best_m = new_t, new_m
+    if not math.isfinite(best_t[L]):
+        return math.inf, float(best_m[L]), None
+    bounds, b = [L], L
+    for r in range(p - 1, 0, -1):
+        b = int(choice[r][b])
+        bounds.append(b)
+    bounds.append(0)
+    bounds = bounds[::-1]
+    return float(best_t[L]), float(best_m[L]), [bounds[j + 1] - bounds[j] for j in range(p)]
+
+
+def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr: np.ndarray, Ar: np.ndarray,
+              Or: np.ndarray, opt: np.ndarray, bank: np.ndarray, buffers: np.ndarray, ws: np.ndarray,
+              has_moe: np.ndarray, lean: Coefficients, off: Coefficients | None, host_off: np.ndarray | None,
+              edge: Callable, range_max: Callable, cluster: ClusterSpec, cap: int, valid: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Work and memory of rank r over every range [a, b) when it holds n in-flight microbatches."""
+    persistent = Pr + edge(P, r) + has_moe * lean.moonep_buffers
+    ws_r = np.maximum(ws, max(float(lean.working_set[L]) if r == 0 else 0.0,
+                              float(lean.working_set[L + 1]) if r == p - 1 else 0.0))
+    fixed_act = ws_r + buffers + (lean.logits if r == p - 1 else 0.0)
+    saved = n * (Ar + edge(lean.act, r) + bank)
+    mem_opt = persistent + Or + edge(opt, r)
+    mem_keep = np.maximum(persistent + saved + fixed_act, mem_opt)
+    fits_keep = mem_keep <= cap
+    mem = mem_keep
+    if off is not None and host_off is not None:
+        host = n * (Ar + edge(lean.act, r)) <= cluster.host_memory_bytes
+        resident = lean.shape.offload_resident_layers * range_max(lean.act)
+        mem_off = np.maximum(persistent + resident + n * bank + fixed_act, mem_opt)
+        fits_off = host & (mem_off <= cap)
+        t = np.where(fits_keep, t, np.maximum(t, host_off + edge(off.time["host_link"], r)))
+        mem = np.where(fits_keep | ~fits_off, mem_keep, np.minimum(mem_keep, mem_off))
+        fits = fits_keep | fits_off
+    else:
+        fits = fits_keep
+    fits = fits & valid
+    return np.where(fits, t, np.inf), np.where(valid, mem, np.inf)
 
 
 def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec, allowed: set[str]) -> float:
