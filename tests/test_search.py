@@ -1,0 +1,182 @@
+"""The CP-SAT search against exhaustive enumeration through evaluate() on a space small enough to enumerate
+(a six-layer model with every K3 layer kind on a slow test cluster), the top-K list, the Pareto front, a
+presolve-off cross-check, and the infeasible-job explanation. Tests assert status and objective, never time."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.search import Frame, enumerate_frames, solve_frame
+from k3opt.specs import FsdpLifecycle, Recompute, make_layout
+
+DATA = Path(__file__).parent / "data"
+GIB, MIB = 2**30, 2**20
+ALLOWED = ("fp8_activations", "fused_situ", "p2p_muon", "activation_offload")
+FORBIDDEN = [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]
+TOL_S = 1e-5  # solver resolution: 10 ns per layer and rank term, times the schedule slots
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return k3opt.load_model(DATA / "tiny-moe.toml")
+
+
+@pytest.fixture(scope="module")
+def slow():
+    return k3opt.load_cluster(DATA / "slow-cluster.toml")
+
+
+@pytest.fixture(scope="module")
+def job():
+    return k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [1, 2, 4], "vp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
+                   "forbid_toggles": FORBIDDEN},
+    })
+
+
+def _splits(layers: int, chunks: int):
+    for cuts in itertools.combinations(range(1, layers), chunks - 1):
+        edges = (0, *cuts, layers)
+        yield [edges[i + 1] - edges[i] for i in range(chunks)]
+
+
+@pytest.fixture(scope="module")
+def enumerated(job, tiny, slow):
+    """Every layout of the space through evaluate(): (frame, step time, peak, layout) of those that fit."""
+    out = []
+    for f in enumerate_frames(job, tiny, 8):
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            for flags in itertools.product([False, True], repeat=len(ALLOWED)):
+                toggles = dict(zip(ALLOWED, flags, strict=True))
+                for split in _splits(tiny.num_layers, f.pp * f.vp):
+                    lay = make_layout(gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp,
+                                      dense_fsdp=f.dense_fsdp, microbatches=f.microbatches, rows=1, context=2048,
+                                      split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
+                                      reserve_gib=1.5)
+                    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                    if ev.fits:
+                        out.append((f, ev.step.step_time_s, ev.peak_bytes, lay))
+    assert out, "the test space must contain layouts that fit"
+    return out
+
+
+def _best_per_frame(enumerated):
+    best = {}
+    for f, t, m, lay in enumerated:
+        if f not in best or (t, m) < best[f][:2]:
+            best[f] = (t, m, lay)
+    return sorted(best.items(), key=lambda kv: kv[1][:2])
+
+
+def test_space_is_tight_enough_to_matter(enumerated, job, tiny):
+    """Memory must rule out part of the space, or the test would not check the ledger constraints."""
+    frames = enumerate_frames(job, tiny, 8)
+    total = len(frames) * 6 * 2 ** len(ALLOWED)
+    fitting_shapes = {(f, lay.recompute, lay.fsdp_lifecycle, lay.toggles) for f, _, _, lay in enumerated}
+    assert 0 < len(fitting_shapes) < total
+
+
+def test_cpsat_optimum_equals_enumeration(job, tiny, slow, enumerated):
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    assert plan.status == "OPTIMAL" and plan.gap == 0
+    (f_best, (t_best, m_best, _)), *_ = _best_per_frame(enumerated)
+    got = plan.layouts[0]
+    assert got.step_time_s == pytest.approx(t_best, abs=TOL_S)
+    assert got.peak_bytes <= m_best + 2 * MIB  # tie-break on the peak at MiB resolution
+    assert got.evaluation.fits
+
+
+def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
+    k = 4
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, pareto=False)
+    want = _best_per_frame(enumerated)[:k]
+    assert [it.step_time_s for it in plan.layouts] == pytest.approx([v[0] for _, v in want], abs=TOL_S)
+    best = dict(_best_per_frame(enumerated))
+    for it in plan.layouts:
+        f = Frame(it.layout.pp, it.layout.vp, it.layout.cp, it.layout.ep, it.layout.expert_fsdp,
+                  it.layout.dense_fsdp, it.layout.microbatches, it.layout.gpus)
+        assert it.step_time_s == pytest.approx(best[f][0], abs=TOL_S)
+
+
+def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, pareto_step_gib=1 / 1024)
+    assert plan.pareto_complete
+    points = sorted((t, m) for _, t, m, _ in enumerated)
+    front, best_m = [], float("inf")
+    for t, m in points:
+        if m < best_m - MIB:  # the front is resolved at the 1 MiB epsilon step
+            front.append((t, m))
+            best_m = m
+    got = [(it.step_time_s, it.peak_bytes) for it in plan.pareto]
+    for t, m in front:
+        assert any(abs(gt - t) <= TOL_S and gm <= m + MIB for gt, gm in got), (t, m / GIB)
+    for gt, gm in got:  # nothing returned is dominated by an enumerated layout
+        assert not any(t < gt - TOL_S and m < gm - MIB for t, m in points)
+    frame = plan.to_frame()
+    assert len(frame) == len(plan.pareto) and "peak_gib" in frame and "toggle_fp8_activations" in frame
+
+
+def test_presolve_off_gives_the_same_objective(job, tiny, slow):
+    for f in enumerate_frames(job, tiny, 8)[:6]:
+        on, _ = solve_frame(job, f, tiny, slow, 30, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
+        off, _ = solve_frame(job, f, tiny, slow, 30, presolve=False, recompute=Recompute.FULL,
+                             lifecycle=FsdpLifecycle.PER_MICROBATCH)
+        assert on.status == off.status
+        assert on.objective == off.objective
+
+
+def test_every_returned_layout_is_the_evaluate_result(job, tiny, slow):
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False)
+    for it in plan.layouts:
+        again = k3opt.evaluate(it.layout, model=tiny, cluster=slow)
+        assert again.step.step_time_s == it.step_time_s and again.peak_bytes == it.peak_bytes
+
+
+def test_k3_on_64_gb200_is_infeasible_with_the_smallest_peak():
+    job = k3opt.Job(gpus=64, tokens_per_update=64 * 4096, reserve_gib=4.0, search={"vp": [1]})
+    with pytest.raises(k3opt.InfeasibleJobError, match=r"smallest worst-rank peak .* at least [\d,.]+ GiB"):
+        k3opt.plan(job, top=1, pareto=False, time_limit=60)
+
+
+def test_cli_infeasible_job_exits_2(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("gpus = 64\ntokens_per_update = 262144\n[search]\nvp = [1]\n")
+    result = CliRunner().invoke(main, ["plan", str(path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("k3opt: error: no layout fits on 64 gb200-nvl72 GPUs")
+    assert "30.35 TiB" in result.output
+
+
+def test_cli_plan_save_roundtrip(tmp_path, job):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2]\ndense_fsdp = [2]\n'
+        'expert_fsdp = [1]\nvp = [1]\n')
+    saved = tmp_path / "best.toml"
+    result = CliRunner().invoke(main, ["plan", str(path), "--top", "1", "--save", "1", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert "status OPTIMAL" in result.output
+    result = CliRunner().invoke(main, ["explain", str(saved)])
+    assert result.exit_code == 0, result.output
+    csv = tmp_path / "front.csv"
+    result = CliRunner().invoke(main, ["pareto", str(path), "--csv", str(csv)])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    assert len(df) >= 1 and {"step_time_s", "peak_gib", "split_layers", "master_gib"} <= set(df.columns)
+
+
+def test_job_without_a_valid_microbatch_count_is_explained():
+    job = k3opt.Job(gpus=512, tokens_per_update=12345)
+    with pytest.raises(k3opt.InfeasibleJobError, match="tokens_per_update"):
+        k3opt.plan(job, top=1, pareto=False)
