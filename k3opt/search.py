@@ -1070,11 +1070,18 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
     bounds = sorted((*frame_lower_bound(job, f, model, cluster), f) for f in frames)
     complete = True
 
-    def dominated(t_lb: float, peak_cap: float) -> bool:
-        return any(p.step_time_s <= t_lb and p.peak_bytes <= peak_cap for p in points)
+    def dominated(f: Frame, t_lb: float, peak_cap: float) -> bool:
+        """Some point found has at least the frame's best possible tokens/s per GPU, no more GPUs, and a
+        peak no higher than peak_cap (with one GPU count: a step time no longer than the frame's bound)."""
+        tps_ub = job_tokens(f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
+        return any(p.evaluation.step.tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
+                   and p.peak_bytes <= peak_cap for p in points)
+
+    def job_tokens(f: Frame) -> int:
+        return f.gpus // (f.pp * f.cp) * f.microbatches * job.rows * job.context
 
     for t_lb, m_lb, f in bounds:
-        if m_lb > cap_bytes or dominated(t_lb, m_lb):
+        if m_lb > cap_bytes or dominated(f, t_lb, m_lb):
             continue
         if _time.monotonic() - t0 > time_limit:
             complete = False
@@ -1083,7 +1090,7 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         cap = have.peak_bytes // MIB - step_mib if have else None
         fm: FrameModel | None = None
         while True:
-            if cap is not None and (cap * MIB < m_lb or dominated(t_lb, cap * MIB)):
+            if cap is not None and (cap * MIB < m_lb or dominated(f, t_lb, cap * MIB)):
                 break
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
@@ -1109,14 +1116,20 @@ def _frame_of(layout: Layout) -> Frame:
 
 
 def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
-    items = sorted(items, key=lambda it: (it.step_time_s, it.peak_bytes))
+    """Layouts no other beats on tokens/s per GPU, GPU count and worst-rank peak at once (one of them strictly).
+    With one GPU count and fixed tokens per update this is the (step time, peak) front."""
+    items = sorted(items, key=lambda it: (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes))
+
+    def crit(it: PlanItem) -> tuple[float, int, int]:
+        return (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes)
+
     front: list[PlanItem] = []
-    best_peak = math.inf
     for it in items:
-        if it.peak_bytes < best_peak:
+        c = crit(it)
+        if not any(all(a <= b for a, b in zip(crit(o), c, strict=True)) and crit(o) != c for o in front) \
+                and all(crit(o) != c for o in front):
             front.append(it)
-            best_peak = it.peak_bytes
-    return front
+    return sorted(front, key=lambda it: (it.layout.gpus, it.step_time_s))
 
 
 def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, cap: int, f: Frame | None,

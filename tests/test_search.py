@@ -180,3 +180,19 @@ def test_job_without_a_valid_microbatch_count_is_explained():
     job = k3opt.Job(gpus=512, tokens_per_update=12345)
     with pytest.raises(k3opt.InfeasibleJobError, match="tokens_per_update"):
         k3opt.plan(job, top=1, pareto=False)
+
+
+def test_pareto_spans_gpu_counts(tiny, slow):
+    """With several GPU counts the front is over tokens/s per GPU, GPUs and peak."""
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": [4, 8],
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
+    })
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=True)
+    assert {it.layout.gpus for it in plan.pareto} <= {4, 8}
+    crit = [(-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes) for it in plan.pareto]
+    for i, a in enumerate(crit):
+        for j, b in enumerate(crit):
+            assert i == j or not (all(x <= y for x, y in zip(b, a, strict=True)) and a != b)
+    assert "tokens_per_s_per_gpu" in plan.to_frame()
