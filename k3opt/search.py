@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 import time as _time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from k3opt.specs import (
     load_model,
 )
 
-_DEBUG = bool(os.environ.get("K3OPT_DEBUG"))
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-8         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
@@ -1020,9 +1018,6 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             continue
         res, item = solve_frame(job, f, model, cluster, remaining, workers, recompute=rc, lifecycle=lc)
         solved += 1
-        if _DEBUG:
-            print("node", f, rc.value, lc.value, round(t_lb, 3), res.status,
-                  round(item.step_time_s, 3) if item else None, round(_time.monotonic() - t0, 2), flush=True)
         size = {"variables": max(size.get("variables", 0), res.variables),
                 "constraints": max(size.get("constraints", 0), res.constraints)}
         if res.status == "FEASIBLE":

@@ -11,7 +11,7 @@ import tomllib
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -490,5 +490,3 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
 
-
-Kind = Literal["model", "cluster", "layout", "job"]
