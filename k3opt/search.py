@@ -759,8 +759,34 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     return cf.slots * stage + update, peak
 
 
+def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                     cluster: ClusterSpec) -> float:
+    """The node's step-time bound with the dynamic program run per undominated activation mode (its own work
+    and memory), the least over modes; only for v = 1. Computed when a node is about to be solved."""
+    if f.vp != 1 or job.search.split is not None:
+        return 0.0
+    allowed = _allowed_on(job)
+    cap = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
+    best = math.inf
+    offloads = [False, True] if "activation_offload" in allowed else [False]
+    balances = [False, True] if "balance_activations" in allowed else [False]
+    for md in modes:
+        cf = coefficients(frame_shape(job, f, md, lc), model, cluster)
+        update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+        for off_on, bal_on in itertools.product(offloads, balances):
+            # Offload and balancing are global decisions: every rank pays them or none does.
+            off = coefficients(frame_shape(job, f, md, lc, activation_offload=True), model, cluster) if off_on \
+                else None
+            variant = (allowed - {"activation_offload", "balance_activations"}) | (
+                {"activation_offload"} if off_on else set()) | ({"balance_activations"} if bal_on else set())
+            stage, _, _ = _dp_bounds(cf, cf, off, cluster, cap, variant, force=True)
+            best = min(best, cf.slots * stage + update)
+    return best
+
+
 def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
-               allowed: set[str]) -> tuple[float, float, list[int] | None]:
+               allowed: set[str], force: bool = False) -> tuple[float, float, list[int] | None]:
     """Exact min over contiguous v = 1 splits of (max stage work, max stage memory) by dynamic programming over
     (rank, boundary), with work from the cheapest mode and memory from the leanest (so both are lower bounds):
     persistent + in-flight saved bytes and AttnRes bank + the largest working set + PP, EP and routing buffers +
@@ -778,11 +804,15 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     def edge(arr: np.ndarray, r: int) -> float:
         return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
 
+    cache: dict[int, np.ndarray] = {}
+
     def range_max(arr: np.ndarray) -> np.ndarray:
-        out = np.full((L + 1, L + 1), -np.inf)
-        for a in range(L):
-            out[a, a + 1:] = np.maximum.accumulate(arr[a:L])
-        return out
+        if id(arr) not in cache:
+            out = np.full((L + 1, L + 1), -np.inf)
+            for a in range(L):
+                out[a, a + 1:] = np.maximum.accumulate(arr[a:L])
+            cache[id(arr)] = out
+        return cache[id(arr)]
 
     P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
     opt = 2 * (lean.resident_params if "p2p_muon" in allowed else lean.view_params)
@@ -802,14 +832,25 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     buffers = 2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers)
     ws = range_max(lean.working_set)
     work = {res: rng(cf.time[res]) for res in cf.time}
+    packet_s = {res: np.zeros((p, L + 1, L + 1)) for res in ("nvlink", "nic")}
+    for r in range(p):
+        # PP packets: the one in (from rank r - 1) and the one out (to rank r + 1), on that hop's link.
+        if r > 0:
+            hop = r - 1
+            packet_s["nvlink" if cf.pp_on_nvlink[hop] else "nic"][r] += packet_in * cf.pp_seconds_per_byte[hop]
+        if r < p - 1:
+            packet_s["nvlink" if cf.pp_on_nvlink[r] else "nic"][r] += packet_out * cf.pp_seconds_per_byte[r]
     host_off = rng(off.time["host_link"]) if off is not None else None
     best_t = np.full(L + 1, np.inf)
     best_m = np.full(L + 1, np.inf)
     choice = np.zeros((p, L + 1), dtype=int)
     for r in range(p):
         n_own = max(sum(c) for c in lean.compositions[r])
-        t_base = np.max([w + edge(cf.time[res], r) for res, w in work.items()], axis=0)
+        t_base = np.max([w + edge(cf.time[res], r) + (packet_s[res][r] if res in packet_s else 0.0)
+                         for res, w in work.items()], axis=0)
         options = [(n_own, t_base)]
+        if force and "balance_activations" in allowed and lean.balanced_inflight is not None:
+            options = [(lean.balanced_inflight, t_base)]
         if lean.balanced_inflight is not None and "balance_activations" in allowed and \
                 lean.balanced_inflight < n_own:
             # Balancing holds the average, paying the excess out and back on the network every microbatch.
@@ -820,7 +861,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
         t_r, mem_r = np.full((L + 1, L + 1), np.inf), np.full((L + 1, L + 1), np.inf)
         for n, t_opt in options:
             t_n, m_n = _dp_stage(n, t_opt, r, p, L, P, Pr, Ar, Or, opt, bank, buffers, ws, has_moe, lean, off,
-                                 host_off, edge, range_max, cluster, cap, valid)
+                                 host_off, edge, range_max, cluster, cap, valid, force)
             t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
         t, mem = t_r, mem_r
         if r == 0:
@@ -845,8 +886,8 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
 def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr: np.ndarray, Ar: np.ndarray,
               Or: np.ndarray, opt: np.ndarray, bank: np.ndarray, buffers: np.ndarray, ws: np.ndarray,
               has_moe: np.ndarray, lean: Coefficients, off: Coefficients | None, host_off: np.ndarray | None,
-              edge: Callable, range_max: Callable, cluster: ClusterSpec, cap: int, valid: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray]:
+              edge: Callable, range_max: Callable, cluster: ClusterSpec, cap: int, valid: np.ndarray,
+              force: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Work and memory of rank r over every range [a, b) when it holds n in-flight microbatches."""
     persistent = Pr + edge(P, r) + has_moe * lean.moonep_buffers
     ws_r = np.maximum(ws, max(float(lean.working_set[L]) if r == 0 else 0.0,
@@ -862,9 +903,13 @@ def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr
         resident = lean.shape.offload_resident_layers * range_max(lean.act)
         mem_off = np.maximum(persistent + resident + n * bank + fixed_act, mem_opt)
         fits_off = host & (mem_off <= cap)
-        t = np.where(fits_keep, t, np.maximum(t, host_off + edge(off.time["host_link"], r)))
-        mem = np.where(fits_keep | ~fits_off, mem_keep, np.minimum(mem_keep, mem_off))
-        fits = fits_keep | fits_off
+        t_off = np.maximum(t, host_off + edge(off.time["host_link"], r))
+        if force:  # offload on every rank: every rank pays its traffic
+            t, mem, fits = t_off, mem_off, fits_off
+        else:
+            t = np.where(fits_keep, t, t_off)
+            mem = np.where(fits_keep | ~fits_off, mem_keep, np.minimum(mem_keep, mem_off))
+            fits = fits_keep | fits_off
     else:
         fits = fits_keep
     fits = fits & valid
@@ -991,6 +1036,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     size: dict[str, int] = {}
     bound = math.inf
     stopped_bound = math.inf
+    tightened: set = set()
 
     def kth() -> PlanItem | None:
         ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
@@ -1016,6 +1062,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     if nm <= cap:
                         heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_))
             continue
+        if (f, rc, lc) not in tightened:
+            tightened.add((f, rc, lc))
+            tight = tight_node_bound(job, f, rc, lc, model, cluster)
+            if tight > t_lb + 1e-12:
+                if math.isfinite(tight):
+                    heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc))
+                continue
         res, item = solve_frame(job, f, model, cluster, remaining, workers, recompute=rc, lifecycle=lc)
         solved += 1
         size = {"variables": max(size.get("variables", 0), res.variables),
