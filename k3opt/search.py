@@ -22,7 +22,7 @@ import itertools
 import math
 import time as _time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -759,6 +759,36 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     return cf.slots * stage + update, peak
 
 
+def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
+    recompute mode and lifecycle (no toggles) and the least saved and working-set bytes of any (all toggles
+    allowed); (0, 0) for v > 1."""
+    if f.vp != 1 or job.search.split is not None:
+        return 0.0, 0.0
+    allowed = _allowed_on(job)
+    recs = job.search.recompute or list(Recompute)
+    lcs = lifecycles(job)
+    cheap = [coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
+                                      lc), model, cluster) for rc in recs for lc in lcs]
+    lean = [coefficients(frame_shape(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc),
+                         model, cluster) for rc in recs for lc in lcs]
+    time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
+    update = {res: np.min([c.update[res] for c in cheap], axis=0) for res in cheap[0].update}
+    mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
+    cf = replace(cheap[0], time=time, update=update)
+    lcf = replace(lean[0], **mins)
+    off = None
+    if "activation_offload" in allowed:
+        offs = [coefficients(frame_shape(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc,
+                                         activation_offload=True), model, cluster) for rc in recs for lc in lcs]
+        off = replace(offs[0], time={**offs[0].time,
+                                     "host_link": np.min([o.time["host_link"] for o in offs], axis=0)})
+    cap = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed)
+    upd = max(float(update[res].sum()) for res in update) / f.pp
+    return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
+
+
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                      cluster: ClusterSpec) -> float:
     """The node's step-time bound with the dynamic program run per undominated activation mode (its own work
@@ -1037,6 +1067,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     bound = math.inf
     stopped_bound = math.inf
     tightened: set = set()
+    frame_tightened: set = set()
 
     def kth() -> PlanItem | None:
         ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
@@ -1055,6 +1086,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         mine = best_of.get(f)
         if mine is not None and t_lb > mine.step_time_s:
             continue  # this node cannot improve its frame, and the frame is already ranked
+        if rc is None and f not in frame_tightened:
+            frame_tightened.add(f)
+            ft, fm_ = frame_dp_bound(job, f, model, cluster)
+            if ft > t_lb + 1e-12 or fm_ > m_lb:
+                if math.isfinite(ft) and fm_ <= cap:
+                    heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None))
+                continue
         if rc is None:
             for r_ in recs:
                 for l_ in lcs:
