@@ -179,6 +179,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
         "headroom_gib": "headroom_GiB", "binding_resource": "binds",
     }
     table = df[list(cols)].rename(columns=cols)
+    table["tokens/s"] = table["tokens/s"].round().astype(int)
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
     table["toggles"] = [toggles_text(it.layout) for it in plan.layouts]
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
