@@ -12,7 +12,7 @@ the split. Every layout returned is re-evaluated with `evaluate()`, and what is 
 disagreement beyond the integer resolution raises an error instead of being rounded away.
 
 Resolution: memory in KiB, rounded up per layer (the solver never accepts a layout evaluate() rejects); time in
-units of 10 ns, rounded up per layer; the tie-break on the worst-rank peak in MiB.
+units of 100 ns, rounded up per layer; the tie-break on the worst-rank peak in MiB, then on fewer toggles.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from k3opt.specs import (
 )
 
 MEM_UNIT = 1024          # bytes
-TIME_UNIT = 1e-8         # seconds
+TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
 
 ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
@@ -331,12 +331,12 @@ class FrameModel:
         self._kinds()
         # Variable bounds keep the objective inside int64: every time term is at most the sum of all per-layer
         # work on every resource under the most expensive mode, plus the toggles' rank-level costs.
-        worst = max(sum(float(cf.time[res].sum()) for res in cf.time) for cf in self.base.values())
-        extra = sum(float(c.time[res].sum()) for c in (*self.offload.values(), self.z2, self.bal, self.fce)
-                    for res in c.time)
+        worst = max(max(float(cf.time[res].sum()) for res in cf.time) for cf in self.base.values())
+        extra = max(max(float(c.time[res].sum()) for res in c.time)
+                    for c in (*self.offload.values(), self.z2, self.bal, self.fce))
         pp_bytes = 2 * self.K * (1 + float(self.c0.closes.sum())) * self.c0.stream_bytes
-        upd = max(sum(float(c.update[res].sum()) for res in c.update) for c in (*self.p2p.values(), self.z2))
-        self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**6
+        upd = max(max(float(c.update[res].sum()) for res in c.update) for c in (*self.p2p.values(), self.z2))
+        self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**5
         self.tie_max = self.cap_bytes // PEAK_TIE_UNIT + 1
         self.ranks = [self._rank(r) for r in range(p)]
         self._objective()
@@ -618,7 +618,13 @@ class FrameModel:
         self.step_units = slots_v * stage + f.vp * update
         self.peak_mib = peak_mib
         self.stage, self.update = stage, update
-        m.minimize(self.step_units * (self.tie_max + 1) + peak_mib)
+        # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
+        # so that equal layouts do not switch on toggles that buy nothing.
+        toggles_on = sum(self.tv[t] for t in RANK_TOGGLES) + sum(
+            sum(getattr(md, t) for t in ACT_TOGGLES) * v for md, v in self.mv.items())
+        self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
+        self.obj_scale = (self.tie_max + 1) * self.toggle_scale
+        m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
 
     def add_stage_bound(self, stage_lb_s: float, split: list[int] | None) -> None:
         """A valid lower bound on the stage time (from the node's dynamic program) and its split as a hint."""
@@ -643,6 +649,8 @@ class FrameModel:
         if not presolve:
             solver.parameters.cp_model_presolve = False
         st = solver.solve(self.m)
+        if st == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"CP-SAT model of {self.f} is invalid: {self.m.validate()[:300]}")
         proto = self.m.proto
         res = FrameResult(self.f, solver.status_name(st), variables=len(proto.variables),
                           constraints=len(proto.constraints))
@@ -654,7 +662,7 @@ class FrameModel:
             res.split, res.shape = split, frame_shape(self.job, self.f, md, lc, **tg)
             res.objective = int(solver.objective_value)
             res.bound = int(solver.best_objective_bound)
-            res.bound_step_s = (res.bound // (self.tie_max + 1)) * TIME_UNIT / self.f.vp
+            res.bound_step_s = (res.bound // self.obj_scale) * TIME_UNIT / self.f.vp
         return res
 
     def _read_split(self, solver: cp_model.CpSolver) -> list[int]:
@@ -1014,7 +1022,7 @@ def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec
 def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
     """The solver's integer objective and evaluate() must agree to the integer resolution."""
     f = fm.f
-    solver_step = (res.objective // (fm.tie_max + 1)) * TIME_UNIT / f.vp
+    solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
     slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
     if not (ev.step.step_time_s - 1e-9 <= solver_step <= ev.step.step_time_s + slack):
         raise RuntimeError(

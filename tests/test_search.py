@@ -19,7 +19,7 @@ DATA = Path(__file__).parent / "data"
 GIB, MIB = 2**30, 2**20
 ALLOWED = ("fp8_activations", "fused_situ", "p2p_muon", "activation_offload")
 FORBIDDEN = [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]
-TOL_S = 1e-5  # solver resolution: 10 ns per layer and rank term, times the schedule slots
+TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
 
 
 @pytest.fixture(scope="module")
