@@ -736,6 +736,16 @@ def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLi
     return keep
 
 
+def _memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+                 balance: bool | None = None) -> Coefficients:
+    """Coefficients for the memory side of a bound: the chunked cross-entropy on when allowed (smaller logits),
+    and balancing on when allowed (so the balanced in-flight count is known; it changes no other array)."""
+    allowed = _allowed_on(job)
+    bal = ("balance_activations" in allowed) if balance is None else balance
+    return coefficients(frame_shape(job, f, md, lc, fused_cross_entropy="fused_cross_entropy" in allowed,
+                                    balance_activations=bal), model, cluster)
+
+
 _DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 
@@ -752,7 +762,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     cf = coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
                                   lc), model, cluster)
     lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
-    lcf = coefficients(frame_shape(job, f, lean, lc), model, cluster)
+    lcf = _memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
     update = max(float(cf.update[res].sum()) for res in cf.update) / p
     peak = _peak_lower_bound(job, f, lcf, cluster, allowed)
@@ -778,8 +788,8 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     lcs = lifecycles(job)
     cheap = [coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
                                       lc), model, cluster) for rc in recs for lc in lcs]
-    lean = [coefficients(frame_shape(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc),
-                         model, cluster) for rc in recs for lc in lcs]
+    lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+            for rc in recs for lc in lcs]
     time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
     update = {res: np.min([c.update[res] for c in cheap], axis=0) for res in cheap[0].update}
     mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
@@ -818,7 +828,8 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
                 else None
             variant = (allowed - {"activation_offload", "balance_activations"}) | (
                 {"activation_offload"} if off_on else set()) | ({"balance_activations"} if bal_on else set())
-            stage, _, _ = _dp_bounds(cf, cf, off, cluster, cap, variant, force=True)
+            mem = _memory_view(job, f, md, lc, model, cluster, balance=bal_on)
+            stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True)
             best = min(best, cf.slots * stage + update)
     return best
 
@@ -943,10 +954,11 @@ def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr
         fits_off = host & (mem_off <= cap)
         t_off = np.maximum(t, host_off + edge(off.time["host_link"], r))
         if force:  # offload on every rank: every rank pays its traffic
-            t, mem, fits = t_off, mem_off, fits_off
+            t, mem, fits = t_off, np.where(host, mem_off, np.inf), fits_off
         else:
             t = np.where(fits_keep, t, t_off)
-            mem = np.where(fits_keep | ~fits_off, mem_keep, np.minimum(mem_keep, mem_off))
+            # The peak bound takes the lower of the two wherever the host can hold the saved bytes.
+            mem = np.where(host, np.minimum(mem_keep, mem_off), mem_keep)
             fits = fits_keep | fits_off
     else:
         fits = fits_keep

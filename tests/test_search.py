@@ -196,3 +196,64 @@ def test_pareto_spans_gpu_counts(tiny, slow):
         for j, b in enumerate(crit):
             assert i == j or not (all(x <= y for x, y in zip(b, a, strict=True)) and a != b)
     assert "tokens_per_s_per_gpu" in plan.to_frame()
+
+
+def test_bounds_never_exceed_any_layout(job, tiny, slow, enumerated):
+    """Every bound the search prunes with is below every layout it stands for; a bound above a real layout
+    would let the search call a suboptimal answer OPTIMAL."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    by_frame: dict = {}
+    for f, t, m, lay in enumerated:
+        by_frame.setdefault(f, []).append((t, m, lay))
+    for f, items in by_frame.items():
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert all(t >= t_f - 1e-9 and m >= m_f - 1 for t, m, _ in items)
+        assert all(t >= t_dp - 1e-9 and m >= m_dp - 1 for t, m, _ in items)
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            node = [(t, m) for t, m, lay in items if lay.recompute == rc and lay.fsdp_lifecycle == lc]
+            if not node:
+                continue
+            t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+            t_tight = tight_node_bound(job, f, rc, lc, tiny, slow)
+            assert min(t for t, _ in node) >= max(t_n, t_tight) - 1e-9
+            assert min(m for _, m in node) >= m_n - 1
+
+
+def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
+    """Every searchable toggle allowed (offload, balancing, host gradients, P2P Muon, chunked cross-entropy, the
+    activation toggles) on one frame: the CP-SAT optimum equals enumeration, and no bound exceeds a layout."""
+    from k3opt.search import NEVER_CHOSEN, FIXED_TOGGLES, frame_dp_bound, node_lower_bound, tight_node_bound
+
+    toggles = [t for t in k3opt.specs.TOGGLE_NAMES if t not in NEVER_CHOSEN + FIXED_TOGGLES]
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    rows = []
+    for rc in (Recompute.NONE, Recompute.FULL):
+        for flags in itertools.product([False, True], repeat=len(toggles)):
+            tg = dict(zip(toggles, flags, strict=True))
+            for split in _splits(tiny.num_layers, 2):
+                lay = make_layout(gpus=8, pp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
+                                  split=split, recompute=rc, toggles=tg, reserve_gib=1.5)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits:
+                    rows.append((rc, ev.step.step_time_s, ev.peak_bytes))
+    assert rows
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].step_time_s == pytest.approx(min(t for _, t, _ in rows), abs=TOL_S)
+    t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+    assert min(t for _, t, _ in rows) >= t_dp - 1e-9 and min(m for *_, m in rows) >= m_dp - 1
+    for rc in (Recompute.NONE, Recompute.FULL):
+        node = [(t, m) for r, t, m in rows if r == rc]
+        if node:
+            t_n, m_n = node_lower_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
+            assert min(t for t, _ in node) >= max(t_n, tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH,
+                                                                        tiny, slow)) - 1e-9
+            assert min(m for _, m in node) >= m_n - 1
