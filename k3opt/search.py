@@ -898,15 +898,19 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
         t_base = np.max([w + edge(cf.time[res], r) + (packet_s[res][r] if res in packet_s else 0.0)
                          for res, w in work.items()], axis=0)
         options = [(n_own, t_base)]
-        if force and "balance_activations" in allowed and lean.balanced_inflight is not None:
-            options = [(lean.balanced_inflight, t_base)]
-        if lean.balanced_inflight is not None and "balance_activations" in allowed and \
-                lean.balanced_inflight < n_own:
-            # Balancing holds the average, paying the excess out and back on the network every microbatch.
-            moved = 2 * (Ar + edge(lean.act, r)) * (1 - lean.balanced_inflight / n_own)
-            res = lean.balance_resource
-            t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r) + moved * lean.balance_seconds_per_byte)
-            options.append((lean.balanced_inflight, t_bal))
+        balancing = lean.balanced_inflight is not None and "balance_activations" in allowed
+        if balancing:
+            avg = lean.balanced_inflight
+            t_bal = t_base
+            if avg < n_own:
+                # Balancing holds the average, paying the excess out and back on the network every microbatch.
+                moved = 2 * (Ar + edge(lean.act, r)) * (1 - avg / n_own)
+                res = lean.balance_resource
+                t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r)
+                                   + (packet_s[res][r] if res in packet_s else 0.0)
+                                   + moved * lean.balance_seconds_per_byte)
+            # Forced (balancing on for every rank): this is the only option; otherwise a per-rank choice.
+            options = [(avg, t_bal)] if force else [*options, (avg, t_bal)]
         t_r, mem_r = np.full((L + 1, L + 1), np.inf), np.full((L + 1, L + 1), np.inf)
         for n, t_opt in options:
             t_n, m_n = _dp_stage(n, t_opt, r, p, L, P, Pr, Ar, Or, opt, bank, buffers, ws, has_moe, lean, off,
