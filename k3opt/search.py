@@ -1,11 +1,13 @@
 """The CP-SAT search over layouts.
 
-The space is split in two levels. A *frame* is the parallel shape: p, v, c, e, f_e, f_d and M. Inside a frame,
-one CP-SAT model decides everything else at once: the contiguous layer-to-chunk split, the recompute mode, the
-FSDP lifecycle and every memory toggle, under the per-rank HBM and host limits. Frames are explored best-first by
-a lower bound on their step time (the tensor-core work of the whole model spread evenly over the p ranks, plus
-the bubble and the Newton-Schulz floor), so the search stops with a proof once the next frame's bound exceeds the
-K-th best layout found: the bound and the gap it reports are that proof.
+A *frame* is the parallel shape: p, v, c, e, f_e, f_d and M. A *node* is a frame with its recompute mode and FSDP
+lifecycle fixed. One CP-SAT model per node decides everything else at once: the contiguous layer-to-chunk split,
+the activation mode (FP8 storage, fused SiTU, MoE backward rewrite, dispatch recompute) and the rank toggles
+(offload, balancing, host gradient shards, P2P Muon, chunked cross-entropy), under every rank's HBM and host
+limits. Frames and nodes are explored best-first by lower bounds that tighten as they are popped: the mean
+tensor work, then an exact dynamic program over contiguous stage ranges of a relaxed cost (v = 1), then that
+program per activation mode with offload and balancing decided globally. The search stops with a proof once
+the next bound exceeds the K-th best layout found; the bound and gap it reports are that proof.
 
 Every coefficient comes from k3opt.coefficients (one call per mode combination); the model only sums them over
 the split. Every layout returned is re-evaluated with `evaluate()`, and what is reported is that evaluation; a
@@ -1011,13 +1013,13 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     if offload:
         gpu = min(gpu, bound(P[:L], np.zeros(L), cf.shape.offload_resident_layers * float(A.min())))
     # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers, with the MoE buffers of one layer,
-    # the smallest working set and, when p > 1, one packet in and one out in each direction.
+    # the smallest working set and, when p > 1, at least one packet each way (an edge rank has only one).
     moe = cf.moe[:L] > 0
     n_moe = int(moe.sum())
     if n_moe:
         k = -(-n_moe // p)
         buffers = (cf.ep_buffers + cf.moonep_buffers + cf.routing_map + float(cf.working_set[:L][moe].min())
-                   + (4 * cf.stream_bytes if p > 1 else 0))
+                   + (2 * cf.stream_bytes if p > 1 else 0))
         act_moe = np.zeros(n_moe) if offload else w.min() * A[moe]
         hold = np.sort(P[:L][moe] + act_moe)[:k].sum() + buffers
         hold_opt = np.sort((P + opt)[:L][moe])[:k].sum()
