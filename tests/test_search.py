@@ -224,7 +224,7 @@ def test_bounds_never_exceed_any_layout(job, tiny, slow, enumerated):
 def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
     """Every searchable toggle allowed (offload, balancing, host gradients, P2P Muon, chunked cross-entropy, the
     activation toggles) on one frame: the CP-SAT optimum equals enumeration, and no bound exceeds a layout."""
-    from k3opt.search import NEVER_CHOSEN, FIXED_TOGGLES, frame_dp_bound, node_lower_bound, tight_node_bound
+    from k3opt.search import FIXED_TOGGLES, NEVER_CHOSEN, frame_dp_bound, node_lower_bound, tight_node_bound
 
     toggles = [t for t in k3opt.specs.TOGGLE_NAMES if t not in NEVER_CHOSEN + FIXED_TOGGLES]
     job = k3opt.Job.model_validate({
@@ -257,3 +257,31 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
             assert min(t for t, _ in node) >= max(t_n, tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH,
                                                                         tiny, slow)) - 1e-9
             assert min(m for _, m in node) >= m_n - 1
+
+
+def test_interleaved_optimum_equals_enumeration(tiny, slow):
+    """v = 2 on p = 2 (each rank sums two non-contiguous chunks; PP packets cross the wrap-around hop): the CP-SAT
+    optimum equals enumeration through evaluate()."""
+    allowed = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [2], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    best = None
+    for rc in ("none", "full"):
+        for flags in itertools.product([False, True], repeat=len(allowed)):
+            for split in _splits(tiny.num_layers, 4):
+                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
+                                  context=2048, split=split, recompute=rc,
+                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits and (best is None or ev.step.step_time_s < best):
+                    best = ev.step.step_time_s
+    assert best is not None
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].step_time_s == pytest.approx(best, abs=TOL_S)
