@@ -175,6 +175,12 @@ def _kept(s: Saved, t: Toggles) -> bool:
     return True
 
 
+def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN001, ANN201 - float or array
+    """Activation balancing (seed 001): a rank holding `held` in-flight microbatches keeps the average `balanced`
+    and sends the excess share of each microbatch's saved bytes to another rank and back: 2 S max(0, 1 - avg/n)."""
+    return 2 * saved_bytes * max(0.0, 1 - balanced / held)
+
+
 def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:
     """Muon Newton-Schulz on an [r, c] matrix (r <= c): iterations * (4 r^2 c + 2 r^3) (seed 002)."""
     r, c = min(rows, cols), max(rows, cols)

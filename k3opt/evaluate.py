@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from k3opt.coefficients import RESOURCES, Coefficients, Shape, coefficients
+from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.schedule import bubble_fraction, bubble_overhead
 from k3opt.specs import (
     GIB,
@@ -317,7 +317,7 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     time["nic"] += pp_time["nic"]
     if cf.balanced_inflight is not None and n_peak > cf.balanced_inflight:
         # Remote offload of the excess over the average, out and back, every microbatch (seed 001).
-        moved = 2 * sum(act) * (1 - cf.balanced_inflight / n_peak)
+        moved = balance_moved_bytes(sum(act), n_peak, cf.balanced_inflight)
         time[cf.balance_resource] += moved * cf.balance_seconds_per_byte
     update = {res: float(sum(csum(cf.update[res]))) for res in RESOURCES}
     counts = {

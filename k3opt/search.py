@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from k3opt.coefficients import Coefficients, Shape, coefficients
+from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.errors import InfeasibleJobError, LayoutError
 from k3opt.evaluate import Evaluation, evaluate
 from k3opt.schedule import schedule_slots
@@ -571,9 +571,9 @@ class FrameModel:
             if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
                 n_peak = max(sum(c) for c in c0.compositions[r])
                 if n_peak > self.bal.balanced_inflight:
-                    frac = 1 - self.bal.balanced_inflight / n_peak
                     a = self.base[(md, self.lcs[0])].act
-                    coef = _ceil(2 * a * frac * self.bal.balance_seconds_per_byte, TIME_UNIT)
+                    moved = balance_moved_bytes(a, n_peak, self.bal.balanced_inflight)
+                    coef = _ceil(moved * self.bal.balance_seconds_per_byte, TIME_UNIT)
                     bvar = self.m.new_int_var(0, self.time_ub, f"bal_r{r}_{res}_{self.modes.index(md)}")
                     self.m.add(bvar >= self._rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
                     expr = expr + bvar
@@ -586,8 +586,7 @@ class FrameModel:
             self.m.add(zvar >= self._rank_sum(self._t(z2), r)).only_enforce_if(tv["pipeline_zero2_host_grads"])
             expr = expr + hvar + zvar
         if res == "tensor" and (K - 1) in mine:
-            extra = self.fce.tensor_flops[self.L + 1] - self.c0.tensor_flops[self.L + 1]
-            secs = extra / (self.cluster.bf16_tflops * 1e12)
+            secs = self.fce.time["tensor"][self.L + 1] - self.c0.time["tensor"][self.L + 1]
             expr = expr + _tq(secs) * self.tv["fused_cross_entropy"]
         return expr
 
@@ -906,7 +905,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
             t_bal = t_base
             if avg < n_own:
                 # Balancing holds the average, paying the excess out and back on the network every microbatch.
-                moved = 2 * (Ar + edge(lean.act, r)) * (1 - avg / n_own)
+                moved = balance_moved_bytes(Ar + edge(lean.act, r), n_own, avg)
                 res = lean.balance_resource
                 t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r)
                                    + (packet_s[res][r] if res in packet_s else 0.0)
