@@ -15,7 +15,17 @@ import numpy as np
 
 from k3opt import comm
 from k3opt.schedule import inflight_compositions, schedule_slots
-from k3opt.specs import ClusterSpec, FsdpLifecycle, Layout, ModelSpec, Recompute, Toggles
+from k3opt.specs import (
+    ClusterSpec,
+    Dtype,
+    FsdpLifecycle,
+    Layout,
+    ModelSpec,
+    Recompute,
+    ShardGranularity,
+    ShardingPolicy,
+    Toggles,
+)
 from k3opt.structure import BF16, FP32, Block, Saved, Structure, structure_of
 
 
@@ -41,6 +51,12 @@ class Shape:
     ce_chunk_tokens: int = 1024
     offload_resident_layers: int = 2
     domain_gpus_used: int | None = None
+    dense_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
+    grad_dtype: Dtype = Dtype.FP32
+    optimizer_state_dtype: Dtype = Dtype.FP32
+    lazy_optimizer_state: bool = False
 
     @classmethod
     def of(cls, layout: Layout) -> Shape:
@@ -51,6 +67,9 @@ class Shape:
             recompute=layout.recompute, fsdp_lifecycle=layout.fsdp_lifecycle, toggles=layout.toggles,
             fp8_block_size=layout.fp8_block_size, ce_chunk_tokens=layout.ce_chunk_tokens,
             offload_resident_layers=layout.offload_resident_layers, domain_gpus_used=layout.domain_gpus_used,
+            dense_sharding=layout.dense_sharding, expert_sharding=layout.expert_sharding,
+            optimizer_shard_granularity=layout.optimizer_shard_granularity, grad_dtype=layout.grad_dtype,
+            optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
         )
 
     @property
@@ -134,6 +153,11 @@ class Coefficients:
     pp_on_nvlink: tuple[bool, ...] = ()
     balance_resource: str = "nic"
     balance_seconds_per_byte: float = 0.0
+    step_gather: np.ndarray | None = field(default=None, repr=False)
+    """BF16 bytes all-gathered into fresh buffers at the optimizer step (without P2P Muon), by sharding policy."""
+    step_gather_with_ns: bool = True
+    """The Newton-Schulz working set adds to the step gather (default policy) instead of preceding it."""
+    model_json: str = field(default="", repr=False)
 
     @property
     def first(self) -> int:
@@ -284,15 +308,45 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     view = pn + p_routed / e
 
     zero2 = tg.pipeline_zero2_host_grads
-    master = 4 * resident
-    grads = np.zeros(n) if zero2 else 4 * resident
+    # Sharding policies (Megatron's vocabulary): each of the dense and expert groups shards nothing, the
+    # optimizer (masters + state), also the gradients, or also the parameters (today's FSDP accounting).
+    pol_d, pol_e = shape.dense_sharding, shape.expert_sharding
+    opt_fd = fd if pol_d != ShardingPolicy.NO_SHARD else 1
+    opt_fe = fe if pol_e != ShardingPolicy.NO_SHARD else 1
+    grads_sharded = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
+    g_fd = fd if pol_d in grads_sharded else 1
+    g_fe = fe if pol_e in grads_sharded else 1
+    own_muon = pn_muon / opt_fd + p_routed / (e * opt_fe)
+    own_adam = p_adam / opt_fd
+    own = own_muon + own_adam
+    gd, sd = shape.grad_dtype.bytes, shape.optimizer_state_dtype.bytes
+    grad_elems = pn / g_fd + p_routed / (e * g_fe)
+    master = 4 * own
+    grads = np.zeros(n) if zero2 else gd * grad_elems
     host_grads = 4 * resident if zero2 else np.zeros(n)
-    optimizer = 4 * res_muon + 8 * res_adam
+    optimizer = sd * own_muon + 2 * sd * own_adam          # Muon momentum; AdamW two moments
     bf16_view = 2 * view
     moonep_slots = 2 * p_routed / e if tg.moonep else np.zeros(n)
     accumulate = shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE
-    grad_accum = 4 * view if accumulate else np.zeros(n)
+    # An unsharded accumulation buffer only where the gradients are otherwise sharded (a whole buffer accumulates).
+    grad_accum = 4 * (pn * (pol_d in grads_sharded) + p_routed / e * (pol_e in grads_sharded)) \
+        if accumulate else np.zeros(n)
     chunk_grad_buffer = 4 * view
+    # Optimizer-step all-gather into fresh BF16 buffers. Default policy: the whole view (today's accounting).
+    # optim / optim_grads: Megatron's distributed optimizer gathers in place into the whole BF16 weights
+    # (element granularity: no extra buffer); the layer-wise optimizer (tensor granularity) allocates receive
+    # buffers for every sharded group, after step() (seed 003: 9.71 GiB = dense params x 2 B at EP8, f_e = 1).
+    default_policy = pol_d == pol_e == ShardingPolicy.OPTIM_GRADS_PARAMS
+    tensor_gran = shape.optimizer_shard_granularity == ShardGranularity.TENSOR
+
+    def _gather(pol: ShardingPolicy, f: int, params: np.ndarray) -> np.ndarray:
+        if pol == ShardingPolicy.OPTIM_GRADS_PARAMS:
+            return 2 * params
+        if pol == ShardingPolicy.NO_SHARD or f == 1 or not tensor_gran:
+            return np.zeros(n)
+        return 2 * params
+
+    step_gather = _gather(pol_d, fd, pn) + _gather(pol_e, fe, p_routed / e)
 
     # Saved-for-backward bytes per microbatch (only the activation toggles matter for the cache key).
     act_toggles = Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
@@ -309,8 +363,9 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         act = np.where(layer, stream, saved)
         recompute_ws = np.where(layer, saved, 0.0)
     # Unsharded BF16 gradient of the layer, live until its reduce-scatter (per-microbatch lifecycle).
+    # Only where the gradients are sharded: a whole gradient buffer accumulates in place.
     grad_transient = np.zeros(n) if accumulate else (
-        2 * pn * (fd > 1) + 2 * (p_routed / e) * (fe > 1))
+        2 * pn * (g_fd > 1) + 2 * (p_routed / e) * (g_fe > 1))
     grad_streams = np.where(layer, 2 * stream, 0.0)
     working_set = recompute_ws + grad_transient + grad_streams
 
@@ -445,4 +500,5 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         pp_seconds_per_byte=pp_spb, pp_on_nvlink=pl.pp_hop_in_domain,
         balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
+        step_gather=step_gather, step_gather_with_ns=default_policy, model_json=model_json,
     )

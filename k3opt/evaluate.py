@@ -14,12 +14,18 @@ from typing import Any
 import numpy as np
 
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.memory_outside import MemoryItem, kinds, runtime_items
+from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.schedule import bubble_fraction, bubble_overhead
+from k3opt.sharding import worst_owned
 from k3opt.specs import (
     GIB,
     ClusterSpec,
     Layout,
+    MeasurementKind,
     ModelSpec,
+    ShardGranularity,
+    ShardingPolicy,
     check_layout,
     load_cluster,
     load_model,
@@ -102,10 +108,19 @@ class RankEvaluation:
     counts: dict[str, Any] = field(default_factory=dict)
     """Per-update counts: Newton-Schulz FLOPs (all / routed), MoE layers, routing-map all-gathers, and per
     outgoing PP hop the AttnRes residual streams and the packet bytes."""
+    allocated_bytes: int = 0
+    """torch.cuda.max_memory_allocated: the ledger peak plus the workspaces inside the caching allocator."""
+    reserved_bytes: int = 0
+    """torch.cuda.max_memory_reserved: allocated x (1 + the runtime's allocator slack)."""
+    device_bytes: int = 0
+    """Device-used (nvidia-smi): reserved plus the memory outside the allocator. `fits` is device <= capacity."""
+    memory_items: tuple[MemoryItem, ...] = ()
+    """The runtime's items beyond the ledger (k3opt.memory_outside); empty without a runtime."""
 
     @property
     def headroom_bytes(self) -> int:
-        return self.capacity_bytes - self.peak_bytes
+        """Capacity (HBM - reserve) minus the device peak."""
+        return self.capacity_bytes - self.device_bytes
 
     @property
     def stage_time_s(self) -> float:
@@ -140,6 +155,8 @@ class Comparison:
     modeled: float
     measured: float
     unit: str
+    kind: str = ""
+    """The measurement kind compared (allocated / reserved / device); empty for times and rates."""
 
     @property
     def gap(self) -> float:
@@ -160,10 +177,25 @@ class Evaluation:
     step: StepTime
     capacity_bytes: int
     validation: tuple[Comparison, ...] = field(default=())
+    runtime: RuntimeSpec | None = None
 
     @property
     def peak_bytes(self) -> int:
+        """The ledger's peak (live tensors as itemized by the ledger), worst rank."""
         return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return max(r.allocated_bytes for r in self.ranks)
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return max(r.reserved_bytes for r in self.ranks)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """The peak the HBM constraint checks: device <= HBM - reserve on every rank."""
+        return max(r.device_bytes for r in self.ranks)
 
     @property
     def worst_rank(self) -> int:
@@ -175,7 +207,8 @@ class Evaluation:
 
     @property
     def headroom_bytes(self) -> int:
-        return self.capacity_bytes - self.peak_bytes
+        """Capacity minus the worst device peak."""
+        return self.capacity_bytes - self.peak_device_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the same numbers the tables print."""
@@ -186,8 +219,12 @@ class Evaluation:
             "params": {k: getattr(self.params, k) for k in
                        ("total", "muon", "adamw", "routed", "active_matrix", "active_routed",
                         "active_conventional")},
+            "runtime": self.runtime.name if self.runtime is not None else None,
             "capacity_bytes": self.capacity_bytes,
             "peak_bytes": self.peak_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
             "worst_rank": self.worst_rank,
             "fits": self.fits,
             "ranks": [
@@ -196,6 +233,10 @@ class Evaluation:
                     "persistent_bytes": r.persistent_bytes,
                     "activation_phase_bytes": r.activation_phase_bytes,
                     "optimizer_phase_bytes": r.optimizer_phase_bytes, "peak_bytes": r.peak_bytes,
+                    "allocated_bytes": r.allocated_bytes, "reserved_bytes": r.reserved_bytes,
+                    "device_bytes": r.device_bytes,
+                    "memory_items": {i.key: {"bytes": i.bytes, "where": i.where, "formula": i.formula}
+                                     for i in r.memory_items},
                     "headroom_bytes": r.headroom_bytes, "fits": r.fits, "in_flight": r.in_flight,
                     "host_bytes": r.host_bytes, "host_fits": r.host_fits,
                     "time_per_microbatch_s": r.time_s, "update_s": r.update_s, "binding": r.binding,
@@ -207,8 +248,8 @@ class Evaluation:
                       for t in self.ranks[0].terms},
             "step": {k: getattr(self.step, k) for k in StepTime.__dataclass_fields__},
             "validation": [
-                {"figure": c.figure, "modeled": c.modeled, "measured": c.measured, "unit": c.unit,
-                 "gap": c.gap, "gap_pct": c.gap_pct}
+                {"figure": c.figure, "kind": c.kind, "modeled": c.modeled, "measured": c.measured,
+                 "unit": c.unit, "gap": c.gap, "gap_pct": c.gap_pct}
                 for c in self.validation
             ],
         }
@@ -258,6 +299,8 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     else:
         out["grads"] = sum(csum(cf.grads))
     out["optimizer"] = sum(csum(cf.optimizer))
+    if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
+        out.update(_tensor_owned_state(cf, tuple(idx)))
     out["bf16_view"] = sum(csum(cf.bf16_view))
     out["moonep_slots"] = sum(csum(cf.moonep_slots))
     out["grad_accum"] = sum(csum(cf.grad_accum))
@@ -308,7 +351,15 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     view = sum(csum(cf.view_params))
     resident = sum(csum(cf.resident_params))
     ns_ws = max(float(cf.ns_working_set[i]) for i in idx)
-    out["optimizer_transient"] = (2 * resident if sh.toggles.p2p_muon else 2 * view) + ns_ws
+    if sh.toggles.p2p_muon:
+        gather = 2 * resident
+    elif cf.step_gather is not None:
+        gather = sum(csum(cf.step_gather))
+    else:
+        gather = 2 * view
+    # Default policy: gather and Newton-Schulz counted together (today's accounting). The layer-wise optimizer
+    # gathers after step() has freed its Newton-Schulz buffers (seed 003), so the larger of the two.
+    out["optimizer_transient"] = gather + ns_ws if cf.step_gather_with_ns else max(gather, ns_ws)
 
     host = host_act + sum(csum(cf.host_grads))
 
@@ -333,14 +384,39 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
             "chunks": tuple(bounds[j] for j in mine), "counts": counts}
 
 
+def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...]) -> dict[str, float]:
+    """Master, optimizer state (and sharded gradients) of the rank owning the most whole tensors."""
+    sh = cf.shape
+    out: dict[str, float] = {"master": 0.0, "optimizer": 0.0}
+    grads = 0.0
+    sd, gd = sh.optimizer_state_dtype.bytes, sh.grad_dtype.bytes
+    sharded_grads = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
+    for routed, pol, f in ((False, sh.dense_sharding, sh.dense_fsdp), (True, sh.expert_sharding, sh.expert_fsdp)):
+        group = 1 if pol == ShardingPolicy.NO_SHARD else f
+        m, a = worst_owned(cf.model_json, idx, routed, group, sh.ep)
+        out["master"] += 4 * (m + a)
+        out["optimizer"] += sd * m + 2 * sd * a
+        if pol in sharded_grads:
+            grads += gd * (m + a)
+        else:
+            gm, ga = worst_owned(cf.model_json, idx, routed, 1, sh.ep)
+            grads += gd * (gm + ga)
+    if not sh.toggles.pipeline_zero2_host_grads:
+        out["grads"] = grads
+    return out
+
+
 def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None,
-             reserve_gib: float | None = None) -> Evaluation:
+             reserve_gib: float | None = None, runtime: RuntimeSpec | str | None = None) -> Evaluation:
     """Per-rank ledger and step time of `layout` (model and cluster: objects, preset names or paths;
-    default: the layout's own `model` / `cluster` fields, else kimi-k3 on gb200-nvl72)."""
+    default: the layout's own `model` / `cluster` fields, else kimi-k3 on gb200-nvl72). `runtime` (default:
+    the layout's `runtime`; none: live tensors only) itemizes the memory outside the ledger."""
     model = load_model(model or layout.model or "kimi-k3") if not isinstance(model, ModelSpec) else model
     cluster = (load_cluster(cluster or layout.cluster or "gb200-nvl72")
                if not isinstance(cluster, ClusterSpec) else cluster)
     check_layout(layout, model, cluster)
+    rt_name = runtime if runtime is not None else layout.runtime
+    rt = load_runtime(rt_name) if rt_name is not None else None
     shape = Shape.of(layout)
     cf = coefficients(shape, model, cluster)
     reserve = layout.reserve_gib if reserve_gib is None else reserve_gib
@@ -365,28 +441,59 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         host = int(round(rl["host"]))
         time = rl["time"]
         binding = max(time, key=time.get)
+        items = runtime_items(shape, model, cluster, rt, r, has_moe=rl["counts"]["moe_layers"] > 0)
+        allocated, reserved, device = kinds(peak, items, rt)
+        rl["counts"]["resident_before_first_step_bytes"] = (
+            persistent - ledger["optimizer"] if layout.lazy_optimizer_state else persistent)
         ranks.append(RankEvaluation(
             rank=r, chunks=rl["chunks"], ledger=ledger, terms=tuple(terms), persistent_bytes=persistent,
             activation_phase_bytes=act_phase, optimizer_phase_bytes=opt_phase, peak_bytes=peak,
-            capacity_bytes=capacity, fits=peak <= capacity, in_flight=rl["in_flight"], host_bytes=host,
+            capacity_bytes=capacity, fits=device <= capacity, in_flight=rl["in_flight"], host_bytes=host,
             host_capacity_bytes=host_capacity, host_fits=host <= host_capacity, time_s=time,
-            update_s=rl["update"], binding=binding, counts=rl["counts"],
+            update_s=rl["update"], binding=binding, counts=rl["counts"], allocated_bytes=allocated,
+            reserved_bytes=reserved, device_bytes=device, memory_items=items,
         ))
 
     step = _step(cf, ranks, model, cluster, layout)
     validation = []
     if layout.measured is not None:
         m = layout.measured
-        if m.peak_gib is not None:
-            validation.append(Comparison("peak HBM, worst rank", max(r.peak_bytes for r in ranks) / GIB,
-                                         m.peak_gib, "GiB"))
+        validation += memory_comparisons(m, ranks)
         if m.step_time_s is not None:
             validation.append(Comparison("step time", step.step_time_s, m.step_time_s, "s"))
         if m.tokens_per_s_per_gpu is not None:
             validation.append(Comparison("tokens/s per GPU", step.tokens_per_s_per_gpu,
                                          m.tokens_per_s_per_gpu, "tokens/s"))
     return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
-                      ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation))
+                      ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation),
+                      runtime=rt)
+
+
+_KIND_ATTR = {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "device": "device_bytes"}
+
+
+def memory_comparisons(m: Any, ranks: list[RankEvaluation]) -> list[Comparison]:
+    """Modeled vs measured memory, like with like: a peak of kind K against the modeled K peak of the measured
+    rank (default: the rank with the largest modeled K); "unstated" against both reserved and device. Resident,
+    per-term and optimizer-step figures are live tensors, compared against the ledger."""
+    out: list[Comparison] = []
+    kinds_ = ["reserved", "device"] if m.kind == MeasurementKind.UNSTATED else [m.kind.value]
+    if m.peak_gib is not None:
+        for k in kinds_:
+            attr = _KIND_ATTR[k]
+            r = ranks[m.rank] if m.rank is not None else max(ranks, key=lambda x: getattr(x, attr))
+            where = f"rank {r.rank}" if m.rank is not None else f"worst rank ({r.rank})"
+            out.append(Comparison(f"peak HBM, {where}", getattr(r, attr) / GIB, m.peak_gib, "GiB", k))
+    r = ranks[m.rank] if m.rank is not None else max(ranks, key=lambda x: x.peak_bytes)
+    if m.resident_gib is not None:
+        out.append(Comparison(f"resident state, rank {r.rank}", r.persistent_bytes / GIB, m.resident_gib, "GiB",
+                              "allocated"))
+    for key, gib in m.terms_gib.items():
+        out.append(Comparison(f"{key}, rank {r.rank}", r.ledger[key] / GIB, gib, "GiB", "allocated"))
+    if m.optimizer_transient_gib is not None:
+        out.append(Comparison(f"optimizer-step transient, rank {r.rank}", r.optimizer_phase_bytes / GIB,
+                              m.optimizer_transient_gib, "GiB", "allocated"))
+    return out
 
 
 def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, cluster: ClusterSpec,

@@ -44,6 +44,18 @@ def ledger_frame(ev: Evaluation) -> pd.DataFrame:
     rows["= activation phase"] = [r.activation_phase_bytes / GIB for r in ev.ranks]
     rows["= optimizer phase"] = [r.optimizer_phase_bytes / GIB for r in ev.ranks]
     rows["PEAK"] = [r.peak_bytes / GIB for r in ev.ranks]
+    if ev.runtime is not None:
+        for key in sorted({i.key for r in ev.ranks for i in r.memory_items if i.where == "allocator"}):
+            rows[f"+ {key}"] = [sum(i.bytes for i in r.memory_items if i.key == key) / GIB for r in ev.ranks]
+    rows["ALLOCATED"] = [r.allocated_bytes / GIB for r in ev.ranks]
+    if ev.runtime is not None:
+        rows[f"+ allocator slack {100 * ev.runtime.slack:g}%"] = [
+            (r.reserved_bytes - r.allocated_bytes) / GIB for r in ev.ranks]
+    rows["RESERVED"] = [r.reserved_bytes / GIB for r in ev.ranks]
+    if ev.runtime is not None:
+        for key in [i.key for i in ev.ranks[0].memory_items if i.where == "outside"]:
+            rows[f"+ {key}"] = [sum(i.bytes for i in r.memory_items if i.key == key) / GIB for r in ev.ranks]
+    rows["DEVICE"] = [r.device_bytes / GIB for r in ev.ranks]
     rows["headroom"] = [r.headroom_bytes / GIB for r in ev.ranks]
     rows["in-flight microbatches"] = [r.in_flight for r in ev.ranks]
     rows["host memory"] = [r.host_bytes / GIB for r in ev.ranks]
@@ -78,13 +90,18 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"  HBM line {cl.hbm_bytes / GIB:.2f} GiB ({cl.hbm_mib:,} MiB, nvidia-smi) - reserve {reserve:.2f} GiB "
         f"= {ev.capacity_bytes / GIB:.2f} GiB usable per GPU; host {cl.host_memory_gb:g} GB per GPU",
         "",
-        "Per-rank memory ledger (GiB); peak = persistent + max(activation phase, optimizer phase)",
+        "Per-rank memory ledger (GiB); peak = persistent + max(activation phase, optimizer phase); "
+        "ALLOCATED = peak + allocator workspaces, RESERVED = allocated x (1 + slack), DEVICE = reserved + "
+        "memory outside the allocator"
+        + (f" (runtime {ev.runtime.name})" if ev.runtime is not None else
+           " (no runtime: live tensors only, the reserve covers the rest)"),
         _fmt(ledger_frame(ev)),
         "",
     ]
-    worst = ev.ranks[ev.worst_rank]
+    worst = max(ev.ranks, key=lambda r: r.device_bytes)
     verdict = "fits" if ev.fits else "DOES NOT FIT"
-    lines.append(f"worst rank {worst.rank}: peak {worst.peak_bytes / GIB:.2f} GiB, headroom "
+    lines.append(f"worst rank {worst.rank}: allocated {worst.allocated_bytes / GIB:.2f} GiB, reserved "
+                 f"{worst.reserved_bytes / GIB:.2f} GiB, device {worst.device_bytes / GIB:.2f} GiB, headroom "
                  f"{worst.headroom_bytes / GIB:.2f} GiB: {verdict}"
                  + ("" if all(r.host_fits for r in ev.ranks) else " (host memory exceeded)"))
     s = ev.step
@@ -107,8 +124,9 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         lines += ["", "Validation against measurement (modeled vs measured; the GAP is what the model does not "
                       "explain, never a scale factor)"]
         for c in ev.validation:
-            lines.append(f"  {c.figure}: modeled {c.modeled:,.2f} {c.unit}, measured {c.measured:,.2f} {c.unit}, "
-                         f"GAP {c.gap:+,.2f} {c.unit} ({c.gap_pct:+.1f}% of measured)")
+            kind = f" [{c.kind}]" if c.kind else ""
+            lines.append(f"  {c.figure}{kind}: modeled {c.modeled:,.2f} {c.unit}, measured {c.measured:,.2f} "
+                         f"{c.unit}, GAP {c.gap:+,.2f} {c.unit} ({c.gap_pct:+.1f}% of measured)")
     st = structure_of(ev.model)
     kinds = sorted({b.kind for layer in st.layers for b in layer} & {"kda", "mla", "moe", "dense_ffn"})
     cross = [f"{k} {st.saved_values_per_token(k):,} ({st.saved_values_per_token(k, True):,} with fused SiTU)"
@@ -119,6 +137,11 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         lines += ["", "Ledger terms"]
         for key, (kind, formula) in TERM_INFO.items():
             lines.append(f"  {key:<22} [{kind}] {formula}")
+        if ev.runtime is not None:
+            lines += ["", f"Memory beyond the ledger, rank {worst.rank} (runtime {ev.runtime.name}; "
+                          f"allocator slack {ev.runtime.slack:g} of allocated)"]
+            for it in worst.memory_items:
+                lines.append(f"  {it.key:<22} [{it.where}] {it.bytes / MIB:,.1f} MiB: {it.formula}")
     return "\n".join(lines)
 
 

@@ -13,15 +13,41 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from k3opt.errors import LayoutError, PresetNotFoundError, SpecError
 
 GIB = 1 << 30
 MIB = 1 << 20
 
-PosInt = Annotated[int, Field(gt=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+
+
+def _numpy_scalar(v: Any) -> Any:
+    """NumPy integers and floats (from the search's arrays) are numbers; strings and booleans never are."""
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    return v
+
+
+# Strict numbers: "64" where a number belongs is an error, not silently converted (TOML has real numbers).
+# A float field accepts an integer (TOML `hbm_gbps = 8000`); an integer field rejects 3.0 and true.
+StrictInt = Annotated[int, BeforeValidator(_numpy_scalar), Field(strict=True)]
+StrictFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(strict=True)]
+PosInt = Annotated[int, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True)]
+PosFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True)]
+NonNegFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)]
 
 
 class _Strict(BaseModel):
@@ -39,7 +65,7 @@ class KDASpec(_Strict):
     short_conv_kernel: PosInt
     decay_rank: PosInt
     """Rank of the low-rank per-channel decay gate (f_a [r, d], f_b [H*dk, r])."""
-    full_rank_output_gate: bool = True
+    full_rank_output_gate: StrictBool = True
     chunk_size: PosInt = 64
     """Chunk length of the chunked delta-rule scan; sets the scan's intra-chunk FLOPs."""
 
@@ -53,7 +79,7 @@ class MLASpec(_Strict):
     qk_nope_head_dim: PosInt
     qk_rope_head_dim: PosInt
     v_head_dim: PosInt
-    output_gate: bool = True
+    output_gate: StrictBool = True
 
 
 class DenseFFNSpec(_Strict):
@@ -67,7 +93,7 @@ class MoESpec(_Strict):
     experts_per_token: PosInt
     latent_size: PosInt
     expert_intermediate_size: PosInt
-    shared_intermediate_size: int = Field(ge=0)
+    shared_intermediate_size: StrictInt = Field(ge=0)
 
 
 class AttnResSpec(_Strict):
@@ -108,9 +134,9 @@ class ModelSpec(_Strict):
     hidden_size: PosInt
     num_layers: PosInt
     vocab_size: PosInt
-    tie_word_embeddings: bool = False
-    full_attention_layers: list[int] = Field(default_factory=list)
-    dense_ffn_layers: list[int] = Field(default_factory=list)
+    tie_word_embeddings: StrictBool = False
+    full_attention_layers: list[StrictInt] = Field(default_factory=list)
+    dense_ffn_layers: list[StrictInt] = Field(default_factory=list)
     kda: KDASpec | None = None
     mla: MLASpec | None = None
     dense_ffn: DenseFFNSpec | None = None
@@ -190,37 +216,87 @@ class FsdpLifecycle(StrEnum):
 class Toggles(_Strict):
     """Memory toggles of the K3 paper section 5.2.2 (seed 001) and seed 004; false when absent."""
 
-    fp8_activations: bool = False
+    fp8_activations: StrictBool = False
     """Block-wise FP8 storage of saved GEMM inputs (1 byte + one FP32 scale per block)."""
-    activation_offload: bool = False
+    activation_offload: StrictBool = False
     """Saved activations go to host memory; the current and the prefetched layer stay on the GPU."""
-    balance_activations: bool = False
+    balance_activations: StrictBool = False
     """Remote offload between PP ranks: each rank holds the average in-flight count."""
-    moe_backward_rewrite: bool = False
+    moe_backward_rewrite: StrictBool = False
     """dL/dp_e from a_e and the upstream gradient: the expert outputs are not saved."""
-    dispatch_recompute: bool = False
+    dispatch_recompute: StrictBool = False
     """Only the pre-dispatch input is saved; the dispatch is replayed in backward."""
-    fused_situ: bool = False
+    fused_situ: StrictBool = False
     """Streaming SiTU-GLU: saves the BF16 [R, 2H] input instead of six FP32 [R, H] copies (seed 004)."""
-    pipeline_zero2_host_grads: bool = False
+    pipeline_zero2_host_grads: StrictBool = False
     """Two chunk-sized FP32 gradient buffers on the GPU; the gradient shards live in host memory."""
-    p2p_muon: bool = False
+    p2p_muon: StrictBool = False
     """Muon pulls only the matrices it orthogonalizes: no full BF16 parameter all-gather at the step."""
-    moonep: bool = False
+    moonep: StrictBool = False
     """MoonEP: room for one more copy of the local expert weights and fixed all-to-all buffers."""
-    fused_cross_entropy: bool = False
+    fused_cross_entropy: StrictBool = False
     """Cross-entropy over token chunks: the [T, vocab] logits are never materialized whole."""
-    ep_dedup: bool = False
+    ep_dedup: StrictBool = False
     """Dispatcher sends a token once per destination rank (expected distinct ranks, seed 002)."""
 
 
 TOGGLE_NAMES: tuple[str, ...] = tuple(Toggles.model_fields)
 
 
+class ShardingPolicy(StrEnum):
+    """What a data-parallel shard group shards, in Megatron's vocabulary (`--data-parallel-sharding-strategy`
+    of Megatron-FSDP; `optim` is Megatron's distributed optimizer)."""
+
+    NO_SHARD = "no_shard"
+    """Nothing sharded: FP32 masters, optimizer state and the gradient buffer whole on every rank."""
+    OPTIM = "optim"
+    """FP32 masters and optimizer state sharded; the BF16 weights and the gradient buffer whole."""
+    OPTIM_GRADS = "optim_grads"
+    """Masters, state and gradients sharded (gradients reduce-scattered); the BF16 weights whole."""
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+    """Everything sharded; the BF16 compute view gathered and kept for the update (seed 000's reference)."""
+
+
+class ShardGranularity(StrEnum):
+    ELEMENT = "element"
+    """Flat buffers cut into equal element ranges: every rank owns 1/f of the group."""
+    TENSOR = "tensor"
+    """Whole tensors per rank (layer-wise distributed optimizer, dist_muon): the worst rank owns the most."""
+
+
+class Dtype(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Dtype.FP32 else 2
+
+
+class MeasurementKind(StrEnum):
+    """Which memory a measured peak is: torch.cuda.max_memory_allocated (live tensors), max_memory_reserved
+    (plus the caching allocator's slack; torchtitan's `memory:` line), device-used (nvidia-smi,
+    torch.cuda.device_memory_used), or not said (compared against both reserved and device)."""
+
+    ALLOCATED = "allocated"
+    RESERVED = "reserved"
+    DEVICE = "device"
+    UNSTATED = "unstated"
+
+
 class Measured(_Strict):
     """Figures a real run measured, for validation only (never an input to the model)."""
 
+    kind: MeasurementKind = MeasurementKind.UNSTATED
+    rank: Annotated[int, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)] | None = None
+    """PP rank the memory figures were read on (default: the modeled worst rank)."""
     peak_gib: PosFloat | None = None
+    resident_gib: PosFloat | None = None
+    """Persistent (parameter-shaped) memory of the rank, after the first optimizer step."""
+    optimizer_transient_gib: PosFloat | None = None
+    """Peak minus resident at the optimizer step."""
+    terms_gib: dict[str, PosFloat] = Field(default_factory=dict)
+    """Measured ledger terms by ledger key (e.g. `grads`, `master`), GiB."""
     step_time_s: PosFloat | None = None
     tokens_per_s_per_gpu: PosFloat | None = None
     note: str = ""
@@ -246,7 +322,7 @@ class Layout(_Strict):
     recompute: Recompute = Recompute.FULL
     fsdp_lifecycle: FsdpLifecycle = FsdpLifecycle.PER_MICROBATCH
     toggles: Toggles = Field(default_factory=Toggles)
-    reserve_gib: float = Field(default=0.0, ge=0)
+    reserve_gib: NonNegFloat = 0.0
     """HBM kept back for the CUDA context, NCCL and library workspaces; the peak must fit under the rest."""
     fp8_block_size: PosInt = 128
     """Elements per FP8 scale (1 x 128 block-wise recipe)."""
@@ -261,6 +337,21 @@ class Layout(_Strict):
     cluster: str | None = None
     name: str = ""
     measured: Measured | None = None
+    dense_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    """Sharding over the dense shard group (`dense_fsdp` ranks)."""
+    expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    """Sharding over the expert shard group (`expert_fsdp` ranks)."""
+    optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
+    grad_dtype: Dtype = Dtype.FP32
+    """Gradient buffer / shard dtype (Megatron `--grad-reduce-in-bf16` makes it BF16)."""
+    optimizer_state_dtype: Dtype = Dtype.FP32
+    """Muon momentum and AdamW moments dtype."""
+    lazy_optimizer_state: StrictBool = False
+    """Optimizer state is allocated at the first step (seed 003: Muon state absent from a pre-step reading).
+    The peak counts it either way; the rank's `resident_before_first_step_bytes` leaves it out."""
+    runtime: str | None = None
+    """Runtime preset or file (memory outside live tensors, constraints/runtimes/); absent: live tensors
+    only, so allocated = reserved = device and the reserve must cover everything else."""
 
     @property
     def dp(self) -> int:
@@ -349,9 +440,11 @@ class Job(_Strict):
     tokens_per_update: PosInt | None = None
     """Global tokens per update; fixes M = tokens / (DP * rows * context). Absent: search.microbatches."""
     document_length: PosInt | None = None
-    reserve_gib: float = Field(default=0.0, ge=0)
+    reserve_gib: NonNegFloat = 0.0
     domain_gpus_used: PosInt | None = None
     """GPUs used per NVLink domain (placement); default: whole domains."""
+    runtime: str | None = None
+    """Runtime preset or file for the memory outside live tensors (see Layout.runtime)."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
 
@@ -399,7 +492,8 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
 
 
 _PRESET_DIRS = {"model": "constraints/models", "cluster": "constraints/clusters",
-                "job": "constraints/jobs", "layout": "layouts"}
+                "job": "constraints/jobs", "layout": "layouts", "runtime": "constraints/runtimes",
+                "measured layout": "layouts/measured"}
 
 
 def preset_dir(kind: str) -> Path:
@@ -424,10 +518,12 @@ def resolve(name_or_path: str | Path, kind: str) -> Path:
         if p.exists():
             return p
         raise PresetNotFoundError(f"{kind} file not found: {p}")
-    candidate = preset_dir(kind) / f"{name_or_path}.toml"
-    if candidate.exists():
-        return candidate
-    known = ", ".join(preset_names(kind)) or "none"
+    kinds = (kind, "measured layout") if kind == "layout" else (kind,)
+    for k in kinds:
+        candidate = preset_dir(k) / f"{name_or_path}.toml"
+        if candidate.exists():
+            return candidate
+    known = ", ".join(sorted(n for k in kinds for n in preset_names(k))) or "none"
     raise PresetNotFoundError(f"unknown {kind} preset '{name_or_path}'; known presets: {known} (or give a path)")
 
 

@@ -29,8 +29,11 @@ def test_explain_json_has_the_same_numbers():
     assert len(data["ranks"]) == 8
     assert data["ranks"][3]["ledger_bytes"]["activations"] == 3_523_215_360
     assert data["validation"][0]["measured"] == 146.18
-    peak_gib = data["peak_bytes"] / 2**30
-    assert f"modeled {peak_gib:,.2f} GiB" in text
+    assert [v["kind"] for v in data["validation"]] == ["reserved", "device"]
+    for key in ("peak_reserved_bytes", "peak_device_bytes"):
+        assert f"modeled {data[key] / 2**30:,.2f} GiB" in text
+    r0 = data["ranks"][0]
+    assert r0["allocated_bytes"] <= r0["reserved_bytes"] <= r0["device_bytes"]
 
 
 def test_explain_reserve_moves_the_hbm_line():
