@@ -60,6 +60,24 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
         click.echo(explain_text(ev))
 
 
+@main.command()
+@click.option("--folder", type=click.Path(file_okay=False, exists=True), default=None,
+              help="A folder of measured layouts (default: the shipped layouts/measured/).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable rows.")
+@_user_errors
+def validate(folder: str | None, as_json: bool) -> None:
+    """Modeled vs measured for every measured layout: each figure with the kind it compares and the GAP."""
+    from k3opt.validate import rows_text, validation_rows
+
+    rows = validation_rows(folder)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=2, default=float))
+        return
+    click.echo("Modeled vs measured (GAP = measured - modeled, never absorbed; kind: allocated = live tensors, "
+               "reserved = + allocator slack, device = + memory outside the allocator)")
+    click.echo(rows_text(rows))
+
+
 def _load_job(job: str | None, gpus: tuple[int, ...]):  # noqa: ANN202
     from k3opt.specs import Job, load_job
 

@@ -458,7 +458,9 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
     validation = []
     if layout.measured is not None:
         m = layout.measured
-        validation += memory_comparisons(m, ranks)
+        validation += memory_comparisons(
+            m, ranks, ", worst owner" if layout.optimizer_shard_granularity == ShardGranularity.TENSOR
+            else "")
         if m.step_time_s is not None:
             validation.append(Comparison("step time", step.step_time_s, m.step_time_s, "s"))
         if m.tokens_per_s_per_gpu is not None:
@@ -472,7 +474,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
 _KIND_ATTR = {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "device": "device_bytes"}
 
 
-def memory_comparisons(m: Any, ranks: list[RankEvaluation]) -> list[Comparison]:
+def memory_comparisons(m: Any, ranks: list[RankEvaluation], owner: str = "") -> list[Comparison]:
     """Modeled vs measured memory, like with like: a peak of kind K against the modeled K peak of the measured
     rank (default: the rank with the largest modeled K); "unstated" against both reserved and device. Resident,
     per-term and optimizer-step figures are live tensors, compared against the ledger."""
@@ -486,12 +488,16 @@ def memory_comparisons(m: Any, ranks: list[RankEvaluation]) -> list[Comparison]:
             out.append(Comparison(f"peak HBM, {where}", getattr(r, attr) / GIB, m.peak_gib, "GiB", k))
     r = ranks[m.rank] if m.rank is not None else max(ranks, key=lambda x: x.peak_bytes)
     if m.resident_gib is not None:
-        out.append(Comparison(f"resident state, rank {r.rank}", r.persistent_bytes / GIB, m.resident_gib, "GiB",
+        out.append(Comparison(f"resident state, PP rank {r.rank}{owner}", r.persistent_bytes / GIB,
+                              m.resident_gib, "GiB", "allocated"))
+    if m.pre_step_resident_gib is not None:
+        out.append(Comparison(f"resident before the first step, PP rank {r.rank}{owner}",
+                              r.counts["resident_before_first_step_bytes"] / GIB, m.pre_step_resident_gib, "GiB",
                               "allocated"))
     for key, gib in m.terms_gib.items():
-        out.append(Comparison(f"{key}, rank {r.rank}", r.ledger[key] / GIB, gib, "GiB", "allocated"))
+        out.append(Comparison(f"{key}, PP rank {r.rank}{owner}", r.ledger[key] / GIB, gib, "GiB", "allocated"))
     if m.optimizer_transient_gib is not None:
-        out.append(Comparison(f"optimizer-step transient, rank {r.rank}", r.optimizer_phase_bytes / GIB,
+        out.append(Comparison(f"optimizer-step transient, PP rank {r.rank}{owner}", r.optimizer_phase_bytes / GIB,
                               m.optimizer_transient_gib, "GiB", "allocated"))
     return out
 

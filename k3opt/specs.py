@@ -295,6 +295,8 @@ class Measured(_Strict):
     """Persistent (parameter-shaped) memory of the rank, after the first optimizer step."""
     optimizer_transient_gib: PosFloat | None = None
     """Peak minus resident at the optimizer step."""
+    pre_step_resident_gib: PosFloat | None = None
+    """Resident memory read before the first optimizer step (lazily allocated state not yet there)."""
     terms_gib: dict[str, PosFloat] = Field(default_factory=dict)
     """Measured ledger terms by ledger key (e.g. `grads`, `master`), GiB."""
     step_time_s: PosFloat | None = None

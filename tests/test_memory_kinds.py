@@ -1,0 +1,127 @@
+"""Measurement kinds (allocated / reserved / device), the runtime preset's items outside the ledger, the HBM
+constraint on device, and the budget the search uses. Expected values are derived here from the sources the
+runtime preset cites, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+import k3opt
+from k3opt.coefficients import Shape
+from k3opt.memory_outside import allocated_budget_bytes, allocated_budgets_bytes, kinds, runtime_items
+from k3opt.runtime import RuntimeSpec, load_runtime
+
+GIB, MIB = 2**30, 2**20
+RT = "megatron-te-hybridep-gb200"
+# The default job's best plan on the live-tensor ledger (README): 178.74 GiB on rank 0, 8 racks x 64 GPUs.
+PLAN = dict(gpus=512, pp=8, ep=64, dense_fsdp=64, microbatches=64, split=[9, 9, 10, 11, 12, 14, 14, 14],
+            recompute="selective", domain_gpus_used=64,
+            toggles=dict(fp8_activations=True, moe_backward_rewrite=True, dispatch_recompute=True, fused_situ=True))
+
+
+@pytest.fixture(scope="module")
+def rt() -> RuntimeSpec:
+    return load_runtime(RT)
+
+
+def _items(ev, rank=0):
+    return {i.key: i for i in ev.ranks[rank].memory_items}
+
+
+def test_nccl_connection_is_10_mib(rt):
+    # Simple 4 MiB (1 << 22) + LL 8*512*8*16 = 512 KiB + LL128 120*640*8*8 = 4,915,200 B = 9,633,792 B,
+    # rounded up to the 2 MiB cuMem granularity: 5 x 2 MiB = 10,485,760 B (the allocations of NVIDIA/nccl #1685).
+    assert rt.nccl_ll_buffer_bytes == 8 * 512 * 8 * 16
+    assert rt.nccl_ll128_buffer_bytes == 120 * 640 * 8 * 8
+    assert rt.nccl_connection_bytes == 10_485_760
+
+
+def test_cublas_and_te_workspaces_are_allocated_kind(rt):
+    # cuBLAS ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB = 8,320 KiB; TE 32 MiB + 1 KiB for cc >= 9, 5 of them.
+    assert rt.cublas_workspace_bytes == (2 * 4096 + 8 * 16) * 1024
+    assert rt.te_workspace_bytes == 32 * MIB + 1024
+
+
+def test_reference_kinds_add_up(reference_eval, rt):
+    """allocated = ledger peak + workspaces; reserved = allocated x 1.1333; device = reserved + outside."""
+    r0 = reference_eval.ranks[0]
+    ws = 8_519_680 + 5 * (32 * MIB + 1024)
+    assert r0.allocated_bytes == r0.peak_bytes + ws
+    assert r0.reserved_bytes == r0.allocated_bytes + round(r0.allocated_bytes * 0.1333)
+    outside = sum(i.bytes for i in r0.memory_items if i.where == "outside")
+    assert r0.device_bytes == r0.reserved_bytes + outside
+    assert r0.fits == (r0.device_bytes <= reference_eval.capacity_bytes)
+
+
+def test_reference_ledger_unchanged_112_59(reference_eval):
+    """The live-tensor ledger of the default policy is today's: 112.59 GiB on rank 0 (README)."""
+    assert round(reference_eval.peak_bytes / GIB, 2) == 112.59
+    assert reference_eval.layout.runtime == RT
+
+
+def test_hybridep_buffer_ep64_in_one_domain(model, cluster, rt):
+    """HybridEP at EP64 inside one NVLink domain, T = 4096: max tokens = 4096 x 64 ranks x 1 domain = 262,144;
+    K3 dispatches the 3,584-wide latent in BF16: 262,144 x 3584 x 2 = 1.75 GiB (the note's 3.5 GiB is for a
+    7,168-wide BF16 token); probs 262,144 x (14 experts x 64 ranks) x 4 B = 0.875 GiB."""
+    ev = k3opt.evaluate(k3opt.make_layout(**PLAN, runtime=RT))
+    assert _items(ev)["hybridep_buffers"].bytes == 262_144 * 3584 * 2 + 262_144 * 896 * 4
+    assert _items(ev)["hybridep_buffers"].bytes == int(1.75 * GIB + 0.875 * GIB)
+
+
+def test_nvls_knob_and_collectives(model, cluster, rt):
+    """With 64 GPUs per domain the dense FSDP64 and EP64 groups are each inside one domain: two NVLS
+    communicators of 32 channels x 2 x 128 KiB x 8 steps x 8 heads = 512 MiB; NCCL_NVLS_ENABLE=0 removes them."""
+    on = k3opt.evaluate(k3opt.make_layout(**PLAN), runtime=rt)
+    off = k3opt.evaluate(k3opt.make_layout(**PLAN), runtime=rt.model_copy(update={"nccl_nvls_enable": False}))
+    assert _items(on)["nccl_nvls"].bytes == 2 * 512 * MIB
+    assert _items(off)["nccl_nvls"].bytes == 0
+    assert on.ranks[0].device_bytes - off.ranks[0].device_bytes == 2 * 512 * MIB
+    # Two collective communicators (dense shard 64, EP 64) x 16 channels x 10 MiB.
+    assert _items(on)["nccl_collectives"].bytes == 2 * 16 * 10 * MIB
+
+
+def test_pp_p2p_peers_edge_and_interior(rt):
+    """PP send/recv inside a domain: 16 channels x 512 KiB x 8 steps = 64 MiB per peer; rank 0 has one peer."""
+    lay = k3opt.make_layout(gpus=64, pp=8, ep=8, dense_fsdp=8, microbatches=8, split=[12] * 7 + [9])
+    ev = k3opt.evaluate(lay, runtime=rt)
+    assert _items(ev, 0)["nccl_p2p"].bytes == 64 * MIB
+    assert _items(ev, 3)["nccl_p2p"].bytes == 2 * 64 * MIB
+
+
+def test_fits_is_device_against_hbm_minus_reserve(rt):
+    """The default plan fits on live tensors (178.74 < 181.03 GiB) but its device peak does not."""
+    lay = k3opt.make_layout(**PLAN, reserve_gib=1.0)
+    bare = k3opt.evaluate(lay)
+    ev = k3opt.evaluate(lay, runtime=rt)
+    assert bare.fits and bare.peak_device_bytes == bare.peak_bytes  # no runtime: live tensors only
+    assert not ev.fits and ev.peak_bytes == bare.peak_bytes
+    assert ev.headroom_bytes == ev.capacity_bytes - ev.peak_device_bytes < 0
+
+
+def test_budget_is_tight_and_matches_evaluate(model, cluster, rt):
+    lay = k3opt.make_layout(**PLAN, reserve_gib=1.0)
+    shape = Shape.of(lay)
+    cap = cluster.hbm_bytes - GIB
+    budgets = allocated_budgets_bytes(shape, model, cluster, 1.0, rt)
+    assert allocated_budget_bytes(shape, model, cluster, 1.0, rt) == min(budgets)
+    for r, b in enumerate(budgets):
+        items = runtime_items(shape, model, cluster, rt, r)
+        assert kinds(b, items, rt)[2] <= cap < kinds(b + 2, items, rt)[2]
+    ev = k3opt.evaluate(lay, runtime=rt)
+    assert all((r.peak_bytes <= budgets[r.rank]) == r.fits for r in ev.ranks)
+    # Without a runtime the budget is the plain HBM line minus the reserve.
+    assert allocated_budget_bytes(shape, model, cluster, 1.0, None) == cap
+
+
+def test_expandable_segments_needs_its_own_slack(tmp_path):
+    text = k3opt.specs.resolve(RT, "runtime").read_text().replace(
+        "expandable_segments = false", "expandable_segments = true")
+    p = tmp_path / "rt.toml"
+    p.write_text(text)
+    with pytest.raises(k3opt.SpecError, match="allocator_slack_expandable_segments"):
+        load_runtime(p)
+
+
+def test_unknown_runtime_preset():
+    with pytest.raises(k3opt.PresetNotFoundError, match="unknown runtime preset 'nope'; known presets: megatron"):
+        load_runtime("nope")
