@@ -79,11 +79,17 @@ def validate(folder: str | None, as_json: bool) -> None:
 
 
 def _load_job(job: str | None, gpus: tuple[int, ...]):  # noqa: ANN202
-    from k3opt.specs import Job, load_job
+    from pydantic import ValidationError
+
+    from k3opt.errors import SpecError
+    from k3opt.specs import Job, _format_validation_error, load_job
 
     j = load_job(job or "k3-512-4k")
     if gpus:
-        j = Job.model_validate({**j.model_dump(), "gpus": list(gpus) if len(gpus) > 1 else gpus[0]})
+        try:
+            j = Job.model_validate({**j.model_dump(), "gpus": list(gpus) if len(gpus) > 1 else gpus[0]})
+        except ValidationError as err:
+            raise SpecError(_format_validation_error(err, "--gpus")) from None
     return j
 
 

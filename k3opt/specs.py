@@ -44,10 +44,13 @@ def _numpy_scalar(v: Any) -> Any:
 # Strict numbers: "64" where a number belongs is an error, not silently converted (TOML has real numbers).
 # A float field accepts an integer (TOML `hbm_gbps = 8000`); an integer field rejects 3.0 and true.
 StrictInt = Annotated[int, BeforeValidator(_numpy_scalar), Field(strict=True)]
-StrictFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(strict=True)]
+StrictFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(strict=True, allow_inf_nan=False)]
 PosInt = Annotated[int, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True)]
-PosFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True)]
-NonNegFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)]
+MAX_GPUS = 1 << 20
+GpuCount = Annotated[int, BeforeValidator(_numpy_scalar), Field(gt=0, le=MAX_GPUS, strict=True)]
+"""At most 1,048,576 GPUs: the placement builds per-rank arrays."""
+PosFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -132,7 +135,7 @@ class ModelSpec(_Strict):
 
     name: str
     hidden_size: PosInt
-    num_layers: PosInt
+    num_layers: Annotated[int, BeforeValidator(_numpy_scalar), Field(gt=0, le=4096, strict=True)]
     vocab_size: PosInt
     tie_word_embeddings: StrictBool = False
     full_attention_layers: list[StrictInt] = Field(default_factory=list)
@@ -308,7 +311,7 @@ class Layout(_Strict):
     """One parallel layout of a training job. `split` lists layers per chunk, p*v entries in order;
     chunk j runs on PP rank j mod p."""
 
-    gpus: PosInt
+    gpus: GpuCount
     pp: PosInt = 1
     vp: PosInt = 1
     cp: PosInt = 1
@@ -436,7 +439,7 @@ class Job(_Strict):
 
     model: str = "kimi-k3"
     cluster: str = "gb200-nvl72"
-    gpus: PosInt | list[PosInt]
+    gpus: GpuCount | list[GpuCount]
     context: PosInt = 4096
     rows: PosInt = 1
     tokens_per_update: PosInt | None = None
@@ -468,7 +471,8 @@ class Job(_Strict):
 
 def _format_validation_error(err: ValidationError, what: str) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(file)"
+    # Union members and validator chains appear in the location as "function-after[...]"; keep field names.
+    loc = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()) or "(file)"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"
