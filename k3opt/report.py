@@ -85,6 +85,11 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
     lines = [
         f"{lay.name or 'layout'}: {ev.model.name} on {cl.name}, {lay.gpus} GPUs",
         f"  {layout_text(lay)}",
+        f"  sharding dense={lay.dense_sharding.value} expert={lay.expert_sharding.value} "
+        f"granularity={lay.optimizer_shard_granularity.value} grads={lay.grad_dtype.value} "
+        f"optimizer state={lay.optimizer_state_dtype.value}"
+        f"{' (allocated at the first step)' if lay.lazy_optimizer_state else ''}; "
+        f"runtime {ev.runtime.name if ev.runtime is not None else 'none (live tensors only)'}",
         f"  parameters {p.total:,} (Muon {p.muon:,}, AdamW {p.adamw:,}); routed {p.routed:,}; "
         f"learned active matrices per token {p.active_matrix:,}",
         f"  HBM line {cl.hbm_bytes / GIB:.2f} GiB ({cl.hbm_mib:,} MiB, nvidia-smi) - reserve {reserve:.2f} GiB "
