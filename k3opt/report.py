@@ -168,6 +168,10 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
             "expert_fsdp": lay.expert_fsdp, "dense_fsdp": lay.dense_fsdp, "microbatches": lay.microbatches,
             "rows": lay.rows, "context_tokens": lay.context, "split_layers": " ".join(map(str, lay.split)),
             "recompute": lay.recompute.value, "fsdp_lifecycle": lay.fsdp_lifecycle.value,
+            "dense_sharding": lay.dense_sharding.value, "expert_sharding": lay.expert_sharding.value,
+            "optimizer_shard_granularity": lay.optimizer_shard_granularity.value,
+            "grad_dtype": lay.grad_dtype.value, "optimizer_state_dtype": lay.optimizer_state_dtype.value,
+            "runtime": ev.runtime.name if ev.runtime is not None else "",
         }
         row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
         s = ev.step
@@ -177,12 +181,16 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
             "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "mfu_pct": 100 * s.mfu,
             "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
             "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
-            "peak_gib": ev.peak_bytes / GIB, "capacity_gib": ev.capacity_bytes / GIB,
+            "peak_gib": ev.peak_bytes / GIB, "peak_allocated_gib": ev.peak_allocated_bytes / GIB,
+            "peak_reserved_gib": ev.peak_reserved_bytes / GIB, "peak_device_gib": ev.peak_device_bytes / GIB,
+            "capacity_gib": ev.capacity_bytes / GIB,
             "headroom_gib": ev.headroom_bytes / GIB, "host_gib_max": max(r.host_bytes for r in ev.ranks) / GIB,
         })
         for key in PERSISTENT + ACTIVATION + OPTIMIZER:
             row[f"{key}_gib"] = worst.ledger[key] / GIB
         row.update({f"rank{r.rank}_peak_gib": r.peak_bytes / GIB for r in ev.ranks})
+        for kind in ("allocated", "reserved", "device"):
+            row.update({f"rank{r.rank}_{kind}_gib": getattr(r, f"{kind}_bytes") / GIB for r in ev.ranks})
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -125,3 +125,17 @@ def test_expandable_segments_needs_its_own_slack(tmp_path):
 def test_unknown_runtime_preset():
     with pytest.raises(k3opt.PresetNotFoundError, match="unknown runtime preset 'nope'; known presets: megatron"):
         load_runtime("nope")
+
+
+def test_plan_frame_carries_the_three_kinds_per_rank(rt):
+    from types import SimpleNamespace
+
+    from k3opt.report import plan_frame
+
+    lay = k3opt.make_layout(**PLAN, reserve_gib=1.0, runtime=RT)
+    ev = k3opt.evaluate(lay)
+    df = plan_frame([SimpleNamespace(layout=lay, evaluation=ev)])
+    row = df.iloc[0]
+    assert row["peak_device_gib"] == pytest.approx(ev.peak_device_bytes / GIB)
+    assert row["rank7_reserved_gib"] == pytest.approx(ev.ranks[7].reserved_bytes / GIB)
+    assert row["runtime"] == RT and row["dense_sharding"] == "optim_grads_params"
