@@ -42,10 +42,12 @@ def main() -> None:
 @click.option("--cluster", "cluster_name", default=None,
               help="Cluster preset or TOML (default: the layout's, else gb200-nvl72).")
 @click.option("--reserve-gib", type=float, default=None, help="HBM kept back per GPU (default: the layout's).")
+@click.option("--runtime", "runtime_name", default=None,
+              help="Runtime preset or TOML for the memory outside live tensors (default: the layout's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
 @_user_errors
 def explain(layout: str, model_name: str | None, cluster_name: str | None, reserve_gib: float | None,
-            as_json: bool) -> None:
+            runtime_name: str | None, as_json: bool) -> None:
     """Print LAYOUT's per-rank memory ledger and step-time breakdown (a file or a shipped layout name)."""
     from k3opt.evaluate import evaluate
     from k3opt.report import explain_text
@@ -53,7 +55,8 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
 
     if reserve_gib is not None and reserve_gib < 0:
         raise click.BadParameter("must be >= 0", param_hint="--reserve-gib")
-    ev = evaluate(load_layout(layout), model=model_name, cluster=cluster_name, reserve_gib=reserve_gib)
+    ev = evaluate(load_layout(layout), model=model_name, cluster=cluster_name, reserve_gib=reserve_gib,
+                  runtime=runtime_name)
     if as_json:
         click.echo(json.dumps(ev.to_dict(), indent=2, default=float))
     else:

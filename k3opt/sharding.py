@@ -21,6 +21,7 @@ def worst_owned(model_json: str, blocks: tuple[int, ...], routed: bool, group: i
     st = structure_of(ModelSpec.model_validate_json(model_json))
     all_blocks = [*st.layers, st.first, st.last]
     sizes: list[tuple[int, bool]] = []
+    base_m = base_a = 0
     for i in blocks:
         for b in all_blocks[i]:
             for t in b.tensors:
@@ -28,9 +29,15 @@ def worst_owned(model_json: str, blocks: tuple[int, ...], routed: bool, group: i
                     continue
                 copies = t.count // ep if routed else t.count
                 numel = t.numel // t.count
-                sizes += [(numel, t.optimizer == "muon")] * copies
+                muon = t.optimizer == "muon"
+                # Many identical copies (experts, vision blocks): every rank takes q whole copies first, the
+                # rest (fewer than 2 per rank) go through the largest-first assignment.
+                q = max(0, copies // group - 1)
+                base_m += q * numel * muon
+                base_a += q * numel * (not muon)
+                sizes += [(numel, muon)] * (copies - q * group)
     sizes.sort(key=lambda s: -s[0])
-    heap = [(0, k, 0, 0) for k in range(group)]  # (load, rank, muon, adamw)
+    heap = [(base_m + base_a, k, base_m, base_a) for k in range(group)]  # (load, rank, muon, adamw)
     for numel, muon in sizes:
         load, k, m, a = heapq.heappop(heap)
         heapq.heappush(heap, (load + numel, k, m + numel * muon, a + numel * (not muon)))

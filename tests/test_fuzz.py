@@ -96,20 +96,43 @@ def _check_error(err: k3opt.K3optError) -> None:
     assert msg and "\n" not in msg, msg
 
 
-def _run(loader, text: str, then=None) -> None:  # noqa: ANN001
+def _cli(args: list[str], expect_error: bool) -> None:
+    result = CliRunner().invoke(main, args)
+    assert "Traceback" not in result.output
+    assert result.exit_code == (2 if expect_error else 0), result.output
+    if expect_error:
+        lines = [ln for ln in result.output.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("k3opt: error:"), result.output
+
+
+def _run(loader, text: str, then=None, cli=None) -> None:  # noqa: ANN001
+    """Load (and use) a fuzzed file: success or one K3optError line; the CLI (`cli(path)` gives its arguments,
+    or None to skip) exits 2 with one line exactly when the library raised."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "input.toml"
         path.write_text(text)
+        failed = False
         try:
             obj = loader(path)
             if then is not None:
                 then(obj)
         except k3opt.K3optError as err:
             _check_error(err)
+            failed = True
+        if cli is not None:
+            args = cli(path)
+            if args is not None and (failed or then is not None):
+                _cli(args, failed)
 
 
-FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+def _tiny_layout_file(tmp: Path, drop: str) -> str:
+    path = tmp / "tiny-layout.toml"
+    path.write_text("\n".join(f"{k} = {_toml_value(v)}" for k, v in TINY_LAYOUT.items() if k != drop) + "\n")
+    return str(path)
+
+
+FUZZ = settings(max_examples=50, derandomize=True, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @FUZZ
@@ -129,30 +152,37 @@ def test_fuzz_layout_loader_evaluate_and_cli(data):
 
 
 @FUZZ
-@given(mutated(tomllib.loads(TINY_MODEL.read_text())))
-def test_fuzz_model_loader_and_evaluate(data):
+@given(data=mutated(tomllib.loads(TINY_MODEL.read_text())))
+def test_fuzz_model_loader_and_evaluate(data, tmp_path):
     layout = k3opt.make_layout(**{k: v for k, v in TINY_LAYOUT.items() if k not in ("model", "measured")})
-    _run(k3opt.load_model, _to_toml(data), lambda m: k3opt.evaluate(layout, model=m))
+    lay_file = _tiny_layout_file(tmp_path, "model")
+    _run(k3opt.load_model, _to_toml(data), lambda m: k3opt.evaluate(layout, model=m),
+         lambda p: ["explain", lay_file, "--model", str(p), "--json"])
 
 
 @FUZZ
-@given(mutated(_base("cluster", "gb200-nvl72")))
-def test_fuzz_cluster_loader_and_evaluate(data):
+@given(data=mutated(_base("cluster", "gb200-nvl72")))
+def test_fuzz_cluster_loader_and_evaluate(data, tmp_path):
     layout = k3opt.make_layout(**{k: v for k, v in TINY_LAYOUT.items() if k != "cluster"})
-    _run(k3opt.load_cluster, _to_toml(data), lambda c: k3opt.evaluate(layout, cluster=c))
+    lay_file = _tiny_layout_file(tmp_path, "cluster")
+    _run(k3opt.load_cluster, _to_toml(data), lambda c: k3opt.evaluate(layout, cluster=c),
+         lambda p: ["explain", lay_file, "--cluster", str(p), "--json"])
 
 
 @FUZZ
-@given(mutated(_base("runtime", "megatron-te-hybridep-gb200")))
-def test_fuzz_runtime_loader_and_evaluate(data):
+@given(data=mutated(_base("runtime", "megatron-te-hybridep-gb200")))
+def test_fuzz_runtime_loader_and_evaluate(data, tmp_path):
     layout = k3opt.make_layout(**TINY_LAYOUT)
-    _run(load_runtime, _to_toml(data), lambda rt: k3opt.evaluate(layout, runtime=rt))
+    lay_file = _tiny_layout_file(tmp_path, "runtime")
+    _run(load_runtime, _to_toml(data), lambda rt: k3opt.evaluate(layout, runtime=rt),
+         lambda p: ["explain", lay_file, "--runtime", str(p), "--json"])
 
 
 @FUZZ
 @given(mutated(_base("job", "k3-512-4k")))
 def test_fuzz_job_loader(data):
-    _run(k3opt.load_job, _to_toml(data))
+    # The CLI runs only for jobs that fail to load (a valid job would start a full search).
+    _run(k3opt.load_job, _to_toml(data), None, lambda p: ["plan", str(p)])
 
 
 @pytest.mark.parametrize(("field", "value"), [("cp", '"64"'), ("gpus", "512.0"), ("pp", "true"),
