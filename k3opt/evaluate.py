@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.schedule import bubble_fraction, bubble_overhead
@@ -384,6 +385,33 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
             "chunks": tuple(bounds[j] for j in mine), "counts": counts}
 
 
+def _policy_formulas(layout: Layout) -> dict[str, str]:
+    """Term formulas under a non-default sharding policy, dtype or granularity (default: TERM_INFO's)."""
+    d, e_ = layout.dense_sharding, layout.expert_sharding
+    default = ShardingPolicy.OPTIM_GRADS_PARAMS
+    tensor = layout.optimizer_shard_granularity == ShardGranularity.TENSOR
+    if (d == e_ == default and not tensor and layout.grad_dtype.bytes == 4
+            and layout.optimizer_state_dtype.bytes == 4):
+        return {}
+
+    def div(pol: ShardingPolicy, f: str, grads: bool = False) -> str:
+        sharded = pol in (ShardingPolicy.OPTIM_GRADS, default) if grads else pol != ShardingPolicy.NO_SHARD
+        return f"/{f}" if sharded else ""
+
+    owner = " of the rank owning the most whole tensors" if tensor else ""
+    g, sd = layout.grad_dtype.bytes, layout.optimizer_state_dtype.bytes
+    pol = f"dense {d.value}, expert {e_.value}"
+    return {
+        "master": f"FP32 masters{owner}: 4 x (D{div(d, 'f_d')} + E/e{div(e_, 'f_e')}) ({pol})",
+        "grads": f"{layout.grad_dtype.value.upper()} gradients: {g} x (D{div(d, 'f_d', True)} + "
+                 f"E/e{div(e_, 'f_e', True)}) ({pol}; unsharded = the whole buffer)",
+        "optimizer": f"Muon momentum {sd} B + AdamW moments {2 * sd} B per owned parameter{owner}",
+        "optimizer_transient": "without P2P Muon, BF16 all-gathered at the step: optim_grads_params groups 2 x "
+                               "params (plus Newton-Schulz), optim / optim_grads in place (element) or into "
+                               "receive buffers after Newton-Schulz (tensor): max(2 x sharded params, NS)",
+    }
+
+
 def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...]) -> dict[str, float]:
     """Master, optimizer state (and sharded gradients) of the rank owning the most whole tensors."""
     sh = cf.shape
@@ -432,8 +460,10 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         opt_phase = sum(ledger[k] for k in OPTIMIZER)
         peak = persistent + max(act_phase, opt_phase)
         terms = []
+        policy_text = _policy_formulas(layout)
         for key in PERSISTENT + ACTIVATION + OPTIMIZER:
             kind, formula = TERM_INFO[key]
+            formula = policy_text.get(key, formula)
             if key == "logits":
                 formula = cf.logits_formula
             phase = "persistent" if key in PERSISTENT else "activation" if key in ACTIVATION else "optimizer"
@@ -495,6 +525,8 @@ def memory_comparisons(m: Any, ranks: list[RankEvaluation], owner: str = "") -> 
                               r.counts["resident_before_first_step_bytes"] / GIB, m.pre_step_resident_gib, "GiB",
                               "allocated"))
     for key, gib in m.terms_gib.items():
+        if key not in r.ledger:
+            raise LayoutError(f"measured.terms_gib.{key}: not a ledger key; known: {', '.join(r.ledger)}")
         out.append(Comparison(f"{key}, PP rank {r.rank}{owner}", r.ledger[key] / GIB, gib, "GiB", "allocated"))
     if m.optimizer_transient_gib is not None:
         out.append(Comparison(f"optimizer-step transient, PP rank {r.rank}{owner}", r.optimizer_phase_bytes / GIB,

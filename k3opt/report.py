@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from k3opt.coefficients import RESOURCES
-from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, TERM_INFO, Evaluation
+from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
 from k3opt.specs import GIB, MIB, TOGGLE_NAMES, Layout
 from k3opt.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 
@@ -140,8 +140,8 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
     lines += ["", "Saved-for-backward values per token, no recompute, derived from shapes: " + "; ".join(cross)]
     if terms:
         lines += ["", "Ledger terms"]
-        for key, (kind, formula) in TERM_INFO.items():
-            lines.append(f"  {key:<22} [{kind}] {formula}")
+        for t in ev.ranks[0].terms:
+            lines.append(f"  {t.key:<22} [{t.kind}] {t.formula}")
         if ev.runtime is not None:
             lines += ["", f"Memory beyond the ledger, rank {worst.rank} (runtime {ev.runtime.name}; "
                           f"allocator slack {ev.runtime.slack:g} of allocated)"]

@@ -328,7 +328,8 @@ class Layout(_Strict):
     fsdp_lifecycle: FsdpLifecycle = FsdpLifecycle.PER_MICROBATCH
     toggles: Toggles = Field(default_factory=Toggles)
     reserve_gib: NonNegFloat = 0.0
-    """HBM kept back for the CUDA context, NCCL and library workspaces; the peak must fit under the rest."""
+    """HBM kept back for what the model does not itemize: every rank's device peak must fit under HBM - reserve
+    (without a runtime the device peak is the live-tensor ledger, so the reserve must cover everything else)."""
     fp8_block_size: PosInt = 128
     """Elements per FP8 scale (1 x 128 block-wise recipe)."""
     ce_chunk_tokens: PosInt = 1024
@@ -399,6 +400,8 @@ class Layout(_Strict):
             )
         if (self.rows * self.context) % c:
             raise ValueError(f"rows * context ({self.rows * self.context}) must be divisible by cp ({c})")
+        if self.measured is not None and self.measured.rank is not None and self.measured.rank >= p:
+            raise ValueError(f"measured.rank ({self.measured.rank}) must be a PP rank, 0..{p - 1}")
         return self
 
 
@@ -446,6 +449,7 @@ class Job(_Strict):
     """Global tokens per update; fixes M = tokens / (DP * rows * context). Absent: search.microbatches."""
     document_length: PosInt | None = None
     reserve_gib: NonNegFloat = 0.0
+    """HBM kept back per GPU for what is not itemized (see Layout.reserve_gib)."""
     domain_gpus_used: PosInt | None = None
     """GPUs used per NVLink domain (placement); default: whole domains."""
     runtime: str | None = None

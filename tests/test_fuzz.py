@@ -29,7 +29,7 @@ TINY_LAYOUT = {
     "context": 2048, "split": [3, 3], "recompute": "full", "model": str(TINY_MODEL), "cluster": "gb200-nvl72",
     "runtime": "megatron-te-hybridep-gb200", "dense_sharding": "optim", "optimizer_shard_granularity": "tensor",
     "toggles": {"fp8_activations": True, "fused_situ": True},
-    "measured": {"kind": "unstated", "peak_gib": 10.0},
+    "measured": {"kind": "unstated", "peak_gib": 10.0, "rank": 1, "resident_gib": 5.0, "terms_gib": {"grads": 1.0}},
 }
 
 BAD_VALUES = ["64", "", "true", -1, 0, 3, 7, 1000, 2**40, 2.5, -0.5, math.inf, math.nan, True, False, [], [1, "a"], [0],
