@@ -566,8 +566,13 @@ def load_layout(name_or_path: str | Path) -> Layout:
 
 
 def load_job(name_or_path: str | Path = "k3-512-4k") -> Job:
-    """A job file (or the name of a shipped job, e.g. `k3-512-4k`)."""
-    return _load(Job, name_or_path, "job")
+    """A job file (or the name of a shipped job, e.g. `k3-512-4k`). Its runtime, if named, must exist."""
+    job = _load(Job, name_or_path, "job")
+    if job.runtime is not None:
+        from k3opt.runtime import load_runtime
+
+        load_runtime(job.runtime)
+    return job
 
 
 def make_layout(**fields: Any) -> Layout:
