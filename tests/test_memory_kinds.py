@@ -139,3 +139,22 @@ def test_plan_frame_carries_the_three_kinds_per_rank(rt):
     assert row["peak_device_gib"] == pytest.approx(ev.peak_device_bytes / GIB)
     assert row["rank7_reserved_gib"] == pytest.approx(ev.ranks[7].reserved_bytes / GIB)
     assert row["runtime"] == RT and row["dense_sharding"] == "optim_grads_params"
+
+
+def test_validate_rows_json_and_bad_folder(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    rows = json.loads(CliRunner().invoke(main, ["validate", "--json"]).output)
+    ref = [r for r in rows if r["layout"] == "k3-gb200-512-reference"]
+    assert [r["kind"] for r in ref] == ["reserved", "device"]
+    for r in rows:
+        assert r["gap"] == pytest.approx(r["measured"] - r["modeled"])
+        assert r["gap_pct"] == pytest.approx(100 * r["gap"] / r["measured"])
+    (tmp_path / "bad.toml").write_text('gpus = "512"\n')
+    result = CliRunner().invoke(main, ["validate", "--folder", str(tmp_path)])
+    assert result.exit_code == 2 and result.output.startswith("k3opt: error:") and "gpus" in result.output
+    assert len(result.output.strip().splitlines()) == 1
