@@ -131,7 +131,7 @@ def _tiny_layout_file(tmp: Path, drop: str) -> str:
     return str(path)
 
 
-FUZZ = settings(max_examples=50, derandomize=True, deadline=None, database=None,
+FUZZ = settings(max_examples=40, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
