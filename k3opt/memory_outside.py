@@ -29,9 +29,14 @@ class MemoryItem:
     formula: str
 
 
+def _domain(shape: Shape, cluster: ClusterSpec) -> int:
+    """GPUs of one NVLink domain the job uses (the placement's block size)."""
+    return min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
+
+
 def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
-    domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
-    return comm.placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
+    return comm.placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
+                          _domain(shape, cluster))
 
 
 def _pp_peers(shape: Shape, rank: int, pl: comm.Placement) -> list[bool]:
@@ -96,7 +101,9 @@ def runtime_items(shape: Shape, model: ModelSpec, cluster: ClusterSpec, runtime:
     nvl_buf = rt.nccl_p2p_channels_per_peer * rt.nccl_p2p_chunk_bytes * rt.nccl_steps
     net_buf = rt.nccl_p2p_channels_per_net_peer * rt.nccl_p2p_net_chunk_bytes * rt.nccl_steps
     peers = _pp_peers(shape, rank, pl)
-    cp_peers = [c <= pl_domain(shape, cluster)] * (min(c - 1, 2))
+    # TE's CP ring: the previous and the next CP rank; CP is innermost in the rank order, so inside a domain
+    # unless the CP group is larger than one.
+    cp_peers = [c <= _domain(shape, cluster)] * min(c - 1, 2)
     ep_peers: list[bool] = []
     if model.moe is not None and has_moe and e > 1 and not rt.hybridep:
         ep_peers = [True] * (pl.ep_local - 1) + [False] * (e - pl.ep_local)
@@ -122,10 +129,6 @@ def runtime_items(shape: Shape, model: ModelSpec, cluster: ClusterSpec, runtime:
                        f"({m.num_experts // e} experts x {a} ranks) x {rt.hybridep_prob_bytes} B")
     items.append(MemoryItem("hybridep_buffers", hep, "outside", hep_formula))
     return tuple(items)
-
-
-def pl_domain(shape: Shape, cluster: ClusterSpec) -> int:
-    return min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
 
 
 def allocator_bytes(items: tuple[MemoryItem, ...]) -> int:

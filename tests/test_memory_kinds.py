@@ -158,3 +158,14 @@ def test_validate_rows_json_and_bad_folder(tmp_path):
     result = CliRunner().invoke(main, ["validate", "--folder", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("k3opt: error:") and "gpus" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cp_ring_and_nccl_all_to_all_peers(rt):
+    """CP2: one ring neighbour inside the domain, 64 MiB. Without HybridEP the EP8 all-to-all runs over NCCL:
+    seven more NVLink peers, 7 x 64 MiB, and no HybridEP buffer."""
+    lay = k3opt.make_layout(gpus=64, pp=1, cp=2, ep=8, dense_fsdp=8, split=[93])
+    ev = k3opt.evaluate(lay, runtime=rt)
+    assert _items(ev)["nccl_p2p"].bytes == 64 * MIB
+    nccl_a2a = k3opt.evaluate(lay, runtime=rt.model_copy(update={"hybridep": False}))
+    assert _items(nccl_a2a)["nccl_p2p"].bytes == 8 * 64 * MIB
+    assert _items(nccl_a2a)["hybridep_buffers"].bytes == 0 < _items(ev)["hybridep_buffers"].bytes
