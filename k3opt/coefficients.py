@@ -363,7 +363,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         else:
             remote = comm.ep_remote_copies(m.experts_per_token, e)
             cross = comm.ep_cross_domain_copies(m.experts_per_token, e, pl.ep_local)
-        per_copy = comm.ep_payload_bytes(exch, T, m.latent_size, 1.0)
+        per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
         nvl = nvl + moe * per_copy * (remote - cross)
         nic = nic + moe * per_copy * cross
         n_ag = comm.routing_map_allgathers_per_layer(full)
@@ -371,7 +371,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         nvl = nvl + moe * n_ag * rmap * (pl.ep_local - 1)
         nic = nic + moe * n_ag * rmap * (e - pl.ep_local)
         routing_map = float(e * rmap)
-        ep_buffers = float(2 * T * m.experts_per_token * m.latent_size * BF16)
+        ep_buffers = float(2 * T * m.experts_per_token * model.dispatch_width * BF16)
     if not accumulate:
         # Per-microbatch FP32 reduce-scatter of the gradients: 4 P (1 - 1/n), hierarchical.
         a, b_ = _hier(4 * pn, fd, pl.dense_fsdp_local)

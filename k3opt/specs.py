@@ -56,18 +56,40 @@ class MLASpec(_Strict):
     output_gate: bool = True
 
 
+class GQASpec(_Strict):
+    """Grouped-query softmax attention (Llama 3, Qwen3): H query heads share K/V across H / kv groups."""
+
+    num_heads: PosInt
+    num_kv_heads: PosInt
+    head_dim: PosInt
+    qk_norm: bool = False
+    """Per-head RMSNorm on Q and K (Qwen3: q_norm, k_norm of width head_dim)."""
+    attention_bias: bool = False
+    """Biases on the Q, K, V projections."""
+
+    @model_validator(mode="after")
+    def _groups(self) -> GQASpec:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
 class DenseFFNSpec(_Strict):
     intermediate_size: PosInt
 
 
 class MoESpec(_Strict):
-    """Latent MoE: the routed stream is compressed to `latent_size` before dispatch."""
+    """MoE FFN. With `latent_size` (latent MoE) the routed stream is compressed to that width before
+    dispatch; without it the experts read the hidden state (DeepSeek-V3, Qwen3)."""
 
     num_experts: PosInt
     experts_per_token: PosInt
-    latent_size: PosInt
+    latent_size: PosInt | None = None
     expert_intermediate_size: PosInt
-    shared_intermediate_size: int = Field(ge=0)
+    shared_intermediate_size: int = Field(default=0, ge=0)
+    """Summed intermediate width of the shared experts (0: none)."""
+    router_bias: bool = False
+    """A learned per-expert routing bias (DeepSeek-V3 e_score_correction_bias)."""
 
 
 class AttnResSpec(_Strict):
@@ -96,13 +118,25 @@ class VisionSpec(_Strict):
     projector_hidden_size: PosInt
 
 
+class MTPSpec(_Strict):
+    """Multi-token prediction modules (DeepSeek-V3 section 2.2): each is enorm + hnorm, a [d, 2d]
+    projection and one decoder layer of the last layer's kinds; embedding and output head are shared
+    with the main model (no parameters) but the head is applied once more per module."""
+
+    num_layers: PosInt = 1
+
+
 class OptimizerSpec(_Strict):
     adamw_matrices: list[str] = Field(default_factory=list)
     """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.structure)."""
 
 
 class ModelSpec(_Strict):
-    """A decoder stack of KDA / MLA attention with dense or latent-MoE FFNs, read from TOML."""
+    """A decoder stack of KDA / MLA / GQA attention with dense or (latent) MoE FFNs, read from TOML.
+
+    `full_attention_layers` lists the softmax-attention layers (MLA or GQA, whichever table is given);
+    all other layers are KDA. `dense_ffn_layers` lists the dense-FFN layers; all others are MoE. Either
+    list may be the string "all"."""
 
     name: str
     hidden_size: PosInt
@@ -113,11 +147,31 @@ class ModelSpec(_Strict):
     dense_ffn_layers: list[int] = Field(default_factory=list)
     kda: KDASpec | None = None
     mla: MLASpec | None = None
+    gqa: GQASpec | None = None
     dense_ffn: DenseFFNSpec | None = None
     moe: MoESpec | None = None
     attn_res: AttnResSpec | None = None
     vision: VisionSpec | None = None
+    mtp: MTPSpec | None = None
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    source: str = ""
+    """Where the shapes were copied from (repository and file)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_layers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            n = data.get("num_layers")
+            for key in ("full_attention_layers", "dense_ffn_layers"):
+                if data.get(key) == "all" and isinstance(n, int):
+                    data = {**data, key: list(range(n))}
+        return data
+
+    @property
+    def dispatch_width(self) -> int:
+        """Width of the routed stream the EP all-to-all carries: the latent width, else the hidden size."""
+        assert self.moe is not None
+        return self.moe.latent_size or self.hidden_size
 
     @model_validator(mode="after")
     def _layers(self) -> ModelSpec:
@@ -127,8 +181,10 @@ class ModelSpec(_Strict):
                 raise ValueError(f"{field} has layer indices outside 0..{self.num_layers - 1}: {bad}")
         if len(self.full_attention_layers) < self.num_layers and self.kda is None:
             raise ValueError("some layers are linear attention but the [kda] table is missing")
-        if self.full_attention_layers and self.mla is None:
-            raise ValueError("full_attention_layers is set but the [mla] table is missing")
+        if self.mla is not None and self.gqa is not None:
+            raise ValueError("give one softmax-attention table, [mla] or [gqa], not both")
+        if self.full_attention_layers and self.mla is None and self.gqa is None:
+            raise ValueError("full_attention_layers is set but the [mla] (or [gqa]) table is missing")
         if self.dense_ffn_layers and self.dense_ffn is None:
             raise ValueError("dense_ffn_layers is set but the [dense_ffn] table is missing")
         if len(set(self.dense_ffn_layers)) < self.num_layers and self.moe is None:
