@@ -15,8 +15,17 @@ import numpy as np
 
 from k3opt import comm
 from k3opt.schedule import inflight_compositions, schedule_slots
-from k3opt.specs import ClusterSpec, FsdpLifecycle, Layout, ModelSpec, Recompute, Toggles
-from k3opt.structure import BF16, FP32, Block, Saved, Structure, structure_of
+from k3opt.specs import (
+    ClusterSpec,
+    FsdpLifecycle,
+    Layout,
+    ModelSpec,
+    Precision,
+    Recompute,
+    Toggles,
+    quantized_bytes_per_element,
+)
+from k3opt.structure import BF16, FP32, Block, Saved, Structure, Tensor, structure_of
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,10 @@ class Shape:
     ce_chunk_tokens: int = 1024
     offload_resident_layers: int = 2
     domain_gpus_used: int | None = None
+    precision: Precision = Precision.BF16
+    """Compute precision of the linear GEMMs; a search enumerates it from Job.precisions."""
+    ep_overlap: bool = False
+    dispatcher: str = "hybridep"
 
     @classmethod
     def of(cls, layout: Layout) -> Shape:
@@ -51,6 +64,7 @@ class Shape:
             recompute=layout.recompute, fsdp_lifecycle=layout.fsdp_lifecycle, toggles=layout.toggles,
             fp8_block_size=layout.fp8_block_size, ce_chunk_tokens=layout.ce_chunk_tokens,
             offload_resident_layers=layout.offload_resident_layers, domain_gpus_used=layout.domain_gpus_used,
+            precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
         )
 
     @property
@@ -134,6 +148,10 @@ class Coefficients:
     pp_on_nvlink: tuple[bool, ...] = ()
     balance_resource: str = "nic"
     balance_seconds_per_byte: float = 0.0
+    gemm_flops: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
+    quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Cached low-precision weight copies (row- and column-wise, with block scales) of the local GEMM weights."""
 
     @property
     def first(self) -> int:
@@ -144,17 +162,22 @@ class Coefficients:
         return self.n_layers + 1
 
 
-def saved_per_token(block: Block, toggles: Toggles, fp8_block: int) -> tuple[float, float, float]:
+def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
+                    precision: Precision = Precision.BF16) -> tuple[float, float, float]:
     """(all saved bytes, recomputable bytes, FP8-stored bytes) per token of one block after the toggles:
     fused SiTU swaps six FP32 [R, H] copies for the BF16 [R, 2H] input (seed 004); dispatch recompute drops
     the dispatched copies; the MoE backward rewrite drops the expert outputs (seed 001); FP8 stores GEMM
-    inputs in 1 byte plus one FP32 scale per `fp8_block` elements."""
+    inputs in 1 byte plus one FP32 scale per `fp8_block` elements. A low compute precision saves each GEMM
+    input as the quantized copy the wgrad GEMM reads (Transformer Engine keeps the column-wise usage,
+    TransformerEngine PR #1596): b + 1/block bytes per element."""
     total = recomputable = fp8 = 0.0
     for s in block.saved:
         if not _kept(s, toggles):
             continue
         b = float(s.bytes_per_token)
-        if toggles.fp8_activations and s.gemm_input:
+        if precision != Precision.BF16 and s.gemm_input:
+            b = s.values_per_token * quantized_bytes_per_element(precision)
+        elif toggles.fp8_activations and s.gemm_input:
             b = s.values_per_token * (1 + FP32 / fp8_block)
             fp8 += s.values_per_token
         total += b
@@ -198,6 +221,13 @@ def _hier(total: np.ndarray, n: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return total * nvl, total * nic
 
 
+def quantized_gemm(block: Block, t: Tensor) -> bool:
+    """Megatron with Transformer Engine runs the decoder's linear layers in FP8/FP4; the router, the embedding,
+    the output layer (and the MTP head pass sharing it) and the vision tower stay BF16."""
+    return (t.is_matrix and t.active_per_token > 0 and block.kind not in ("embedding", "head", "vision")
+            and not t.name.endswith(("router", "shared_head", "lm_head")))
+
+
 def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
     return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json())
 
@@ -218,6 +248,14 @@ class _Static:
     ns_nonrouted: np.ndarray
     ns_ws: np.ndarray
     head_active: int
+    q_active: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Active matrix parameters of the GEMMs that run in the compute precision (linear layers of the decoder
+    and MTP layers; not the router, the embedding, the output head or the vision tower)."""
+    q_elements: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Elements quantized per token for those GEMMs: the input X forward and the output gradient dY backward,
+    sum of active copies x (in + out)."""
+    q_params_nonrouted: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    q_params_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 @lru_cache(maxsize=16)
@@ -239,7 +277,14 @@ def _static(model_json: str) -> _Static:
             else:
                 ns_n[i] += newton_schulz_flops(rows, cols) * count
             ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    def q_sum(fn) -> np.ndarray:  # noqa: ANN001
+        return per(lambda b: sum(fn(t) for t in b.tensors if quantized_gemm(b, t)))
+
     return _Static(
+        q_active=q_sum(lambda t: t.active_matrix_params),
+        q_elements=q_sum(lambda t: t.active_per_token * (t.shape[0] + t.shape[1])),
+        q_params_nonrouted=q_sum(lambda t: 0 if t.routed else t.numel),
+        q_params_routed=q_sum(lambda t: t.numel if t.routed else 0),
         pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw")),
         p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
         attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
@@ -249,14 +294,15 @@ def _static(model_json: str) -> _Static:
 
 
 @lru_cache(maxsize=512)
-def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, ...]:
+def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
+           precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
     st = structure_of(ModelSpec.model_validate_json(model_json))
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     out = np.zeros((3, len(blocks)))
     for i, bl in enumerate(blocks):
         for b in bl:
-            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block)) * tokens
+            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block, precision)) * tokens
     return out[0], out[1], out[2]
 
 
@@ -297,7 +343,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     # Saved-for-backward bytes per microbatch (only the activation toggles matter for the cache key).
     act_toggles = Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
                           dispatch_recompute=tg.dispatch_recompute, moe_backward_rewrite=tg.moe_backward_rewrite)
-    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size)
+    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size, shape.precision)
     layer = np.arange(n) < L
     stream = T * d * BF16
     if shape.recompute == Recompute.NONE:
@@ -345,6 +391,16 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     hbm = hbm + BF16 * view + 2 * FP32 * (view if accumulate else resident)  # BF16 grads, FP32 RMW
     if tg.fp8_activations:
         hbm = hbm + 2 * BF16 * fp8_values               # quantize reads BF16, dequantize writes BF16
+    # Linear GEMMs in a low compute precision: their FLOPs run at that precision's peak; every GEMM operand
+    # X (forward) and dY (backward) is quantized once: read BF16, write a row-wise and a column-wise copy
+    # (b + 1/block bytes each; Transformer Engine makes both usages for the forward/dgrad and wgrad GEMMs).
+    lowp = shape.precision != Precision.BF16
+    qb = quantized_bytes_per_element(shape.precision)
+    gemm_flops = np.where(layer, 6 * T * sa.q_active * rc_factor, 6 * T * sa.q_active) if lowp else np.zeros(n)
+    q_view = sa.q_params_nonrouted + sa.q_params_routed / e
+    quantized_weights = 2 * qb * q_view if lowp else np.zeros(n)
+    if lowp:
+        hbm = hbm + T * sa.q_elements * (BF16 + 2 * qb)
     if tg.moe_backward_rewrite and model.moe is not None:
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
@@ -386,7 +442,8 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
 
     gb = 1e9
     time = {
-        "tensor": tensor_flops / (cluster.bf16_tflops * 1e12),
+        "tensor": (tensor_flops - gemm_flops) / (cluster.bf16_tflops * 1e12)
+        + gemm_flops / (cluster.dense_tflops(shape.precision) * 1e12),
         "hbm": hbm / (cluster.hbm_gbps * gb),
         "nvlink": nvl / (cluster.nvlink_gbps * gb),
         "nic": nic / (cluster.nic_gbps * gb),
@@ -395,6 +452,9 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
 
     # ---------------------------------------------------------------- per-update work
     up_hbm = (2 * FP32 + FP32 + 2 * FP32) * res_muon + (2 * FP32 + FP32 + 4 * FP32) * res_adam
+    if lowp:
+        # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
+        up_hbm = up_hbm + q_view * (BF16 + 2 * qb)
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
     up_nvl, up_nic = _hier(2 * pn, fd, pl.dense_fsdp_local)     # BF16 view refresh all-gather
     a, b_ = _hier(2 * p_routed / e, fe, pl.expert_fsdp_local)
@@ -445,4 +505,5 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         pp_seconds_per_byte=pp_spb, pp_on_nvlink=pl.pp_hop_in_domain,
         balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
+        gemm_flops=gemm_flops, quantized_weights=quantized_weights,
     )

@@ -26,7 +26,8 @@ from k3opt.specs import (
 )
 from k3opt.structure import ParamCounts, structure_of
 
-PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers")
+PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
+              "quantized_weights")
 ACTIVATION = ("activations", "attnres_bank", "recompute_working_set", "grad_transient", "pp_buffers",
               "ep_buffers", "routing_map", "logits")
 OPTIMIZER = ("optimizer_transient",)
@@ -39,6 +40,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
     "bf16_view": ("derived", "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
     "moonep_slots": ("derived", "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
     "grad_accum": ("derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
+    "quantized_weights": ("derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the "
+                                     "local linear-layer weights, 2 x (b + 1/block) x params (0 under BF16)"),
     "moonep_buffers": ("assumption", "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers "
                                      "of one MoE layer at uniform routing, allocated for the whole run"),
     "activations": ("derived", "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 "
@@ -263,6 +266,7 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     out["grad_accum"] = sum(csum(cf.grad_accum))
     has_moe = sum(csum(cf.moe)) > 0
     out["moonep_buffers"] = cf.moonep_buffers if has_moe else 0.0
+    out["quantized_weights"] = sum(csum(cf.quantized_weights)) if len(cf.quantized_weights) else 0.0
 
     act = csum(cf.act)
     bank = [closes_cum[bounds[j][1]] * cf.stream_bytes for j in mine]

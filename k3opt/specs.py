@@ -192,6 +192,38 @@ class ModelSpec(_Strict):
         return self
 
 
+# ------------------------------------------------------------------------------------------- precision
+
+
+class Precision(StrEnum):
+    """Compute precision of the linear layers (Megatron / Transformer Engine run the linear GEMMs in it; the
+    attention core, the router, the embedding and the output layer stay BF16)."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    """FP8 E4M3 with per-tensor (current/delayed) scaling: one FP32 scale per tensor."""
+    MXFP8 = "mxfp8"
+    """OCP microscaling FP8: one E8M0 (1 byte) scale per 32 elements (TE MXFP8 recipe)."""
+    NVFP4 = "nvfp4"
+    """NVIDIA FP4 E2M1: one E4M3 (1 byte) scale per 16 elements plus a per-tensor FP32 scale."""
+
+
+PRECISION_FORMAT: dict[Precision, tuple[float, int]] = {
+    Precision.BF16: (2.0, 0),
+    Precision.FP8: (1.0, 0),
+    Precision.MXFP8: (1.0, 32),
+    Precision.NVFP4: (0.5, 16),
+}
+"""(bytes per element, elements per 1-byte block scale; 0: one scale per tensor) of each precision
+(OCP Microscaling Formats spec v1.0; NVIDIA Transformer Engine low-precision training docs)."""
+
+
+def quantized_bytes_per_element(precision: Precision) -> float:
+    """Bytes one element takes in `precision`, its block scales included: b + 1 / block."""
+    b, block = PRECISION_FORMAT[precision]
+    return b + (1.0 / block if block else 0.0)
+
+
 # ------------------------------------------------------------------------------------------- cluster
 
 
@@ -215,6 +247,25 @@ class ClusterSpec(_Strict):
     host_link_gbps: PosFloat
     """GPU <-> host copy bandwidth, per direction."""
     source: str = ""
+    fp4_tflops: PosFloat | None = None
+    """Dense FP4 (NVFP4) tensor peak; absent: the GPU has no FP4 tensor cores."""
+    microscaling: bool = True
+    """Tensor cores take block-scaled (MX / NVFP4) operands natively (Blackwell); Hopper does not."""
+    peaks_source: str = ""
+    """Datasheet the dense per-precision peaks come from."""
+
+    def dense_tflops(self, precision: Precision | str) -> float:
+        """Dense tensor peak for one compute precision: BF16, FP8 = MXFP8, NVFP4 = FP4."""
+        p = Precision(precision)
+        if p == Precision.BF16:
+            return self.bf16_tflops
+        if p in (Precision.MXFP8, Precision.NVFP4) and not self.microscaling:
+            raise LayoutError(f"{self.name} has no block-scaled ({p.value}) tensor cores; use bf16 or fp8")
+        if p == Precision.NVFP4:
+            if self.fp4_tflops is None:
+                raise LayoutError(f"{self.name} has no FP4 peak (fp4_tflops); use bf16, fp8 or mxfp8")
+            return self.fp4_tflops
+        return self.fp8_tflops
 
     @property
     def hbm_bytes(self) -> int:
@@ -317,6 +368,15 @@ class Layout(_Strict):
     cluster: str | None = None
     name: str = ""
     measured: Measured | None = None
+    precision: Precision = Precision.BF16
+    """Compute precision of the linear-layer GEMMs (attention core, router, embedding and head stay BF16)."""
+    ep_overlap: bool = False
+    """An EP communication overlap schedule is on (Megatron overlap_moe_expert_parallel_comm / DeepEP
+    two-microbatch overlap): the all-to-all hides under compute. Off: it is exposed."""
+    dispatcher: str = "hybridep"
+    """EP token dispatcher whose achievable all-to-all bandwidth applies (a key of the rates file)."""
+    source: str = ""
+    """Where a measured layout's settings come from (recipe file and commit)."""
 
     @property
     def dp(self) -> int:
@@ -410,6 +470,8 @@ class Job(_Strict):
     """GPUs used per NVLink domain (placement); default: whole domains."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
+    precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16])
+    """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
 
     @property
     def gpu_counts(self) -> list[int]:
@@ -543,6 +605,8 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
             f"domain_gpus_used ({layout.domain_gpus_used}) exceeds the {cluster.nvlink_domain_gpus}-GPU NVLink "
             f"domain of {cluster.name}"
         )
+    if cluster is not None:
+        cluster.dense_tflops(layout.precision)  # raises LayoutError if the cluster lacks the precision
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
 
