@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from k3opt import comm
+from k3opt.rates import RatesSpec, rates_for
 from k3opt.schedule import inflight_compositions, schedule_slots
 from k3opt.specs import (
     ClusterSpec,
@@ -152,6 +153,12 @@ class Coefficients:
     """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
     quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Cached low-precision weight copies (row- and column-wise, with block scales) of the local GEMM weights."""
+    achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """Seconds per microbatch per resource at the achievable rates (empty without a rates file); `ep_nvlink` and
+    `ep_nic` hold the EP all-to-all apart from the other NVLink / NIC traffic."""
+    update_achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    pp_seconds_per_byte_achievable: tuple[float, ...] = ()
+    rates_name: str = ""
 
     @property
     def first(self) -> int:
@@ -228,8 +235,12 @@ def quantized_gemm(block: Block, t: Tensor) -> bool:
             and not t.name.endswith(("router", "shared_head", "lm_head")))
 
 
-def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
-    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json())
+def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
+    """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
+    the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
+    rates = rates if rates is not None else rates_for(cluster)
+    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json(),
+                         rates.model_dump_json() if rates is not None else "")
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,8 @@ class _Static:
     ns_nonrouted: np.ndarray
     ns_ws: np.ndarray
     head_active: int
+    routed_active: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    q_active_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     q_active: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Active matrix parameters of the GEMMs that run in the compute precision (linear layers of the decoder
     and MTP layers; not the router, the embedding, the output head or the vision tower)."""
@@ -282,6 +295,8 @@ def _static(model_json: str) -> _Static:
 
     return _Static(
         q_active=q_sum(lambda t: t.active_matrix_params),
+        q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
+        routed_active=per(lambda b: b.routed_active_params),
         q_elements=q_sum(lambda t: t.active_per_token * (t.shape[0] + t.shape[1])),
         q_params_nonrouted=q_sum(lambda t: 0 if t.routed else t.numel),
         q_params_routed=q_sum(lambda t: t.numel if t.routed else 0),
@@ -312,7 +327,7 @@ def _placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int)
 
 
 @lru_cache(maxsize=8192)
-def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficients:
+def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     model = ModelSpec.model_validate_json(model_json)
     cluster = ClusterSpec.model_validate_json(cluster_json)
     sa = _static(model_json)
@@ -408,6 +423,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     pl = _placement(shape.gpus, shape.pp, shape.cp, e, fe, fd, domain)
     nvl = np.zeros(n)
     nic = np.zeros(n)
+    ep_nvl, ep_nic = np.zeros(n), np.zeros(n)
     routing_map = ep_buffers = 0.0
     n_ag = 0
     if model.moe is not None:
@@ -422,6 +438,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
         nvl = nvl + moe * per_copy * (remote - cross)
         nic = nic + moe * per_copy * cross
+        ep_nvl, ep_nic = nvl.copy(), nic.copy()
         n_ag = comm.routing_map_allgathers_per_layer(full)
         rmap = comm.routing_map_bytes(T, m.num_experts)
         nvl = nvl + moe * n_ag * rmap * (pl.ep_local - 1)
@@ -490,6 +507,18 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     pp_spb = tuple(
         1 / (cluster.nvlink_gbps * gb) if hop else 1 / (cluster.nic_gbps * gb) for hop in pl.pp_hop_in_domain
     )
+    achievable: dict[str, np.ndarray] = {}
+    update_achievable: dict[str, np.ndarray] = {}
+    pp_spb_ach: tuple[float, ...] = ()
+    if rates_json:
+        rt = RatesSpec.model_validate_json(rates_json)
+        achievable, update_achievable = _achievable_time(
+            shape, cluster, rt, sa, T=T, layer=layer, rc_factor=rc_factor, s_eff=s_eff, head_active=sa.head_active,
+            hbm=hbm, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host, ns_flops=ns_flops, up_hbm=up_hbm,
+            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
+        pp_spb_ach = tuple(
+            1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
+            else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
     return Coefficients(
         shape=shape, n_layers=L, tokens=T, hidden=d,
         master=master, grads=grads, optimizer=optimizer, bf16_view=bf16_view, moonep_slots=moonep_slots,
@@ -506,4 +535,55 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
         gemm_flops=gemm_flops, quantized_weights=quantized_weights,
+        achievable=achievable, update_achievable=update_achievable, pp_seconds_per_byte_achievable=pp_spb_ach,
+        rates_name=RatesSpec.model_validate_json(rates_json).name if rates_json else "",
     )
+
+
+def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Static, *, T: int, layer: np.ndarray,
+                     rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, nvl: np.ndarray,
+                     nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
+                     up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`:
+    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction), attention and scan
+    FLOPs / (BF16 peak x attention fraction), bytes / (link or HBM peak x fraction), EP all-to-all bytes / the
+    dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an
+    overlap schedule is on (the step-time helper decides)."""
+    gb, tf = 1e9, 1e12
+    rc = np.where(layer, rc_factor, 1.0)
+    p, bf = shape.precision, Precision.BF16
+    lowp = p != bf
+    routed = 6 * T * sa.routed_active * rc
+    dense = 6 * T * sa.active * rc - routed
+    q_routed = 6 * T * sa.q_active_routed * rc if lowp else np.zeros_like(routed)
+    q_dense = 6 * T * (sa.q_active - sa.q_active_routed) * rc if lowp else np.zeros_like(routed)
+    core = T * (sa.attn * s_eff + sa.scan) * rc
+    if shape.toggles.fused_cross_entropy:
+        dense = dense.copy()
+        dense[-1] += 2 * T * head_active
+    bf16 = cluster.bf16_tflops * tf
+    pk = cluster.dense_tflops(p) * tf
+    tensor = ((dense - q_dense) / (bf16 * rt.gemm("dense", bf)) + (routed - q_routed) / (bf16 * rt.gemm("grouped", bf))
+              + core / (bf16 * rt.attention_core.value))
+    if lowp:
+        tensor = tensor + q_dense / (pk * rt.gemm("dense", p)) + q_routed / (pk * rt.gemm("grouped", p))
+    c_nvl = cluster.nvlink_gbps * gb * rt.collective_nvlink.value
+    c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
+    time = {
+        "tensor": tensor,
+        "hbm": hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "nvlink": (nvl - ep_nvl) / c_nvl,
+        "nic": (nic - ep_nic) / c_nic,
+        "host_link": host / (cluster.host_link_gbps * gb),
+        "ep_nvlink": ep_nvl / (rt.a2a(shape.dispatcher, "nvlink") * gb) if ep_nvl.any() else np.zeros_like(nvl),
+        "ep_nic": ep_nic / (rt.a2a(shape.dispatcher, "nic") * gb) if ep_nic.any() else np.zeros_like(nic),
+    }
+    update = {
+        "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),
+        "hbm": up_hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "nvlink": up_nvl / c_nvl,
+        "nic": up_nic / c_nic,
+        "host_link": up_host / (cluster.host_link_gbps * gb),
+    }
+    return time, update

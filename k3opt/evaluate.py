@@ -8,11 +8,12 @@ Every number is a sum of the per-layer coefficients in k3opt.coefficients over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from k3opt.achievable import achievable_for
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.schedule import bubble_fraction, bubble_overhead
 from k3opt.specs import (
@@ -135,6 +136,15 @@ class StepTime:
     model_flops_per_token: float
     mfu_convention: str
     unpriced: tuple[str, ...]
+    achievable_step_time_s: float | None = None
+    """Roofline plus bubble at the achievable rates of the cluster's rates file (k3opt.achievable); None
+    without a rates file. `step_time_s` stays the optimistic peak-ceiling bound beside it."""
+    achievable_tokens_per_s_per_gpu: float | None = None
+    achievable_mfu: float | None = None
+    achievable_binding: str = ""
+    achievable_exposed_ep_s: float = 0.0
+    """Exposed EP all-to-all per stage-microbatch on the slowest rank (0 with an EP overlap schedule)."""
+    rates: str = ""
 
 
 @dataclass(frozen=True)
@@ -378,6 +388,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         ))
 
     step = _step(cf, ranks, model, cluster, layout)
+    step = _with_achievable(step, cf, layout, cluster)
     validation = []
     if layout.measured is not None:
         m = layout.measured
@@ -391,6 +402,19 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
                                          m.tokens_per_s_per_gpu, "tokens/s"))
     return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
                       ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation))
+
+
+def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: ClusterSpec) -> StepTime:
+    """The peak-ceiling step time with the achievable-rate step time (k3opt.achievable) beside it."""
+    ach = achievable_for(cf, layout.split, cluster)
+    if ach is None:
+        return step
+    tps = cf.shape.tokens_per_update / ach.step_time_s
+    return replace(
+        step, achievable_step_time_s=ach.step_time_s, achievable_tokens_per_s_per_gpu=tps / cf.shape.gpus,
+        achievable_mfu=cf.model_flops_per_token * tps / (cf.shape.gpus * cluster.bf16_tflops * 1e12),
+        achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
+    )
 
 
 def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, cluster: ClusterSpec,

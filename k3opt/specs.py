@@ -517,7 +517,7 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
 
 
 _PRESET_DIRS = {"model": "constraints/models", "cluster": "constraints/clusters",
-                "job": "constraints/jobs", "layout": "layouts"}
+                "job": "constraints/jobs", "layout": "layouts", "rates": "constraints/rates"}
 
 
 def preset_dir(kind: str) -> Path:

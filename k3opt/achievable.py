@@ -1,0 +1,115 @@
+"""The achievable step time: the same roofline-plus-bubble form as the peak step time, with the achievable
+ceilings of k3opt.rates (an empirical roofline), and the overlap rules of the rates file.
+
+    stage_r  = max(tensor, HBM, NVLink, NIC, host link; at achievable rates) + exposed EP all-to-all
+    step     = slots x max_r stage_r + update compute + max(0, update communication - overlap window)
+
+The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
+an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts run concurrently (max). Data-parallel
+communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
+overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3opt.coefficients import Coefficients, balance_moved_bytes
+from k3opt.rates import RatesSpec, rates_for
+from k3opt.specs import ClusterSpec
+
+OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
+
+
+@dataclass(frozen=True)
+class AchievableStep:
+    step_time_s: float
+    stage_time_s: float
+    slowest_rank: int
+    binding: str
+    exposed_ep_s: float
+    """Exposed EP all-to-all per stage-microbatch on the slowest rank."""
+    update_time_s: float
+    rank_time_s: tuple[dict[str, float], ...]
+    rates: str
+
+
+def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    idx = list(range(int(edges[j]), int(edges[j + 1])))
+    if j == 0:
+        idx.append(n_layers)
+    if j == len(split) - 1:
+        idx.append(n_layers + 1)
+    return idx
+
+
+def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
+    """Seconds per stage-microbatch of physical rank r on each resource at the achievable rates, EP apart."""
+    sh = cf.shape
+    p, k = sh.pp, sh.chunks
+    mine = list(range(r, k, p))
+    idx = [i for j in mine for i in _chunk_indices(split, j, cf.n_layers)]
+    out = {res: float(arr[idx].sum()) for res, arr in cf.achievable.items()}
+    # Pipeline packets (1 + AttnRes residual streams) x BF16 [T, d], in and out of each chunk, as in the ledger.
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
+    for j in mine:
+        s, e = int(edges[j]), int(edges[j + 1])
+        if j > 0:
+            hop = (r - 1) % p
+            out["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += (
+                (1 + closes_cum[s]) * cf.stream_bytes * cf.pp_seconds_per_byte_achievable[hop])
+        if j < k - 1:
+            out["nvlink" if cf.pp_on_nvlink[r] else "nic"] += (
+                (1 + closes_cum[e]) * cf.stream_bytes * cf.pp_seconds_per_byte_achievable[r])
+    if cf.balanced_inflight is not None:
+        n_peak = max(sum(c) for c in cf.compositions[r])
+        if n_peak > cf.balanced_inflight:
+            act = sum(float(cf.act[_chunk_indices(split, j, cf.n_layers)].sum()) for j in mine)
+            peak_rate = 1 / cf.balance_seconds_per_byte
+            out[cf.balance_resource] += balance_moved_bytes(act, n_peak, cf.balanced_inflight) / peak_rate
+    return out
+
+
+def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec) -> AchievableStep:
+    """Roofline plus bubble at the achievable ceilings (module docstring)."""
+    sh = cf.shape
+    per_rank = tuple(rank_achievable_time(cf, split, r) for r in range(sh.pp))
+    stages = []
+    for t in per_rank:
+        ep = max(t.get("ep_nvlink", 0.0), t.get("ep_nic", 0.0))
+        exposed = ep if (rates.overlap.ep_exposed_without_overlap and not sh.ep_overlap) else 0.0
+        inner = {res: t[res] for res in OVERLAPPED}
+        if not exposed:
+            inner["ep_all_to_all"] = ep
+        binding = max(inner, key=inner.get)
+        if exposed > inner[binding]:
+            binding = "ep_all_to_all (exposed)"
+        stages.append((max(inner.values()) + exposed, binding, exposed))
+    slowest = max(range(sh.pp), key=lambda r: stages[r][0])
+    stage, binding, exposed = stages[slowest]
+    idx_all = np.arange(cf.n_layers + 2)
+    update_compute = update_comm = 0.0
+    for r in range(sh.pp):
+        idx = [i for j in range(r, sh.chunks, sh.pp) for i in _chunk_indices(split, j, cf.n_layers)]
+        u = {res: float(arr[idx_all[idx]].sum()) for res, arr in cf.update_achievable.items()}
+        update_compute = max(update_compute, u["tensor"], u["hbm"], u["host_link"])
+        update_comm = max(update_comm, u["nvlink"], u["nic"])
+    hidden = rates.overlap.dp_overlap_microbatches * stage
+    update = update_compute + max(0.0, update_comm - hidden)
+    return AchievableStep(
+        step_time_s=cf.slots * stage + update, stage_time_s=stage, slowest_rank=slowest, binding=binding,
+        exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
+    )
+
+
+def achievable_for(cf: Coefficients, split: list[int] | tuple[int, ...], cluster: ClusterSpec,
+                   rates: RatesSpec | None = None) -> AchievableStep | None:
+    """The achievable step of a layout, or None when the cluster has no rates file."""
+    rates = rates if rates is not None else rates_for(cluster)
+    if rates is None or not cf.achievable:
+        return None
+    return achievable_step(cf, split, rates)
