@@ -1,7 +1,10 @@
 """The achievable step time: the same roofline-plus-bubble form as the peak step time, with the achievable
 ceilings of k3opt.rates (an empirical roofline), and the overlap rules of the rates file.
 
-    stage_r  = max(tensor, HBM, NVLink, NIC, host link; at achievable rates) + exposed EP all-to-all
+    stage_r  = max(tensor + vector, HBM, NVLink, NIC, host link; at achievable rates) + exposed EP all-to-all
+
+`vector` is the memory-bound kernels between the GEMMs (norms, activations, permutes, quantize): they run on
+the GEMMs' stream, one after another, so their time adds to the tensor-core time instead of hiding under it.
     step     = slots x max_r stage_r + update compute + max(0, update communication - overlap window)
 
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
@@ -83,6 +86,10 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
         ep = max(t.get("ep_nvlink", 0.0), t.get("ep_nic", 0.0))
         exposed = ep if (rates.overlap.ep_exposed_without_overlap and not sh.ep_overlap) else 0.0
         inner = {res: t[res] for res in OVERLAPPED}
+        if rates.overlap.vector_serial_with_tensor:
+            inner["tensor"] += t.get("vector", 0.0)
+        else:
+            inner["vector"] = t.get("vector", 0.0)
         if not exposed:
             inner["ep_all_to_all"] = ep
         binding = max(inner, key=inner.get)

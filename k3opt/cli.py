@@ -179,5 +179,20 @@ def _write_layout(layout, path: str) -> None:  # noqa: ANN001
         fh.write("\n".join(lines) + "\n")
 
 
+@main.command("validate-throughput")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
+@_user_errors
+def validate_throughput_cmd(as_json: bool) -> None:
+    """Predicted vs measured tokens/s per GPU for every measured layout (layouts/measured/) and their mean
+    absolute error: the achievable step time, with the peak roofline beside it."""
+    from k3opt.throughput_validation import validate_throughput, validation_table
+
+    v = validate_throughput()
+    if as_json:
+        click.echo(json.dumps(v.to_dict(), indent=2, default=float))
+    else:
+        click.echo(validation_table(v))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -54,7 +54,7 @@ class Shape:
     precision: Precision = Precision.BF16
     """Compute precision of the linear GEMMs; a search enumerates it from Job.precisions."""
     ep_overlap: bool = False
-    dispatcher: str = "hybridep"
+    dispatcher: str | None = None
 
     @classmethod
     def of(cls, layout: Layout) -> Shape:
@@ -88,6 +88,10 @@ class Shape:
 
 
 RESOURCES = ("tensor", "hbm", "nvlink", "nic", "host_link")
+HIERARCHICAL_DISPATCHERS = ("hybridep", "deepep")
+"""EP dispatchers that cross NVLink domains once per destination domain and forward inside it."""
+DEFAULT_DISPATCHER = "hybridep"
+"""Whose measured all-to-all bandwidth the achievable roofline uses when a layout names no dispatcher."""
 
 
 @dataclass
@@ -401,6 +405,9 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     model_flops_per_token = float(6 * active.sum() + attn[:L].sum() * s_eff)
 
     passes = 4 if full else 3
+    # Weight-side traffic only (streamed inside the GEMMs); the achievable roofline keeps it apart from the
+    # activation traffic of the memory-bound kernels between GEMMs.
+    hbm_weights = passes * BF16 * view + BF16 * view + 2 * FP32 * (view if accumulate else resident)
     hbm = passes * BF16 * view                          # weights read per pass
     hbm = hbm + 2 * (act + recompute_ws)                # saved activations written and read
     hbm = hbm + BF16 * view + 2 * FP32 * (view if accumulate else resident)  # BF16 grads, FP32 RMW
@@ -436,8 +443,17 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
             remote = comm.ep_remote_copies(m.experts_per_token, e)
             cross = comm.ep_cross_domain_copies(m.experts_per_token, e, pl.ep_local)
         per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
-        nvl = nvl + moe * per_copy * (remote - cross)
-        nic = nic + moe * per_copy * cross
+        if shape.dispatcher in HIERARCHICAL_DISPATCHERS and pl.ep_local < e:
+            # DeepEP / HybridEP send a token once per destination NVLink domain over RDMA and forward it over
+            # NVLink inside that domain (DeepEP README, internode kernels): NIC copies = (e/a - 1) x P(domain
+            # hit), P from the domain's E a / e experts; the forwarded rank copies then ride NVLink.
+            a_ = pl.ep_local
+            dom = (e // a_ - 1) * comm.ep_hit_probability(m.num_experts, m.experts_per_token, e // a_)
+            nvl = nvl + moe * per_copy * remote
+            nic = nic + moe * per_copy * dom
+        else:
+            nvl = nvl + moe * per_copy * (remote - cross)
+            nic = nic + moe * per_copy * cross
         ep_nvl, ep_nic = nvl.copy(), nic.copy()
         n_ag = comm.routing_map_allgathers_per_layer(full)
         rmap = comm.routing_map_bytes(T, m.num_experts)
@@ -512,9 +528,15 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     pp_spb_ach: tuple[float, ...] = ()
     if rates_json:
         rt = RatesSpec.model_validate_json(rates_json)
+        # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
+        # intermediate tensor is written by its producer and read by its consumer in forward, read again as a
+        # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
+        # its own traffic. Kernels on one stream run in sequence, so this time adds to the GEMM time.
+        elementwise = 5 * saved * np.where(layer, rc_factor, 1.0) + (hbm - hbm_weights - 2 * (act + recompute_ws))
         achievable, update_achievable = _achievable_time(
             shape, cluster, rt, sa, T=T, layer=layer, rc_factor=rc_factor, s_eff=s_eff, head_active=sa.head_active,
-            hbm=hbm, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host, ns_flops=ns_flops, up_hbm=up_hbm,
+            hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
+            ns_flops=ns_flops, up_hbm=up_hbm,
             up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
         pp_spb_ach = tuple(
             1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
@@ -541,7 +563,8 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
 
 
 def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Static, *, T: int, layer: np.ndarray,
-                     rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, nvl: np.ndarray,
+                     rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, elementwise: np.ndarray,
+                     nvl: np.ndarray,
                      nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
                      up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -551,6 +574,7 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
     dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an
     overlap schedule is on (the step-time helper decides)."""
     gb, tf = 1e9, 1e12
+    dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
     rc = np.where(layer, rc_factor, 1.0)
     p, bf = shape.precision, Precision.BF16
     lowp = p != bf
@@ -573,11 +597,12 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
     time = {
         "tensor": tensor,
         "hbm": hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "vector": elementwise / (cluster.hbm_gbps * gb * rt.hbm.value),
         "nvlink": (nvl - ep_nvl) / c_nvl,
         "nic": (nic - ep_nic) / c_nic,
         "host_link": host / (cluster.host_link_gbps * gb),
-        "ep_nvlink": ep_nvl / (rt.a2a(shape.dispatcher, "nvlink") * gb) if ep_nvl.any() else np.zeros_like(nvl),
-        "ep_nic": ep_nic / (rt.a2a(shape.dispatcher, "nic") * gb) if ep_nic.any() else np.zeros_like(nic),
+        "ep_nvlink": ep_nvl / (rt.a2a(dispatcher, "nvlink") * gb) if ep_nvl.any() else np.zeros_like(nvl),
+        "ep_nic": ep_nic / (rt.a2a(dispatcher, "nic") * gb) if ep_nic.any() else np.zeros_like(nic),
     }
     update = {
         "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),

@@ -45,6 +45,8 @@ class OverlapRules(_Strict):
     compute (Megatron overlap_grad_reduce / overlap_param_gather: the last backward, the first forward)."""
     pp_overlapped: bool = True
     """Pipeline send/recv runs on its own stream beside compute."""
+    vector_serial_with_tensor: bool = True
+    """Memory-bound kernels run on the GEMMs' compute stream, in sequence with them."""
     source: str = Field(min_length=1)
 
 

@@ -11,7 +11,7 @@ import tomllib
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -156,6 +156,9 @@ class ModelSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     source: str = ""
     """Where the shapes were copied from (repository and file)."""
+    ffn_activation: Literal["situ_glu", "swiglu"] = "situ_glu"
+    """Gated activation of every FFN: K3's SiTU-GLU (seed 004: the naive autograd keeps six FP32 copies unless
+    the fused op is on) or a plain SwiGLU (saves its BF16 [R, 2H] input, as Megatron's fused bias-SwiGLU)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -373,8 +376,10 @@ class Layout(_Strict):
     ep_overlap: bool = False
     """An EP communication overlap schedule is on (Megatron overlap_moe_expert_parallel_comm / DeepEP
     two-microbatch overlap): the all-to-all hides under compute. Off: it is exposed."""
-    dispatcher: str = "hybridep"
-    """EP token dispatcher whose achievable all-to-all bandwidth applies (a key of the rates file)."""
+    dispatcher: str | None = None
+    """EP token dispatcher (a key of the rates file's a2a tables: hybridep, deepep). A hierarchical dispatcher
+    crosses NVLink domains once per destination domain and forwards inside it. Absent: seed 002's per-rank
+    copies, and HybridEP's measured bandwidth for the achievable step time."""
     source: str = ""
     """Where a measured layout's settings come from (recipe file and commit)."""
 

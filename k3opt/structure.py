@@ -258,6 +258,8 @@ class Structure:
         return Block(f"layer{i}.gqa", "gqa", tuple(t), tuple(saved), attention_flops_per_token_per_doc_token=attn)
 
     def _situ(self, prefix: str, rows_per_token: int, width: int) -> tuple[Saved, ...]:
+        if self.model.ffn_activation == "swiglu":
+            return (Saved(f"{prefix}_swiglu_input", 2 * rows_per_token * width, BF16),)
         # Seed 004: naive SiTU-GLU autograd keeps 6 FP32 [R, H]; the fused op keeps the BF16 [R, 2H] input.
         return (
             Saved(f"{prefix}_situ_fp32_copies", 6 * rows_per_token * width, FP32, role="situ_naive"),
