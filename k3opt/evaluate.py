@@ -400,6 +400,9 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         if m.tokens_per_s_per_gpu is not None:
             validation.append(Comparison("tokens/s per GPU", step.tokens_per_s_per_gpu,
                                          m.tokens_per_s_per_gpu, "tokens/s"))
+        if m.tokens_per_s_per_gpu is not None and step.achievable_tokens_per_s_per_gpu is not None:
+            validation.append(Comparison("tokens/s per GPU at achievable rates",
+                                         step.achievable_tokens_per_s_per_gpu, m.tokens_per_s_per_gpu, "tokens/s"))
     return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
                       ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation))
 
