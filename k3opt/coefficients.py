@@ -273,6 +273,11 @@ class _Static:
     sum of active copies x (in + out)."""
     q_params_nonrouted: np.ndarray = field(default_factory=lambda: np.zeros(0))
     q_params_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    moe_k: int = 0
+    moe_experts: int = 0
+    gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
+    """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
+    routed 0/1, runs in the compute precision 0/1)."""
 
 
 @lru_cache(maxsize=16)
@@ -294,10 +299,16 @@ def _static(model_json: str) -> _Static:
             else:
                 ns_n[i] += newton_schulz_flops(rows, cols) * count
             ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    gemm_rows = [(i, t.shape[0], t.shape[1], t.active_per_token, int(t.routed), int(quantized_gemm(b, t)))
+                 for i, bl in enumerate(blocks) for b in bl for t in b.tensors
+                 if t.is_matrix and t.active_per_token > 0]
+
     def q_sum(fn) -> np.ndarray:  # noqa: ANN001
         return per(lambda b: sum(fn(t) for t in b.tensors if quantized_gemm(b, t)))
 
     return _Static(
+        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6),
+        moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
         routed_active=per(lambda b: b.routed_active_params),
@@ -562,6 +573,11 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     )
 
 
+def model_moe_tokens_factor(shape: Shape, sa: _Static) -> float:
+    """Tokens one routed expert's GEMM sees per token of the microbatch: k e / E (balanced, dropless)."""
+    return sa.moe_k * shape.ep / sa.moe_experts if sa.moe_experts else 1.0
+
+
 def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Static, *, T: int, layer: np.ndarray,
                      rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, elementwise: np.ndarray,
                      nvl: np.ndarray,
@@ -578,20 +594,26 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
     rc = np.where(layer, rc_factor, 1.0)
     p, bf = shape.precision, Precision.BF16
     lowp = p != bf
-    routed = 6 * T * sa.routed_active * rc
-    dense = 6 * T * sa.active * rc - routed
-    q_routed = 6 * T * sa.q_active_routed * rc if lowp else np.zeros_like(routed)
-    q_dense = 6 * T * (sa.q_active - sa.q_active_routed) * rc if lowp else np.zeros_like(routed)
-    core = T * (sa.attn * s_eff + sa.scan) * rc
-    if shape.toggles.fused_cross_entropy:
-        dense = dense.copy()
-        dense[-1] += 2 * T * head_active
     bf16 = cluster.bf16_tflops * tf
     pk = cluster.dense_tflops(p) * tf
-    tensor = ((dense - q_dense) / (bf16 * rt.gemm("dense", bf)) + (routed - q_routed) / (bf16 * rt.gemm("grouped", bf))
-              + core / (bf16 * rt.attention_core.value))
-    if lowp:
-        tensor = tensor + q_dense / (pk * rt.gemm("dense", p)) + q_routed / (pk * rt.gemm("grouped", p))
+    # Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
+    # Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
+    # dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3).
+    g = sa.gemms
+    idx, out, inp, act, is_routed, q = (g[:, j] for j in range(6))
+    moe = model_moe_tokens_factor(shape, sa)
+    m_tokens = np.where(is_routed > 0, T * moe, T)
+    flops = 6.0 * T * out * inp * act
+    use_q = (q > 0) & lowp
+    frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
+                    np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
+    peak = np.where(use_q, pk, bf16)
+    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
+    tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=len(layer)) * rc
+    if shape.toggles.fused_cross_entropy:
+        tensor[-1] += 2 * T * head_active / (bf16 * rt.gemm("dense", bf))
+    core = T * (sa.attn * s_eff + sa.scan) * rc
+    tensor = tensor + core / (bf16 * rt.attention_core.value)
     c_nvl = cluster.nvlink_gbps * gb * rt.collective_nvlink.value
     c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
     time = {

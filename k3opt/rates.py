@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+import numpy as np
+from pydantic import Field, model_validator
 
 from k3opt.errors import SpecError
 from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
@@ -50,6 +51,23 @@ class OverlapRules(_Strict):
     source: str = Field(min_length=1)
 
 
+class SizeCurve(_Strict):
+    """GEMM rate relative to the large-shape rate, by cube-equivalent edge (M N K)^(1/3), log-interpolated and
+    held flat beyond the ends."""
+
+    edge: list[PosFloat]
+    relative: list[PosFloat]
+    source: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> SizeCurve:
+        if len(self.edge) != len(self.relative) or len(self.edge) < 2:
+            raise ValueError("edge and relative need the same length (at least 2)")
+        if any(b <= a for a, b in zip(self.edge, self.edge[1:], strict=False)):
+            raise ValueError("edge must increase")
+        return self
+
+
 class RatesSpec(_Strict):
     """Achievable rates of one cluster preset."""
 
@@ -73,6 +91,15 @@ class RatesSpec(_Strict):
     a2a_nic_gbps: dict[str, Rate]
     """EP dispatch/combine across domains, per dispatcher: achieved bandwidth per GPU."""
     overlap: OverlapRules
+    gemm_size: SizeCurve | None = None
+    """How much slower small GEMMs run than the large ones the class fractions were measured on (absent: 1)."""
+
+    def size_factor(self, edge: np.ndarray) -> np.ndarray:
+        """Relative GEMM rate at cube-equivalent edge `edge` (1 without a curve)."""
+        if self.gemm_size is None:
+            return np.ones_like(edge, dtype=float)
+        c = self.gemm_size
+        return np.interp(np.log2(edge), np.log2(c.edge), c.relative)
 
     def gemm(self, kind: str, precision: Precision) -> float:
         table = self.gemm_dense if kind == "dense" else self.gemm_grouped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import k3opt
@@ -76,3 +77,12 @@ def test_cluster_without_rates_has_only_the_peak_roofline():
     assert rates_for(h100) is None
     ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=h100)
     assert ev.step.achievable_step_time_s is None and ev.step.step_time_s > 0
+
+
+def test_small_gemms_run_slower_by_the_measured_size_curve():
+    r = load_rates("gb200-nvl72")
+    # cuBLASLt FP8 on GB200: 1,676.1 TFLOP/s at 2048^3 against 2,694.7 at 4096^3; flat from 4096 up.
+    assert r.size_factor(np.array([2048.0]))[0] == pytest.approx(1676.1 / 2694.7, abs=1e-3)
+    assert r.size_factor(np.array([4096.0, 16384.0])).tolist() == [1.0, 1.0]
+    # Half-way in log2 between 2048 and 4096 the factor is the mean of the two points.
+    assert r.size_factor(np.array([2048 * 2 ** 0.5]))[0] == pytest.approx((0.622 + 1.0) / 2)
