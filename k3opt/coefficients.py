@@ -232,6 +232,24 @@ def _hier(total: np.ndarray, n: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return total * nvl, total * nic
 
 
+_RATES_JSON: dict[int, tuple[RatesSpec, str]] = {}
+
+
+def _rates_json(rates: RatesSpec | None) -> str:
+    """The rates' JSON (the cache key of the coefficients), serialized once per rates object."""
+    if rates is None:
+        return ""
+    hit = _RATES_JSON.get(id(rates))
+    if hit is None or hit[0] is not rates:
+        hit = _RATES_JSON[id(rates)] = (rates, rates.model_dump_json())
+    return hit[1]
+
+
+@lru_cache(maxsize=32)
+def _rates_from_json(rates_json: str) -> RatesSpec:
+    return RatesSpec.model_validate_json(rates_json)
+
+
 def quantized_gemm(block: Block, t: Tensor) -> bool:
     """Megatron with Transformer Engine runs the decoder's linear layers in FP8/FP4; the router, the embedding,
     the output layer (and the MTP head pass sharing it) and the vision tower stay BF16."""
@@ -243,8 +261,7 @@ def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: Ra
     """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
     the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
     rates = rates if rates is not None else rates_for(cluster)
-    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json(),
-                         rates.model_dump_json() if rates is not None else "")
+    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json(), _rates_json(rates))
 
 
 @dataclass(frozen=True)
@@ -538,7 +555,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     update_achievable: dict[str, np.ndarray] = {}
     pp_spb_ach: tuple[float, ...] = ()
     if rates_json:
-        rt = RatesSpec.model_validate_json(rates_json)
+        rt = _rates_from_json(rates_json)
         # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
         # intermediate tensor is written by its producer and read by its consumer in forward, read again as a
         # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
@@ -569,7 +586,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
         gemm_flops=gemm_flops, quantized_weights=quantized_weights,
         achievable=achievable, update_achievable=update_achievable, pp_seconds_per_byte_achievable=pp_spb_ach,
-        rates_name=RatesSpec.model_validate_json(rates_json).name if rates_json else "",
+        rates_name=_rates_from_json(rates_json).name if rates_json else "",
     )
 
 

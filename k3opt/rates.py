@@ -14,6 +14,7 @@ The cost model turns the rates into achievable ceilings (an empirical roofline) 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -138,5 +139,10 @@ def load_rates(name_or_path: str) -> RatesSpec:
 
 def rates_for(cluster: ClusterSpec) -> RatesSpec | None:
     """The shipped rates file named like the cluster preset, or None when there is none."""
-    path = preset_dir("rates") / f"{cluster.name}.toml"
+    return _shipped_rates(cluster.name)
+
+
+@lru_cache(maxsize=32)
+def _shipped_rates(name: str) -> RatesSpec | None:
+    path = preset_dir("rates") / f"{name}.toml"
     return load_rates(str(path)) if path.exists() else None
