@@ -86,3 +86,22 @@ def test_small_gemms_run_slower_by_the_measured_size_curve():
     assert r.size_factor(np.array([4096.0, 16384.0])).tolist() == [1.0, 1.0]
     # Half-way in log2 between 2048 and 4096 the factor is the mean of the two points.
     assert r.size_factor(np.array([2048 * 2 ** 0.5]))[0] == pytest.approx((0.622 + 1.0) / 2)
+
+
+def test_hierarchical_dispatcher_crosses_each_remote_domain_once():
+    """DeepEP / HybridEP: a token goes once to each remote NVLink domain holding one of its experts and is
+    forwarded over NVLink there. DeepSeek-V3 on B200 (8-GPU domains), EP32 = 4 domains of 64 experts each."""
+    from math import comb
+
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
+    base = dict(gpus=256, pp=8, vp=2, ep=32, dense_fsdp=32, expert_fsdp=1, microbatches=128, context=4096,
+                split=[4] * 15 + [1], recompute="selective", fsdp_lifecycle="accumulate", precision="mxfp8")
+    seed = coefficients(Shape.of(k3opt.make_layout(**base)), model, cluster)
+    deepep = coefficients(Shape.of(k3opt.make_layout(**base, dispatcher="deepep")), model, cluster)
+    T, d, k = 4096, 7168, 8
+    per_copy = 4 * T * d * 2                      # dispatch + combine, forward and backward, BF16
+    rank_copies = k * (1 - 8 / 32)                # seed 002: one copy per assignment outside the domain
+    domain_copies = 3 * (1 - comb(256 - 64, k) / comb(256, k))
+    moe_layer = 10
+    diff = (seed.time["nic"][moe_layer] - deepep.time["nic"][moe_layer]) * 50e9
+    assert diff == pytest.approx(per_copy * (rank_copies - domain_copies), rel=1e-9)
