@@ -104,3 +104,22 @@ def test_gqa_heads_must_group(tmp_path):
     bad.write_text(text)
     with pytest.raises(SpecError, match="multiple of num_kv_heads"):
         k3opt.load_model(bad)
+
+
+def test_cost_model_prices_the_mtp_module_and_its_moe_on_the_last_chunk():
+    """DeepSeek-V3: the last chunk's edge carries the LM head and the MTP module (eh_proj, one MLA + MoE layer, a
+    second pass through the shared head); its FLOPs and its EP traffic are priced from shapes."""
+    from k3opt.coefficients import Shape, coefficients
+
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72")
+    lay = k3opt.make_layout(gpus=256, pp=4, vp=4, ep=64, dense_fsdp=64, microbatches=64, context=4096,
+                            split=[4] * 15 + [1], recompute="selective", fsdp_lifecycle="accumulate")
+    cf = coefficients(Shape.of(lay), model, cluster)
+    T, d, V, h = 4096, 7168, 129280, 128
+    mla = 1536 * d + h * 192 * 1536 + 576 * d + h * 256 * 512 + d * h * 128
+    moe_active = 256 * d + (8 + 1) * 3 * 2048 * d           # router + 8 routed and 1 shared expert
+    head = V * d
+    mtp = d * 2 * d + V * d + mla + moe_active               # eh_proj, shared-head pass, the layer
+    attention = 3 * h * (192 + 128) * 4096                   # causal score/value per token, document 4096
+    assert cf.tensor_flops[cf.last] == 6 * T * (head + mtp) + T * attention
+    assert cf.moe[cf.last] == 1 and cf.time["nvlink"][cf.last] > 0   # its dispatch/combine is priced
