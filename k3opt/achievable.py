@@ -8,7 +8,8 @@ the GEMMs' stream, one after another, so their time adds to the tensor-core time
     step     = slots x max_r stage_r + update compute + max(0, update communication - overlap window)
 
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
-an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts run concurrently (max). Data-parallel
+an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts run concurrently (max). Overlapped, it
+still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest. Data-parallel
 communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
 overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
 """
@@ -24,6 +25,15 @@ from k3opt.rates import RatesSpec, rates_for
 from k3opt.specs import ClusterSpec
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
+
+
+def _sm_share(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | None) -> float:
+    """Share of the SMs an overlapped all-to-all takes from compute: dispatcher SMs / GPU SMs (0 if unknown)."""
+    if cluster is None or not cluster.sm_count:
+        return 0.0
+    from k3opt.coefficients import DEFAULT_DISPATCHER
+
+    return min(1.0, rates.a2a_sms(cf.shape.dispatcher or DEFAULT_DISPATCHER) / cluster.sm_count)
 
 
 @dataclass(frozen=True)
@@ -77,9 +87,11 @@ def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r
     return out
 
 
-def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec) -> AchievableStep:
+def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec,
+                    cluster: ClusterSpec | None = None) -> AchievableStep:
     """Roofline plus bubble at the achievable ceilings (module docstring)."""
     sh = cf.shape
+    share = _sm_share(cf, rates, cluster)
     per_rank = tuple(rank_achievable_time(cf, split, r) for r in range(sh.pp))
     stages = []
     for t in per_rank:
@@ -91,6 +103,9 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
         else:
             inner["vector"] = t.get("vector", 0.0)
         if not exposed:
+            # Overlapped: the all-to-all hides under compute but holds its SMs meanwhile, so the compute it
+            # overlaps runs on the rest: + share x all-to-all time (the measured bandwidth's SM budget).
+            inner["tensor"] += share * ep
             inner["ep_all_to_all"] = ep
         binding = max(inner, key=inner.get)
         if exposed > inner[binding]:
@@ -119,4 +134,4 @@ def achievable_for(cf: Coefficients, split: list[int] | tuple[int, ...], cluster
     rates = rates if rates is not None else rates_for(cluster)
     if rates is None or not cf.achievable:
         return None
-    return achievable_step(cf, split, rates)
+    return achievable_step(cf, split, rates, cluster)

@@ -35,6 +35,9 @@ class Rate(_Strict):
     source: str = Field(min_length=1)
     """The public source: repository and file (with commit when pinned), paper, or vendor document."""
     note: str = ""
+    sms: int | None = Field(default=None, gt=0)
+    """For a communication kernel: the streaming multiprocessors it held while measured (taken from compute
+    while it runs beside it)."""
 
 
 class OverlapRules(_Strict):
@@ -115,6 +118,11 @@ class RatesSpec(_Strict):
             raise SpecError(f"rates {self.name}: no a2a_{where}_gbps rate for dispatcher '{dispatcher}'; known: "
                             f"{', '.join(sorted(table))}")
         return table[dispatcher].value
+
+    def a2a_sms(self, dispatcher: str) -> int:
+        """SMs the dispatcher's kernels hold (0 when the rates file does not say)."""
+        r = self.a2a_nvlink_gbps.get(dispatcher)
+        return r.sms or 0 if r is not None else 0
 
     def named(self) -> dict[str, Rate]:
         """Every rate under one flat name (for reports)."""

@@ -256,6 +256,8 @@ class ClusterSpec(_Strict):
     """Tensor cores take block-scaled (MX / NVFP4) operands natively (Blackwell); Hopper does not."""
     peaks_source: str = ""
     """Datasheet the dense per-precision peaks come from."""
+    sm_count: PosInt | None = None
+    """Streaming multiprocessors per GPU (what an overlapped communication kernel's SMs are a share of)."""
 
     def dense_tflops(self, precision: Precision | str) -> float:
         """Dense tensor peak for one compute precision: BF16, FP8 = MXFP8, NVFP4 = FP4."""

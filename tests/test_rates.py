@@ -105,3 +105,20 @@ def test_hierarchical_dispatcher_crosses_each_remote_domain_once():
     moe_layer = 10
     diff = (seed.time["nic"][moe_layer] - deepep.time["nic"][moe_layer]) * 50e9
     assert diff == pytest.approx(per_copy * (rank_copies - domain_copies), rel=1e-9)
+
+
+def test_overlapped_all_to_all_still_holds_its_sms():
+    """With an EP overlap schedule the all-to-all hides under compute, but the compute beside it runs without the
+    dispatcher's SMs: HybridEP was measured with 32 of a GB200's 148 SMs, so the stage keeps 32/148 of it."""
+    from k3opt.achievable import achievable_for
+
+    lay = k3opt.load_layout("layouts/measured/mb-13-deepseek-v3-gb200.toml")
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72")
+    on = achievable_for(coefficients(Shape.of(lay), model, cluster), lay.split, cluster)
+    off_lay = lay.model_copy(update={"ep_overlap": False})
+    off = achievable_for(coefficients(Shape.of(off_lay), model, cluster), lay.split, cluster)
+    assert on.binding == "tensor" and off.exposed_ep_s > 0 and on.exposed_ep_s == 0
+    for step, share in ((on, 32 / 148), (off, 1.0)):
+        t = step.rank_time_s[step.slowest_rank]
+        ep = max(t["ep_nvlink"], t["ep_nic"])
+        assert step.stage_time_s == pytest.approx(t["tensor"] + t["vector"] + share * ep, rel=1e-12)
