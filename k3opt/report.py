@@ -196,7 +196,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     cols = {
         "rank": "#", "pp": "PP", "vp": "VP", "cp": "CP", "ep": "EP", "expert_fsdp": "eFSDP",
         "dense_fsdp": "dFSDP", "microbatches": "M", "split_layers": "split", "recompute": "recompute",
-        "step_time_s": "step_s", "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
+        "step_time_s": "step_s", "achievable_step_time_s": "achievable_s",
+        "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
         "headroom_gib": "headroom_GiB", "binding_resource": "binds",
     }
     table = df[list(cols)].rename(columns=cols)
