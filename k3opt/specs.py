@@ -335,6 +335,8 @@ class Measured(_Strict):
     peak_gib: PosFloat | None = None
     step_time_s: PosFloat | None = None
     tokens_per_s_per_gpu: PosFloat | None = None
+    model_tflops_per_gpu: PosFloat | None = None
+    """The run's own model-FLOP rate per GPU (Megatron's num_floating_point_operations), when published."""
     note: str = ""
 
 

@@ -40,6 +40,10 @@ class ThroughputRow:
     roofline_error_pct: float
     binding: str
     source: str
+    flops_per_token: float = 0.0
+    """k3opt's model FLOPs per token (6 x active matrices + causal attention)."""
+    measured_flops_per_token: float | None = None
+    """The run's: its model TFLOP/s per GPU / its tokens/s per GPU (Megatron's FLOP count)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,9 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
             precision=lay.precision.value, measured_tps_per_gpu=measured, predicted_tps_per_gpu=pred,
             roofline_tps_per_gpu=roof, error_pct=100 * (pred - measured) / measured,
             roofline_error_pct=100 * (roof - measured) / measured, binding=st.achievable_binding,
-            source=lay.source,
+            source=lay.source, flops_per_token=st.model_flops_per_token,
+            measured_flops_per_token=(lay.measured.model_tflops_per_gpu * 1e12 / measured
+                                      if lay.measured.model_tflops_per_gpu else None),
         ))
     if not rows:
         raise K3optError("no measured layouts with tokens_per_s_per_gpu found")
@@ -105,12 +111,14 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
 def validation_table(v: ThroughputValidation) -> str:
     """A markdown table (the README shows the same)."""
     out = ["| row | model | system | GPUs | precision | measured TPS/GPU | predicted (achievable) | error | "
-           "roofline (peak) | roofline error | binding |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "roofline (peak) | roofline error | binding | GFLOP/token k3opt / run |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in v.rows:
+        fl = (f"{r.flops_per_token / 1e9:.1f} / {r.measured_flops_per_token / 1e9:.1f}"
+              if r.measured_flops_per_token else f"{r.flops_per_token / 1e9:.1f} / -")
         out.append(f"| {r.id} | {r.model} | {r.cluster} | {r.gpus} | {r.precision} | {r.measured_tps_per_gpu:,.0f} | "
                    f"{r.predicted_tps_per_gpu:,.0f} | {r.error_pct:+.1f}% | {r.roofline_tps_per_gpu:,.0f} | "
-                   f"{r.roofline_error_pct:+.1f}% | {r.binding} |")
+                   f"{r.roofline_error_pct:+.1f}% | {r.binding} | {fl} |")
     out.append("")
     out.append(f"Mean absolute error (achievable): {v.mean_abs_error_pct:.1f}%; largest: {v.max_abs_error_pct:.1f}%; "
                f"peak roofline: {v.roofline_mean_abs_error_pct:.1f}%.")
