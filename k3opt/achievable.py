@@ -135,3 +135,43 @@ def achievable_for(cf: Coefficients, split: list[int] | tuple[int, ...], cluster
     if rates is None or not cf.achievable:
         return None
     return achievable_step(cf, split, rates, cluster)
+
+
+@dataclass(frozen=True)
+class SearchArrays:
+    """Per-layer (length L + 2) seconds per microbatch for a search that ranks by the achievable step time:
+
+        stage_r   = max_res sum_{i in r} overlapped[res][i] + exposed_r
+        exposed_r = max(sum_{i in r} ep_nvlink[i], sum_{i in r} ep_nic[i])  if ep_exposed else 0
+
+    where `overlapped` already folds the memory-bound
+    kernels into `tensor` and, under an EP overlap schedule, the SM share of the all-to-all into `tensor` and the
+    all-to-all itself into its own `ep_all_to_all` resource. The PP packets at the achievable rates add to
+    `nvlink` / `nic` per rank as in rank_achievable_time. Every term is a linear sum over the rank's layers, so a
+    CP-SAT model builds it with the same AddMaxEquality constraints as the peak roofline."""
+
+    overlapped: dict[str, np.ndarray]
+    ep_nvlink: np.ndarray
+    ep_nic: np.ndarray
+    ep_exposed: bool
+
+
+def search_arrays(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> SearchArrays | None:
+    """What a search needs to rank layouts of one shape by the achievable step time (None without rates)."""
+    rates = rates if rates is not None else rates_for(cluster)
+    if rates is None or not cf.achievable:
+        return None
+    a = cf.achievable
+    exposed = rates.overlap.ep_exposed_without_overlap and not cf.shape.ep_overlap
+    tensor = a["tensor"] + (a["vector"] if rates.overlap.vector_serial_with_tensor else 0.0)
+    over = {res: a[res].copy() for res in OVERLAPPED}
+    over["tensor"] = tensor
+    if not rates.overlap.vector_serial_with_tensor:
+        over["vector"] = a["vector"].copy()
+    if not exposed:
+        # The SM share is charged on the per-layer max of the two sides: equal to the rank-level charge when one
+        # side is empty (EP inside a domain), an upper bound otherwise.
+        share = _sm_share(cf, rates, cluster)
+        over["ep_nvlink"], over["ep_nic"] = a["ep_nvlink"].copy(), a["ep_nic"].copy()
+        over["tensor"] = tensor + share * np.maximum(a["ep_nvlink"], a["ep_nic"])
+    return SearchArrays(overlapped=over, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"], ep_exposed=exposed)

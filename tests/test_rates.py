@@ -122,3 +122,20 @@ def test_overlapped_all_to_all_still_holds_its_sms():
         t = step.rank_time_s[step.slowest_rank]
         ep = max(t["ep_nvlink"], t["ep_nic"])
         assert step.stage_time_s == pytest.approx(t["tensor"] + t["vector"] + share * ep, rel=1e-12)
+
+
+def test_search_arrays_sum_to_the_achievable_stage():
+    """A search ranking by the achievable step sums per-layer arrays over a rank's layers; for a single-stage
+    layout (no PP packets) that reproduces achievable_step's stage time exactly."""
+    from k3opt.achievable import achievable_for, search_arrays
+
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
+    for overlap in (True, False):
+        lo = lay.model_copy(update={"ep_overlap": overlap})
+        cf = coefficients(Shape.of(lo), model, cluster)
+        sa = search_arrays(cf, cluster)
+        stage = max(float(v.sum()) for v in sa.overlapped.values())
+        if sa.ep_exposed:
+            stage += max(float(sa.ep_nvlink.sum()), float(sa.ep_nic.sum()))
+        assert stage == pytest.approx(achievable_for(cf, lo.split, cluster).stage_time_s, rel=1e-12)
