@@ -10,6 +10,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -69,16 +70,22 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable rows.")
 @_user_errors
 def validate(folder: str | None, as_json: bool) -> None:
-    """Modeled vs measured for every measured layout: each figure with the kind it compares and the GAP."""
+    """Modeled vs measured for every measured layout: memory figures with the kind each compares and the GAP,
+    then predicted vs measured tokens/s per GPU with the mean absolute error (as `validate-throughput`)."""
     from k3opt.validate import rows_text, validation_rows
 
     rows = validation_rows(folder)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in rows], indent=2, default=float))
         return
-    click.echo("Modeled vs measured (GAP = measured - modeled, never absorbed; kind: allocated = live tensors, "
-               "reserved = + allocator slack, device = + memory outside the allocator)")
-    click.echo(rows_text(rows))
+    click.echo("Memory: modeled vs measured (GAP = measured - modeled, never absorbed; kind: allocated = live "
+               "tensors, reserved = + allocator slack, device = + memory outside the allocator)")
+    click.echo(rows_text([r for r in rows if r.unit == "GiB"]))
+    if any(r.figure.startswith("tokens/s") for r in rows):
+        from k3opt.throughput_validation import validate_throughput, validation_table
+
+        click.echo("")
+        click.echo(validation_table(validate_throughput(Path(folder) if folder else None)))
 
 
 def _load_job(job: str | None, gpus: tuple[int, ...]):  # noqa: ANN202
@@ -204,6 +211,21 @@ def _write_layout(layout, path: str) -> None:  # noqa: ANN001
     lines += [f"{k} = {json.dumps(v)}" for k, v in toggles.items()]
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
+
+
+@main.command("validate-throughput")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
+@_user_errors
+def validate_throughput_cmd(as_json: bool) -> None:
+    """Predicted vs measured tokens/s per GPU for every measured layout (layouts/measured/) and their mean
+    absolute error: the achievable step time, with the peak roofline beside it."""
+    from k3opt.throughput_validation import validate_throughput, validation_table
+
+    v = validate_throughput()
+    if as_json:
+        click.echo(json.dumps(v.to_dict(), indent=2, default=float))
+    else:
+        click.echo(validation_table(v))
 
 
 if __name__ == "__main__":  # pragma: no cover

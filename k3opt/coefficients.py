@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 
 from k3opt import comm
+from k3opt.rates import RatesSpec, rates_for
 from k3opt.schedule import inflight_compositions, schedule_slots
 from k3opt.specs import (
     ClusterSpec,
@@ -21,12 +22,14 @@ from k3opt.specs import (
     FsdpLifecycle,
     Layout,
     ModelSpec,
+    Precision,
     Recompute,
     ShardGranularity,
     ShardingPolicy,
     Toggles,
+    quantized_bytes_per_element,
 )
-from k3opt.structure import BF16, FP32, Block, Saved, Structure, structure_of
+from k3opt.structure import BF16, FP32, Block, Saved, Structure, Tensor, structure_of
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Shape:
     grad_dtype: Dtype = Dtype.FP32
     optimizer_state_dtype: Dtype = Dtype.FP32
     lazy_optimizer_state: bool = False
+    precision: Precision = Precision.BF16
+    """Compute precision of the linear GEMMs; a search enumerates it from Job.precisions."""
+    ep_overlap: bool = False
+    dispatcher: str | None = None
 
     @classmethod
     def of(cls, layout: Layout) -> Shape:
@@ -70,6 +77,7 @@ class Shape:
             dense_sharding=layout.dense_sharding, expert_sharding=layout.expert_sharding,
             optimizer_shard_granularity=layout.optimizer_shard_granularity, grad_dtype=layout.grad_dtype,
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
+            precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
         )
 
     @property
@@ -92,6 +100,10 @@ class Shape:
 
 
 RESOURCES = ("tensor", "hbm", "nvlink", "nic", "host_link")
+HIERARCHICAL_DISPATCHERS = ("hybridep", "deepep")
+"""EP dispatchers that cross NVLink domains once per destination domain and forward inside it."""
+DEFAULT_DISPATCHER = "hybridep"
+"""Whose measured all-to-all bandwidth the achievable roofline uses when a layout names no dispatcher."""
 
 
 @dataclass
@@ -158,6 +170,16 @@ class Coefficients:
     step_gather_with_ns: bool = True
     """The Newton-Schulz working set adds to the step gather (default policy) instead of preceding it."""
     model_json: str = field(default="", repr=False)
+    gemm_flops: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
+    quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Cached low-precision weight copies (row- and column-wise, with block scales) of the local GEMM weights."""
+    achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """Seconds per microbatch per resource at the achievable rates (empty without a rates file); `ep_nvlink` and
+    `ep_nic` hold the EP all-to-all apart from the other NVLink / NIC traffic."""
+    update_achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    pp_seconds_per_byte_achievable: tuple[float, ...] = ()
+    rates_name: str = ""
 
     @property
     def first(self) -> int:
@@ -168,17 +190,22 @@ class Coefficients:
         return self.n_layers + 1
 
 
-def saved_per_token(block: Block, toggles: Toggles, fp8_block: int) -> tuple[float, float, float]:
+def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
+                    precision: Precision = Precision.BF16) -> tuple[float, float, float]:
     """(all saved bytes, recomputable bytes, FP8-stored bytes) per token of one block after the toggles:
     fused SiTU swaps six FP32 [R, H] copies for the BF16 [R, 2H] input (seed 004); dispatch recompute drops
     the dispatched copies; the MoE backward rewrite drops the expert outputs (seed 001); FP8 stores GEMM
-    inputs in 1 byte plus one FP32 scale per `fp8_block` elements."""
+    inputs in 1 byte plus one FP32 scale per `fp8_block` elements. A low compute precision saves each GEMM
+    input as the quantized copy the wgrad GEMM reads (Transformer Engine keeps the column-wise usage,
+    TransformerEngine PR #1596): b + 1/block bytes per element."""
     total = recomputable = fp8 = 0.0
     for s in block.saved:
         if not _kept(s, toggles):
             continue
         b = float(s.bytes_per_token)
-        if toggles.fp8_activations and s.gemm_input:
+        if precision != Precision.BF16 and s.gemm_input:
+            b = s.values_per_token * quantized_bytes_per_element(precision)
+        elif toggles.fp8_activations and s.gemm_input:
             b = s.values_per_token * (1 + FP32 / fp8_block)
             fp8 += s.values_per_token
         total += b
@@ -222,8 +249,36 @@ def _hier(total: np.ndarray, n: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return total * nvl, total * nic
 
 
-def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
-    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json())
+_RATES_JSON: dict[int, tuple[RatesSpec, str]] = {}
+
+
+def _rates_json(rates: RatesSpec | None) -> str:
+    """The rates' JSON (the cache key of the coefficients), serialized once per rates object."""
+    if rates is None:
+        return ""
+    hit = _RATES_JSON.get(id(rates))
+    if hit is None or hit[0] is not rates:
+        hit = _RATES_JSON[id(rates)] = (rates, rates.model_dump_json())
+    return hit[1]
+
+
+@lru_cache(maxsize=32)
+def _rates_from_json(rates_json: str) -> RatesSpec:
+    return RatesSpec.model_validate_json(rates_json)
+
+
+def quantized_gemm(block: Block, t: Tensor) -> bool:
+    """Megatron with Transformer Engine runs the decoder's linear layers in FP8/FP4; the router, the embedding,
+    the output layer (and the MTP head pass sharing it) and the vision tower stay BF16."""
+    return (t.is_matrix and t.active_per_token > 0 and block.kind not in ("embedding", "head", "vision")
+            and not t.name.endswith(("router", "shared_head", "lm_head")))
+
+
+def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
+    """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
+    the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
+    rates = rates if rates is not None else rates_for(cluster)
+    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json(), _rates_json(rates))
 
 
 @dataclass(frozen=True)
@@ -242,6 +297,21 @@ class _Static:
     ns_nonrouted: np.ndarray
     ns_ws: np.ndarray
     head_active: int
+    routed_active: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    q_active_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    q_active: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Active matrix parameters of the GEMMs that run in the compute precision (linear layers of the decoder
+    and MTP layers; not the router, the embedding, the output head or the vision tower)."""
+    q_elements: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Elements quantized per token for those GEMMs: the input X forward and the output gradient dY backward,
+    sum of active copies x (in + out)."""
+    q_params_nonrouted: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    q_params_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    moe_k: int = 0
+    moe_experts: int = 0
+    gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
+    """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
+    routed 0/1, runs in the compute precision 0/1)."""
 
 
 @lru_cache(maxsize=16)
@@ -263,7 +333,22 @@ def _static(model_json: str) -> _Static:
             else:
                 ns_n[i] += newton_schulz_flops(rows, cols) * count
             ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    gemm_rows = [(i, t.shape[0], t.shape[1], t.active_per_token, int(t.routed), int(quantized_gemm(b, t)))
+                 for i, bl in enumerate(blocks) for b in bl for t in b.tensors
+                 if t.is_matrix and t.active_per_token > 0]
+
+    def q_sum(fn) -> np.ndarray:  # noqa: ANN001
+        return per(lambda b: sum(fn(t) for t in b.tensors if quantized_gemm(b, t)))
+
     return _Static(
+        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6),
+        moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
+        q_active=q_sum(lambda t: t.active_matrix_params),
+        q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
+        routed_active=per(lambda b: b.routed_active_params),
+        q_elements=q_sum(lambda t: t.active_per_token * (t.shape[0] + t.shape[1])),
+        q_params_nonrouted=q_sum(lambda t: 0 if t.routed else t.numel),
+        q_params_routed=q_sum(lambda t: t.numel if t.routed else 0),
         pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw")),
         p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
         attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
@@ -273,14 +358,15 @@ def _static(model_json: str) -> _Static:
 
 
 @lru_cache(maxsize=512)
-def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, ...]:
+def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
+           precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
     st = structure_of(ModelSpec.model_validate_json(model_json))
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     out = np.zeros((3, len(blocks)))
     for i, bl in enumerate(blocks):
         for b in bl:
-            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block)) * tokens
+            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block, precision)) * tokens
     return out[0], out[1], out[2]
 
 
@@ -290,7 +376,7 @@ def _placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int)
 
 
 @lru_cache(maxsize=8192)
-def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficients:
+def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     model = ModelSpec.model_validate_json(model_json)
     cluster = ClusterSpec.model_validate_json(cluster_json)
     sa = _static(model_json)
@@ -351,7 +437,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     # Saved-for-backward bytes per microbatch (only the activation toggles matter for the cache key).
     act_toggles = Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
                           dispatch_recompute=tg.dispatch_recompute, moe_backward_rewrite=tg.moe_backward_rewrite)
-    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size)
+    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size, shape.precision)
     layer = np.arange(n) < L
     stream = T * d * BF16
     if shape.recompute == Recompute.NONE:
@@ -395,11 +481,24 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     model_flops_per_token = float(6 * active.sum() + attn[:L].sum() * s_eff)
 
     passes = 4 if full else 3
+    # Weight-side traffic only (streamed inside the GEMMs); the achievable roofline keeps it apart from the
+    # activation traffic of the memory-bound kernels between GEMMs.
+    hbm_weights = passes * BF16 * view + BF16 * view + 2 * FP32 * (view if accumulate else resident)
     hbm = passes * BF16 * view                          # weights read per pass
     hbm = hbm + 2 * (act + recompute_ws)                # saved activations written and read
     hbm = hbm + BF16 * view + 2 * FP32 * (view if accumulate else resident)  # BF16 grads, FP32 RMW
     if tg.fp8_activations:
         hbm = hbm + 2 * BF16 * fp8_values               # quantize reads BF16, dequantize writes BF16
+    # Linear GEMMs in a low compute precision: their FLOPs run at that precision's peak; every GEMM operand
+    # X (forward) and dY (backward) is quantized once: read BF16, write a row-wise and a column-wise copy
+    # (b + 1/block bytes each; Transformer Engine makes both usages for the forward/dgrad and wgrad GEMMs).
+    lowp = shape.precision != Precision.BF16
+    qb = quantized_bytes_per_element(shape.precision)
+    gemm_flops = np.where(layer, 6 * T * sa.q_active * rc_factor, 6 * T * sa.q_active) if lowp else np.zeros(n)
+    q_view = sa.q_params_nonrouted + sa.q_params_routed / e
+    quantized_weights = 2 * qb * q_view if lowp else np.zeros(n)
+    if lowp:
+        hbm = hbm + T * sa.q_elements * (BF16 + 2 * qb)
     if tg.moe_backward_rewrite and model.moe is not None:
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
@@ -407,6 +506,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     pl = _placement(shape.gpus, shape.pp, shape.cp, e, fe, fd, domain)
     nvl = np.zeros(n)
     nic = np.zeros(n)
+    ep_nvl, ep_nic = np.zeros(n), np.zeros(n)
     routing_map = ep_buffers = 0.0
     n_ag = 0
     if model.moe is not None:
@@ -418,15 +518,25 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         else:
             remote = comm.ep_remote_copies(m.experts_per_token, e)
             cross = comm.ep_cross_domain_copies(m.experts_per_token, e, pl.ep_local)
-        per_copy = comm.ep_payload_bytes(exch, T, m.latent_size, 1.0)
-        nvl = nvl + moe * per_copy * (remote - cross)
-        nic = nic + moe * per_copy * cross
+        per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
+        if shape.dispatcher in HIERARCHICAL_DISPATCHERS and pl.ep_local < e:
+            # DeepEP / HybridEP send a token once per destination NVLink domain over RDMA and forward it over
+            # NVLink inside that domain (DeepEP README, internode kernels): NIC copies = (e/a - 1) x P(domain
+            # hit), P from the domain's E a / e experts; the forwarded rank copies then ride NVLink.
+            a_ = pl.ep_local
+            dom = (e // a_ - 1) * comm.ep_hit_probability(m.num_experts, m.experts_per_token, e // a_)
+            nvl = nvl + moe * per_copy * remote
+            nic = nic + moe * per_copy * dom
+        else:
+            nvl = nvl + moe * per_copy * (remote - cross)
+            nic = nic + moe * per_copy * cross
+        ep_nvl, ep_nic = nvl.copy(), nic.copy()
         n_ag = comm.routing_map_allgathers_per_layer(full)
         rmap = comm.routing_map_bytes(T, m.num_experts)
         nvl = nvl + moe * n_ag * rmap * (pl.ep_local - 1)
         nic = nic + moe * n_ag * rmap * (e - pl.ep_local)
         routing_map = float(e * rmap)
-        ep_buffers = float(2 * T * m.experts_per_token * m.latent_size * BF16)
+        ep_buffers = float(2 * T * m.experts_per_token * model.dispatch_width * BF16)
     if not accumulate:
         # Per-microbatch FP32 reduce-scatter of the gradients: 4 P (1 - 1/n), hierarchical.
         a, b_ = _hier(4 * pn, fd, pl.dense_fsdp_local)
@@ -441,7 +551,8 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
 
     gb = 1e9
     time = {
-        "tensor": tensor_flops / (cluster.bf16_tflops * 1e12),
+        "tensor": (tensor_flops - gemm_flops) / (cluster.bf16_tflops * 1e12)
+        + gemm_flops / (cluster.dense_tflops(shape.precision) * 1e12),
         "hbm": hbm / (cluster.hbm_gbps * gb),
         "nvlink": nvl / (cluster.nvlink_gbps * gb),
         "nic": nic / (cluster.nic_gbps * gb),
@@ -450,6 +561,9 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
 
     # ---------------------------------------------------------------- per-update work
     up_hbm = (2 * FP32 + FP32 + 2 * FP32) * res_muon + (2 * FP32 + FP32 + 4 * FP32) * res_adam
+    if lowp:
+        # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
+        up_hbm = up_hbm + q_view * (BF16 + 2 * qb)
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
     up_nvl, up_nic = _hier(2 * pn, fd, pl.dense_fsdp_local)     # BF16 view refresh all-gather
     a, b_ = _hier(2 * p_routed / e, fe, pl.expert_fsdp_local)
@@ -485,6 +599,24 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
     pp_spb = tuple(
         1 / (cluster.nvlink_gbps * gb) if hop else 1 / (cluster.nic_gbps * gb) for hop in pl.pp_hop_in_domain
     )
+    achievable: dict[str, np.ndarray] = {}
+    update_achievable: dict[str, np.ndarray] = {}
+    pp_spb_ach: tuple[float, ...] = ()
+    if rates_json:
+        rt = _rates_from_json(rates_json)
+        # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
+        # intermediate tensor is written by its producer and read by its consumer in forward, read again as a
+        # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
+        # its own traffic. Kernels on one stream run in sequence, so this time adds to the GEMM time.
+        elementwise = 5 * saved * np.where(layer, rc_factor, 1.0) + (hbm - hbm_weights - 2 * (act + recompute_ws))
+        achievable, update_achievable = _achievable_time(
+            shape, cluster, rt, sa, T=T, layer=layer, rc_factor=rc_factor, s_eff=s_eff, head_active=sa.head_active,
+            hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
+            ns_flops=ns_flops, up_hbm=up_hbm,
+            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
+        pp_spb_ach = tuple(
+            1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
+            else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
     return Coefficients(
         shape=shape, n_layers=L, tokens=T, hidden=d,
         master=master, grads=grads, optimizer=optimizer, bf16_view=bf16_view, moonep_slots=moonep_slots,
@@ -501,4 +633,70 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str) -> Coefficie
         balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
         step_gather=step_gather, step_gather_with_ns=default_policy, model_json=model_json,
+        gemm_flops=gemm_flops, quantized_weights=quantized_weights,
+        achievable=achievable, update_achievable=update_achievable, pp_seconds_per_byte_achievable=pp_spb_ach,
+        rates_name=_rates_from_json(rates_json).name if rates_json else "",
     )
+
+
+def model_moe_tokens_factor(shape: Shape, sa: _Static) -> float:
+    """Tokens one routed expert's GEMM sees per token of the microbatch: k e / E (balanced, dropless)."""
+    return sa.moe_k * shape.ep / sa.moe_experts if sa.moe_experts else 1.0
+
+
+def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Static, *, T: int, layer: np.ndarray,
+                     rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, elementwise: np.ndarray,
+                     nvl: np.ndarray,
+                     nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
+                     up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`:
+    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction), attention and scan
+    FLOPs / (BF16 peak x attention fraction), bytes / (link or HBM peak x fraction), EP all-to-all bytes / the
+    dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an
+    overlap schedule is on (the step-time helper decides)."""
+    gb, tf = 1e9, 1e12
+    dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
+    rc = np.where(layer, rc_factor, 1.0)
+    p, bf = shape.precision, Precision.BF16
+    lowp = p != bf
+    bf16 = cluster.bf16_tflops * tf
+    pk = cluster.dense_tflops(p) * tf
+    # Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
+    # Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
+    # dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3).
+    g = sa.gemms
+    idx, out, inp, act, is_routed, q = (g[:, j] for j in range(6))
+    moe = model_moe_tokens_factor(shape, sa)
+    m_tokens = np.where(is_routed > 0, T * moe, T)
+    flops = 6.0 * T * out * inp * act
+    use_q = (q > 0) & lowp
+    frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
+                    np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
+    peak = np.where(use_q, pk, bf16)
+    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
+    tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=len(layer)) * rc
+    if shape.toggles.fused_cross_entropy:
+        tensor[-1] += 2 * T * head_active / (bf16 * rt.gemm("dense", bf))
+    core = T * (sa.attn * s_eff + sa.scan) * rc
+    tensor = tensor + core / (bf16 * rt.attention_core.value)
+    c_nvl = cluster.nvlink_gbps * gb * rt.collective_nvlink.value
+    c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
+    time = {
+        "tensor": tensor,
+        "hbm": hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "vector": elementwise / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "nvlink": (nvl - ep_nvl) / c_nvl,
+        "nic": (nic - ep_nic) / c_nic,
+        "host_link": host / (cluster.host_link_gbps * gb),
+        "ep_nvlink": ep_nvl / (rt.a2a(dispatcher, "nvlink") * gb) if ep_nvl.any() else np.zeros_like(nvl),
+        "ep_nic": ep_nic / (rt.a2a(dispatcher, "nic") * gb) if ep_nic.any() else np.zeros_like(nic),
+    }
+    update = {
+        "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),
+        "hbm": up_hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "nvlink": up_nvl / c_nvl,
+        "nic": up_nic / c_nic,
+        "host_link": up_host / (cluster.host_link_gbps * gb),
+    }
+    return time, update

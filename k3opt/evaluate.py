@@ -8,11 +8,12 @@ Every number is a sum of the per-layer coefficients in k3opt.coefficients over t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from k3opt.achievable import achievable_for
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
@@ -33,7 +34,8 @@ from k3opt.specs import (
 )
 from k3opt.structure import ParamCounts, structure_of
 
-PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers")
+PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
+              "quantized_weights")
 ACTIVATION = ("activations", "attnres_bank", "recompute_working_set", "grad_transient", "pp_buffers",
               "ep_buffers", "routing_map", "logits")
 OPTIMIZER = ("optimizer_transient",)
@@ -46,6 +48,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
     "bf16_view": ("derived", "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
     "moonep_slots": ("derived", "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
     "grad_accum": ("derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
+    "quantized_weights": ("derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the "
+                                     "local linear-layer weights, 2 x (b + 1/block) x params (0 under BF16)"),
     "moonep_buffers": ("assumption", "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers "
                                      "of one MoE layer at uniform routing, allocated for the whole run"),
     "activations": ("derived", "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 "
@@ -148,6 +152,15 @@ class StepTime:
     model_flops_per_token: float
     mfu_convention: str
     unpriced: tuple[str, ...]
+    achievable_step_time_s: float | None = None
+    """Roofline plus bubble at the achievable rates of the cluster's rates file (k3opt.achievable); None
+    without a rates file. `step_time_s` stays the optimistic peak-ceiling bound beside it."""
+    achievable_tokens_per_s_per_gpu: float | None = None
+    achievable_mfu: float | None = None
+    achievable_binding: str = ""
+    achievable_exposed_ep_s: float = 0.0
+    """Exposed EP all-to-all per stage-microbatch on the slowest rank (0 with an EP overlap schedule)."""
+    rates: str = ""
 
 
 @dataclass(frozen=True)
@@ -307,6 +320,7 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     out["grad_accum"] = sum(csum(cf.grad_accum))
     has_moe = sum(csum(cf.moe)) > 0
     out["moonep_buffers"] = cf.moonep_buffers if has_moe else 0.0
+    out["quantized_weights"] = sum(csum(cf.quantized_weights)) if len(cf.quantized_weights) else 0.0
 
     act = csum(cf.act)
     bank = [closes_cum[bounds[j][1]] * cf.stream_bytes for j in mine]
@@ -485,6 +499,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         ))
 
     step = _step(cf, ranks, model, cluster, layout)
+    step = _with_achievable(step, cf, layout, cluster)
     validation = []
     if layout.measured is not None:
         m = layout.measured
@@ -496,6 +511,9 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         if m.tokens_per_s_per_gpu is not None:
             validation.append(Comparison("tokens/s per GPU", step.tokens_per_s_per_gpu,
                                          m.tokens_per_s_per_gpu, "tokens/s"))
+        if m.tokens_per_s_per_gpu is not None and step.achievable_tokens_per_s_per_gpu is not None:
+            validation.append(Comparison("tokens/s per GPU at achievable rates",
+                                         step.achievable_tokens_per_s_per_gpu, m.tokens_per_s_per_gpu, "tokens/s"))
     return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
                       ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation),
                       runtime=rt)
@@ -532,6 +550,19 @@ def memory_comparisons(m: Any, ranks: list[RankEvaluation], owner: str = "") -> 
         out.append(Comparison(f"optimizer-step transient, PP rank {r.rank}{owner}", r.optimizer_phase_bytes / GIB,
                               m.optimizer_transient_gib, "GiB", "allocated"))
     return out
+
+
+def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: ClusterSpec) -> StepTime:
+    """The peak-ceiling step time with the achievable-rate step time (k3opt.achievable) beside it."""
+    ach = achievable_for(cf, layout.split, cluster)
+    if ach is None:
+        return step
+    tps = cf.shape.tokens_per_update / ach.step_time_s
+    return replace(
+        step, achievable_step_time_s=ach.step_time_s, achievable_tokens_per_s_per_gpu=tps / cf.shape.gpus,
+        achievable_mfu=cf.model_flops_per_token * tps / (cf.shape.gpus * cluster.bf16_tflops * 1e12),
+        achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
+    )
 
 
 def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, cluster: ClusterSpec,

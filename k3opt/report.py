@@ -125,6 +125,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"MFU convention: {s.model_flops_per_token / 1e9:.2f} GFLOP per token = {s.mfu_convention}",
         "unpriced: " + "; ".join(s.unpriced),
     ]
+    lines += _achievable_lines(ev)
     if ev.validation:
         lines += ["", "Validation against measurement (modeled vs measured; the GAP is what the model does not "
                       "explain, never a scale factor)"]
@@ -148,6 +149,23 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
             for it in worst.memory_items:
                 lines.append(f"  {it.key:<22} [{it.where}] {it.bytes / MIB:,.1f} MiB: {it.formula}")
     return "\n".join(lines)
+
+
+def _achievable_lines(ev) -> list[str]:  # noqa: ANN001 - Evaluation
+    """The achievable-rate step time (empirical roofline) beside the peak-ceiling bound above."""
+    s = ev.step
+    if s.achievable_step_time_s is None:
+        return ["", f"achievable step time: no rates file for {ev.cluster.name} (constraints/rates); only the "
+                    "peak roofline above"]
+    return [
+        "",
+        f"achievable step {s.achievable_step_time_s:.3f} s at the measured rates of '{s.rates}' "
+        f"({s.achievable_binding}-bound; exposed EP all-to-all {s.achievable_exposed_ep_s * 1e3:.1f} ms per "
+        f"stage-microbatch): {s.achievable_tokens_per_s_per_gpu:,.1f} tokens/s per GPU, MFU "
+        f"{100 * s.achievable_mfu:.1f}%; the peak roofline {s.step_time_s:.3f} s is the optimistic bound",
+        f"precision {ev.layout.precision.value}: linear GEMMs at {ev.cluster.dense_tflops(ev.layout.precision):g} "
+        f"TFLOP/s dense peak; attention core, router, embedding and head at BF16",
+    ]
 
 
 def mib(x: float) -> str:
@@ -179,6 +197,9 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
             "step_time_s": s.step_time_s, "serial_step_time_s": s.serial_step_time_s,
             "tokens_per_update": s.tokens_per_update, "tokens_per_s": s.tokens_per_s,
             "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "mfu_pct": 100 * s.mfu,
+            "precision": lay.precision.value,
+            "achievable_step_time_s": s.achievable_step_time_s,
+            "achievable_tokens_per_s_per_gpu": s.achievable_tokens_per_s_per_gpu,
             "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
             "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
             "peak_gib": ev.peak_bytes / GIB, "peak_allocated_gib": ev.peak_allocated_bytes / GIB,
@@ -211,7 +232,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     cols = {
         "rank": "#", "pp": "PP", "vp": "VP", "cp": "CP", "ep": "EP", "expert_fsdp": "eFSDP",
         "dense_fsdp": "dFSDP", "microbatches": "M", "split_layers": "split", "recompute": "recompute",
-        "step_time_s": "step_s", "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
+        "step_time_s": "step_s", "achievable_step_time_s": "achievable_s",
+        "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
         "headroom_gib": "headroom_GiB", "binding_resource": "binds",
     }
     table = df[list(cols)].rename(columns=cols)

@@ -11,7 +11,7 @@ import tomllib
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -85,18 +85,40 @@ class MLASpec(_Strict):
     output_gate: StrictBool = True
 
 
+class GQASpec(_Strict):
+    """Grouped-query softmax attention (Llama 3, Qwen3): H query heads share K/V across H / kv groups."""
+
+    num_heads: PosInt
+    num_kv_heads: PosInt
+    head_dim: PosInt
+    qk_norm: StrictBool = False
+    """Per-head RMSNorm on Q and K (Qwen3: q_norm, k_norm of width head_dim)."""
+    attention_bias: StrictBool = False
+    """Biases on the Q, K, V projections."""
+
+    @model_validator(mode="after")
+    def _groups(self) -> GQASpec:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
 class DenseFFNSpec(_Strict):
     intermediate_size: PosInt
 
 
 class MoESpec(_Strict):
-    """Latent MoE: the routed stream is compressed to `latent_size` before dispatch."""
+    """MoE FFN. With `latent_size` (latent MoE) the routed stream is compressed to that width before
+    dispatch; without it the experts read the hidden state (DeepSeek-V3, Qwen3)."""
 
     num_experts: PosInt
     experts_per_token: PosInt
-    latent_size: PosInt
+    latent_size: PosInt | None = None
     expert_intermediate_size: PosInt
-    shared_intermediate_size: StrictInt = Field(ge=0)
+    shared_intermediate_size: StrictInt = Field(default=0, ge=0)
+    """Summed intermediate width of the shared experts (0: none)."""
+    router_bias: StrictBool = False
+    """A learned per-expert routing bias (DeepSeek-V3 e_score_correction_bias)."""
 
 
 class AttnResSpec(_Strict):
@@ -125,13 +147,25 @@ class VisionSpec(_Strict):
     projector_hidden_size: PosInt
 
 
+class MTPSpec(_Strict):
+    """Multi-token prediction modules (DeepSeek-V3 section 2.2): each is enorm + hnorm, a [d, 2d]
+    projection and one decoder layer of the last layer's kinds; embedding and output head are shared
+    with the main model (no parameters) but the head is applied once more per module."""
+
+    num_layers: PosInt = 1
+
+
 class OptimizerSpec(_Strict):
     adamw_matrices: list[str] = Field(default_factory=list)
     """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.structure)."""
 
 
 class ModelSpec(_Strict):
-    """A decoder stack of KDA / MLA attention with dense or latent-MoE FFNs, read from TOML."""
+    """A decoder stack of KDA / MLA / GQA attention with dense or (latent) MoE FFNs, read from TOML.
+
+    `full_attention_layers` lists the softmax-attention layers (MLA or GQA, whichever table is given);
+    all other layers are KDA. `dense_ffn_layers` lists the dense-FFN layers; all others are MoE. Either
+    list may be the string "all"."""
 
     name: str
     hidden_size: PosInt
@@ -142,11 +176,34 @@ class ModelSpec(_Strict):
     dense_ffn_layers: list[StrictInt] = Field(default_factory=list)
     kda: KDASpec | None = None
     mla: MLASpec | None = None
+    gqa: GQASpec | None = None
     dense_ffn: DenseFFNSpec | None = None
     moe: MoESpec | None = None
     attn_res: AttnResSpec | None = None
     vision: VisionSpec | None = None
+    mtp: MTPSpec | None = None
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    source: str = ""
+    """Where the shapes were copied from (repository and file)."""
+    ffn_activation: Literal["situ_glu", "swiglu"] = "situ_glu"
+    """Gated activation of every FFN: K3's SiTU-GLU (seed 004: the naive autograd keeps six FP32 copies unless
+    the fused op is on) or a plain SwiGLU (saves its BF16 [R, 2H] input, as Megatron's fused bias-SwiGLU)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_layers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            n = data.get("num_layers")
+            for key in ("full_attention_layers", "dense_ffn_layers"):
+                if data.get(key) == "all" and isinstance(n, int):
+                    data = {**data, key: list(range(n))}
+        return data
+
+    @property
+    def dispatch_width(self) -> int:
+        """Width of the routed stream the EP all-to-all carries: the latent width, else the hidden size."""
+        assert self.moe is not None
+        return self.moe.latent_size or self.hidden_size
 
     @model_validator(mode="after")
     def _layers(self) -> ModelSpec:
@@ -156,13 +213,47 @@ class ModelSpec(_Strict):
                 raise ValueError(f"{field} has layer indices outside 0..{self.num_layers - 1}: {bad}")
         if len(self.full_attention_layers) < self.num_layers and self.kda is None:
             raise ValueError("some layers are linear attention but the [kda] table is missing")
-        if self.full_attention_layers and self.mla is None:
-            raise ValueError("full_attention_layers is set but the [mla] table is missing")
+        if self.mla is not None and self.gqa is not None:
+            raise ValueError("give one softmax-attention table, [mla] or [gqa], not both")
+        if self.full_attention_layers and self.mla is None and self.gqa is None:
+            raise ValueError("full_attention_layers is set but the [mla] (or [gqa]) table is missing")
         if self.dense_ffn_layers and self.dense_ffn is None:
             raise ValueError("dense_ffn_layers is set but the [dense_ffn] table is missing")
         if len(set(self.dense_ffn_layers)) < self.num_layers and self.moe is None:
             raise ValueError("some layers are MoE but the [moe] table is missing")
         return self
+
+
+# ------------------------------------------------------------------------------------------- precision
+
+
+class Precision(StrEnum):
+    """Compute precision of the linear layers (Megatron / Transformer Engine run the linear GEMMs in it; the
+    attention core, the router, the embedding and the output layer stay BF16)."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
+    """FP8 E4M3 with per-tensor (current/delayed) scaling: one FP32 scale per tensor."""
+    MXFP8 = "mxfp8"
+    """OCP microscaling FP8: one E8M0 (1 byte) scale per 32 elements (TE MXFP8 recipe)."""
+    NVFP4 = "nvfp4"
+    """NVIDIA FP4 E2M1: one E4M3 (1 byte) scale per 16 elements plus a per-tensor FP32 scale."""
+
+
+PRECISION_FORMAT: dict[Precision, tuple[float, int]] = {
+    Precision.BF16: (2.0, 0),
+    Precision.FP8: (1.0, 0),
+    Precision.MXFP8: (1.0, 32),
+    Precision.NVFP4: (0.5, 16),
+}
+"""(bytes per element, elements per 1-byte block scale; 0: one scale per tensor) of each precision
+(OCP Microscaling Formats spec v1.0; NVIDIA Transformer Engine low-precision training docs)."""
+
+
+def quantized_bytes_per_element(precision: Precision) -> float:
+    """Bytes one element takes in `precision`, its block scales included: b + 1 / block."""
+    b, block = PRECISION_FORMAT[precision]
+    return b + (1.0 / block if block else 0.0)
 
 
 # ------------------------------------------------------------------------------------------- cluster
@@ -188,6 +279,27 @@ class ClusterSpec(_Strict):
     host_link_gbps: PosFloat
     """GPU <-> host copy bandwidth, per direction."""
     source: str = ""
+    fp4_tflops: PosFloat | None = None
+    """Dense FP4 (NVFP4) tensor peak; absent: the GPU has no FP4 tensor cores."""
+    microscaling: StrictBool = True
+    """Tensor cores take block-scaled (MX / NVFP4) operands natively (Blackwell); Hopper does not."""
+    peaks_source: str = ""
+    """Datasheet the dense per-precision peaks come from."""
+    sm_count: PosInt | None = None
+    """Streaming multiprocessors per GPU (what an overlapped communication kernel's SMs are a share of)."""
+
+    def dense_tflops(self, precision: Precision | str) -> float:
+        """Dense tensor peak for one compute precision: BF16, FP8 = MXFP8, NVFP4 = FP4."""
+        p = Precision(precision)
+        if p == Precision.BF16:
+            return self.bf16_tflops
+        if p in (Precision.MXFP8, Precision.NVFP4) and not self.microscaling:
+            raise LayoutError(f"{self.name} has no block-scaled ({p.value}) tensor cores; use bf16 or fp8")
+        if p == Precision.NVFP4:
+            if self.fp4_tflops is None:
+                raise LayoutError(f"{self.name} has no FP4 peak (fp4_tflops); use bf16, fp8 or mxfp8")
+            return self.fp4_tflops
+        return self.fp8_tflops
 
     @property
     def hbm_bytes(self) -> int:
@@ -304,6 +416,8 @@ class Measured(_Strict):
     """Measured ledger terms by ledger key (e.g. `grads`, `master`), GiB."""
     step_time_s: PosFloat | None = None
     tokens_per_s_per_gpu: PosFloat | None = None
+    model_tflops_per_gpu: PosFloat | None = None
+    """The run's own model-FLOP rate per GPU (Megatron's num_floating_point_operations), when published."""
     note: str = ""
 
 
@@ -358,6 +472,17 @@ class Layout(_Strict):
     runtime: str | None = None
     """Runtime preset or file (memory outside live tensors, constraints/runtimes/); absent: live tensors
     only, so allocated = reserved = device and the reserve must cover everything else."""
+    precision: Precision = Precision.BF16
+    """Compute precision of the linear-layer GEMMs (attention core, router, embedding and head stay BF16)."""
+    ep_overlap: StrictBool = False
+    """An EP communication overlap schedule is on (Megatron overlap_moe_expert_parallel_comm / DeepEP
+    two-microbatch overlap): the all-to-all hides under compute. Off: it is exposed."""
+    dispatcher: str | None = None
+    """EP token dispatcher (a key of the rates file's a2a tables: hybridep, deepep). A hierarchical dispatcher
+    crosses NVLink domains once per destination domain and forwards inside it. Absent: seed 002's per-rank
+    copies, and HybridEP's measured bandwidth for the achievable step time."""
+    source: str = ""
+    """Where a measured layout's settings come from (recipe file and commit)."""
 
     @property
     def dp(self) -> int:
@@ -456,6 +581,8 @@ class Job(_Strict):
     """Runtime preset or file for the memory outside live tensors (see Layout.runtime)."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
+    precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16])
+    """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
 
     @property
     def gpu_counts(self) -> list[int]:
@@ -503,7 +630,7 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
 
 _PRESET_DIRS = {"model": "constraints/models", "cluster": "constraints/clusters",
                 "job": "constraints/jobs", "layout": "layouts", "runtime": "constraints/runtimes",
-                "measured layout": "layouts/measured"}
+                "measured layout": "layouts/measured", "rates": "constraints/rates"}
 
 
 def preset_dir(kind: str) -> Path:
@@ -598,6 +725,8 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
             f"domain_gpus_used ({layout.domain_gpus_used}) exceeds the {cluster.nvlink_domain_gpus}-GPU NVLink "
             f"domain of {cluster.name}"
         )
+    if cluster is not None:
+        cluster.dense_tflops(layout.precision)  # raises LayoutError if the cluster lacks the precision
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
 

@@ -2,13 +2,14 @@
 learned active matrices per token) and per-layer-kind saved-for-backward tensors.
 
 Nothing here is a typed-in total: every count is a product of the shapes in the model TOML. The layer kinds
-(KDA or MLA attention; dense or latent-MoE FFN; embedding, vision and LM head on the edges) are read from
-the model file, so other presets are data, not code.
+(KDA, gated MLA, DeepSeek-V3 MLA or GQA attention; dense FFN or MoE with or without latent compression and
+shared experts; AttnRes or plain residuals; embedding, vision, LM head and MTP modules on the edges) are read
+from the model file, so other presets are data, not code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from math import prod
 
@@ -116,20 +117,30 @@ class Structure:
         self._adamw = set(model.optimizer.adamw_matrices)
         self.layers: list[list[Block]] = [self._layer(i) for i in range(model.num_layers)]
         self.first: list[Block] = [self._embedding()] + ([self._vision()] if model.vision else [])
-        self.last: list[Block] = [self._head()]
+        self.last: list[Block] = [self._head(), *self._mtp()]
 
     # -- helpers --------------------------------------------------------------------------------
     def _opt(self, qualified: str) -> str:
         return "adamw" if qualified in self._adamw else "muon"
 
-    def is_mla(self, i: int) -> bool:
+    def is_full(self, i: int) -> bool:
+        """Softmax (MLA or GQA) attention; otherwise KDA."""
         return i in self.model.full_attention_layers
+
+    def is_mla(self, i: int) -> bool:
+        return self.is_full(i) and self.model.mla is not None
+
+    def is_gqa(self, i: int) -> bool:
+        return self.is_full(i) and self.model.gqa is not None
 
     def is_dense(self, i: int) -> bool:
         return i in self.model.dense_ffn_layers
 
+    def attention_kind(self, i: int) -> str:
+        return "mla" if self.is_mla(i) else "gqa" if self.is_gqa(i) else "kda"
+
     def layer_kind(self, i: int) -> str:
-        return f"{'mla' if self.is_mla(i) else 'kda'}+{'dense' if self.is_dense(i) else 'moe'}"
+        return f"{self.attention_kind(i)}+{'dense' if self.is_dense(i) else 'moe'}"
 
     # -- blocks ---------------------------------------------------------------------------------
     def _norm_saved(self, prefix: str) -> tuple[Saved, ...]:
@@ -218,7 +229,37 @@ class Structure:
         return Block(f"layer{i}.mla", "mla", tuple(t), tuple(saved),
                      attention_flops_per_token_per_doc_token=attn)
 
+    def _gqa(self, i: int) -> Block:
+        a, d = self.model.gqa, self.model.hidden_size
+        assert a is not None
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        t = [
+            _m("gqa.q_proj", q, d, self._opt("gqa.q_proj")),
+            _m("gqa.k_proj", kv, d, self._opt("gqa.k_proj")),
+            _m("gqa.v_proj", kv, d, self._opt("gqa.v_proj")),
+            _m("gqa.o_proj", d, q, self._opt("gqa.o_proj")),
+        ]
+        if a.attention_bias:
+            t += [_v("gqa.q_bias", q), _v("gqa.k_bias", kv), _v("gqa.v_bias", kv)]
+        saved = [
+            *self._norm_saved("attn"),
+            *self._attn_res_saved("attn"),
+            Saved("gqa_q", q, BF16),
+            Saved("gqa_k", kv, BF16),
+            Saved("gqa_v", kv, BF16),
+            Saved("gqa_attn_output", q, BF16, gemm_input=True),
+            Saved("gqa_softmax_lse", a.num_heads, FP32),
+        ]
+        if a.qk_norm:
+            t += [_v("gqa.q_norm", a.head_dim), _v("gqa.k_norm", a.head_dim)]
+            saved += [Saved("gqa_q_pre_norm", q, BF16), Saved("gqa_k_pre_norm", kv, BF16)]
+        # Causal score/value contractions: half of 2 * 2 * S * H * (d_qk + d_v) forward, times 3 for training.
+        attn = 3 * a.num_heads * (2 * a.head_dim)
+        return Block(f"layer{i}.gqa", "gqa", tuple(t), tuple(saved), attention_flops_per_token_per_doc_token=attn)
+
     def _situ(self, prefix: str, rows_per_token: int, width: int) -> tuple[Saved, ...]:
+        if self.model.ffn_activation == "swiglu":
+            return (Saved(f"{prefix}_swiglu_input", 2 * rows_per_token * width, BF16),)
         # Seed 004: naive SiTU-GLU autograd keeps 6 FP32 [R, H]; the fused op keeps the BF16 [R, 2H] input.
         return (
             Saved(f"{prefix}_situ_fp32_copies", 6 * rows_per_token * width, FP32, role="situ_naive"),
@@ -245,13 +286,17 @@ class Structure:
     def _moe(self, i: int) -> Block:
         m, d = self.model.moe, self.model.hidden_size
         assert m is not None
-        k, w, f, s = m.experts_per_token, m.latent_size, m.expert_intermediate_size, m.shared_intermediate_size
-        t = [
-            _m("moe.router", m.num_experts, d, self._opt("moe.router")),
-            _m("moe.latent_down", w, d, self._opt("moe.latent_down")),
-            _m("moe.latent_up", d, w, self._opt("moe.latent_up")),
-            _v("moe.latent_norm", w),
-        ]
+        k, f, s = m.experts_per_token, m.expert_intermediate_size, m.shared_intermediate_size
+        w = self.model.dispatch_width
+        t = [_m("moe.router", m.num_experts, d, self._opt("moe.router"))]
+        if m.router_bias:
+            t.append(_v("moe.router_bias", m.num_experts))
+        if m.latent_size is not None:
+            t += [
+                _m("moe.latent_down", w, d, self._opt("moe.latent_down")),
+                _m("moe.latent_up", d, w, self._opt("moe.latent_up")),
+                _v("moe.latent_norm", w),
+            ]
         for name, shape in (("w1", (f, w)), ("w3", (f, w)), ("w2", (w, f))):
             t.append(Tensor(f"moe.experts.{name}", shape, self._opt(f"moe.experts.{name}"),
                             count=m.num_experts, routed=True, active_per_token=k))
@@ -261,14 +306,18 @@ class Structure:
             Saved("moe_router_scores", m.num_experts, FP32),
             Saved("moe_topk_weights", k, FP32),
             Saved("moe_topk_indices", k, INT64),
-            Saved("moe_latent_down_output", w, BF16),
-            Saved("moe_latent_norm_output", w, BF16, recomputable=True),
+        ]
+        if m.latent_size is not None:
+            saved += [Saved("moe_latent_down_output", w, BF16),
+                      Saved("moe_latent_norm_output", w, BF16, recomputable=True)]
+        saved += [
             Saved("moe_dispatched_inputs", k * w, BF16, gemm_input=True, role="dispatch_copy"),
             *self._situ("moe_expert", k, f),
             Saved("moe_expert_act_output", k * f, BF16, gemm_input=True, recomputable=True),
             Saved("moe_expert_outputs", k * w, BF16, role="expert_output"),
-            Saved("moe_combined_latent", w, BF16, gemm_input=True),
         ]
+        if m.latent_size is not None:
+            saved.append(Saved("moe_combined_latent", w, BF16, gemm_input=True))
         if s:
             t += [
                 _m("moe.shared_gate", s, d, self._opt("moe.shared_gate")),
@@ -290,7 +339,7 @@ class Structure:
         return Block(f"layer{i}.vectors", "vectors", tuple(t))
 
     def _layer(self, i: int) -> list[Block]:
-        attn = self._mla(i) if self.is_mla(i) else self._kda(i)
+        attn = self._mla(i) if self.is_mla(i) else self._gqa(i) if self.is_gqa(i) else self._kda(i)
         ffn = self._dense_ffn(i) if self.is_dense(i) else self._moe(i)
         return [attn, ffn, self._layer_vectors(i)]
 
@@ -307,6 +356,28 @@ class Structure:
         if not self.model.tie_word_embeddings:
             t.append(Tensor("lm_head", (v, d), "adamw", active_per_token=1))
         return Block("lm_head", "head", tuple(t), self._norm_saved("final"))
+
+    def _mtp(self) -> list[Block]:
+        """DeepSeek-V3 MTP modules on the last stage: enorm, hnorm, eh_proj [d, 2d], one decoder layer of
+        the last layer's kinds, the module's own output norm, and one more pass through the shared head
+        (FLOPs, no parameters: the head and the embedding are shared with the main model)."""
+        mtp, d, v = self.model.mtp, self.model.hidden_size, self.model.vocab_size
+        if mtp is None:
+            return []
+        last = self.model.num_layers - 1
+        blocks: list[Block] = []
+        for j in range(mtp.num_layers):
+            t = (
+                _v("mtp.enorm", d), _v("mtp.hnorm", d),
+                _m("mtp.eh_proj", d, 2 * d, self._opt("mtp.eh_proj")),
+                _v("mtp.final_norm", d),
+                Tensor("mtp.shared_head", (v, d), "adamw", count=0, active_per_token=1),
+            )
+            saved = (Saved(f"mtp{j}_norm_outputs", 2 * d, BF16, gemm_input=True),
+                     *self._norm_saved(f"mtp{j}_final"))
+            blocks.append(Block(f"mtp{j}.proj", "mtp", t, saved))
+            blocks += [replace(b, name=f"mtp{j}.{b.name.split('.', 1)[1]}") for b in self._layer(last)]
+        return blocks
 
     def _vision(self) -> Block:
         vs, d = self.model.vision, self.model.hidden_size
@@ -343,6 +414,7 @@ class Structure:
             total=total, muon=muon, adamw=total - muon, routed=routed, active_matrix=active,
             active_routed=self._sum(lambda b: b.routed_active_params),
             active_conventional=active + self._sum(lambda b: b.non_matmul_text_params),
+            mtp=sum(b.params() for b in self.last if b.name.startswith("mtp")),
         )
 
     # -- per-layer arrays (what the ledger, the roofline and the search sum over layer ranges) ----
@@ -408,6 +480,8 @@ class ParamCounts:
     active_routed: int
     active_conventional: int
     """Active matrices plus the small non-matmul text weights (the conventional 'active parameters')."""
+    mtp: int = 0
+    """Parameters of the MTP modules (included in `total`; the shared embedding and head are not repeated)."""
 
     @property
     def training_flops_per_token(self) -> int:

@@ -82,7 +82,7 @@ def test_cli_exits_2_with_one_line(tmp_path, case):
 
 
 def test_unknown_presets(tmp_path):
-    with pytest.raises(k3opt.PresetNotFoundError, match="unknown model preset 'kimi-k9'; known presets: kimi-k3"):
+    with pytest.raises(k3opt.PresetNotFoundError, match="unknown model preset 'kimi-k9'; known presets: .*kimi-k3"):
         k3opt.load_model("kimi-k9")
     with pytest.raises(k3opt.PresetNotFoundError, match="gb200-nvl72"):
         k3opt.load_cluster("gb201")

@@ -1,0 +1,156 @@
+"""Achievable rates: the fraction of a datasheet peak that real kernels and collectives reach, as named data.
+
+A rates file (constraints/rates/<cluster>.toml) holds one entry per rate, each with its value, its unit, what
+kind of number it is (measured, spec, derived, assumption) and its public source (a microbenchmark, a paper,
+a vendor document). None of them comes from the throughput validation rows: those only check the result.
+
+The cost model turns the rates into achievable ceilings (an empirical roofline) beside the peak ceilings:
+    GEMM time          = FLOPs / (dense peak of the precision x GEMM fraction of its shape class)
+    attention time     = FLOPs / (BF16 dense peak x attention-core fraction)
+    HBM time           = bytes / (HBM peak x HBM fraction)
+    EP all-to-all time = bytes / achievable all-to-all bandwidth of the dispatcher (inside / across a domain)
+    other collectives  = bytes / (link peak x collective fraction)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from k3opt.errors import SpecError
+from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
+
+_RATE_KINDS = Literal["measured", "spec", "derived", "assumption"]
+
+
+class Rate(_Strict):
+    """One named achievable rate with its provenance."""
+
+    value: PosFloat
+    unit: str
+    kind: _RATE_KINDS
+    source: str = Field(min_length=1)
+    """The public source: repository and file (with commit when pinned), paper, or vendor document."""
+    note: str = ""
+    sms: int | None = Field(default=None, gt=0)
+    """For a communication kernel: the streaming multiprocessors it held while measured (taken from compute
+    while it runs beside it)."""
+
+
+class OverlapRules(_Strict):
+    """What hides under compute, as the framework schedules it."""
+
+    ep_exposed_without_overlap: bool = True
+    """EP dispatch/combine sit on the critical path of their own microbatch unless an overlap schedule is on."""
+    dp_overlap_microbatches: float = Field(default=1.0, ge=0)
+    """Data-parallel gradient reduce-scatter and parameter all-gather overlap with this many microbatches of
+    compute (Megatron overlap_grad_reduce / overlap_param_gather: the last backward, the first forward)."""
+    pp_overlapped: bool = True
+    """Pipeline send/recv runs on its own stream beside compute."""
+    vector_serial_with_tensor: bool = True
+    """Memory-bound kernels run on the GEMMs' compute stream, in sequence with them."""
+    source: str = Field(min_length=1)
+
+
+class SizeCurve(_Strict):
+    """GEMM rate relative to the large-shape rate, by cube-equivalent edge (M N K)^(1/3), log-interpolated and
+    held flat beyond the ends."""
+
+    edge: list[PosFloat]
+    relative: list[PosFloat]
+    source: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> SizeCurve:
+        if len(self.edge) != len(self.relative) or len(self.edge) < 2:
+            raise ValueError("edge and relative need the same length (at least 2)")
+        if any(b <= a for a, b in zip(self.edge, self.edge[1:], strict=False)):
+            raise ValueError("edge must increase")
+        return self
+
+
+class RatesSpec(_Strict):
+    """Achievable rates of one cluster preset."""
+
+    name: str
+    cluster: str
+    """The cluster preset these rates were measured on (or transferred to, see each rate's note)."""
+    gemm_dense: dict[Precision, Rate]
+    """Large dense linear-layer GEMMs: fraction of the precision's dense peak."""
+    gemm_grouped: dict[Precision, Rate]
+    """Grouped expert GEMMs (one GEMM per local expert): fraction of the precision's dense peak."""
+    attention_core: Rate
+    """Fused attention (score/value contractions, BF16): fraction of the BF16 dense peak."""
+    hbm: Rate
+    """Streaming kernels: fraction of the HBM peak."""
+    collective_nvlink: Rate
+    """All-gather / reduce-scatter / send-recv inside an NVLink domain: fraction of the NVLink peak."""
+    collective_nic: Rate
+    """The same across domains: fraction of the NIC peak."""
+    a2a_nvlink_gbps: dict[str, Rate]
+    """EP dispatch/combine inside one NVLink domain, per dispatcher: achieved algorithm bandwidth per GPU."""
+    a2a_nic_gbps: dict[str, Rate]
+    """EP dispatch/combine across domains, per dispatcher: achieved bandwidth per GPU."""
+    overlap: OverlapRules
+    gemm_size: SizeCurve | None = None
+    """How much slower small GEMMs run than the large ones the class fractions were measured on (absent: 1)."""
+
+    def size_factor(self, edge: np.ndarray) -> np.ndarray:
+        """Relative GEMM rate at cube-equivalent edge `edge` (1 without a curve)."""
+        if self.gemm_size is None:
+            return np.ones_like(edge, dtype=float)
+        c = self.gemm_size
+        return np.interp(np.log2(edge), np.log2(c.edge), c.relative)
+
+    def gemm(self, kind: str, precision: Precision) -> float:
+        table = self.gemm_dense if kind == "dense" else self.gemm_grouped
+        if precision not in table:
+            raise SpecError(f"rates {self.name}: no gemm_{kind} rate for {precision.value}; add "
+                            f"[gemm_{kind}.{precision.value}] with its source")
+        return table[precision].value
+
+    def a2a(self, dispatcher: str, where: str) -> float:
+        table = self.a2a_nvlink_gbps if where == "nvlink" else self.a2a_nic_gbps
+        if dispatcher not in table:
+            raise SpecError(f"rates {self.name}: no a2a_{where}_gbps rate for dispatcher '{dispatcher}'; known: "
+                            f"{', '.join(sorted(table))}")
+        return table[dispatcher].value
+
+    def a2a_sms(self, dispatcher: str) -> int:
+        """SMs the dispatcher's kernels hold (0 when the rates file does not say)."""
+        r = self.a2a_nvlink_gbps.get(dispatcher)
+        return r.sms or 0 if r is not None else 0
+
+    def named(self) -> dict[str, Rate]:
+        """Every rate under one flat name (for reports)."""
+        out: dict[str, Rate] = {}
+        for p, r in self.gemm_dense.items():
+            out[f"gemm_dense.{p.value}"] = r
+        for p, r in self.gemm_grouped.items():
+            out[f"gemm_grouped.{p.value}"] = r
+        for key in ("attention_core", "hbm", "collective_nvlink", "collective_nic"):
+            out[key] = getattr(self, key)
+        for d, r in self.a2a_nvlink_gbps.items():
+            out[f"a2a_nvlink_gbps.{d}"] = r
+        for d, r in self.a2a_nic_gbps.items():
+            out[f"a2a_nic_gbps.{d}"] = r
+        return out
+
+
+def load_rates(name_or_path: str) -> RatesSpec:
+    """A rates preset name (`gb200-nvl72`) or a path to a rates TOML."""
+    return _load(RatesSpec, name_or_path, "rates")
+
+
+def rates_for(cluster: ClusterSpec) -> RatesSpec | None:
+    """The shipped rates file named like the cluster preset, or None when there is none."""
+    return _shipped_rates(cluster.name)
+
+
+@lru_cache(maxsize=32)
+def _shipped_rates(name: str) -> RatesSpec | None:
+    path = preset_dir("rates") / f"{name}.toml"
+    return load_rates(str(path)) if path.exists() else None

@@ -1,0 +1,141 @@
+"""Achievable rates as sourced data, and the achievable step time that uses them beside the peak roofline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.coefficients import Shape, coefficients
+from k3opt.errors import SpecError
+from k3opt.rates import load_rates, rates_for
+from k3opt.specs import preset_names
+
+
+@pytest.mark.parametrize("name", preset_names("rates"))
+def test_every_shipped_rate_names_its_source(name):
+    rates = load_rates(name)
+    for key, rate in rates.named().items():
+        assert rate.source.strip(), key
+        if rate.unit.startswith("fraction"):
+            assert 0 < rate.value <= 1, key
+    assert rates.cluster in preset_names("cluster")
+
+
+def test_gb200_fractions_are_the_microbenchmarks_over_the_datasheet_peaks():
+    r = load_rates("gb200-nvl72")
+    assert r.gemm_dense["fp8"].value == round(2819.5 / 5000, 3)       # Azure cuBLASLt FP8 16384^3
+    assert r.gemm_grouped["mxfp8"].value == round(2672 / 5000, 3)     # Megatron-LM GB200 guide, grouped MXFP8
+    assert r.a2a_nvlink_gbps["hybridep"].value == pytest.approx(2 / (1 / 479.02 + 1 / 447.89), abs=0.05)
+
+
+def test_rates_file_errors(tmp_path):
+    bad = tmp_path / "r.toml"
+    bad.write_text((k3opt.specs.preset_dir("rates") / "gb200-nvl72.toml").read_text() + "\nfudge = 1.3\n")
+    with pytest.raises(SpecError, match="fudge: unknown key"):
+        load_rates(str(bad))
+    r = load_rates("gb200-nvl72")
+    with pytest.raises(SpecError, match="dispatcher 'nccl'"):
+        r.a2a("nccl", "nvlink")
+
+
+def _llama(**kw) -> k3opt.Layout:
+    return k3opt.make_layout(gpus=64, dense_fsdp=64, microbatches=2, rows=2, context=8192, split=[80],
+                             recompute="selective", fsdp_lifecycle="accumulate", **kw)
+
+
+def test_achievable_tensor_time_of_one_llama_layer():
+    model, cluster = k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72")
+    cf = coefficients(Shape.of(_llama()), model, cluster)
+    T = 2 * 8192
+    linear = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192     # q, o; k, v; gate, up, down
+    attn = 3 * 64 * (128 + 128) * 8192                                  # causal score/value, per token
+    expected = 6 * T * linear / (2.5e15 * 0.716) + T * attn / (2.5e15 * 0.391)
+    assert cf.achievable["tensor"][5] == pytest.approx(expected, rel=1e-12)
+    # The peak roofline of the same layer is the same FLOPs at 100 % of 2.5 PF.
+    assert cf.time["tensor"][5] == pytest.approx((6 * T * linear + T * attn) / 2.5e15, rel=1e-12)
+
+
+def test_achievable_step_is_slower_than_the_peak_bound_and_ep_overlap_hides_the_all_to_all():
+    lay = k3opt.make_layout(gpus=64, pp=4, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=16, context=4096,
+                            split=[16, 15, 15, 15], recompute="selective", precision="mxfp8",
+                            toggles={"ep_dedup": True}, domain_gpus_used=64)
+    ev = k3opt.evaluate(lay, model="deepseek-v3", cluster="gb200-nvl72")
+    st = ev.step
+    assert st.rates == "gb200-nvl72"
+    assert st.achievable_step_time_s > st.step_time_s
+    assert st.achievable_exposed_ep_s > 0
+    overlapped = k3opt.evaluate(lay.model_copy(update={"ep_overlap": True}), model="deepseek-v3",
+                                cluster="gb200-nvl72").step
+    assert overlapped.achievable_exposed_ep_s == 0
+    assert overlapped.achievable_step_time_s < st.achievable_step_time_s
+    assert overlapped.step_time_s == st.step_time_s  # the peak bound already overlaps everything
+
+
+def test_cluster_without_rates_has_only_the_peak_roofline():
+    h100 = k3opt.load_cluster("h100-sxm")
+    assert rates_for(h100) is None
+    ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=h100)
+    assert ev.step.achievable_step_time_s is None and ev.step.step_time_s > 0
+
+
+def test_small_gemms_run_slower_by_the_measured_size_curve():
+    r = load_rates("gb200-nvl72")
+    # cuBLASLt FP8 on GB200: 1,676.1 TFLOP/s at 2048^3 against 2,694.7 at 4096^3; flat from 4096 up.
+    assert r.size_factor(np.array([2048.0]))[0] == pytest.approx(1676.1 / 2694.7, abs=1e-3)
+    assert r.size_factor(np.array([4096.0, 16384.0])).tolist() == [1.0, 1.0]
+    # Half-way in log2 between 2048 and 4096 the factor is the mean of the two points.
+    assert r.size_factor(np.array([2048 * 2 ** 0.5]))[0] == pytest.approx((0.622 + 1.0) / 2)
+
+
+def test_hierarchical_dispatcher_crosses_each_remote_domain_once():
+    """DeepEP / HybridEP: a token goes once to each remote NVLink domain holding one of its experts and is
+    forwarded over NVLink there. DeepSeek-V3 on B200 (8-GPU domains), EP32 = 4 domains of 64 experts each."""
+    from math import comb
+
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
+    base = dict(gpus=256, pp=8, vp=2, ep=32, dense_fsdp=32, expert_fsdp=1, microbatches=128, context=4096,
+                split=[4] * 15 + [1], recompute="selective", fsdp_lifecycle="accumulate", precision="mxfp8")
+    seed = coefficients(Shape.of(k3opt.make_layout(**base)), model, cluster)
+    deepep = coefficients(Shape.of(k3opt.make_layout(**base, dispatcher="deepep")), model, cluster)
+    T, d, k = 4096, 7168, 8
+    per_copy = 4 * T * d * 2                      # dispatch + combine, forward and backward, BF16
+    rank_copies = k * (1 - 8 / 32)                # seed 002: one copy per assignment outside the domain
+    domain_copies = 3 * (1 - comb(256 - 64, k) / comb(256, k))
+    moe_layer = 10
+    diff = (seed.time["nic"][moe_layer] - deepep.time["nic"][moe_layer]) * 50e9
+    assert diff == pytest.approx(per_copy * (rank_copies - domain_copies), rel=1e-9)
+
+
+def test_overlapped_all_to_all_still_holds_its_sms():
+    """With an EP overlap schedule the all-to-all hides under compute, but the compute beside it runs without the
+    dispatcher's SMs: HybridEP was measured with 32 of a GB200's 148 SMs, so the stage keeps 32/148 of it."""
+    from k3opt.achievable import achievable_for
+
+    lay = k3opt.load_layout("layouts/measured/mb-13-deepseek-v3-gb200.toml")
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72")
+    on = achievable_for(coefficients(Shape.of(lay), model, cluster), lay.split, cluster)
+    off_lay = lay.model_copy(update={"ep_overlap": False})
+    off = achievable_for(coefficients(Shape.of(off_lay), model, cluster), lay.split, cluster)
+    assert on.binding == "tensor" and off.exposed_ep_s > 0 and on.exposed_ep_s == 0
+    for step, share in ((on, 32 / 148), (off, 1.0)):
+        t = step.rank_time_s[step.slowest_rank]
+        ep = max(t["ep_nvlink"], t["ep_nic"])
+        assert step.stage_time_s == pytest.approx(t["tensor"] + t["vector"] + share * ep, rel=1e-12)
+
+
+def test_search_arrays_sum_to_the_achievable_stage():
+    """A search ranking by the achievable step sums per-layer arrays over a rank's layers; for a single-stage
+    layout (no PP packets) that reproduces achievable_step's stage time exactly."""
+    from k3opt.achievable import achievable_for, search_arrays
+
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
+    for overlap in (True, False):
+        lo = lay.model_copy(update={"ep_overlap": overlap})
+        cf = coefficients(Shape.of(lo), model, cluster)
+        sa = search_arrays(cf, cluster)
+        stage = max(float(v.sum()) for v in sa.overlapped.values())
+        if sa.ep_exposed:
+            stage += max(float(sa.ep_nvlink.sum()), float(sa.ep_nic.sum()))
+        assert stage == pytest.approx(achievable_for(cf, lo.split, cluster).stage_time_s, rel=1e-12)

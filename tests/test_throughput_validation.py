@@ -1,0 +1,69 @@
+"""Throughput validation rows: one measured layout per expressible public row, each with its source, and the
+`k3opt validate-throughput` table. The measured figures are typed in the layouts from the public table; the
+tests check the plumbing and the arithmetic, not a tuned error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from k3opt.cli import main
+from k3opt.specs import load_layout
+from k3opt.throughput_validation import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
+
+# The rows of the public table (Megatron-Bridge docs/performance-summary.md at 067f987d): id -> TPS/GPU.
+PUBLIC_ROWS = {"MB-1": 5248, "MB-2": 4224, "MB-12": 4992, "MB-13": 4256, "MB-14": 3328, "MB-17": 6944,
+               "MB-18": 5680, "MB-20": 26112, "MB-21": 5328, "MB-22": 3139, "MB-23": 4018}
+
+
+@pytest.fixture(scope="module")
+def validation():
+    return validate_throughput()
+
+
+def test_every_public_row_is_a_layout_or_named_as_not_expressible():
+    names = {load_layout(p).name for p in measured_layouts()}
+    assert names | set(NOT_EXPRESSIBLE) == set(PUBLIC_ROWS)
+    assert not names & set(NOT_EXPRESSIBLE)
+
+
+def test_layouts_carry_their_source_and_the_table_figure():
+    for p in measured_layouts():
+        lay = load_layout(p)
+        assert "Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a" in lay.source
+        assert lay.measured.tokens_per_s_per_gpu == PUBLIC_ROWS[lay.name]
+        # Step time = GBS x seq / (TPS x GPUs) with GBS = DP x M x MBS.
+        gbs = lay.dp * lay.microbatches * lay.rows
+        assert lay.measured.step_time_s == pytest.approx(gbs * lay.context / (PUBLIC_ROWS[lay.name] * lay.gpus),
+                                                         abs=1e-4)
+
+
+def test_errors_and_mean_absolute_error_are_the_stated_arithmetic(validation):
+    for r in validation.rows:
+        assert r.error_pct == pytest.approx(100 * (r.predicted_tps_per_gpu - r.measured_tps_per_gpu)
+                                            / r.measured_tps_per_gpu)
+        # The achievable ceilings are at most the peaks, so the achievable prediction never beats the bound.
+        assert r.predicted_tps_per_gpu <= r.roofline_tps_per_gpu * (1 + 1e-9)
+    errs = [abs(r.error_pct) for r in validation.rows]
+    assert validation.mean_abs_error_pct == pytest.approx(sum(errs) / len(errs))
+
+
+def test_cli_prints_every_row_and_the_mae(validation):
+    result = CliRunner().invoke(main, ["validate-throughput"])
+    assert result.exit_code == 0, result.output
+    for r in validation.rows:
+        assert f"| {r.id} |" in result.output
+    assert f"Mean absolute error (achievable): {validation.mean_abs_error_pct:.1f}%" in result.output
+    data = json.loads(CliRunner().invoke(main, ["validate-throughput", "--json"]).output)
+    assert len(data["rows"]) == len(validation.rows)
+
+
+def test_model_flops_per_token_match_the_runs_own_count(validation):
+    """The published TFLOP/s/GPU / TPS/GPU is Megatron's FLOPs per token for that run: the structure of each new
+    family (GQA, MLA, MoE with shared experts, MTP) reproduces it within 1% on the 26.04 rows; the 25.11 BF16 row
+    (MB-22, archive table) counts 4.4% fewer."""
+    for r in validation.rows:
+        rel = r.flops_per_token / r.measured_flops_per_token - 1
+        assert abs(rel) < (0.05 if r.id == "MB-22" else 0.01), (r.id, rel)
