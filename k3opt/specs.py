@@ -11,7 +11,7 @@ import tomllib
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -305,6 +305,13 @@ class Layout(_Strict):
             raise ValueError(f"rows * context ({self.rows * self.context}) must be divisible by cp ({c})")
         return self
 
+    def to_launch(self, fmt: str, model: Any = None) -> Any:
+        """This layout as launch settings for `fmt` (megatron-bridge | megatron-lm | torchtitan): a
+        k3opt.launch.Launch whose .text is the flags / overrides / TOML, .missing the decisions without a switch."""
+        from k3opt.launch import to_launch
+
+        return to_launch(self, fmt, model)
+
 
 # ----------------------------------------------------------------------------------------------- job
 
@@ -354,6 +361,8 @@ class Job(_Strict):
     """GPUs used per NVLink domain (placement); default: whole domains."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
+    target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
+    """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
 
     @property
     def gpu_counts(self) -> list[int]:
