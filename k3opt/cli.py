@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from k3opt.errors import K3optError
+from k3opt.errors import InfeasibleJobError, K3optError
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -186,8 +186,14 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         # Two searches: the cost of the target's limits is the best without them against the best with them.
         free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
                         pareto=False, progress=_progress(not as_json))
-    result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
-                      progress=_progress(not as_json))
+    try:
+        result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
+                          progress=_progress(not as_json))
+    except InfeasibleJobError as err:
+        if free is None:
+            raise
+        raise InfeasibleJobError(f"{err} (without the {j.target} limits the best layout takes "
+                                 f"{free.layouts[0].step_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
     launch = None
     if save is not None:
         n, path = save

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from k3opt.errors import LayoutError  # noqa: E402
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
 from k3opt.specs import GIB  # noqa: E402
 
@@ -148,7 +149,8 @@ def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]]) ->
     stage's backward, or its own forward on the last stage). chunk_times[r][k]: seconds per microbatch of
     local chunk k on rank r (forward + backward). Interleaving needs M divisible by p (Megatron's rule)."""
     if v > 1 and m % p:
-        raise ValueError(f"interleaved 1F1B needs microbatches ({m}) divisible by pp ({p})")
+        raise LayoutError(f"the interleaved 1F1B timeline needs microbatches ({m}) divisible by pp ({p}); "
+                          "Megatron's interleaved schedule has the same rule")
     orders = [_order(p, v, m, r) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, global stage, microbatch) -> end time
     pos = [0] * p

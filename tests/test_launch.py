@@ -276,3 +276,22 @@ def test_target_job_never_returns_a_refused_layout():
         assert launch_refusals(it.layout, "megatron-bridge", tiny) == []
         assert it.layout.recompute == Recompute.FULL
     assert bound.layouts[0].step_time_s >= free.layouts[0].step_time_s
+
+
+def test_cli_plan_with_target_exports_and_shows_the_cost(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2]\ndense_fsdp = [2]\n'
+        'expert_fsdp = [1]\nvp = [1, 2]\nrecompute = ["full"]\n')
+    out = tmp_path / "launch.sh"
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--target", "megatron-bridge",
+                                    "--export", "megatron-lm", "--save", "1", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "launch target megatron-bridge: best" in res.output and "the limits cost" in res.output
+    flags = _megatron_flags(out.read_text())
+    defined = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
+    assert flags and set(flags) <= defined
+    assert "NO SWITCH" in res.stderr  # K3-style KDA layers have no Megatron-LM switch
+    res = CliRunner().invoke(main, ["plan", str(job), "--export", "nemo"])
+    assert res.exit_code == 2 and "unknown launch format" in res.stderr

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
+from k3opt.errors import LayoutError
 from k3opt.plots import in_flight_peak, ledger_plot, pareto_plot, pipeline_schedule, timeline_plot
 from k3opt.search import PlanItem
 
@@ -66,7 +67,7 @@ def test_interleaved_schedule_peak_is_warmup_plus_one():
     p, v, m = 4, 2, 8
     ops = pipeline_schedule(p, v, m, [[1.0, 1.0]] * p)
     assert [in_flight_peak(ops, r) for r in range(p)] == [2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)]
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(LayoutError, match="divisible"):
         pipeline_schedule(4, 2, 6, [[1.0, 1.0]] * 4)
 
 
