@@ -140,6 +140,9 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     s += [Setting("--optimizer", "optimizer.optimizer", "muon"),
           Setting("--use-distributed-optimizer", "ddp.use_distributed_optimizer", True),
           Setting("--num-distributed-optimizer-instances", "ddp.num_distributed_optimizer_instances", n)]
+    notes.append("with Muon, --use-distributed-optimizer becomes the layer-wise distributed optimizer "
+                 "(arguments.py L1724-1736): each matrix is owned whole by one rank of the shard group and "
+                 "gradients are all-reduced, so a rank's optimizer memory equals k3opt's even share only on average")
     if bridge:
         notes.append("Bridge's Kimi-K2 Muon recipe sets ddp.use_distributed_optimizer=false with its "
                      "distributed Muon; k3opt priced Muon state sharded over dense_fsdp, which is the "
