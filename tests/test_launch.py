@@ -159,6 +159,16 @@ def test_bridge_refusals_are_listed_in_the_export():
     assert "vp = 2" in decisions and "cp = 2" in decisions
 
 
+@pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
+def test_every_emitted_bridge_key_is_a_config_field(layout):
+    text = (DATA / "megatron_bridge_keys.txt").read_text()
+    assert "067f987df03b8355b03192d88d70f1709fedf51a" in text and MEGATRON_LM_COMMIT in text
+    defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
+    emitted = [k for k, _ in layout.to_launch("megatron-bridge").settings]
+    assert "model.kimi_kda_layers" in emitted
+    assert sorted(set(emitted) - defined) == []
+
+
 # ------------------------------------------------------------------------------------ torchtitan
 
 
@@ -175,6 +185,22 @@ def test_torchtitan_toml_sections():
     # DP = 512 / (8 x 2) = 32 ranks; M = 128 microbatches of 1 row: 128 per DP rank, 4096 sequences per update.
     assert cfg["training"] == {"local_batch_size": 128, "global_batch_size": 4096, "seq_len": 4096}
     assert cfg["activation_checkpoint"]["mode"] == "selective"
+
+
+def _toml_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += _toml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
+
+
+@pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
+def test_every_emitted_torchtitan_key_is_defined(layout):
+    text = (DATA / "torchtitan_keys.txt").read_text()
+    assert "e347b1e5e6b6941d789d16d340145294d82dc71e" in text
+    defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
+    emitted = _toml_keys(tomllib.loads(layout.to_launch("torchtitan").body))
+    assert emitted and sorted(set(emitted) - defined) == []
 
 
 # ------------------------------------------------------------------------------------ every format, CLI

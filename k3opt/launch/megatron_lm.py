@@ -77,7 +77,8 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     # --- batch
     s += [Setting("--micro-batch-size", "train.micro_batch_size", lay.rows),
           Setting("--global-batch-size", "train.global_batch_size", global_batch(lay)),
-          Setting("--seq-length", "dataset.seq_length", lay.context)]
+          Setting("--seq-length", "dataset.seq_length", lay.context),
+          Setting(None, "model.seq_length", lay.context)]  # translate_mlm_to_bridge.py sets both
     notes.append(f"microbatches M = {lay.microbatches} has no flag: Megatron derives it as global batch / "
                  f"(micro batch x DP) = {global_batch(lay)} / ({lay.rows} x {lay.dp})")
 

@@ -50,7 +50,8 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     if lay.toggles.fp8_activations:
         sections["model"].append(("converters", ["quantize.linear.mx", "quantize.grouped_mm.mx"]))
         sections["quantize.linear.mx"] = [("recipe_name", "mxfp8_cublas")]
-        sections["quantize.grouped_mm.mx"] = [("recipe_name", "mxfp8")]
+        # The grouped-GEMM converter acts only on the MoE modules listed (default: none).
+        sections["quantize.grouped_mm.mx"] = [("recipe_name", "mxfp8"), ("fqns", ["experts"])]
         if lay.fp8_block_size != 32:
             notes.append(f"FP8: torchtitan's block-scaled converter is MXFP8 (1x32 blocks); k3opt priced "
                          f"1x{lay.fp8_block_size} blocks: set fp8_block_size = 32 to price what runs")
