@@ -57,6 +57,10 @@ def plan(job, model=None, cluster=None, top: int = 5, **kwargs):  # noqa: ANN001
             f"derived expert sharding rule dense_fsdp = ep x expert_fsdp); widen [search] or drop the target")
     res.layouts = ok[:top]
     res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m)]
+    best = res.layouts[0].step_time_s
+    if res.status == "OPTIMAL":
+        res.bound = best  # every layout faster than it was ranked and refused, so it is proven among runnable ones
+    res.gap = (best - res.bound) / best if best else 0.0
     return res
 
 
