@@ -258,6 +258,14 @@ def test_every_limit_names_a_file_and_a_commit():
             assert re.search(r"\b[0-9a-f]{8}\b", ns.source)
 
 
+def test_job_target_names_the_export_formats():
+    import typing
+
+    ann = k3opt.Job.model_fields["target"].annotation
+    literal = next(a for a in typing.get_args(ann) if a is not type(None))
+    assert set(typing.get_args(literal)) == set(FORMATS)
+
+
 def test_apply_target_limits_narrows_the_search(model):
     job = k3opt.load_job("k3-512-4k").model_copy(update={"target": "megatron-bridge"})
     narrowed = apply_target_limits(job, model).search
@@ -279,6 +287,11 @@ def test_launch_refusals(model):
     # dense_fsdp 64 != ep 32 x expert_fsdp 1: Megatron derives the expert shard degree (it would be 2).
     assert any("dense_fsdp 64 != ep x expert_fsdp = 32 x 1" in r for r in reasons)
     assert any("moe_backward_rewrite" in r for r in launch_refusals(_layout(), "torchtitan", model))
+    # Megatron's interleaved schedule: M = 60 leaves a last group of 60 mod 8 = 4 < PP8 microbatches.
+    odd = _layout(vp=2, split=[6] * 15 + [3], microbatches=60, fsdp_lifecycle="accumulate", toggles={})
+    assert any("not divisible by pp 8" in r for r in launch_refusals(odd, "megatron-lm", model))
+    assert not any("divisible" in r for r in launch_refusals(odd.model_copy(update={"microbatches": 64}),
+                                                             "megatron-lm", model))
 
 
 def test_target_job_never_returns_a_refused_layout():

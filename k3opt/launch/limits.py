@@ -96,30 +96,45 @@ class Limit:
     """A layout rule a target enforces (it raises, or the degree is derived and cannot be set)."""
 
     target: str
+    name: str
+    """What the rule constrains: vp, cp, expert_fsdp, fsdp_lifecycle, microbatches."""
     rule: str
     source: str
 
 
 LIMITS: tuple[Limit, ...] = (
-    Limit("megatron-bridge", "vp = 1: build_kimi_k3_spec raises 'Kimi K3 does not support virtual pipeline "
-          "parallelism yet'", f"src/megatron/bridge/models/kimi/kimi_k3_spec.py L54-55 {MB}"),
-    Limit("megatron-bridge", "cp = 1 when the model has KDA layers: KimiK3Attention raises 'Kimi K3 KDA context "
-          "parallelism is not supported yet'", f"src/megatron/bridge/models/kimi/kimi_k3_layers.py L126-127 {MB}"),
-    Limit("megatron-lm", "dense_fsdp = ep x expert_fsdp: expert-DP = world / (ETP x EP x PP) is derived and "
+    Limit("megatron-bridge", "vp",
+          "vp = 1: build_kimi_k3_spec raises 'Kimi K3 does not support virtual pipeline parallelism yet'",
+          f"src/megatron/bridge/models/kimi/kimi_k3_spec.py L54-55 {MB}"),
+    Limit("megatron-bridge", "cp",
+          "cp = 1 when the model has KDA layers: KimiK3Attention raises 'Kimi K3 KDA context parallelism is not "
+          "supported yet'", f"src/megatron/bridge/models/kimi/kimi_k3_layers.py L126-127 {MB}"),
+    Limit("megatron-lm", "expert_fsdp",
+          "dense_fsdp = ep x expert_fsdp: expert-DP = world / (ETP x EP x PP) is derived and "
           "--num-distributed-optimizer-instances N divides dense and expert DP by the same N",
           f"megatron/core/parallel_state.py, megatron/training/arguments.py L3216 {MLM}"),
-    Limit("megatron-bridge", "dense_fsdp = ep x expert_fsdp (Megatron core's derived expert-DP, "
-          "ddp.num_distributed_optimizer_instances)", f"megatron/core/parallel_state.py {MLM}"),
-    Limit("megatron-lm", "fsdp_lifecycle = accumulate: Muon is an emerging optimizer and 'does not support "
-          "Megatron-FSDP', so sharding is the distributed optimizer, which reduces gradients once per update",
+    Limit("megatron-bridge", "expert_fsdp",
+          "dense_fsdp = ep x expert_fsdp (Megatron core's derived expert-DP, ddp.num_distributed_optimizer_instances)",
+          f"megatron/core/parallel_state.py {MLM}"),
+    Limit("megatron-lm", "fsdp_lifecycle",
+          "fsdp_lifecycle = accumulate: Muon is an emerging optimizer and 'does not support Megatron-FSDP', so "
+          "sharding is the distributed optimizer, which reduces gradients once per update",
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
-    Limit("megatron-bridge", "fsdp_lifecycle = accumulate (same Megatron core rule for Muon)",
+    Limit("megatron-bridge", "fsdp_lifecycle", "fsdp_lifecycle = accumulate (same Megatron core rule for Muon)",
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
-    Limit("torchtitan", "dense_fsdp = ep x expert_fsdp: efsdp = dp_shard x cp x tp / ep is derived",
+    Limit("megatron-lm", "microbatches",
+          "vp > 1 needs microbatches divisible by pp: the interleaved schedule runs groups of pp microbatches per "
+          "virtual stage and raises on a remainder below pp",
+          f"megatron/core/pipeline_parallel/schedules.py L1160-1180 {MLM}"),
+    Limit("torchtitan", "expert_fsdp", "dense_fsdp = ep x expert_fsdp: efsdp = dp_shard x cp x tp / ep is derived",
           f"torchtitan/config/job_config.py (expert_parallel_degree) {TT}"),
-    Limit("torchtitan", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
+    Limit("torchtitan", "cp", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
           f"torchtitan/config/job_config.py (data_parallel_shard_degree) {TT}"),
 )
+
+
+def _source(target: str, name: str) -> str:
+    return next(lim.source for lim in LIMITS if lim.target == target and lim.name == name)
 
 
 def _has_kda(model: ModelSpec) -> bool:
@@ -131,18 +146,21 @@ def launch_refusals(layout: Layout, target: str, model: ModelSpec | None = None)
     check_format(target)
     out: list[str] = []
     if target == "megatron-bridge" and layout.vp > 1:
-        out.append(f"vp = {layout.vp} > 1 [{LIMITS[0].source}]")
+        out.append(f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]")
     if target == "megatron-bridge" and layout.cp > 1 and (model is None or _has_kda(model)):
-        out.append(f"cp = {layout.cp} > 1 with KDA layers [{LIMITS[1].source}]")
+        out.append(f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]")
     if layout.dense_fsdp != layout.ep * layout.expert_fsdp:
-        src = next(lim.source for lim in LIMITS if lim.target == target and "ep x expert_fsdp" in lim.rule)
+        src = _source(target, "expert_fsdp")
         out.append(f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x {layout.expert_fsdp}: "
                    f"the expert sharding degree is derived [{src}]")
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE:
         out.append(f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the distributed optimizer "
-                   f"(accumulate) runs [{LIMITS[4].source}]")
+                   f"(accumulate) runs [{_source(target, 'fsdp_lifecycle')}]")
+    if target == "megatron-lm" and layout.vp > 1 and layout.microbatches % layout.pp:
+        out.append(f"vp = {layout.vp} with microbatches {layout.microbatches} not divisible by pp {layout.pp} "
+                   f"[{_source(target, 'microbatches')}]")
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
-        out.append(f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{LIMITS[7].source}]")
+        out.append(f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]")
     for ns in NO_SWITCH[target]:
         if getattr(layout.toggles, ns.toggle):
             out.append(f"toggle {ns.toggle} has no switch [{ns.source}]")

@@ -67,6 +67,10 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     if lay.vp > 1:
         notes.append(f"vp = {lay.vp}: the layout string has pp x vp = {lay.pp * lay.vp} stages, so Megatron "
                      "sets the virtual pipeline size from it (no separate VPP flag is allowed with a layout)")
+        if lay.microbatches % lay.pp:
+            miss.append(Missing(f"vp = {lay.vp} with M = {lay.microbatches} not divisible by pp = {lay.pp}",
+                                "Megatron's interleaved schedule raises on a last microbatch group smaller than "
+                                "PP (schedules.py L1160-1180): choose M divisible by pp"))
         if bridge:
             miss.append(Missing(f"vp = {lay.vp}", "Megatron-Bridge's Kimi K3 spec raises on virtual pipeline "
                                 "stages (kimi_k3_spec.py L54); re-plan with target = \"megatron-bridge\""))
