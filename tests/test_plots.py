@@ -7,6 +7,8 @@ forwards (Megatron's get_pp_rank_microbatches), so the peak is that plus one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.image as mpimg
 import pytest
 from click.testing import CliRunner
@@ -82,3 +84,16 @@ def test_cli_explain_plot_and_timeline(tmp_path):
 def test_cli_picture_must_be_png(tmp_path):
     res = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--plot", str(tmp_path / "a.jpg")])
     assert res.exit_code == 2 and "PNG" in res.output
+
+
+def test_cli_pareto_plot(tmp_path):
+    data = Path(__file__).parent / "data"
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{data / "tiny-moe.toml"}"\ncluster = "{data / "slow-cluster.toml"}"\ngpus = [4, 8]\n'
+        'context = 2048\ntokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2]\nvp = [1]\n'
+        'expert_fsdp = [1]\nrecompute = ["full"]\n')
+    out = tmp_path / "pareto.png"
+    res = CliRunner().invoke(main, ["pareto", str(job), "--plot", str(out)])
+    assert res.exit_code == 0, res.output
+    _check_png(out, min_w=500)
