@@ -102,7 +102,7 @@ def pareto_plot(items: list, path: str | Path, best: object | None = None) -> No
     ax.set_ylabel("step time (s)")
     ax.set_title("Pareto front: step time against worst-rank peak HBM", fontsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     _save(fig, path)
 
 
