@@ -102,8 +102,8 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
                         "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
     if kda_layers(model):
-        miss.append(Missing("Kimi K3 model (KDA + MLA layers, latent MoE, AttnRes)",
-                            "torchtitan has no Kimi K3 model: register one under [model] name = \"kimi_k3\" "
+        miss.append(Missing(f"{model.name} model (KDA linear-attention layers)",
+                            "torchtitan has no KDA model: register one under [model] name = \"kimi_k3\" "
                             "with the module names used in module_fqns_per_model_part"))
     if model.vision is not None:
         miss.append(Missing("vision tower on the first pipeline chunk",
