@@ -7,8 +7,9 @@ Public API (stable names):
 
 from k3opt.errors import InfeasibleJobError, K3optError, LayoutError, PresetNotFoundError, SpecError
 from k3opt.evaluate import Evaluation, RankEvaluation, StepTime, evaluate
+from k3opt.launch import plan  # search.plan, honouring job.target (k3opt.launch.limits)
 from k3opt.runtime import RuntimeSpec, load_runtime
-from k3opt.search import Plan, PlanItem, plan
+from k3opt.search import Plan, PlanItem
 from k3opt.specs import (
     ClusterSpec,
     Job,

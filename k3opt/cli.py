@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from k3opt.errors import K3optError
+from k3opt.errors import InfeasibleJobError, K3optError
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,9 +46,14 @@ def main() -> None:
 @click.option("--runtime", "runtime_name", default=None,
               help="Runtime preset or TOML for the memory outside live tensors (default: the layout's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of the per-rank ledger bars against the HBM line and the reserve.")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of the pipeline schedule per rank (forward / backward / bubble, in-flight).")
 @_user_errors
 def explain(layout: str, model_name: str | None, cluster_name: str | None, reserve_gib: float | None,
-            runtime_name: str | None, as_json: bool) -> None:
+            runtime_name: str | None, as_json: bool, plot_path: str | None = None,
+            timeline_path: str | None = None) -> None:
     """Print LAYOUT's per-rank memory ledger and step-time breakdown (a file or a shipped layout name)."""
     from k3opt.evaluate import evaluate
     from k3opt.report import explain_text
@@ -56,12 +61,64 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
 
     if reserve_gib is not None and reserve_gib < 0:
         raise click.BadParameter("must be >= 0", param_hint="--reserve-gib")
+    for path in (plot_path, timeline_path):
+        if path:
+            _check_png(path)
     ev = evaluate(load_layout(layout), model=model_name, cluster=cluster_name, reserve_gib=reserve_gib,
                   runtime=runtime_name)
     if as_json:
         click.echo(json.dumps(ev.to_dict(), indent=2, default=float))
     else:
         click.echo(explain_text(ev))
+    _pictures(ev, plot_path, timeline_path, quiet=as_json)
+
+
+def _pictures(ev, plot_path: str | None, timeline_path: str | None, quiet: bool) -> None:  # noqa: ANN001
+    if not (plot_path or timeline_path):
+        return
+    from k3opt import plots
+
+    for path, draw in ((plot_path, plots.ledger_plot), (timeline_path, plots.timeline_plot)):
+        if path:
+            draw(ev, path)
+            if not quiet:
+                click.echo(f"wrote {path}")
+
+
+def _check_png(path: str) -> None:
+    if not path.lower().endswith(".png"):
+        raise click.BadParameter(f"{path}: pictures are written as PNG; give a FILE.png")
+
+
+@main.command()
+@click.argument("layout")
+@click.option("--format", "fmt", required=True, metavar="FORMAT",
+              help="megatron-bridge | megatron-lm | torchtitan")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the export to FILE instead of stdout.")
+@click.option("--model", "model_name", default=None, help="Model preset or TOML (default: the layout's, else kimi-k3).")
+@_user_errors
+def export(layout: str, fmt: str, out_path: str | None, model_name: str | None) -> None:
+    """Print LAYOUT as launch settings for a framework; decisions without a switch are listed as comments
+    and on stderr with what to do instead."""
+    from k3opt.launch import check_format
+    from k3opt.specs import load_layout
+
+    check_format(fmt)
+    _emit_launch(load_layout(layout).to_launch(fmt, model_name), out_path)
+
+
+def _emit_launch(launch, out_path: str | None) -> None:  # noqa: ANN001 - k3opt.launch.Launch
+    if out_path:
+        with open(out_path, "w") as fh:
+            fh.write(launch.text)
+    else:
+        click.echo(launch.text, nl=False)
+    for m in launch.missing:
+        click.echo(f"k3opt: {launch.format}: {m.line()}", err=True)
+    if out_path:
+        click.echo(f"wrote {launch.format} export to {out_path} ({len(launch.missing)} decisions without a switch "
+                   "listed in it)", err=True)
 
 
 @main.command()
@@ -139,31 +196,91 @@ def _with_plan_options(fn):  # noqa: ANN001, ANN202
 @click.option("--save", nargs=2, type=(int, click.Path(dir_okay=False)), default=None, metavar="N FILE",
               help="Write layout N as a layout file that `k3opt explain` reads.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
+@click.option("--export", "export_fmt", default=None, metavar="FORMAT",
+              help="megatron-bridge | megatron-lm | torchtitan: with --save N FILE, FILE gets layout N's launch "
+                   "settings instead of a layout file; without --save, layout 1's are printed.")
+@click.option("--target", default=None, metavar="FRAMEWORK",
+              help="Search only layouts this framework can run (overrides the job's `target`); the best layout "
+                   "without its limits is searched too, to show what they cost.")
 @_user_errors
 def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
-         show_ledger: int | None, save: tuple[int, str] | None, as_json: bool) -> None:
+         show_ledger: int | None, save: tuple[int, str] | None, as_json: bool, export_fmt: str | None = None,
+         target: str | None = None) -> None:
     """Rank the fastest layouts that fit every rank for JOB (default: the built-in k3-512-4k job)."""
+    from k3opt.launch import check_format
+    from k3opt.launch import plan as run_plan
     from k3opt.report import plan_text
-    from k3opt.search import plan as run_plan
 
+    if export_fmt is not None:
+        check_format(export_fmt)
     j = _load_job(job, gpus)
-    result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
-                      progress=_progress(not as_json))
+    if target is not None:
+        j = j.model_copy(update={"target": check_format(target)})
+    free = None
+    if j.target is not None:
+        # Two searches: the cost of the target's limits is the best without them against the best with them.
+        free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
+                        pareto=False, progress=_progress(not as_json))
+    try:
+        result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
+                          progress=_progress(not as_json))
+    except InfeasibleJobError as err:
+        if free is None:
+            raise
+        raise InfeasibleJobError(f"{err} (without the {j.target} limits the best layout takes "
+                                 f"{free.layouts[0].step_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
+    launch = None
     if save is not None:
         n, path = save
         if not 1 <= n <= len(result.layouts):
             raise K3optError(f"--save {n}: the plan has layouts 1..{len(result.layouts)}")
-        _write_layout(result.layouts[n - 1].layout, path)
+        if export_fmt is None:
+            _write_layout(result.layouts[n - 1].layout, path)
+        else:
+            launch = result.layouts[n - 1].layout.to_launch(export_fmt, j.model)
+    elif export_fmt is not None:
+        launch = result.layouts[0].layout.to_launch(export_fmt, j.model)
+    cost = None
+    if free is not None:
+        best, unlimited = result.layouts[0].step_time_s, free.layouts[0].step_time_s
+        cost = (f"launch target {j.target}: best {best:.3f} s with its limits, {unlimited:.3f} s without "
+                f"({_short(free.layouts[0].layout)}); the limits cost "
+                f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
     if as_json:
-        click.echo(json.dumps({
+        out = {
             "status": result.status, "bound_s": result.bound, "gap": result.gap,
             "solve_time_s": result.solve_time_s, "models_solved": result.frames_solved,
             "layouts": [it.evaluation.to_dict() for it in result.layouts],
-        }, indent=2, default=float))
+        }
+        if free is not None:
+            out.update({"target": j.target, "best_without_target_s": free.layouts[0].step_time_s,
+                        "layout_without_target": free.layouts[0].evaluation.to_dict()["layout"]})
+        if launch is not None and save is None:
+            out["export"] = {"format": launch.format, "text": launch.text,
+                             "missing": [m.line() for m in launch.missing]}
+        click.echo(json.dumps(out, indent=2, default=float))
     else:
         click.echo(plan_text(result, show_ledger))
-        if save is not None:
+        if cost:
+            click.echo(f"\n{cost}")
+        if save is not None and launch is None:
             click.echo(f"\nwrote layout {save[0]} to {save[1]}")
+    if launch is not None:
+        if save is not None:
+            _emit_launch(launch, save[1])
+        elif not as_json:
+            click.echo("")
+            _emit_launch(launch, None)
+        else:
+            for m in launch.missing:
+                click.echo(f"k3opt: {launch.format}: {m.line()}", err=True)
+
+
+def _short(layout) -> str:  # noqa: ANN001
+    from k3opt.report import split_text
+
+    return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} eFSDP{layout.expert_fsdp} "
+            f"dFSDP{layout.dense_fsdp} M{layout.microbatches} split {split_text(layout.split)}")
 
 
 @main.command()
@@ -173,20 +290,30 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
 @click.option("--step-gib", type=click.FloatRange(min=0.001), default=1.0, show_default=True,
               help="Epsilon step of the front on the worst-rank peak.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of step time against worst-rank peak, one series per GPU count, best starred.")
 @_user_errors
 def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
-           csv_path: str | None, step_gib: float, as_json: bool) -> None:
+           csv_path: str | None, step_gib: float, as_json: bool, plot_path: str | None = None) -> None:
     """The Pareto front of JOB over (step time, worst-rank peak HBM), and over GPU count when the job lists
     several."""
+    from k3opt.launch import plan as run_plan
     from k3opt.report import plan_frame
-    from k3opt.search import plan as run_plan
 
+    if plot_path:
+        _check_png(plot_path)
     j = _load_job(job, gpus)
     result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=True, pareto_step_gib=step_gib,
                       progress=_progress(not as_json))
     df = plan_frame(result.pareto)
     if csv_path:
         df.to_csv(csv_path, index=False)
+    if plot_path:
+        from k3opt.plots import pareto_plot
+
+        pareto_plot(result.pareto, plot_path, best=result.layouts[0] if result.layouts else None)
+        if not as_json:
+            click.echo(f"wrote {plot_path}", err=True)
     if as_json:
         click.echo(df.to_json(orient="records", indent=2))
         return

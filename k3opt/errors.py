@@ -22,3 +22,7 @@ class LayoutError(K3optError):
 
 class InfeasibleJobError(K3optError):
     """A job for which no layout fits; the message carries the smallest reachable peak."""
+
+
+class UnknownTargetError(K3optError):
+    """A launch format or job target that k3opt cannot export to."""

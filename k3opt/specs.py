@@ -529,6 +529,13 @@ class Layout(_Strict):
             raise ValueError(f"measured.rank ({self.measured.rank}) must be a PP rank, 0..{p - 1}")
         return self
 
+    def to_launch(self, fmt: str, model: Any = None) -> Any:
+        """This layout as launch settings for `fmt` (megatron-bridge | megatron-lm | torchtitan): a
+        k3opt.launch.Launch whose .text is the flags / overrides / TOML, .missing the decisions without a switch."""
+        from k3opt.launch import to_launch
+
+        return to_launch(self, fmt, model)
+
 
 # ----------------------------------------------------------------------------------------------- job
 
@@ -583,6 +590,8 @@ class Job(_Strict):
     name: str = ""
     precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16])
     """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
+    target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
+    """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
 
     @property
     def gpu_counts(self) -> list[int]:

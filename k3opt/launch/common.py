@@ -1,0 +1,132 @@
+"""What every launch export shares: the pinned sources, the rendered result, the layer facts of the model.
+
+A launch export translates a Layout's decisions into one framework's switches. A decision without a switch
+is never dropped: it becomes a `Missing` entry (what was decided, what the user must do instead), rendered as
+a comment in the output and printed on stderr by the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3opt.errors import UnknownTargetError
+from k3opt.report import layout_text
+from k3opt.specs import Layout, ModelSpec
+
+FORMATS: tuple[str, ...] = ("megatron-bridge", "megatron-lm", "torchtitan")
+
+MEGATRON_LM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+"""github.com/NVIDIA/Megatron-LM main (2026-08-22); tests/data/megatron_lm_flags.txt is extracted here."""
+MEGATRON_BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"
+"""github.com/NVIDIA-NeMo/Megatron-Bridge main (2026-08-22): the Kimi K3 provider, spec and layers."""
+TORCHTITAN_TOML_COMMIT = "e347b1e5e6b6941d789d16d340145294d82dc71e"
+"""github.com/pytorch/torchtitan: last version of torchtitan/config/job_config.py (the TOML config) before
+9810191b replaced TOML files by Python config functions; HEAD b5bcd76c keeps the same keys as frozen
+`--section.key` command-line overrides."""
+
+SOURCES: dict[str, str] = {
+    "megatron-lm": f"github.com/NVIDIA/Megatron-LM @ {MEGATRON_LM_COMMIT}",
+    "megatron-bridge": f"github.com/NVIDIA-NeMo/Megatron-Bridge @ {MEGATRON_BRIDGE_COMMIT} "
+                       f"(on Megatron-LM core @ {MEGATRON_LM_COMMIT[:8]})",
+    "torchtitan": f"github.com/pytorch/torchtitan @ {TORCHTITAN_TOML_COMMIT} (torchtitan/config/job_config.py)",
+}
+
+
+def check_format(fmt: str) -> str:
+    """The format name, or UnknownTargetError naming the known ones."""
+    if fmt not in FORMATS:
+        raise UnknownTargetError(f"unknown launch format/target '{fmt}'; known: {', '.join(FORMATS)}")
+    return fmt
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A decision the target has no switch for, and what the user must do instead."""
+
+    decision: str
+    instead: str
+
+    def line(self) -> str:
+        return f"NO SWITCH: {self.decision} -> {self.instead}"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One layout rendered for one framework."""
+
+    format: str
+    layout: Layout
+    body: str
+    """The launch text itself (flags, overrides or TOML), without the header comments."""
+    settings: tuple[tuple[str, str], ...]
+    """(switch, value) pairs in emission order; value '' for a bare flag."""
+    missing: tuple[Missing, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+    """Caveats on switches that exist but differ from what k3opt priced."""
+
+    @property
+    def text(self) -> str:
+        head = [
+            f"# k3opt export ({self.format}): {layout_text(self.layout)}",
+            f"# switches from {SOURCES[self.format]}",
+        ]
+        head += [f"# NOTE: {n}" for n in self.notes]
+        head += [f"# {m.line()}" for m in self.missing]
+        return "\n".join(head) + "\n" + self.body.rstrip("\n") + "\n"
+
+
+# ----------------------------------------------------------------------------------- model facts
+
+
+def kda_layers(model: ModelSpec) -> list[int]:
+    """0-based indices of the linear-attention (KDA) layers: every layer not listed as full attention."""
+    if model.kda is None:
+        return []
+    full = set(model.full_attention_layers)
+    return [i for i in range(model.num_layers) if i not in full]
+
+
+def moe_layer_flags(model: ModelSpec) -> list[int]:
+    """1 for a MoE layer, 0 for a dense-FFN layer, by 0-based index (Megatron's --moe-layer-freq list)."""
+    if model.moe is None:
+        return [0] * model.num_layers
+    dense = set(model.dense_ffn_layers)
+    return [0 if i in dense else 1 for i in range(model.num_layers)]
+
+
+def run_length_expr(values: list[int]) -> str:
+    """A Python list expression Megatron's _eval_pattern accepts (characters ,0-9[]()+*): [0]+[1]*92."""
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        parts.append(f"[{values[i]}]*{j - i}" if j - i > 1 else f"[{values[i]}]")
+        i = j
+    return "+".join(parts)
+
+
+def megatron_layout(layout: Layout) -> str:
+    """--pipeline-model-parallel-layout: one '|'-separated stage per chunk in k3opt's chunk order, 'E' on
+    the first, 'L' on the last, t*n for n decoder layers.
+
+    k3opt's chunk j runs on PP rank j mod p (specs.Layout); Megatron places stage i on pp_rank i % PP,
+    virtual stage i // PP (pipeline_parallel_layer_layout.py), so the orders agree."""
+    stages = []
+    last = len(layout.split) - 1
+    for j, n in enumerate(layout.split):
+        s = ("E" if j == 0 else "") + (f"t*{n}" if n > 1 else "t") + ("L" if j == last else "")
+        stages.append(s)
+    return "|".join(stages)
+
+
+def global_batch(layout: Layout) -> int:
+    """Sequences per update: rows x M x DP (k3opt's tokens per update / context)."""
+    return layout.rows * layout.microbatches * layout.dp
+
+
+def optimizer_instances(layout: Layout) -> int:
+    """Megatron's --num-distributed-optimizer-instances N: the dense shard group is DP*CP / N, so
+    N = (gpus / pp) / dense_fsdp (megatron/core/parallel_state.py)."""
+    return layout.stage_ranks // layout.dense_fsdp

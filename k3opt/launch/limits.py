@@ -1,0 +1,211 @@
+"""Framework limits as search constraints: what each launch target refuses or has no switch for.
+
+Each limit is data with its source (file and commit). `apply_target_limits` narrows a Job's [search] so the
+planner only proposes layouts the target can run; `launch_refusals` checks one layout. The same tables drive
+the exports' "NO SWITCH" lists, so what the search forbids and what an export says cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3opt.launch.common import (
+    MEGATRON_BRIDGE_COMMIT,
+    MEGATRON_LM_COMMIT,
+    TORCHTITAN_TOML_COMMIT,
+    check_format,
+    kda_layers,
+)
+from k3opt.specs import FsdpLifecycle, Job, Layout, ModelSpec
+
+MLM = f"@ NVIDIA/Megatron-LM {MEGATRON_LM_COMMIT[:8]}"
+MB = f"@ NVIDIA-NeMo/Megatron-Bridge {MEGATRON_BRIDGE_COMMIT[:8]}"
+TT = f"@ pytorch/torchtitan {TORCHTITAN_TOML_COMMIT[:8]}"
+
+
+@dataclass(frozen=True)
+class NoSwitch:
+    """A k3opt toggle the target has no switch for: the search forbids it, an export lists it."""
+
+    toggle: str
+    instead: str
+    source: str
+
+
+_MEGATRON_NO_SWITCH = (
+    NoSwitch("balance_activations", "plan without it: Megatron offloads activations only to the local host "
+             "(--fine-grained-activation-offloading), never to another PP rank",
+             f"megatron/core/transformer/transformer_config.py (offload fields) {MLM}"),
+    NoSwitch("moe_backward_rewrite", "plan without it (expert outputs stay saved) or patch the MoE layer's "
+             "backward; --moe-grouped-gemm/--moe-permute-fusion do not drop the saved expert outputs",
+             f"megatron/core/transformer/moe/moe_layer.py {MLM}"),
+    NoSwitch("dispatch_recompute", "plan without it; the nearest switch, 'moe' in --recompute-modules, "
+             "re-runs the whole MoE forward (route, dispatch, experts, combine), not the dispatch alone",
+             f"megatron/core/transformer/moe/moe_layer.py L657-717 {MLM}"),
+    NoSwitch("fused_situ", "plan without it, or replace the GLU activation with a streaming SiTU-GLU kernel; "
+             "no recompute or activation option names it",
+             f"megatron/core/transformer/transformer_config.py (recompute_modules, activation) {MLM}"),
+    NoSwitch("pipeline_zero2_host_grads", "plan without it; only pieces exist: --optimizer-cpu-offload "
+             "(+ --use-precision-aware-optimizer) copies gradients to the host for a CPU optimizer step, "
+             "it does not keep FP32 gradient shards on the host behind two GPU chunk buffers",
+             f"megatron/training/arguments.py L2918-2934 {MLM}"),
+    NoSwitch("p2p_muon", "plan without it: --optimizer muon with --use-distributed-optimizer is the layer-wise "
+             "distributed optimizer, whose parameter sync is an all-gather",
+             f"megatron/training/arguments.py L1724-1736, L3160 {MLM}"),
+    NoSwitch("moonep", "plan without it; the nearest dispatcher is --moe-token-dispatcher-type flex "
+             "--moe-flex-dispatcher-backend hybridep, which has no redundant expert slots",
+             f"megatron/core/transformer/transformer_config.py (moe_flex_dispatcher_backend) {MLM}"),
+    NoSwitch("fused_cross_entropy", "plan without it: --cross-entropy-loss-fusion fuses the loss kernel but the "
+             "[T, vocab] logits are still materialized whole; chunking over tokens needs a custom loss",
+             f"megatron/training/arguments.py (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl) {MLM}"),
+)
+
+_TORCHTITAN_NO_SWITCH = (
+    NoSwitch("activation_offload", "plan without it: [training] enable_cpu_offload offloads parameters, "
+             "gradients and optimizer state, not activations; core torchtitan has no activation offload",
+             f"torchtitan/config/job_config.py (Training, ActivationCheckpoint) {TT}"),
+    NoSwitch("balance_activations", "plan without it: no activation offload exists to balance",
+             f"torchtitan/config/job_config.py {TT}"),
+    NoSwitch("moe_backward_rewrite", "plan without it, or patch the MoE module's backward",
+             f"torchtitan/config/job_config.py {TT}"),
+    NoSwitch("dispatch_recompute", "plan without it; selective AC per op ('op') recomputes non-matmul ops, "
+             "it does not re-run the dispatch alone", f"torchtitan/config/job_config.py (ActivationCheckpoint) {TT}"),
+    NoSwitch("fused_situ", "plan without it, or write the streaming SiTU-GLU kernel into the model",
+             f"torchtitan/config/job_config.py {TT}"),
+    NoSwitch("pipeline_zero2_host_grads", "plan without it: FSDP2 under PP already keeps parameters unsharded "
+             "between forward and backward, but enable_cpu_offload moves parameters, gradients and optimizer "
+             "state together, not gradients alone", f"torchtitan/config/job_config.py (Training) {TT}"),
+    NoSwitch("p2p_muon", "plan without it: the TOML-era [optimizer] has no Muon at all (torchtitan HEAD's DistMuon "
+             "is Python config and redistributes by packed all-to-all, not point-to-point)",
+             f"torchtitan/config/job_config.py (Optimizer) {TT}"),
+    NoSwitch("moonep", "plan without it; expert_parallel_comm_backend = 'deepep' is the nearest dispatcher",
+             f"torchtitan/config/job_config.py (Parallelism) {TT}"),
+    NoSwitch("fused_cross_entropy", "plan without it: the loss is computed on the whole [T, vocab] logits",
+             f"torchtitan/config/job_config.py {TT}"),
+)
+
+NO_SWITCH: dict[str, tuple[NoSwitch, ...]] = {
+    "megatron-lm": _MEGATRON_NO_SWITCH,
+    "megatron-bridge": _MEGATRON_NO_SWITCH,
+    "torchtitan": _TORCHTITAN_NO_SWITCH,
+}
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A layout rule a target enforces (it raises, or the degree is derived and cannot be set)."""
+
+    target: str
+    name: str
+    """What the rule constrains: vp, cp, expert_fsdp, fsdp_lifecycle, microbatches."""
+    rule: str
+    source: str
+
+
+LIMITS: tuple[Limit, ...] = (
+    Limit("megatron-bridge", "vp",
+          "vp = 1: build_kimi_k3_spec raises 'Kimi K3 does not support virtual pipeline parallelism yet'",
+          f"src/megatron/bridge/models/kimi/kimi_k3_spec.py L54-55 {MB}"),
+    Limit("megatron-bridge", "cp",
+          "cp = 1 when the model has KDA layers: KimiK3Attention raises 'Kimi K3 KDA context parallelism is not "
+          "supported yet'", f"src/megatron/bridge/models/kimi/kimi_k3_layers.py L126-127 {MB}"),
+    Limit("megatron-lm", "expert_fsdp",
+          "dense_fsdp = ep x expert_fsdp: expert-DP = world / (ETP x EP x PP) is derived and "
+          "--num-distributed-optimizer-instances N divides dense and expert DP by the same N",
+          f"megatron/core/parallel_state.py, megatron/training/arguments.py L3216 {MLM}"),
+    Limit("megatron-bridge", "expert_fsdp",
+          "dense_fsdp = ep x expert_fsdp (Megatron core's derived expert-DP, ddp.num_distributed_optimizer_instances)",
+          f"megatron/core/parallel_state.py {MLM}"),
+    Limit("megatron-lm", "fsdp_lifecycle",
+          "fsdp_lifecycle = accumulate: Muon is an emerging optimizer and 'does not support Megatron-FSDP', so "
+          "sharding is the distributed optimizer, which reduces gradients once per update",
+          f"megatron/training/arguments.py L1739-1740 {MLM}"),
+    Limit("megatron-bridge", "fsdp_lifecycle", "fsdp_lifecycle = accumulate (same Megatron core rule for Muon)",
+          f"megatron/training/arguments.py L1739-1740 {MLM}"),
+    Limit("megatron-lm", "microbatches",
+          "vp > 1 needs microbatches divisible by pp: the interleaved schedule runs groups of pp microbatches per "
+          "virtual stage and raises on a remainder below pp",
+          f"megatron/core/pipeline_parallel/schedules.py L1160-1180 {MLM}"),
+    Limit("torchtitan", "expert_fsdp", "dense_fsdp = ep x expert_fsdp: efsdp = dp_shard x cp x tp / ep is derived",
+          f"torchtitan/config/job_config.py (expert_parallel_degree) {TT}"),
+    Limit("torchtitan", "cp", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
+          f"torchtitan/config/job_config.py (data_parallel_shard_degree) {TT}"),
+)
+
+
+def _source(target: str, name: str) -> str:
+    return next(lim.source for lim in LIMITS if lim.target == target and lim.name == name)
+
+
+def _has_kda(model: ModelSpec) -> bool:
+    return bool(kda_layers(model))
+
+
+def launch_refusals(layout: Layout, target: str, model: ModelSpec | None = None) -> list[str]:
+    """Every reason `target` cannot run `layout` as k3opt priced it (empty: it can). Each names its source."""
+    check_format(target)
+    out: list[str] = []
+    if target == "megatron-bridge" and layout.vp > 1:
+        out.append(f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]")
+    if target == "megatron-bridge" and layout.cp > 1 and (model is None or _has_kda(model)):
+        out.append(f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]")
+    if layout.dense_fsdp != layout.ep * layout.expert_fsdp:
+        src = _source(target, "expert_fsdp")
+        out.append(f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x {layout.expert_fsdp}: "
+                   f"the expert sharding degree is derived [{src}]")
+    if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE:
+        out.append(f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the distributed optimizer "
+                   f"(accumulate) runs [{_source(target, 'fsdp_lifecycle')}]")
+    if target == "megatron-lm" and layout.vp > 1 and layout.microbatches % layout.pp:
+        out.append(f"vp = {layout.vp} with microbatches {layout.microbatches} not divisible by pp {layout.pp} "
+                   f"[{_source(target, 'microbatches')}]")
+    if target == "torchtitan" and layout.dense_fsdp % layout.cp:
+        out.append(f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]")
+    for ns in NO_SWITCH[target]:
+        if getattr(layout.toggles, ns.toggle):
+            out.append(f"toggle {ns.toggle} has no switch [{ns.source}]")
+    return out
+
+
+def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
+    """The job narrowed to what job.target can run (unchanged when no target): vp / cp lists, the FSDP
+    lifecycle, and every toggle without a switch added to forbid_toggles.
+
+    The derived expert-DP rule (dense_fsdp = ep x expert_fsdp) couples three degrees, which the [search] lists
+    cannot say; `k3opt.launch.plan` filters frames that break it (see launch_refusals)."""
+    target = getattr(job, "target", None)
+    if target is None:
+        return job
+    check_format(target)
+    s = job.search
+    upd: dict = {}
+
+    def narrow(name: str, allowed: list) -> None:
+        cur = getattr(s, name)
+        upd[name] = [v for v in cur if v in allowed] if cur is not None else list(allowed)
+
+    if target == "megatron-bridge":
+        narrow("vp", [1])
+        if model is None or _has_kda(model):
+            narrow("cp", [1])
+    if target in ("megatron-lm", "megatron-bridge"):
+        narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
+    forbid = list(s.forbid_toggles)
+    for ns in NO_SWITCH[target]:
+        if ns.toggle not in forbid:
+            forbid.append(ns.toggle)
+    required = [t for t in s.require_toggles if t in forbid]
+    if required:
+        from k3opt.errors import SpecError
+
+        raise SpecError(f"job requires toggles {required} that target {target} has no switch for; "
+                        "remove them from [search] require_toggles or drop the target")
+    upd["forbid_toggles"] = forbid
+    for name in ("vp", "cp", "fsdp_lifecycle"):
+        if name in upd and not upd[name]:
+            from k3opt.errors import InfeasibleJobError
+
+            raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "
+                                     f"allow {name} = 1 / accumulate or drop the target")
+    return job.model_copy(update={"search": s.model_copy(update=upd)})
+

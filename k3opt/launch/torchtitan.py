@@ -1,0 +1,134 @@
+"""torchtitan TOML sections for a layout (torchtitan/config/job_config.py @ e347b1e5, the last TOML-era
+version; torchtitan HEAD b5bcd76c reads Python config functions and keeps these keys as `--section.key`
+overrides).
+
+FSDP: the dense shard mesh is dp_shard x cp and the rest of a stage's ranks replicate, so
+data_parallel_shard_degree = dense_fsdp / cp and data_parallel_replicate_degree = (gpus / pp) / dense_fsdp.
+The expert shard degree is derived (efsdp = dp_shard x cp x tp / ep).
+"""
+
+from __future__ import annotations
+
+import json
+
+from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
+from k3opt.launch.limits import NO_SWITCH
+from k3opt.specs import Layout, ModelSpec, Recompute
+
+
+def _toml(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v)
+
+
+def chunk_fqns(layout: Layout) -> list[list[str]]:
+    """module_fqns_per_model_part: chunk j holds layers.a .. layers.b; the embedding goes on the first chunk,
+    the final norm and the output head on the last (torchtitan's llama-style module names)."""
+    parts: list[list[str]] = []
+    start = 0
+    last = len(layout.split) - 1
+    for j, n in enumerate(layout.split):
+        names = [f"layers.{i}" for i in range(start, start + n)]
+        if j == 0:
+            names.insert(0, "tok_embeddings")
+        if j == last:
+            names += ["norm", "output"]
+        parts.append(names)
+        start += n
+    return parts
+
+
+def export(layout: Layout, model: ModelSpec) -> Launch:
+    """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
+    lay = layout
+    miss: list[Missing] = []
+    notes: list[str] = []
+    sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
+                                                     "activation_checkpoint": []}
+    sections["model"].append(("name", "kimi_k3"))
+    if lay.toggles.fp8_activations:
+        sections["model"].append(("converters", ["quantize.linear.mx", "quantize.grouped_mm.mx"]))
+        sections["quantize.linear.mx"] = [("recipe_name", "mxfp8_cublas")]
+        # The grouped-GEMM converter acts only on the MoE modules listed (default: none).
+        sections["quantize.grouped_mm.mx"] = [("recipe_name", "mxfp8"), ("fqns", ["experts"])]
+        if lay.fp8_block_size != 32:
+            notes.append(f"FP8: torchtitan's block-scaled converter is MXFP8 (1x32 blocks); k3opt priced "
+                         f"1x{lay.fp8_block_size} blocks: set fp8_block_size = 32 to price what runs")
+
+    par = sections["parallelism"]
+    cp = lay.cp
+    if lay.dense_fsdp % cp:
+        miss.append(Missing(f"dense_fsdp = {lay.dense_fsdp} with cp = {cp}",
+                            "the FSDP mesh is dp_shard x cp, so cp must divide dense_fsdp; re-plan with "
+                            "target = \"torchtitan\""))
+    par += [("data_parallel_replicate_degree", lay.stage_ranks // lay.dense_fsdp),
+            ("data_parallel_shard_degree", max(lay.dense_fsdp // cp, 1)),
+            ("tensor_parallel_degree", 1),
+            ("pipeline_parallel_degree", lay.pp),
+            ("pipeline_parallel_schedule", "Interleaved1F1B" if lay.vp > 1 else "1F1B"),
+            ("pipeline_parallel_microbatch_size", lay.rows),
+            ("module_fqns_per_model_part", chunk_fqns(lay)),
+            ("context_parallel_degree", cp),
+            ("expert_parallel_degree", lay.ep),
+            ("expert_tensor_parallel_degree", 1)]
+    if lay.toggles.ep_dedup:
+        par.append(("expert_parallel_comm_backend", "deepep"))
+    if lay.dense_fsdp != lay.ep * lay.expert_fsdp:
+        miss.append(Missing(f"expert_fsdp = {lay.expert_fsdp} with dense_fsdp = {lay.dense_fsdp}, ep = {lay.ep}",
+                            f"no key: torchtitan derives efsdp = dp_shard x cp / ep = "
+                            f"{lay.dense_fsdp // lay.ep if lay.dense_fsdp >= lay.ep else 'below 1'}; "
+                            "re-plan with target = \"torchtitan\""))
+
+    sections["training"] += [("local_batch_size", lay.rows * lay.microbatches),
+                             ("global_batch_size", global_batch(lay)),
+                             ("seq_len", lay.context)]
+    notes.append(f"microbatches M = local_batch_size / pipeline_parallel_microbatch_size = "
+                 f"{lay.rows * lay.microbatches} / {lay.rows}")
+
+    ac = sections["activation_checkpoint"]
+    if lay.recompute == Recompute.FULL:
+        ac.append(("mode", "full"))
+    elif lay.recompute == Recompute.SELECTIVE:
+        ac += [("mode", "selective"), ("selective_ac_option", "op")]
+        notes.append("selective: per-op SAC ('op') saves matmul outputs and recomputes the other ops, the "
+                     "nearest match to k3opt's selective recompute")
+    else:
+        ac.append(("mode", "none"))
+
+    miss.append(Missing(f"fsdp_lifecycle = {lay.fsdp_lifecycle.value}",
+                        "no key: FSDP2's gradient reduce-scatter timing under a PP schedule is decided by "
+                        "PyTorch's pipelining stage, not by the config; check it matches what k3opt priced"))
+    miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
+                        "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
+    if kda_layers(model):
+        miss.append(Missing(f"{model.name} model (KDA linear-attention layers)",
+                            "torchtitan has no KDA model: register one under [model] name = \"kimi_k3\" "
+                            "with the module names used in module_fqns_per_model_part"))
+    if model.vision is not None:
+        miss.append(Missing("vision tower on the first pipeline chunk",
+                            "add the vision tower's module names to the first list of module_fqns_per_model_part"))
+    if lay.domain_gpus_used is not None:
+        miss.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
+                            f"no key: give torchrun {lay.domain_gpus_used} ranks per rack so rank blocks follow "
+                            "the NVLink domains"))
+    for ns in NO_SWITCH["torchtitan"]:
+        if getattr(lay.toggles, ns.toggle):
+            miss.append(Missing(f"toggle {ns.toggle}", ns.instead))
+
+    lines: list[str] = []
+    pairs: list[tuple[str, str]] = []
+    for sec, items in sections.items():
+        if not items:
+            continue
+        lines.append(f"[{sec}]")
+        for k, v in items:
+            if k == "module_fqns_per_model_part":
+                lines.append(f"{k} = [")
+                lines += [f"    {_toml(part)}," for part in v]  # type: ignore[union-attr]
+                lines.append("]")
+            else:
+                lines.append(f"{k} = {_toml(v)}")
+            pairs.append((f"{sec}.{k}", _toml(v)))
+        lines.append("")
+    return Launch("torchtitan", layout, "\n".join(lines), tuple(pairs), tuple(miss), tuple(notes))

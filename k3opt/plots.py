@@ -1,0 +1,251 @@
+"""Pictures: the per-rank memory ledger against the HBM line, the Pareto front, the pipeline timeline.
+
+matplotlib with the Agg backend (files only, no display). Every number drawn comes from evaluate() or from
+the plan; the timeline's schedule generator lives here (pipeline_schedule) and replays Megatron's 1F1B and
+interleaved-1F1B operation order per rank with the cost model's per-microbatch stage times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from k3opt.errors import LayoutError  # noqa: E402
+from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
+from k3opt.specs import GIB  # noqa: E402
+
+FORWARD_SHARE = 1 / 3
+"""Forward share of a microbatch's stage time in the timeline: backward computes the input and the weight
+gradients, two GEMMs per forward GEMM, so forward : backward = 1 : 2 (drawing only; the step time is the
+cost model's)."""
+
+
+def _save(fig: plt.Figure, path: str | Path) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------- ledger bars
+
+
+def ledger_plot(ev: Evaluation, path: str | Path) -> None:
+    """Stacked per-rank bars: persistent terms, then the activation-phase terms; a tick marks persistent +
+    optimizer phase (peak = persistent + max of the two phases). Lines: HBM capacity and the usable share
+    after the reserve."""
+    ranks = list(ev.ranks)
+    x = list(range(len(ranks)))
+    keys = [k for k in PERSISTENT + ACTIVATION if any(r.ledger[k] for r in ranks)]
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(ranks) + 4), 5.5))
+    bottom = [0.0] * len(ranks)
+    for i, k in enumerate(keys):
+        vals = [r.ledger[k] / GIB for r in ranks]
+        hatch = "" if k in PERSISTENT else "//"
+        ax.bar(x, vals, bottom=bottom, color=cmap(i % 20), hatch=hatch, edgecolor="white", linewidth=0.4,
+               label=f"{k} ({'persistent' if k in PERSISTENT else 'activation phase'})")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    opt = [(r.persistent_bytes + r.optimizer_phase_bytes) / GIB for r in ranks]
+    ax.scatter(x, opt, marker="_", s=900, color="black", zorder=5,
+               label=f"persistent + {'/'.join(OPTIMIZER)} (optimizer phase)")
+    hbm = ev.cluster.hbm_bytes / GIB
+    usable = ev.capacity_bytes / GIB
+    ax.axhline(hbm, color="red", linewidth=1.5, label=f"HBM {hbm:.1f} GiB")
+    if usable < hbm:
+        ax.axhspan(usable, hbm, color="red", alpha=0.08, label=f"reserve {hbm - usable:.1f} GiB")
+        ax.axhline(usable, color="red", linestyle="--", linewidth=1, label=f"usable {usable:.1f} GiB")
+    for xi, r in zip(x, ranks, strict=True):
+        ax.text(xi, r.peak_bytes / GIB + hbm * 0.01, f"{r.peak_bytes / GIB:.1f}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(x, [f"rank {r.rank}\n{sum(b - a for a, b in r.chunks)} layers" for r in ranks], fontsize=8)
+    ax.set_ylabel("memory per GPU (GiB)")
+    ax.set_ylim(0, hbm * 1.12)
+    ax.set_title(f"Per-rank memory ledger: {ev.model.name} on {ev.cluster.name}, {ev.layout.gpus} GPUs\n"
+                 f"{_short(ev)}", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    _save(fig, path)
+
+
+def _short(ev: Evaluation) -> str:
+    lay = ev.layout
+    return (f"PP{lay.pp} VP{lay.vp} CP{lay.cp} EP{lay.ep} eFSDP{lay.expert_fsdp} dFSDP{lay.dense_fsdp} "
+            f"M{lay.microbatches}, recompute {lay.recompute.value}; worst-rank peak {ev.peak_bytes / GIB:.1f} GiB")
+
+
+# ------------------------------------------------------------------------------------- Pareto
+
+
+def pareto_plot(items: list, path: str | Path, best: object | None = None) -> None:  # list[PlanItem]
+    """Step time against worst-rank peak, one series per GPU count; `best` (a PlanItem) is starred."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    by_gpus: dict[int, list] = {}
+    for it in items:
+        by_gpus.setdefault(it.layout.gpus, []).append(it)
+    markers = "osD^v<>p"
+    for i, (g, its) in enumerate(sorted(by_gpus.items())):
+        its = sorted(its, key=lambda it: it.evaluation.peak_bytes)
+        ax.plot([it.evaluation.peak_bytes / GIB for it in its], [it.evaluation.step.step_time_s for it in its],
+                marker=markers[i % len(markers)], linestyle="-", drawstyle="steps-post", label=f"{g} GPUs")
+    if best is not None:
+        ev = best.evaluation
+        ax.scatter([ev.peak_bytes / GIB], [ev.step.step_time_s], marker="*", s=320, color="gold",
+                   edgecolor="black", zorder=6,
+                   label=f"chosen: {ev.step.step_time_s:.2f} s at {ev.peak_bytes / GIB:.1f} GiB")
+        cap = ev.capacity_bytes / GIB
+        ax.axvline(cap, color="red", linestyle="--", linewidth=1, label=f"usable HBM {cap:.1f} GiB")
+    ax.set_xlabel("worst-rank peak memory (GiB)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("Pareto front: step time against worst-rank peak HBM", fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------- timeline
+
+
+@dataclass(frozen=True)
+class Op:
+    rank: int
+    kind: str  # "F" or "B"
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def _order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
+    """Rank r's operation order (kind, local chunk, microbatch): 1F1B (Megatron schedules.py) or interleaved
+    1F1B, whose q-th forward runs chunk (q // p) % v on microbatch (q // (p v)) p + q % p and whose backwards
+    take the chunks in reverse; warmup min(2(p - r - 1) + (v - 1) p, v M) forwards (v = 1: min(p - r - 1, M))."""
+    total = v * m
+
+    def fwd(q: int) -> tuple[str, int, int]:
+        return ("F", (q // p) % v, (q // (p * v)) * p + q % p) if v > 1 else ("F", 0, q)
+
+    def bwd(q: int) -> tuple[str, int, int]:
+        return ("B", v - 1 - (q // p) % v, (q // (p * v)) * p + q % p) if v > 1 else ("B", 0, q)
+
+    warm = min(2 * (p - r - 1) + (v - 1) * p, total) if v > 1 else min(p - r - 1, m)
+    ops = [fwd(q) for q in range(warm)]
+    f, b = warm, 0
+    while f < total:
+        ops.append(fwd(f))
+        f += 1
+        ops.append(bwd(b))
+        b += 1
+    ops += [bwd(q) for q in range(b, total)]
+    return ops
+
+
+def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]]) -> list[Op]:
+    """Start and end of every forward and backward on every rank, each op starting when its rank is free and
+    its input has arrived (forward: the previous stage's forward of that microbatch; backward: the next
+    stage's backward, or its own forward on the last stage). chunk_times[r][k]: seconds per microbatch of
+    local chunk k on rank r (forward + backward). Interleaving needs M divisible by p (Megatron's rule)."""
+    if v > 1 and m % p:
+        raise LayoutError(f"the interleaved 1F1B timeline needs microbatches ({m}) divisible by pp ({p}); "
+                          "Megatron's interleaved schedule has the same rule")
+    orders = [_order(p, v, m, r) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, global stage, microbatch) -> end time
+    pos = [0] * p
+    free = [0.0] * p
+    out: list[Op] = []
+    n_stages = p * v
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, k, mb = orders[r][pos[r]]
+                stage = k * p + r
+                if kind == "F":
+                    dep = ("F", stage - 1, mb) if stage > 0 else None
+                else:
+                    dep = ("B", stage + 1, mb) if stage < n_stages - 1 else ("F", stage, mb)
+                if dep is not None and dep not in done:
+                    break
+                t = chunk_times[r][k] * (FORWARD_SHARE if kind == "F" else 1 - FORWARD_SHARE)
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                end = start + t
+                done[(kind, stage, mb)] = end
+                free[r] = end
+                out.append(Op(r, kind, k, mb, start, end))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked")  # an ordering bug, not a user error
+    return out
+
+
+def in_flight_peak(ops: list[Op], rank: int) -> int:
+    """Most forwards rank `rank` holds whose backward has not run (chunk-microbatches under interleaving)."""
+    held = peak = 0
+    for op in sorted((o for o in ops if o.rank == rank), key=lambda o: o.start):
+        held += 1 if op.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def timeline_plot(ev: Evaluation, path: str | Path) -> None:
+    """Per rank: forward and backward boxes over one step's pipeline phase, idle time (bubble) in grey, and
+    the in-flight microbatches over time in a second panel."""
+    lay = ev.layout
+    p, v, m = lay.pp, lay.vp, lay.microbatches
+    chunk_times = []
+    for r in ev.ranks:
+        layers = [b - a for a, b in r.chunks]
+        tot = sum(layers)
+        chunk_times.append([r.stage_time_s * n / tot for n in layers])
+    ops = pipeline_schedule(p, v, m, chunk_times)
+    end = max(o.end for o in ops)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(14, 3 + 0.55 * p + 2.5), sharex=True,
+                                  gridspec_kw={"height_ratios": [max(p, 2), 3]})
+    shades = [("#1f77b4", "#9ecae1"), ("#d62728", "#fcae91")]  # forward, backward; dark/light by chunk parity
+    for r in range(p):
+        ax.broken_barh([(0, end)], (r - 0.4, 0.8), color="#d9d9d9")
+        for kind, (dark, light) in zip("FB", shades, strict=True):
+            for parity, col in ((0, dark), (1, light)):
+                bars = [(o.start, o.end - o.start) for o in ops
+                        if o.rank == r and o.kind == kind and o.chunk % 2 == parity]
+                if bars:
+                    ax.broken_barh(bars, (r - 0.4, 0.8), color=col, edgecolor="white", linewidth=0.2)
+        ax.text(end * 1.005, r, f"peak {in_flight_peak(ops, r)} in flight", va="center", fontsize=8)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end * 1.13)
+    even = ", even chunk" if v > 1 else ""
+    handles = [Patch(color=shades[0][0], label=f"forward{even}"), Patch(color=shades[1][0], label=f"backward{even}"),
+               Patch(color="#d9d9d9", label="bubble (idle)")]
+    if v > 1:
+        handles += [Patch(color=shades[0][1], label="forward, odd chunk"),
+                    Patch(color=shades[1][1], label="backward, odd chunk")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    sched = "interleaved 1F1B" if v > 1 else "1F1B"
+    ax.set_title(f"{sched} pipeline schedule per rank, PP{p} VP{v}, {m} microbatches: "
+                 f"bubble share {ev.step.bubble_fraction:.1%}\nforward : backward drawn 1 : 2 of each "
+                 f"rank's modelled stage time; {_short(ev)}", fontsize=10)
+    for r in range(p):
+        evs = sorted((o for o in ops if o.rank == r), key=lambda o: o.end if o.kind == "F" else o.start)
+        ts, hs, held = [0.0], [0], 0
+        for o in evs:
+            held += 1 if o.kind == "F" else -1
+            ts.append(o.end if o.kind == "F" else o.start)
+            hs.append(held)
+        ts.append(end)
+        hs.append(held)
+        ax2.step(ts, hs, where="post", linewidth=1, label=f"rank {r}")
+    ax2.set_ylabel("in-flight\nmicrobatches")
+    ax2.set_xlabel("time within the step's pipeline phase (s)")
+    ax2.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False, ncol=1 + p // 10)
+    ax2.grid(alpha=0.3)
+    _save(fig, path)
+
+
+__all__ = ["ledger_plot", "pareto_plot", "pipeline_schedule", "timeline_plot", "in_flight_peak"]
