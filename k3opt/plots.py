@@ -53,6 +53,16 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
     opt = [(r.persistent_bytes + r.optimizer_phase_bytes) / GIB for r in ranks]
     ax.scatter(x, opt, marker="_", s=900, color="black", zorder=5,
                label=f"persistent + {'/'.join(OPTIMIZER)} (optimizer phase)")
+    if ev.runtime is not None:
+        # Measurement kinds above the live-tensor peak: allocated adds the allocator-held workspaces, reserved the
+        # allocator's slack, device the memory outside the allocator (k3opt.memory_outside).
+        kinds = (("allocated: + workspaces", "peak_bytes", "allocated_bytes", "#4d4d4d"),
+                 ("reserved: + allocator slack", "allocated_bytes", "reserved_bytes", "#8c8c8c"),
+                 ("device: + outside the allocator", "reserved_bytes", "device_bytes", "#c7c7c7"))
+        for label, lo, hi, color in kinds:
+            ax.bar(x, [(getattr(r, hi) - getattr(r, lo)) / GIB for r in ranks],
+                   bottom=[getattr(r, lo) / GIB for r in ranks], color=color, hatch="..", edgecolor="white",
+                   linewidth=0.4, label=label)
     hbm = ev.cluster.hbm_bytes / GIB
     usable = ev.capacity_bytes / GIB
     ax.axhline(hbm, color="red", linewidth=1.5, label=f"HBM {hbm:.1f} GiB")
@@ -60,8 +70,8 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
         ax.axhspan(usable, hbm, color="red", alpha=0.08, label=f"reserve {hbm - usable:.1f} GiB")
         ax.axhline(usable, color="red", linestyle="--", linewidth=1, label=f"usable {usable:.1f} GiB")
     for xi, r in zip(x, ranks, strict=True):
-        ax.text(xi, r.peak_bytes / GIB + hbm * 0.01, f"{r.peak_bytes / GIB:.1f}", ha="center", va="bottom",
-                fontsize=8)
+        top = r.device_bytes if ev.runtime is not None else r.peak_bytes
+        ax.text(xi, top / GIB + hbm * 0.01, f"{top / GIB:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [f"rank {r.rank}\n{sum(b - a for a, b in r.chunks)} layers" for r in ranks], fontsize=8)
     ax.set_ylabel("memory per GPU (GiB)")
     ax.set_ylim(0, hbm * 1.12)
@@ -74,7 +84,8 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
 def _short(ev: Evaluation) -> str:
     lay = ev.layout
     return (f"PP{lay.pp} VP{lay.vp} CP{lay.cp} EP{lay.ep} eFSDP{lay.expert_fsdp} dFSDP{lay.dense_fsdp} "
-            f"M{lay.microbatches}, recompute {lay.recompute.value}; worst-rank peak {ev.peak_bytes / GIB:.1f} GiB")
+            f"M{lay.microbatches}, recompute {lay.recompute.value}; worst-rank peak {ev.peak_bytes / GIB:.1f} GiB"
+            + (f" live, {ev.peak_device_bytes / GIB:.1f} GiB device" if ev.runtime is not None else ""))
 
 
 # ------------------------------------------------------------------------------------- Pareto
