@@ -1,0 +1,173 @@
+"""The best-first branch and bound over frames and nodes: `plan()`."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time as _time
+from collections.abc import Callable
+
+from k3opt.coefficients import coefficients
+from k3opt.errors import InfeasibleJobError
+from k3opt.evaluate import Evaluation
+from k3opt.search.bounds import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+from k3opt.search.frames import ActMode, Frame, allocated_capacity_bytes, enumerate_frames, frame_shape, lifecycles
+from k3opt.search.front import _pareto
+from k3opt.search.node_model import solve_frame
+from k3opt.search.result import Plan, PlanItem
+from k3opt.specs import (
+    GIB,
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    ModelSpec,
+    Recompute,
+    load_cluster,
+    load_model,
+)
+
+# ------------------------------------------------------------------------------------- driver
+
+
+def _key(ev: Evaluation) -> tuple[float, int]:
+    return (ev.step.step_time_s, ev.peak_bytes)
+
+
+ProgressFn = Callable[[int, int, float], None]
+
+
+def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
+         time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
+         progress: ProgressFn | None = None) -> Plan:
+    """Ranked layouts (best first, one per frame) and the Pareto front over (step time, worst-rank peak).
+
+    Best-first branch and bound: frames enter a queue keyed by a lower bound on their step time; a popped frame
+    is expanded into (recompute, lifecycle) nodes with tighter bounds; a popped node is solved exactly by its
+    CP-SAT model. The search is OPTIMAL when every node left has a bound above the K-th best, FEASIBLE when the
+    time limit stopped it first (the bound and gap say how far from proven), and raises InfeasibleJobError with
+    the smallest reachable peak when nothing fits."""
+    t0 = _time.monotonic()
+    model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+    cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g)]
+    if not frames:
+        raise InfeasibleJobError(
+            f"no parallel shape satisfies the job's rules (gpus {job.gpus}, tokens_per_update "
+            f"{job.tokens_per_update}, rows x context {job.rows} x {job.context}); make tokens_per_update a "
+            "multiple of DP x rows x context for some PP, or give [search] microbatches"
+        )
+    caps = {f: allocated_capacity_bytes(job, f, model, cluster) for f in frames}
+    recs = job.search.recompute or list(Recompute)
+    lcs = lifecycles(job)
+    heap: list = []
+    seq = itertools.count()
+    min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
+    for f in frames:
+        t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
+        if m_lb < min_peak_lb[0]:
+            min_peak_lb = (m_lb, f)
+        if m_lb <= caps[f]:
+            heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None))
+    candidates = len(heap)
+    best_of: dict[Frame, PlanItem] = {}
+    solved = 0
+    status = "OPTIMAL"
+    size: dict[str, int] = {}
+    bound = math.inf
+    stopped_bound = math.inf
+    tightened: set = set()
+    frame_tightened: set = set()
+
+    def kth() -> PlanItem | None:
+        ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
+        return ranked[top - 1] if len(ranked) >= top else None
+
+    while heap:
+        t_lb, m_lb, _, f, rc, lc = heap[0]
+        k = kth()
+        if k is not None and (t_lb > k.step_time_s or (t_lb == k.step_time_s and m_lb >= k.peak_bytes)):
+            break
+        remaining = time_limit - (_time.monotonic() - t0)
+        if remaining <= 0:
+            status = "FEASIBLE"
+            break
+        heapq.heappop(heap)
+        mine = best_of.get(f)
+        if mine is not None and t_lb > mine.step_time_s:
+            continue  # this node cannot improve its frame, and the frame is already ranked
+        if rc is None and f not in frame_tightened:
+            frame_tightened.add(f)
+            ft, fm_ = frame_dp_bound(job, f, model, cluster)
+            if ft > t_lb + 1e-12 or fm_ > m_lb:
+                if math.isfinite(ft) and fm_ <= caps[f]:
+                    heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None))
+                continue
+        if rc is None:
+            for r_ in recs:
+                for l_ in lcs:
+                    nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
+                    if nm <= caps[f]:
+                        heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_))
+            continue
+        if (f, rc, lc) not in tightened:
+            tightened.add((f, rc, lc))
+            tight = tight_node_bound(job, f, rc, lc, model, cluster)
+            if tight > t_lb + 1e-12:
+                if math.isfinite(tight):
+                    heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc))
+                continue
+        res, item = solve_frame(job, f, model, cluster, remaining, workers, recompute=rc, lifecycle=lc)
+        solved += 1
+        size = {"variables": max(size.get("variables", 0), res.variables),
+                "constraints": max(size.get("constraints", 0), res.constraints)}
+        if res.status == "FEASIBLE":
+            status = "FEASIBLE"
+            stopped_bound = min(stopped_bound, res.bound_step_s)
+        elif res.status not in ("OPTIMAL", "INFEASIBLE"):
+            status = "FEASIBLE"
+            stopped_bound = min(stopped_bound, t_lb)
+        if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
+            best_of[f] = item
+        if progress:
+            progress(solved, candidates, _time.monotonic() - t0)
+    if heap:
+        bound = heap[0][0]
+    bound = min(bound, stopped_bound)
+    ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
+    if not ranked:
+        if status != "OPTIMAL":
+            raise InfeasibleJobError(
+                f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
+                "raise --time-limit")
+        raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
+    top_items = ranked[:top]
+    best_t = top_items[0].step_time_s
+    bound = min(bound, best_t)
+    gap = (best_t - bound) / best_t if best_t else 0.0
+    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers)
+                       if pareto else ([], False))
+    return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=gap,
+                frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
+                model_size=size, pareto_complete=complete)
+
+
+def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Frame | None,
+                       lb: float) -> str:
+    """The smallest peak any layout could reach on its worst rank, against the capacity, with its terms."""
+    if f is None:
+        return "no candidate shape"
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    base = ActMode(Recompute.FULL, True, True, True, True)
+    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    terms = {"master": cf.master.sum() / f.pp, "optimizer": cf.optimizer.sum() / f.pp,
+             "bf16_view": cf.bf16_view.sum() / f.pp, "grads": cf.grads.sum() / f.pp}
+    top = sorted(terms.items(), key=lambda kv: -kv[1])
+    state = (cf.master + cf.grads + cf.optimizer).sum() * (f.gpus // f.pp)
+    gpus = ", ".join(str(g) for g in job.gpu_counts)
+    return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is at "
+            f"least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape PP{f.pp} EP{f.ep} "
+            f"expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
+            + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top)
+            + f" GiB per GPU; the model state alone is {state / 2**40:,.2f} TiB); use more GPUs or a larger-memory "
+            "cluster")
