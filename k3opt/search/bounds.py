@@ -56,6 +56,16 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     return t_lb, persistent / p
 
 
+def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """A rough step time of frame f (not a bound): slots x the mean per-rank work of its busiest resource plus
+    the mean update, under recompute 'none', no toggles. Orders the frames the incumbent heuristics visit."""
+    base = ActMode(Recompute.NONE, False, False, False, False)
+    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    stage = max(float(cf.time[res].sum()) for res in cf.time) / f.pp
+    update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+    return schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
+
+
 _DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from k3opt.coefficients import coefficients
 from k3opt.errors import InfeasibleJobError
 from k3opt.evaluate import Evaluation
-from k3opt.search.bounds import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+from k3opt.search.bounds import frame_dp_bound, frame_estimate, frame_lower_bound, node_lower_bound, tight_node_bound
 from k3opt.search.frames import ActMode, Frame, allocated_capacity_bytes, enumerate_frames, frame_shape, lifecycles
 from k3opt.search.front import _pareto
+from k3opt.search.incumbents import frame_incumbent, incumbents, visiting_order
 from k3opt.search.node_model import solve_frame
 from k3opt.search.result import Plan, PlanItem
 from k3opt.specs import (
@@ -36,17 +37,23 @@ def _key(ev: Evaluation) -> tuple[float, int]:
 
 ProgressFn = Callable[[int, int, float], None]
 
+DEFAULT_GAP = 0.01
+"""Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
+
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
-         progress: ProgressFn | None = None) -> Plan:
+         progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
     """Ranked layouts (best first, one per frame) and the Pareto front over (step time, worst-rank peak).
 
-    Best-first branch and bound: frames enter a queue keyed by a lower bound on their step time; a popped frame
-    is expanded into (recompute, lifecycle) nodes with tighter bounds; a popped node is solved exactly by its
-    CP-SAT model. The search is OPTIMAL when every node left has a bound above the K-th best, FEASIBLE when the
-    time limit stopped it first (the bound and gap say how far from proven), and raises InfeasibleJobError with
-    the smallest reachable peak when nothing fits."""
+    Anytime best-first branch and bound. First, heuristic layouts of the frames with the lowest bounds, priced by
+    evaluate(), are the incumbents (a fitting layout within seconds). Then frames enter a queue keyed by a lower
+    bound on their step time; a popped frame is expanded into (recompute, lifecycle) nodes with tighter bounds; a
+    popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
+    time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The search stops
+    when every node left has a bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when
+    the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
+    InfeasibleJobError with the smallest reachable peak when nothing fits."""
     t0 = _time.monotonic()
     model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
     cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
@@ -68,75 +75,105 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if m_lb < min_peak_lb[0]:
             min_peak_lb = (m_lb, f)
         if m_lb <= caps[f]:
-            heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None))
+            heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
     candidates = len(heap)
     best_of: dict[Frame, PlanItem] = {}
     solved = 0
-    status = "OPTIMAL"
+    timed_out = interrupted = False
     size: dict[str, int] = {}
-    bound = math.inf
-    stopped_bound = math.inf
+    residual = math.inf
+    """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
     tightened: set = set()
     frame_tightened: set = set()
+    base_slice = max(1.0, time_limit / 20)
 
     def kth() -> PlanItem | None:
         ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
         return ranked[top - 1] if len(ranked) >= top else None
 
-    while heap:
-        t_lb, m_lb, _, f, rc, lc = heap[0]
-        k = kth()
-        if k is not None and (t_lb > k.step_time_s or (t_lb == k.step_time_s and m_lb >= k.peak_bytes)):
-            break
-        remaining = time_limit - (_time.monotonic() - t0)
-        if remaining <= 0:
-            status = "FEASIBLE"
-            break
-        heapq.heappop(heap)
-        mine = best_of.get(f)
-        if mine is not None and t_lb > mine.step_time_s:
-            continue  # this node cannot improve its frame, and the frame is already ranked
-        if rc is None and f not in frame_tightened:
-            frame_tightened.add(f)
-            ft, fm_ = frame_dp_bound(job, f, model, cluster)
-            if ft > t_lb + 1e-12 or fm_ > m_lb:
-                if math.isfinite(ft) and fm_ <= caps[f]:
-                    heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None))
+    current = math.inf
+    try:
+        budget = min(5.0, max(1.0, 0.05 * time_limit))
+        # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
+        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
+                                  for e in heap])
+        best_of.update(incumbents(job, ordered, model, cluster, top, budget, t0 + 0.9 * time_limit))
+        while heap:
+            t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
+            k = kth()
+            if k is not None and (t_lb >= k.step_time_s * (1 - gap) if gap > 0 else
+                                  (t_lb > k.step_time_s or (t_lb == k.step_time_s and m_lb >= k.peak_bytes))):
+                break
+            remaining = time_limit - (_time.monotonic() - t0)
+            if remaining <= 0:
+                timed_out = True
+                break
+            heapq.heappop(heap)
+            current = t_lb
+            mine = best_of.get(f)
+            if mine is not None and (t_lb > mine.step_time_s or (gap > 0 and t_lb >= mine.step_time_s * (1 - gap))):
+                residual = min(residual, t_lb)
+                current = math.inf
+                continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
+            if rc is None and f not in frame_tightened:
+                frame_tightened.add(f)
+                ft, fm_ = frame_dp_bound(job, f, model, cluster)
+                if ft > t_lb + 1e-12 or fm_ > m_lb:
+                    if math.isfinite(ft) and fm_ <= caps[f]:
+                        heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                    current = math.inf
+                    continue
+            if rc is None:
+                for r_ in recs:
+                    for l_ in lcs:
+                        nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
+                        if nm <= caps[f]:
+                            heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
+                current = math.inf
                 continue
-        if rc is None:
-            for r_ in recs:
-                for l_ in lcs:
-                    nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
-                    if nm <= caps[f]:
-                        heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_))
-            continue
-        if (f, rc, lc) not in tightened:
-            tightened.add((f, rc, lc))
-            tight = tight_node_bound(job, f, rc, lc, model, cluster)
-            if tight > t_lb + 1e-12:
-                if math.isfinite(tight):
-                    heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc))
-                continue
-        res, item = solve_frame(job, f, model, cluster, remaining, workers, recompute=rc, lifecycle=lc)
-        solved += 1
-        size = {"variables": max(size.get("variables", 0), res.variables),
-                "constraints": max(size.get("constraints", 0), res.constraints)}
-        if res.status == "FEASIBLE":
-            status = "FEASIBLE"
-            stopped_bound = min(stopped_bound, res.bound_step_s)
-        elif res.status not in ("OPTIMAL", "INFEASIBLE"):
-            status = "FEASIBLE"
-            stopped_bound = min(stopped_bound, t_lb)
-        if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-            best_of[f] = item
-        if progress:
-            progress(solved, candidates, _time.monotonic() - t0)
-    if heap:
-        bound = heap[0][0]
-    bound = min(bound, stopped_bound)
+            if (f, rc, lc) not in tightened:
+                tightened.add((f, rc, lc))
+                tight = tight_node_bound(job, f, rc, lc, model, cluster)
+                if tight > t_lb + 1e-12:
+                    if math.isfinite(tight):
+                        heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc, 0))
+                    current = math.inf
+                    continue
+            hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
+                                   deadline=t0 + time_limit) if attempt == 0 else None
+            if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
+                best_of[f] = mine = hint
+            remaining = time_limit - (_time.monotonic() - t0)
+            res, item = solve_frame(job, f, model, cluster, min(remaining, base_slice * 2 ** attempt), workers,
+                                    recompute=rc, lifecycle=lc, relative_gap=gap,
+                                    hint=(hint or mine).layout if (hint or mine) is not None else None)
+            solved += 1
+            size = {"variables": max(size.get("variables", 0), res.variables),
+                    "constraints": max(size.get("constraints", 0), res.constraints)}
+            if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
+                best_of[f] = item
+            node_bound = max(t_lb, res.bound_step_s)
+            if res.interrupted:
+                interrupted = True
+                residual = min(residual, node_bound)
+                break
+            if res.status in ("FEASIBLE", "UNKNOWN"):
+                # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
+                heapq.heappush(heap, (node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
+            elif res.status == "OPTIMAL" and item is not None and node_bound < item.step_time_s:
+                residual = min(residual, node_bound)  # proven to the relative gap only
+            current = math.inf
+            if progress:
+                progress(solved, candidates, _time.monotonic() - t0)
+    except KeyboardInterrupt:
+        interrupted = True
+        residual = min(residual, current)
+    bound = min(heap[0][0] if heap else math.inf, residual)
     ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
     if not ranked:
-        if status != "OPTIMAL":
+        if interrupted:
+            raise KeyboardInterrupt
+        if timed_out or math.isfinite(bound):
             raise InfeasibleJobError(
                 f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
                 "raise --time-limit")
@@ -144,10 +181,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     top_items = ranked[:top]
     best_t = top_items[0].step_time_s
     bound = min(bound, best_t)
-    gap = (best_t - bound) / best_t if best_t else 0.0
+    proven_gap = (best_t - bound) / best_t if best_t else 0.0
+    k = ranked[min(top, len(ranked)) - 1].step_time_s
+    done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
+    status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
     front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers)
-                       if pareto else ([], False))
-    return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=gap,
+                       if pareto and not interrupted else (ranked[:1] if interrupted else [], False))
+    return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete)
 

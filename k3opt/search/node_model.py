@@ -34,6 +34,7 @@ from k3opt.specs import (
     ClusterSpec,
     FsdpLifecycle,
     Job,
+    Layout,
     ModelSpec,
     Recompute,
 )
@@ -61,6 +62,7 @@ class FrameResult:
     bound_step_s: float = 0.0
     variables: int = 0
     constraints: int = 0
+    interrupted: bool = False
 
 
 class FrameModel:
@@ -439,15 +441,40 @@ class FrameModel:
                 for i in range(self.L):
                     self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
 
+    def add_layout_hint(self, layout: Layout) -> None:
+        """A complete solution hint from a fitting layout of this frame (an incumbent): its split, mode,
+        lifecycle and toggles. Parts the model does not have (a mode dropped as dominated) are left unhinted."""
+        if len(layout.split) != self.K or self.fixed_split is not None:
+            return
+        self.m.clear_hints()
+        bounds = np.cumsum(layout.split)
+        for j in range(1, self.K):
+            for i in range(self.L):
+                self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
+        tg = layout.toggles
+        mode = ActMode(layout.recompute, *(getattr(tg, t) for t in ACT_TOGGLES))
+        if mode in self.mv:
+            for md, var in self.mv.items():
+                self.m.add_hint(var, int(md == mode))
+        if layout.fsdp_lifecycle in self.lv:
+            for lc, var in self.lv.items():
+                self.m.add_hint(var, int(lc == layout.fsdp_lifecycle))
+        for t, var in self.tv.items():
+            self.m.add_hint(var, int(getattr(tg, t)))
+
     # -- solve --------------------------------------------------------------------------------
     def solve(self, time_limit: float, workers: int = 2, presolve: bool = True,
-              peak_cap_mib: int | None = None) -> FrameResult:
+              peak_cap_mib: int | None = None, relative_gap: float = 0.0) -> FrameResult:
+        """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
+        CP-SAT catches Ctrl-C itself and returns its best; a stop before the time limit without a proof is
+        reported as `interrupted`, so the driver can return the best so far."""
         if peak_cap_mib is not None:
             self.m.add(self.peak_mib <= peak_cap_mib)
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(time_limit, 0.05)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 7
+        solver.parameters.relative_gap_limit = relative_gap
         if not presolve:
             solver.parameters.cp_model_presolve = False
         st = solver.solve(self.m)
@@ -463,8 +490,10 @@ class FrameModel:
             tg = {t: bool(solver.value(v)) for t, v in self.tv.items()}
             res.split, res.shape = split, frame_shape(self.job, self.f, md, lc, **tg)
             res.objective = int(solver.objective_value)
-            res.bound = int(solver.best_objective_bound)
+        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
+            res.bound = max(int(solver.best_objective_bound), 0)
             res.bound_step_s = (res.bound // self.obj_scale) * TIME_UNIT / self.f.vp
+        res.interrupted = st in (cp_model.FEASIBLE, cp_model.UNKNOWN) and solver.wall_time < 0.9 * time_limit - 0.1
         return res
 
     def _read_split(self, solver: cp_model.CpSolver) -> list[int]:
@@ -489,9 +518,10 @@ def _tq(seconds: float) -> int:
 
 def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time_limit: float,
                 workers: int = 2, presolve: bool = True, peak_cap_mib: int | None = None,
-                recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None
-                ) -> tuple[FrameResult, PlanItem | None]:
-    """Solve one frame (optionally one recompute mode and lifecycle of it) to optimality or the time limit."""
+                recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None,
+                hint: Layout | None = None, relative_gap: float = 0.0) -> tuple[FrameResult, PlanItem | None]:
+    """Solve one frame (optionally one recompute mode and lifecycle of it) to optimality, to `relative_gap`, or
+    to the time limit. `hint`: a fitting layout of the frame, handed to CP-SAT as its first solution."""
     modes = [md for md in act_modes(job) if recompute is None or md.recompute == recompute]
     lcs = [lifecycle] if lifecycle is not None else lifecycles(job)
     modes = undominated_modes(job, f, modes, lcs, model, cluster)
@@ -502,7 +532,9 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
             node_lower_bound(job, f, recompute, lifecycle, model, cluster)
         stage_lb, split = _DP_HINTS.get(key, (0.0, None))
         fm.add_stage_bound(stage_lb, split)
-    res = fm.solve(time_limit, workers, presolve, peak_cap_mib)
+    if hint is not None:
+        fm.add_layout_hint(hint)
+    res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
     return res, _item(job, f, fm, res, model, cluster)
 
 
