@@ -90,6 +90,8 @@ _plan_options = [
     click.option("--time-limit", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
                  help="Seconds for the whole search; when it stops early the status is FEASIBLE with the gap."),
     click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="CP-SAT threads."),
+    click.option("--gap", type=click.FloatRange(min=0.0, max=1.0), default=0.01, show_default=True,
+                 help="Relative gap at which the search stops and reports OPTIMAL; 0 demands the exact proof."),
 ]
 
 
@@ -106,7 +108,7 @@ def _with_plan_options(fn):  # noqa: ANN001, ANN202
               help="Write layout N as a layout file that `k3opt explain` reads.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
 @_user_errors
-def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
+def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int, gap: float,
          show_ledger: int | None, save: tuple[int, str] | None, as_json: bool) -> None:
     """Rank the fastest layouts that fit every rank for JOB (default: the built-in k3-512-4k job)."""
     from k3opt.report import plan_text
@@ -114,7 +116,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
 
     j = _load_job(job, gpus)
     result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
-                      progress=_progress(not as_json))
+                      progress=_progress(not as_json), gap=gap)
     if save is not None:
         n, path = save
         if not 1 <= n <= len(result.layouts):
@@ -140,7 +142,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
               help="Epsilon step of the front on the worst-rank peak.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_user_errors
-def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
+def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int, gap: float,
            csv_path: str | None, step_gib: float, as_json: bool) -> None:
     """The Pareto front of JOB over (step time, worst-rank peak HBM), and over GPU count when the job lists
     several."""
@@ -149,7 +151,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
 
     j = _load_job(job, gpus)
     result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=True, pareto_step_gib=step_gib,
-                      progress=_progress(not as_json))
+                      progress=_progress(not as_json), gap=gap)
     df = plan_frame(result.pareto)
     if csv_path:
         df.to_csv(csv_path, index=False)

@@ -38,7 +38,7 @@ def job():
     return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [1, 2, 4], "vp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
+        "search": {"pp": [1, 2, 4], "vp": [1, 2], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
                    "forbid_toggles": FORBIDDEN},
     })
 
