@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
-from k3opt.schedule import bubble_fraction, bubble_overhead
+from k3opt.schedule import BACKWARD_OVER_FORWARD, bubble_fraction, bubble_overhead, replay_makespan
 from k3opt.specs import (
     GIB,
     ClusterSpec,
     Layout,
     ModelSpec,
+    Recompute,
     check_layout,
     load_cluster,
     load_model,
@@ -132,6 +133,9 @@ class StepTime:
     model_flops_per_token: float
     mfu_convention: str
     unpriced: tuple[str, ...]
+    schedule_step_time_s: float = 0.0
+    """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
+    forward and backward times (`schedule.replay_makespan`), plus the exposed update. Equal chunks: step_time_s."""
 
 
 @dataclass(frozen=True)
@@ -414,4 +418,29 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
                         f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
                         f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
         unpriced=UNPRICED,
+        schedule_step_time_s=schedule_makespan_s(cf, ranks, layout) + update,
     )
+
+
+def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every global chunk per microbatch: rank r's time per microbatch shared among
+    its chunks by each chunk's busiest-resource work, then split forward : backward = 1 : BACKWARD_OVER_FORWARD
+    (one more forward under full recompute; SC21 section 3.5)."""
+    k = layout.pp * layout.vp
+    bounds = chunk_bounds(layout.split)
+    work = np.array([max(_chunk_sum(cf.time[res], cf, j, k, bounds) for res in RESOURCES) for j in range(k)])
+    total = np.zeros(k)
+    for j in range(k):
+        r = j % layout.pp
+        mine = work[r::layout.pp]
+        share = work[j] / mine.sum() if mine.sum() > 0 else 1.0 / len(mine)
+        total[j] = ranks[r].stage_time_s * share
+    beta = BACKWARD_OVER_FORWARD + (1.0 if layout.recompute == Recompute.FULL else 0.0)
+    return total / (1 + beta), total * beta / (1 + beta)
+
+
+def schedule_makespan_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> float:
+    """Makespan of the step's pipeline over the chunks actually chosen. PP packet time is already in each rank's
+    NVLink / NIC time, so the replay adds no hop latency on top (none is priced)."""
+    fwd, bwd = chunk_times_s(cf, ranks, layout)
+    return replay_makespan(layout.pp, layout.vp, layout.microbatches, fwd, bwd)
