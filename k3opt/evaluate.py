@@ -48,7 +48,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
                                 "in-flight microbatch"),
     "recompute_working_set": ("derived", "saved set of the one layer being recomputed in backward"),
     "grad_transient": ("derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus "
-                                  "two BF16 [T, d] gradient streams"),
+                                  "two BF16 [T, d] gradient streams (with CP: plus the KV ring or state-gather "
+                                  "buffers)"),
     "pp_buffers": ("assumption", "one forward and one backward packet in each direction live: "
                                  "2 x max over chunks (in + out packet), packet = (1 + R) x BF16 [T, d]"),
     "ep_buffers": ("derived", "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
@@ -60,7 +61,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
 }
 
 UNPRICED = (
-    "CP attention communication (KDA state exchange, MLA KV redistribution) is not priced (seed 002)",
+    "CP: the KDA state pre-pass over the local chunk and the serial merge of the gathered states (small fp32 "
+    "matmuls, FLA KCP); CP's exchange itself is priced (TE p2p KV ring for MLA, FLA KCP state all-gather for KDA)",
     "element-wise recompute work (selective recompute, fused SiTU, MoE backward rewrite) has no vector-unit roof",
     "vision-tower activations: microbatches are text-only in this model",
     "collective latency, rank skew and routing imbalance (routing is modelled uniform / forced-balanced)",

@@ -38,7 +38,7 @@ def job():
     return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [1, 2, 4], "vp": [1, 2], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
+        "search": {"pp": [1, 2, 4], "vp": [1, 2], "cp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
                    "forbid_toggles": FORBIDDEN},
     })
 
@@ -188,7 +188,7 @@ def test_pareto_spans_gpu_counts(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": [4, 8],
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
     })
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=True, gap=0)
     assert {it.layout.gpus for it in plan.pareto} <= {4, 8}
@@ -231,7 +231,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"]},
     })
     (f,) = enumerate_frames(job, tiny, 8)
@@ -267,7 +267,7 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [2], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
                    "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
     })
@@ -326,3 +326,48 @@ def test_plain_job_gets_a_layout_under_a_short_limit():
     assert plan.layouts and plan.layouts[0].evaluation.fits
     assert plan.status in ("OPTIMAL", "FEASIBLE")
     assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].step_time_s
+
+
+def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
+    """CP = 2 frames (PP2 and PP1, 2,048-token sequences split in two): the CP-SAT optimum equals enumeration through
+    evaluate(), and no bound the search prunes with exceeds an enumerated layout."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [1, 2], "vp": [1], "cp": [2], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [1],
+                   "forbid_toggles": FORBIDDEN},
+    })
+    frames = enumerate_frames(job, tiny, 8)
+    assert frames and all(f.cp == 2 for f in frames)
+    rows = []
+    for f in frames:
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            for flags in itertools.product([False, True], repeat=len(ALLOWED)):
+                for split in _splits(tiny.num_layers, f.pp):
+                    lay = make_layout(gpus=8, pp=f.pp, cp=2, ep=2, microbatches=f.microbatches, context=2048,
+                                      split=split, recompute=rc, fsdp_lifecycle=lc,
+                                      toggles=dict(zip(ALLOWED, flags, strict=True)), reserve_gib=1.5)
+                    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                    if ev.fits:
+                        rows.append((f, rc, lc, ev.step.step_time_s, ev.peak_bytes))
+    assert rows
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].step_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
+    assert plan.layouts[0].layout.cp == 2
+    for f in frames:
+        mine = [r for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
+        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            node = [r for r in mine if r[1] == rc and r[2] == lc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
+                assert min(r[4] for r in node) >= m_n - 1

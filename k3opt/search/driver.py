@@ -57,7 +57,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     t0 = _time.monotonic()
     model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
     cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
-    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g)]
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
     if not frames:
         raise InfeasibleJobError(
             f"no parallel shape satisfies the job's rules (gpus {job.gpus}, tokens_per_update "
@@ -92,12 +92,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         return ranked[top - 1] if len(ranked) >= top else None
 
     current = math.inf
+    first_layout_s: float | None = None
     try:
         budget = min(5.0, max(1.0, 0.05 * time_limit))
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
         ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
                                   for e in heap])
         best_of.update(incumbents(job, ordered, model, cluster, top, budget, t0 + 0.9 * time_limit))
+        if best_of:
+            first_layout_s = _time.monotonic() - t0
         while heap:
             t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
             k = kth()
@@ -152,6 +155,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     "constraints": max(size.get("constraints", 0), res.constraints)}
             if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
                 best_of[f] = item
+            if best_of and first_layout_s is None:
+                first_layout_s = _time.monotonic() - t0
             node_bound = max(t_lb, res.bound_step_s)
             if res.interrupted:
                 interrupted = True
@@ -189,7 +194,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                        if pareto and not interrupted else (ranked[:1] if interrupted else [], False))
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
-                model_size=size, pareto_complete=complete)
+                model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
 
 
 def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Frame | None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3opt import comm
 from k3opt.coefficients import Coefficients, Shape, coefficients
 from k3opt.specs import (
     GIB,
@@ -17,6 +18,7 @@ from k3opt.specs import (
     ModelSpec,
     Recompute,
     Toggles,
+    load_cluster,
 )
 
 ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
@@ -56,9 +58,22 @@ def _allowed(values: list[int], allowed: list[int] | None) -> list[int]:
     return [v for v in values if allowed is None or v in allowed]
 
 
-def enumerate_frames(job: Job, model: ModelSpec, gpus: int) -> list[Frame]:
-    """Every frame the job allows on `gpus` GPUs (divisibility rules of the Layout model)."""
+def default_cp(job: Job, cluster: ClusterSpec, stage: int) -> list[int]:
+    """CP degrees searched when the job lists none: 1, and every C dividing the stage whose split of the sequence
+    into 2 C load-balancing chunks is whole (TE's DualChunkSwap) and whose local tokens T = rows x context / C
+    still hide the MLA KV ring behind the attention of a ring step on NVLink (T >= 2 F / B,
+    `comm.cp_overlap_min_tokens`); below that CP only adds exposed traffic to a shorter sequence."""
+    seq = job.rows * job.context
+    t_min = comm.cp_overlap_min_tokens(cluster.bf16_tflops * 1e12, cluster.nvlink_gbps * 1e9)
+    return [c for c in _divisors(stage) if c == 1 or (seq % (2 * c) == 0 and seq / c >= t_min)]
+
+
+def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec | None = None) -> list[Frame]:
+    """Every frame the job allows on `gpus` GPUs (divisibility rules of the Layout model). CP: the job's list, else
+    `default_cp` on the job's cluster (or `cluster`)."""
     s = job.search
+    if s.cp is None and cluster is None:
+        cluster = load_cluster(job.cluster)
     L = model.num_layers
     experts = model.moe.num_experts if model.moe else 1
     frames = []
@@ -72,7 +87,7 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int) -> list[Frame]:
                 continue
             if s.split is not None and len(s.split) != p * v:
                 continue
-            for c in _allowed(_divisors(stage), s.cp if s.cp is not None else [1]):
+            for c in (_allowed(_divisors(stage), s.cp) if s.cp is not None else default_cp(job, cluster, stage)):
                 if (job.rows * job.context) % c:
                     continue
                 dp = stage // c
@@ -86,7 +101,7 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int) -> list[Frame]:
                     ms = list(s.microbatches or [])
                 for e in _allowed([d for d in _divisors(stage) if experts % d == 0], s.ep):
                     for fe in _allowed(_divisors(stage // e), s.expert_fsdp):
-                        for fd in _allowed(_divisors(stage), s.dense_fsdp):
+                        for fd in _allowed(_divisors(dp), s.dense_fsdp):  # dense FSDP groups are dp indices
                             for m in ms:
                                 frames.append(Frame(p, v, c, e, fe, fd, m, gpus))
     return frames

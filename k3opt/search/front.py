@@ -36,7 +36,7 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
     Returns the front and whether it is complete (False when the time limit cut it short)."""
     points: list[PlanItem] = list(ranked)
     step_mib = max(1, int(round(step_gib * GIB / MIB)))
-    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g)]
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
     bounds = sorted((*frame_lower_bound(job, f, model, cluster), f) for f in frames)
     complete = True
 
