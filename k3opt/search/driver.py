@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import signal
 import time as _time
 from collections.abc import Callable
 
@@ -36,6 +37,30 @@ def _key(ev: Evaluation) -> tuple[float, int]:
 
 
 ProgressFn = Callable[[int, int, float], None]
+
+
+class _CtrlC:
+    """Ctrl-C during a search sets a flag instead of raising, so the driver returns the best so far: checked between
+    heuristic frames, between nodes and after each CP-SAT slice (CP-SAT is told not to catch SIGINT itself). Off
+    the main thread, where no handler can be installed, Ctrl-C raises KeyboardInterrupt as usual."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._prev = None
+
+    def __enter__(self) -> _CtrlC:
+        try:
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:
+            self._prev = None
+        return self
+
+    def _handler(self, *_: object) -> None:
+        self.flag = True
+
+    def __exit__(self, *_: object) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
@@ -93,12 +118,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
 
     current = math.inf
     first_layout_s: float | None = None
+    ctrl_c = _CtrlC()
     try:
+        ctrl_c.__enter__()
         budget = min(5.0, max(1.0, 0.05 * time_limit))
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
         ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
                                   for e in heap])
-        best_of.update(incumbents(job, ordered, model, cluster, top, budget, t0 + 0.9 * time_limit))
+        best_of.update(incumbents(job, ordered, model, cluster, top, budget, t0 + 0.9 * time_limit,
+                                  stop=lambda: ctrl_c.flag))
         if best_of:
             first_layout_s = _time.monotonic() - t0
         while heap:
@@ -110,6 +138,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
                 timed_out = True
+                break
+            if ctrl_c.flag:
+                interrupted = True
                 break
             heapq.heappop(heap)
             current = t_lb
@@ -158,7 +189,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if best_of and first_layout_s is None:
                 first_layout_s = _time.monotonic() - t0
             node_bound = max(t_lb, res.bound_step_s)
-            if res.interrupted:
+            if ctrl_c.flag:
                 interrupted = True
                 residual = min(residual, node_bound)
                 break
@@ -173,6 +204,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     except KeyboardInterrupt:
         interrupted = True
         residual = min(residual, current)
+    finally:
+        ctrl_c.__exit__()
+    if ctrl_c.flag:
+        interrupted = True
     bound = min(heap[0][0] if heap else math.inf, residual)
     ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
     if not ranked:

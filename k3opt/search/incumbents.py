@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time as _time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -192,14 +193,15 @@ def visiting_order(ordered: list[tuple[tuple[bool, float], Frame]]) -> list[tupl
 
 
 def incumbents(job: Job, ordered: list[tuple[tuple[bool, float], Frame]], model: ModelSpec, cluster: ClusterSpec,
-               top: int, budget_s: float, deadline: float) -> dict[Frame, PlanItem]:
+               top: int, budget_s: float, deadline: float, stop: Callable[[], bool] | None = None
+               ) -> dict[Frame, PlanItem]:
     """Heuristic layouts of the frames in `ordered` (visited in that order), until `budget_s` has passed with at
     least one found, or the monotonic clock reaches `deadline`."""
     t0 = _time.monotonic()
     found: dict[Frame, PlanItem] = {}
     for _, f in ordered:
         now = _time.monotonic()
-        if now >= deadline or (found and now - t0 >= budget_s):
+        if now >= deadline or (found and now - t0 >= budget_s) or (stop is not None and stop()):
             break
         item = frame_incumbent(job, f, model, cluster, deadline=min(deadline, t0 + budget_s) if found else deadline)
         if item is not None:

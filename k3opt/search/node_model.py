@@ -62,7 +62,6 @@ class FrameResult:
     bound_step_s: float = 0.0
     variables: int = 0
     constraints: int = 0
-    interrupted: bool = False
 
 
 class FrameModel:
@@ -466,8 +465,7 @@ class FrameModel:
     def solve(self, time_limit: float, workers: int = 2, presolve: bool = True,
               peak_cap_mib: int | None = None, relative_gap: float = 0.0) -> FrameResult:
         """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
-        CP-SAT catches Ctrl-C itself and returns its best; a stop before the time limit without a proof is
-        reported as `interrupted`, so the driver can return the best so far."""
+        CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
         if peak_cap_mib is not None:
             self.m.add(self.peak_mib <= peak_cap_mib)
         solver = cp_model.CpSolver()
@@ -475,6 +473,7 @@ class FrameModel:
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 7
         solver.parameters.relative_gap_limit = relative_gap
+        solver.parameters.catch_sigint_signal = False
         if not presolve:
             solver.parameters.cp_model_presolve = False
         st = solver.solve(self.m)
@@ -493,7 +492,6 @@ class FrameModel:
         if st in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
             res.bound = max(int(solver.best_objective_bound), 0)
             res.bound_step_s = (res.bound // self.obj_scale) * TIME_UNIT / self.f.vp
-        res.interrupted = st in (cp_model.FEASIBLE, cp_model.UNKNOWN) and solver.wall_time < 0.9 * time_limit - 0.1
         return res
 
     def _read_split(self, solver: cp_model.CpSolver) -> list[int]:
