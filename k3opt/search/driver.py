@@ -125,8 +125,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
         ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
                                   for e in heap])
-        best_of.update(incumbents(job, ordered, model, cluster, top, budget, t0 + 0.9 * time_limit,
-                                  stop=lambda: ctrl_c.flag))
+        # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
+        # bounds), leaving CP-SAT the time to find a layout or prove there is none.
+        deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
+        best_of.update(incumbents(job, ordered, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         if best_of:
             first_layout_s = _time.monotonic() - t0
         while heap:

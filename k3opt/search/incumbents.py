@@ -165,6 +165,7 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
             key = (ev.step.step_time_s, ev.peak_bytes)
             if key[0] < better_than and (best is None or key < (best.step_time_s, best.peak_bytes)):
                 best = PlanItem(ev.layout, ev)
+            break  # the splits come most work-balanced first: the first that fits stands for this candidate
         return fitted
 
     fixed = [list(job.search.split)] if job.search.split is not None else None
