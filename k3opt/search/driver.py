@@ -134,8 +134,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         while heap:
             t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
             k = kth()
-            if k is not None and (t_lb >= k.step_time_s * (1 - gap) if gap > 0 else
-                                  (t_lb > k.step_time_s or (t_lb == k.step_time_s and m_lb >= k.peak_bytes))):
+
+            def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
+                return k is not None and (t >= k.step_time_s * (1 - gap) if gap > 0 else
+                                          (t > k.step_time_s or (t == k.step_time_s and m >= k.peak_bytes)))
+
+            if closed(t_lb, m_lb):
                 break
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
@@ -144,7 +148,21 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if ctrl_c.flag:
                 interrupted = True
                 break
-            heapq.heappop(heap)
+            pick = 0
+            if solved % 2 == 1:
+                # Every other CP-SAT solve goes to the best v = 1 node: its bound is an exact program over the
+                # split, so it is proven fast, while a v > 1 node's mean bound keeps it first in the queue. The
+                # order changes which node is solved first, never the bound (the least over the queue).
+                ones = [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])]
+                if ones:
+                    pick = min(ones, key=lambda j: heap[j])
+            if pick:
+                t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]
+                heap[pick] = heap[-1]
+                heap.pop()
+                heapq.heapify(heap)
+            else:
+                heapq.heappop(heap)
             current = t_lb
             mine = best_of.get(f)
             if mine is not None and (t_lb > mine.step_time_s or (gap > 0 and t_lb >= mine.step_time_s * (1 - gap))):
