@@ -95,14 +95,34 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     heap: list = []
     seq = itertools.count()
     min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
-    for f in frames:
-        t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
-        if m_lb < min_peak_lb[0]:
-            min_peak_lb = (m_lb, f)
-        if m_lb <= caps[f]:
-            heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
-    candidates = len(heap)
     best_of: dict[Frame, PlanItem] = {}
+    budget = min(5.0, max(1.0, 0.05 * time_limit))
+    ctrl_c = _CtrlC().__enter__()
+    first_layout_s: float | None = None
+    # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
+    # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
+    unbounded = False
+    try:
+        quick = visiting_order([((False, -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f) for f in frames])
+        best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
+                                  stop=lambda: ctrl_c.flag))
+        if best_of:
+            first_layout_s = _time.monotonic() - t0
+        for f in frames:
+            if ctrl_c.flag:
+                if not best_of:
+                    raise KeyboardInterrupt
+                unbounded = True  # Ctrl-C while bounding: the shapes not bounded yet leave the bound at 0
+                break
+            t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
+            if m_lb < min_peak_lb[0]:
+                min_peak_lb = (m_lb, f)
+            if m_lb <= caps[f]:
+                heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
+    except BaseException:
+        ctrl_c.__exit__()
+        raise
+    candidates = len(heap)
     solved = 0
     timed_out = interrupted = False
     size: dict[str, int] = {}
@@ -117,19 +137,19 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         return ranked[top - 1] if len(ranked) >= top else None
 
     current = math.inf
-    first_layout_s: float | None = None
-    ctrl_c = _CtrlC()
+    residual = 0.0 if unbounded else residual
     try:
-        ctrl_c.__enter__()
-        budget = min(5.0, max(1.0, 0.05 * time_limit))
+        if unbounded:
+            raise KeyboardInterrupt
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
         ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
                                   for e in heap])
         # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
-        best_of.update(incumbents(job, ordered, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
-        if best_of:
+        rest = [e for e in ordered if e[1] not in best_of]
+        best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:
             t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
