@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 import ortools
 
 import k3opt
-from k3opt.search import enumerate_frames
 from k3opt.specs import Job
 
 TOKENS_PER_GPU = 16_777_216 // 512
@@ -32,44 +31,66 @@ def machine() -> str:
             f"OR-tools {ortools.__version__}, {platform.system()} {platform.release()}")
 
 
+def _row(label: str, job: Job, model: k3opt.ModelSpec, top: int, time_limit: float, workers: int) -> str:
+    t0 = time.monotonic()
+    try:
+        plan = k3opt.plan(job, model=model, top=top, pareto=False, time_limit=time_limit, workers=workers)
+    except k3opt.K3optError as err:
+        return f"| {label} | {job.gpus:,} | {top} | | | ERROR | | | {time.monotonic() - t0:.1f} | {err} | | | |"
+    wall = time.monotonic() - t0
+    best = plan.layouts[0]
+    lay = best.layout
+    first = f"{plan.first_layout_s:.1f}" if plan.first_layout_s is not None else ""
+    return (f"| {label} | {job.gpus:,} | {top} | {plan.frames_total:,} | {plan.frames_solved} | {plan.status} | "
+            f"{100 * plan.gap:.2f}% | {first} | {wall:.1f} | "
+            f"PP{lay.pp} VP{lay.vp} CP{lay.cp} EP{lay.ep} eFSDP{lay.expert_fsdp} dFSDP{lay.dense_fsdp} "
+            f"M{lay.microbatches} {lay.recompute.value} | {best.step_time_s:.3f} | "
+            f"{best.evaluation.step.schedule_step_time_s:.3f} | {best.peak_bytes / 2**30:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gpus", type=int, nargs="*", default=[512, 2048, 8192, 32768])
+    ap.add_argument("--top", type=int, nargs="*", default=[1])
+    ap.add_argument("--plain", action="store_true",
+                    help="Also the plain 512-GPU job: model, cluster, context, rows, tokens, reserve 5 GiB only.")
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.md"))
     args = ap.parse_args()
     base = k3opt.load_job("k3-512-4k")
     model = k3opt.load_model(base.model)
+    load_before = os.getloadavg()
     rows = []
+    jobs = []
+    if args.plain:
+        jobs.append(("plain", Job(gpus=512, context=4096, rows=1, tokens_per_update=16_777_216, reserve_gib=5)))
     for gpus in args.gpus:
-        job = Job.model_validate({**base.model_dump(), "gpus": gpus, "tokens_per_update": TOKENS_PER_GPU * gpus,
-                                  "name": f"k3-{gpus}-4k"})
-        t0 = time.monotonic()
-        try:
-            plan = k3opt.plan(job, model=model, top=1, pareto=False, time_limit=args.time_limit,
-                              workers=args.workers)
-            best = plan.layouts[0]
-            lay = best.layout
-            row = (f"| {gpus:,} | {len(enumerate_frames(job, model, gpus)):,} | {plan.frames_solved} | "
-                   f"{plan.model_size.get('variables', 0):,} / {plan.model_size.get('constraints', 0):,} | "
-                   f"{plan.status} | {100 * plan.gap:.2f}% | {time.monotonic() - t0:.1f} | "
-                   f"PP{lay.pp} EP{lay.ep} dFSDP{lay.dense_fsdp} M{lay.microbatches} {lay.recompute.value} | "
-                   f"{best.step_time_s:.3f} | {best.peak_bytes / 2**30:.1f} |")
-        except k3opt.K3optError as err:
-            row = f"| {gpus:,} | | | | ERROR | | {time.monotonic() - t0:.1f} | {err} | | |"
-        print(row, flush=True)
-        rows.append(row)
+        jobs.append(("default", Job.model_validate({**base.model_dump(), "gpus": gpus,
+                                                    "tokens_per_update": TOKENS_PER_GPU * gpus,
+                                                    "name": f"k3-{gpus}-4k"})))
+    for label, job in jobs:
+        for top in args.top:
+            row = _row(label, job, model, top, args.time_limit, args.workers)
+            print(row, flush=True)
+            rows.append(row)
+    load_after = os.getloadavg()
     header = [
         f"# Planner benchmark ({datetime.now(UTC):%Y-%m-%d})",
         "",
         f"Machine: {machine()}. CP-SAT workers: {args.workers}; time limit {args.time_limit:g} s per job.",
-        "Job: the default k3-512-4k (context 4096, rows 1, reserve 4 GiB, 64 GPUs per NVL72 domain, vp = 1) with",
-        f"{TOKENS_PER_GPU:,} tokens per GPU per update. Wall time includes bounding every shape.",
+        f"1-minute load average before / after: {load_before[0]:.1f} / {load_after[0]:.1f} on {os.cpu_count()} "
+        "cores" + (" (MEASURED UNDER LOAD: other processes shared the cores; times are inflated)"
+                   if max(load_before[0], load_after[0]) > 0.5 * (os.cpu_count() or 1) else "") + ".",
+        "Jobs: `default` is k3-512-4k (context 4096, rows 1, reserve 4 GiB, 64 GPUs per NVL72 domain; VP 1-4 searched)",
+        f"scaled at {TOKENS_PER_GPU:,} tokens per GPU per update; `plain` is a job file with only the model, cluster,",
+        "gpus 512, context 4096, rows 1, tokens_per_update 16,777,216 and reserve_gib 5. Wall time includes bounding",
+        "every shape; `first s` is the time to the first fitting layout. `sched s` is the step priced by the replayed",
+        "pipeline schedule (`StepTime.schedule_step_time_s`); the search ranks by `step s`.",
         "",
-        "| GPUs | shapes | CP-SAT models solved | largest model (vars / constraints) | status | gap | wall s "
-        "| best layout | step s | peak GiB |",
-        "|---:|---:|---:|---|---|---:|---:|---|---:|---:|",
+        "| job | GPUs | top | shapes | CP-SAT models solved | status | gap | first s | wall s | best layout | step s "
+        "| sched s | peak GiB |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     with open(args.out, "w") as fh:
         fh.write("\n".join(header + rows) + "\n")

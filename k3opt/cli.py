@@ -181,6 +181,8 @@ _plan_options = [
     click.option("--time-limit", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
                  help="Seconds for the whole search; when it stops early the status is FEASIBLE with the gap."),
     click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="CP-SAT threads."),
+    click.option("--gap", type=click.FloatRange(min=0.0, max=1.0), default=0.01, show_default=True,
+                 help="Relative gap at which the search stops and reports OPTIMAL; 0 demands the exact proof."),
 ]
 
 
@@ -203,7 +205,7 @@ def _with_plan_options(fn):  # noqa: ANN001, ANN202
               help="Search only layouts this framework can run (overrides the job's `target`); the best layout "
                    "without its limits is searched too, to show what they cost.")
 @_user_errors
-def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
+def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int, gap: float,
          show_ledger: int | None, save: tuple[int, str] | None, as_json: bool, export_fmt: str | None = None,
          target: str | None = None) -> None:
     """Rank the fastest layouts that fit every rank for JOB (default: the built-in k3-512-4k job)."""
@@ -220,10 +222,10 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
     if j.target is not None:
         # Two searches: the cost of the target's limits is the best without them against the best with them.
         free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
-                        pareto=False, progress=_progress(not as_json))
+                        pareto=False, progress=_progress(not as_json), gap=gap)
     try:
         result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
-                          progress=_progress(not as_json))
+                          progress=_progress(not as_json), gap=gap)
     except InfeasibleJobError as err:
         if free is None:
             raise
@@ -293,7 +295,7 @@ def _short(layout) -> str:  # noqa: ANN001
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of step time against worst-rank peak, one series per GPU count, best starred.")
 @_user_errors
-def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int,
+def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, workers: int, gap: float,
            csv_path: str | None, step_gib: float, as_json: bool, plot_path: str | None = None) -> None:
     """The Pareto front of JOB over (step time, worst-rank peak HBM), and over GPU count when the job lists
     several."""
@@ -304,7 +306,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         _check_png(plot_path)
     j = _load_job(job, gpus)
     result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=True, pareto_step_gib=step_gib,
-                      progress=_progress(not as_json))
+                      progress=_progress(not as_json), gap=gap)
     df = plan_frame(result.pareto)
     if csv_path:
         df.to_csv(csv_path, index=False)

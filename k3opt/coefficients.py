@@ -375,6 +375,39 @@ def _placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int)
     return comm.placement(gpus, p, c, e, fe, fd, domain)
 
 
+def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: ClusterSpec, on_nvlink: bool,
+                      attn_flops: np.ndarray, full: bool) -> tuple[np.ndarray, ...]:
+    """(NVLink bytes, NIC bytes, compute-stream stall s, transient buffer bytes) per layer of CP's own traffic.
+
+    MLA: TE's p2p KV ring (`comm.cp_mla_ring_bytes`; full recompute replays the forward ring), overlapped with the
+    layer's attention: the stall is what the attention time does not cover. KDA: FLA KCP's synchronous state
+    all-gather (`comm.cp_kda_allgather_bytes`; full recompute replays the forward one), all of it a stall. The
+    ring runs at the slowest hop: NVLink when every CP group sits in one domain, else the NIC."""
+    n = model.num_layers + 2
+    c = shape.cp
+    link, ws, stall = np.zeros(n), np.zeros(n), np.zeros(n)
+    rate = (cluster.nvlink_gbps if on_nvlink else cluster.nic_gbps) * 1e9
+    mla_layers = set(model.full_attention_layers)
+    for i in range(model.num_layers):
+        if i in mla_layers and model.mla is not None:
+            m = model.mla
+            kv = comm.cp_mla_kv_bytes_per_token(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim,
+                                                m.v_head_dim)
+            sent = comm.cp_mla_ring_bytes(c, tokens, kv) * (4 / 3 if full else 1.0)
+            link[i] = sent
+            ws[i] = comm.cp_mla_ring_buffer_bytes(c, tokens, kv)
+            stall[i] = max(0.0, sent / rate - attn_flops[i] / (cluster.bf16_tflops * 1e12))
+        elif model.kda is not None:
+            k = model.kda
+            state = comm.cp_kda_state_bytes(k.num_heads, k.head_dim, k.head_dim)
+            got = comm.cp_kda_allgather_bytes(c, state) * (3 / 2 if full else 1.0)
+            link[i] = got
+            ws[i] = c * state  # the gather buffer: every rank's state tensor
+            stall[i] = got / rate
+    zero = np.zeros(n)
+    return (link, zero, stall, ws) if on_nvlink else (zero, link, stall, ws)
+
+
 @lru_cache(maxsize=8192)
 def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     model = ModelSpec.model_validate_json(model_json)
@@ -543,6 +576,12 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
         c, d_ = _hier(4 * p_routed / e, fe, pl.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
 
+    cp_stall = np.zeros(n)
+    if shape.cp > 1:
+        cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(model, shape, T, cluster, pl.cp_in_domain,
+                                                            T * attn * s_eff, full)
+        nvl, nic, working_set = nvl + cp_nvl, nic + cp_nic, working_set + cp_ws
+
     host = np.zeros(n)
     if tg.activation_offload:
         host = host + 2 * act                            # out in forward, back in backward
@@ -552,7 +591,7 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     gb = 1e9
     time = {
         "tensor": (tensor_flops - gemm_flops) / (cluster.bf16_tflops * 1e12)
-        + gemm_flops / (cluster.dense_tflops(shape.precision) * 1e12),
+        + gemm_flops / (cluster.dense_tflops(shape.precision) * 1e12) + cp_stall,
         "hbm": hbm / (cluster.hbm_gbps * gb),
         "nvlink": nvl / (cluster.nvlink_gbps * gb),
         "nic": nic / (cluster.nic_gbps * gb),

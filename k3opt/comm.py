@@ -37,6 +37,8 @@ class Placement:
     """For each rank boundary r -> r+1 (mod p): do all its hops stay inside a domain."""
     pipeline_in_domain: bool
     """All pipeline ranks of a replica share one domain (activation balancing stays on NVLink)."""
+    cp_in_domain: bool = True
+    """Every CP group (c consecutive ranks) sits inside one NVLink domain, so the KV ring never crosses the NIC."""
 
 
 def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int) -> Placement:
@@ -64,7 +66,10 @@ def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int
         dst = ((r + 1) % p) * stage + np.arange(stage)
         hops.append(bool(np.all(src // domain == dst // domain)))
     replica = np.arange(p) * stage
-    return Placement(ep_a, dense_a, exp_a, tuple(hops), bool(np.all(replica // domain == replica[0] // domain)))
+    cp_groups = np.arange(gpus).reshape(-1, c)
+    cp_in = bool(np.all(cp_groups // domain == (cp_groups[:, :1] // domain)))
+    return Placement(ep_a, dense_a, exp_a, tuple(hops), bool(np.all(replica // domain == replica[0] // domain)),
+                     cp_in)
 
 
 def ep_remote_copies(top_k: int, e: int) -> float:
@@ -133,3 +138,46 @@ def hierarchical_split(total_bytes: float, n: int, a: int) -> tuple[float, float
 def attn_res_packet_bytes(residual_streams: int | np.ndarray, tokens: int, hidden: int) -> int | np.ndarray:
     """PP packet: (1 hidden + R residual) BF16 [T, d] streams (seed 002; seed 003's first boundary)."""
     return (1 + residual_streams) * tokens * hidden * 2
+
+
+# ------------------------------------------------------------------------------------- context parallelism
+# Sources: NVIDIA/TransformerEngine@d0067d0da6cb01811b8072a7d304f0e00344ce2b,
+# transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py (AttnFuncWithCPAndKVP2P, the
+# default `--cp-comm-type p2p` of NVIDIA/Megatron-LM@d98e8a64 transformer_config.py); fla-org/flash-linear-attention
+# @bc3b101d fla/ops/cp/chunk_delta_h.py (KCP state passing for KDA / GDN).
+
+
+def cp_mla_kv_bytes_per_token(heads: int, qk_head_dim: int, v_head_dim: int, bytes_per_value: int = 2) -> int:
+    """Per-head K and V of one token as TE's ring moves them: h (d_qk + d_v) b. Megatron up-projects MLA before
+    core attention (rope part of K copied to every head), so the ring carries full heads, not the latent."""
+    return heads * (qk_head_dim + v_head_dim) * bytes_per_value
+
+
+def cp_mla_ring_bytes(cp: int, tokens: int, kv_bytes_per_token: int) -> float:
+    """Bytes a rank sends per MLA layer per microbatch on TE's p2p KV ring, forward + backward: the forward sends
+    its KV chunk C - 1 times, the backward sends KV then (KV, dKV) pairs then dKV: 3 (C - 1) T h (d_qk + d_v) b."""
+    return 3.0 * (cp - 1) * tokens * kv_bytes_per_token if cp > 1 else 0.0
+
+
+def cp_mla_ring_buffer_bytes(cp: int, tokens: int, kv_bytes_per_token: int) -> float:
+    """TE's ring buffers during an MLA layer's backward: two alternating (KV, dKV) receive buffers of the local
+    chunk, 4 T h (d_qk + d_v) b (the forward's two KV buffers are smaller)."""
+    return 4.0 * tokens * kv_bytes_per_token if cp > 1 else 0.0
+
+
+def cp_kda_state_bytes(heads: int, head_dim_k: int, head_dim_v: int) -> int:
+    """FLA KCP's per-rank exchange of one KDA layer: one FP32 [H, K, K + V] tensor (the local chunk's state and
+    transition), 4 H K (K + V) bytes."""
+    return 4 * heads * head_dim_k * (head_dim_k + head_dim_v)
+
+
+def cp_kda_allgather_bytes(cp: int, state_bytes: int) -> float:
+    """Bytes a rank receives per KDA layer per microbatch: a synchronous all-gather of the state tensor in the
+    forward and another in the backward, 2 (C - 1) x state bytes, independent of T."""
+    return 2.0 * (cp - 1) * state_bytes if cp > 1 else 0.0
+
+
+def cp_overlap_min_tokens(bf16_flops_per_s: float, link_bytes_per_s: float) -> float:
+    """Local tokens at which an off-diagonal ring step's attention (T^2 h (d_qk + d_v) FLOP, a T x T/2 block fwd)
+    hides its KV transfer (T h (d_qk + d_v) 2 B): T >= 2 F / B; h and d cancel (TE's causal step shapes)."""
+    return 2.0 * bf16_flops_per_s / link_bytes_per_s

@@ -18,7 +18,7 @@ from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_byt
 from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.runtime import RuntimeSpec, load_runtime
-from k3opt.schedule import bubble_fraction, bubble_overhead
+from k3opt.schedule import BACKWARD_OVER_FORWARD, bubble_fraction, bubble_overhead, replay_makespan
 from k3opt.sharding import worst_owned
 from k3opt.specs import (
     GIB,
@@ -26,6 +26,7 @@ from k3opt.specs import (
     Layout,
     MeasurementKind,
     ModelSpec,
+    Recompute,
     ShardGranularity,
     ShardingPolicy,
     check_layout,
@@ -58,7 +59,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
                                 "in-flight microbatch"),
     "recompute_working_set": ("derived", "saved set of the one layer being recomputed in backward"),
     "grad_transient": ("derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus "
-                                  "two BF16 [T, d] gradient streams"),
+                                  "two BF16 [T, d] gradient streams (with CP: plus the KV ring or state-gather "
+                                  "buffers)"),
     "pp_buffers": ("assumption", "one forward and one backward packet in each direction live: "
                                  "2 x max over chunks (in + out packet), packet = (1 + R) x BF16 [T, d]"),
     "ep_buffers": ("derived", "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
@@ -70,7 +72,8 @@ TERM_INFO: dict[str, tuple[str, str]] = {
 }
 
 UNPRICED = (
-    "CP attention communication (KDA state exchange, MLA KV redistribution) is not priced (seed 002)",
+    "CP: the KDA state pre-pass over the local chunk and the serial merge of the gathered states (small fp32 "
+    "matmuls, FLA KCP); CP's exchange itself is priced (TE p2p KV ring for MLA, FLA KCP state all-gather for KDA)",
     "element-wise recompute work (selective recompute, fused SiTU, MoE backward rewrite) has no vector-unit roof",
     "vision-tower activations: microbatches are text-only in this model",
     "collective latency, rank skew and routing imbalance (routing is modelled uniform / forced-balanced)",
@@ -161,6 +164,9 @@ class StepTime:
     achievable_exposed_ep_s: float = 0.0
     """Exposed EP all-to-all per stage-microbatch on the slowest rank (0 with an EP overlap schedule)."""
     rates: str = ""
+    schedule_step_time_s: float = 0.0
+    """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
+    forward and backward times (`schedule.replay_makespan`), plus the exposed update. Equal chunks: step_time_s."""
 
 
 @dataclass(frozen=True)
@@ -590,4 +596,29 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
                         f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
                         f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
         unpriced=UNPRICED,
+        schedule_step_time_s=schedule_makespan_s(cf, ranks, layout) + update,
     )
+
+
+def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every global chunk per microbatch: rank r's time per microbatch shared among
+    its chunks by each chunk's busiest-resource work, then split forward : backward = 1 : BACKWARD_OVER_FORWARD
+    (one more forward under full recompute; SC21 section 3.5)."""
+    k = layout.pp * layout.vp
+    bounds = chunk_bounds(layout.split)
+    work = np.array([max(_chunk_sum(cf.time[res], cf, j, k, bounds) for res in RESOURCES) for j in range(k)])
+    total = np.zeros(k)
+    for j in range(k):
+        r = j % layout.pp
+        mine = work[r::layout.pp]
+        share = work[j] / mine.sum() if mine.sum() > 0 else 1.0 / len(mine)
+        total[j] = ranks[r].stage_time_s * share
+    beta = BACKWARD_OVER_FORWARD + (1.0 if layout.recompute == Recompute.FULL else 0.0)
+    return total / (1 + beta), total * beta / (1 + beta)
+
+
+def schedule_makespan_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> float:
+    """Makespan of the step's pipeline over the chunks actually chosen. PP packet time is already in each rank's
+    NVLink / NIC time, so the replay adds no hop latency on top (none is priced)."""
+    fwd, bwd = chunk_times_s(cf, ranks, layout)
+    return replay_makespan(layout.pp, layout.vp, layout.microbatches, fwd, bwd)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from k3opt import comm
 from k3opt.coefficients import Shape
+from k3opt.coefficients import _placement as cached_placement
 from k3opt.runtime import RuntimeSpec
 from k3opt.specs import GIB, ClusterSpec, ModelSpec
 
@@ -35,8 +36,9 @@ def _domain(shape: Shape, cluster: ClusterSpec) -> int:
 
 
 def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
-    return comm.placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
-                          _domain(shape, cluster))
+    # The cost model's cached placement: the search asks for every frame's budget, rank by rank.
+    return cached_placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
+                            _domain(shape, cluster))
 
 
 def _pp_peers(shape: Shape, rank: int, pl: comm.Placement) -> list[bool]:
@@ -154,8 +156,14 @@ def allocated_budgets_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec
     cap = cluster.hbm_bytes - int(round(reserve_gib * GIB))
     slack = runtime.slack if runtime is not None else 0.0
     out = []
+    pl = _placement(shape, cluster) if runtime is not None else None
+    by_peers: dict[tuple[bool, ...], tuple[MemoryItem, ...]] = {}
     for r in range(shape.pp):
-        items = runtime_items(shape, model, cluster, runtime, r)
+        # Ranks differ only by their PP neighbours: itemize once per distinct neighbour pattern.
+        sig = tuple(_pp_peers(shape, r, pl)) if pl is not None else ()
+        if sig not in by_peers:
+            by_peers[sig] = runtime_items(shape, model, cluster, runtime, r)
+        items = by_peers[sig]
         budget = int((cap - outside_bytes(items)) // (1 + slack)) - allocator_bytes(items)
         # Integer rounding of reserved = allocated x (1 + slack) can add one byte; step down until it fits.
         while budget > 0 and kinds(budget, items, runtime)[2] > cap:

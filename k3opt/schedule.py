@@ -77,3 +77,77 @@ def bubble_fraction(p: int, v: int, m: int) -> float:
 def schedule_slots(p: int, v: int, m: int) -> float:
     """Step = slots x the slowest rank's per-microbatch time: M + (p - 1)/v (1F1B: M + p - 1)."""
     return m + (p - 1) / v
+
+
+BACKWARD_OVER_FORWARD = 2.0
+"""Backward / forward time of a chunk: weight and input gradients are two matmuls per forward matmul
+(Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters", SC21, section 3.5)."""
+
+
+def pipeline_order(p: int, v: int, m: int, r: int) -> list[tuple[bool, int, int]]:
+    """Rank r's operations in Megatron's order (`schedules.py`): (is_forward, local chunk k, microbatch).
+
+    Forwards go in groups of p microbatches per model chunk, chunk 0 first; backwards the same, last chunk first.
+    Warmup: min(p - r - 1, M) forwards (1F1B), or 2(p - r - 1) + (v - 1)p (interleaved), capped at v M; then one
+    forward and one backward alternate; the cooldown drains the backwards."""
+    fwd, bwd = [], []
+    for start in range(0, m, p):
+        group = range(start, min(start + p, m))
+        fwd += [(k, mb) for k in range(v) for mb in group]
+        bwd += [(k, mb) for k in reversed(range(v)) for mb in group]
+    total = v * m
+    warm = min(p - r - 1, m) if v == 1 else min(2 * (p - r - 1) + (v - 1) * p, total)
+    ops = [(True, *fwd[q]) for q in range(warm)]
+    for i in range(total - warm):
+        ops += [(True, *fwd[warm + i]), (False, *bwd[i])]
+    ops += [(False, *bwd[q]) for q in range(total - warm, total)]
+    return ops
+
+
+def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
+                    hop_s: np.ndarray | float = 0.0) -> float:
+    """Makespan of one step's pipeline: every rank runs its ops in Megatron's order (`pipeline_order`); a forward
+    of global chunk g = k p + r waits for the forward of chunk g - 1 (plus the hop from its rank), a backward for
+    the backward of chunk g + 1 (the last chunk: for its own forward). forward_s, backward_s: per global chunk;
+    hop_s: per sending rank (or one value). Equal chunks with M a multiple of p give (v M + p - 1) x (forward +
+    backward) of a chunk: the textbook bubble (p - 1) / (v M) (seed 002)."""
+    k_all = p * v
+    hop = [float(h) for h in np.broadcast_to(np.asarray(hop_s, dtype=float), (p,))]
+    fwd_t = [float(x) for x in forward_s]
+    bwd_t = [float(x) for x in backward_s]
+    orders = [_global_order(p, v, m, r) for r in range(p)]
+    pos = [0] * p
+    free = [0.0] * p
+    nan = float("nan")
+    done_f = [[nan] * m for _ in range(k_all)]
+    done_b = [[nan] * m for _ in range(k_all)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        moved = False
+        for r in range(p):
+            order, i, t = orders[r], pos[r], free[r]
+            n = len(order)
+            while i < n:
+                is_f, g, mb = order[i]
+                if is_f:
+                    ready = 0.0 if g == 0 else done_f[g - 1][mb] + hop[(g - 1) % p]
+                else:
+                    ready = done_f[g][mb] if g == k_all - 1 else done_b[g + 1][mb] + hop[(g + 1) % p]
+                if ready != ready:  # NaN: the operation it waits for has not run yet
+                    break
+                t = (t if t > ready else ready) + (fwd_t[g] if is_f else bwd_t[g])
+                (done_f if is_f else done_b)[g][mb] = t
+                i += 1
+            if i != pos[r]:
+                remaining -= i - pos[r]
+                pos[r], free[r] = i, t
+                moved = True
+        if not moved:
+            raise RuntimeError(f"pipeline order p={p} v={v} M={m} deadlocks")
+    return max(free)
+
+
+@lru_cache(maxsize=256)
+def _global_order(p: int, v: int, m: int, r: int) -> tuple[tuple[bool, int, int], ...]:
+    """pipeline_order with the global chunk index g = k p + r in place of the local k."""
+    return tuple((f, k * p + r, mb) for f, k, mb in pipeline_order(p, v, m, r))

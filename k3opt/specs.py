@@ -513,6 +513,10 @@ class Layout(_Strict):
             raise ValueError(f"ep ({e}) must divide the {ranks} ranks of a stage (gpus / pp = {n} / {p})")
         if ranks % self.dense_fsdp:
             raise ValueError(f"dense_fsdp ({self.dense_fsdp}) must divide the {ranks} ranks of a stage")
+        if (ranks // c) % self.dense_fsdp:
+            # Dense FSDP groups take dp indices at stride cp (placement in k3opt.comm).
+            raise ValueError(f"dense_fsdp ({self.dense_fsdp}) must divide the {ranks // c} data-parallel ranks of a "
+                             f"stage (gpus / (pp * cp) = {n} / ({p} * {c}))")
         edp = ranks // e
         if edp % self.expert_fsdp:
             raise ValueError(

@@ -20,7 +20,7 @@ def test_explain_reference_prints_ranks_step_and_gap():
     assert "measured 146.18 GiB" in out and "GAP" in out
     assert "bubble overhead 10.94%" in out and "9.86%" in out
     assert "tokens per update 16,777,216" in out
-    assert "unpriced: CP attention communication" in out
+    assert "unpriced: CP: the KDA state pre-pass" in out
 
 
 def test_explain_json_has_the_same_numbers():

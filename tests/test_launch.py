@@ -155,7 +155,7 @@ def test_bridge_overrides_carry_kda_layers_and_the_layout():
 
 
 def test_bridge_refusals_are_listed_in_the_export():
-    launch = _layout(vp=2, cp=2, split=[6] * 15 + [3], toggles={}).to_launch("megatron-bridge")
+    launch = _layout(vp=2, cp=2, dense_fsdp=32, split=[6] * 15 + [3], toggles={}).to_launch("megatron-bridge")
     decisions = [m.decision for m in launch.missing]
     assert "vp = 2" in decisions and "cp = 2" in decisions
 
@@ -174,11 +174,12 @@ def test_every_emitted_bridge_key_is_a_config_field(layout):
 
 
 def test_torchtitan_toml_sections():
-    lay = _layout(cp=2, dense_fsdp=64, ep=32, expert_fsdp=2, microbatches=128)
+    lay = _layout(cp=2, dense_fsdp=32, ep=32, expert_fsdp=2, microbatches=128)
     cfg = tomllib.loads(lay.to_launch("torchtitan").body)
     par = cfg["parallelism"]
-    # FSDP mesh dp_shard x cp = dense_fsdp 64 -> dp_shard 32; the 512 / 8 = 64 stage ranks: replicate 1.
-    assert par["data_parallel_shard_degree"] == 32 and par["data_parallel_replicate_degree"] == 1
+    # FSDP mesh dp_shard x cp = dense_fsdp 32 -> dp_shard 16; the 512 / 8 = 64 stage ranks = replicate x 16 x 2:
+    # replicate 2.
+    assert par["data_parallel_shard_degree"] == 16 and par["data_parallel_replicate_degree"] == 2
     assert par["context_parallel_degree"] == 2 and par["expert_parallel_degree"] == 32
     parts = par["module_fqns_per_model_part"]
     assert [sum(n.startswith("layers.") for n in p) for p in parts] == DEFAULT["split"]

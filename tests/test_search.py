@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -37,7 +38,7 @@ def job():
     return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [1, 2, 4], "vp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
+        "search": {"pp": [1, 2, 4], "vp": [1, 2], "cp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
                    "forbid_toggles": FORBIDDEN},
     })
 
@@ -85,7 +86,7 @@ def test_space_is_tight_enough_to_matter(enumerated, job, tiny):
 
 
 def test_cpsat_optimum_equals_enumeration(job, tiny, slow, enumerated):
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL" and plan.gap == 0
     (f_best, (t_best, m_best, _)), *_ = _best_per_frame(enumerated)
     got = plan.layouts[0]
@@ -96,7 +97,7 @@ def test_cpsat_optimum_equals_enumeration(job, tiny, slow, enumerated):
 
 def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
     k = 4
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, pareto=False)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, pareto=False, gap=0)
     want = _best_per_frame(enumerated)[:k]
     assert [it.step_time_s for it in plan.layouts] == pytest.approx([v[0] for _, v in want], abs=TOL_S)
     best = dict(_best_per_frame(enumerated))
@@ -107,7 +108,7 @@ def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
 
 
 def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, pareto_step_gib=1 / 1024)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, gap=0, pareto_step_gib=1 / 1024)
     assert plan.pareto_complete
     points = sorted((t, m) for _, t, m, _ in enumerated)
     front, best_m = [], float("inf")
@@ -134,7 +135,7 @@ def test_presolve_off_gives_the_same_objective(job, tiny, slow):
 
 
 def test_every_returned_layout_is_the_evaluate_result(job, tiny, slow):
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
     for it in plan.layouts:
         again = k3opt.evaluate(it.layout, model=tiny, cluster=slow)
         assert again.step.step_time_s == it.step_time_s and again.peak_bytes == it.peak_bytes
@@ -187,9 +188,9 @@ def test_pareto_spans_gpu_counts(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": [4, 8],
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
     })
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=True)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=True, gap=0)
     assert {it.layout.gpus for it in plan.pareto} <= {4, 8}
     crit = [(-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes) for it in plan.pareto]
     for i, a in enumerate(crit):
@@ -230,7 +231,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"]},
     })
     (f,) = enumerate_frames(job, tiny, 8)
@@ -245,7 +246,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
                 if ev.fits:
                     rows.append((rc, ev.step.step_time_s, ev.peak_bytes))
     assert rows
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].step_time_s == pytest.approx(min(t for _, t, _ in rows), abs=TOL_S)
     t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
@@ -266,7 +267,7 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [2], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
                    "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
     })
@@ -282,6 +283,91 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
                 if ev.fits and (best is None or ev.step.step_time_s < best):
                     best = ev.step.step_time_s
     assert best is not None
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].step_time_s == pytest.approx(best, abs=TOL_S)
+
+
+def test_minmax_split_equals_enumeration():
+    """The heuristics' min-max contiguous split against every split of a small heterogeneous array."""
+    from k3opt.search.incumbents import minmax_split
+
+    rng = np.random.default_rng(3)
+    for layers, chunks in ((7, 3), (9, 4), (6, 6)):
+        cost = rng.uniform(0.1, 5.0, size=(chunks, layers))
+        fixed = rng.uniform(0.0, 2.0, size=chunks)
+        got = minmax_split(cost, fixed)
+        bounds = np.concatenate([[0], np.cumsum(got)])
+        worst = max(fixed[j] + cost[j, bounds[j]:bounds[j + 1]].sum() for j in range(chunks))
+        best = min(
+            max(fixed[j] + cost[j, sum(s[:j]):sum(s[:j + 1])].sum() for j in range(chunks))
+            for s in _splits(layers, chunks))
+        assert sum(got) == layers and min(got) >= 1
+        assert worst == pytest.approx(best, rel=1e-6)
+
+
+def test_interrupt_returns_the_best_so_far(job, tiny, slow):
+    """Ctrl-C (KeyboardInterrupt) after the first solved node: the plan returns the layouts found, FEASIBLE, with a
+    bound no higher than the best step time."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=False, gap=0, progress=interrupt)
+    assert plan.status == "FEASIBLE" and plan.layouts
+    assert all(it.evaluation.fits for it in plan.layouts)
+    assert plan.bound <= plan.layouts[0].step_time_s and 0 <= plan.gap < 1
+
+
+def test_plain_job_gets_a_layout_under_a_short_limit():
+    """K3 on 512 GB200 GPUs with nothing but the job's sizes (VP searched, no [search] table): a fitting layout,
+    with its proven gap, under a time limit far below what a proof takes."""
+    job = k3opt.Job(gpus=512, context=4096, rows=1, tokens_per_update=16777216, reserve_gib=5)
+    plan = k3opt.plan(job, top=1, pareto=False, time_limit=30)
+    assert plan.layouts and plan.layouts[0].evaluation.fits
+    assert plan.status in ("OPTIMAL", "FEASIBLE")
+    assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].step_time_s
+
+
+def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
+    """CP = 2 frames (PP2 and PP1, 2,048-token sequences split in two): the CP-SAT optimum equals enumeration through
+    evaluate(), and no bound the search prunes with exceeds an enumerated layout."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [1, 2], "vp": [1], "cp": [2], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [1],
+                   "forbid_toggles": FORBIDDEN},
+    })
+    frames = enumerate_frames(job, tiny, 8)
+    assert frames and all(f.cp == 2 for f in frames)
+    rows = []
+    for f in frames:
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            for flags in itertools.product([False, True], repeat=len(ALLOWED)):
+                for split in _splits(tiny.num_layers, f.pp):
+                    lay = make_layout(gpus=8, pp=f.pp, cp=2, ep=2, microbatches=f.microbatches, context=2048,
+                                      split=split, recompute=rc, fsdp_lifecycle=lc,
+                                      toggles=dict(zip(ALLOWED, flags, strict=True)), reserve_gib=1.5)
+                    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                    if ev.fits:
+                        rows.append((f, rc, lc, ev.step.step_time_s, ev.peak_bytes))
+    assert rows
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].step_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
+    assert plan.layouts[0].layout.cp == 2
+    for f in frames:
+        mine = [r for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
+        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
+        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+            node = [r for r in mine if r[1] == rc and r[2] == lc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
+                assert min(r[4] for r in node) >= m_n - 1

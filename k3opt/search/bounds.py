@@ -1,0 +1,345 @@
+"""Lower bounds on a frame's or a node's step time and worst-rank peak, over every split and toggle.
+
+The search prunes with these; each must stay below every layout it stands for (tests/test_search.py)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from k3opt.coefficients import Coefficients, balance_moved_bytes, coefficients
+from k3opt.schedule import schedule_slots
+from k3opt.search.frames import (
+    ACT_TOGGLES,
+    ActMode,
+    Frame,
+    _allowed_on,
+    _choices,
+    _memory_view,
+    act_modes,
+    allocated_capacity_bytes,
+    frame_shape,
+    lifecycles,
+    undominated_modes,
+)
+from k3opt.specs import (
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    ModelSpec,
+    Recompute,
+)
+
+# ------------------------------------------------------------------------------------- bounds
+
+
+def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """(step-time bound s, worst-rank peak bound bytes) over every mode and split of frame f.
+
+    Time: the slowest rank carries at least the mean tensor-core work, and recompute 'none' without the
+    chunked cross-entropy is the least work; the update is at least the mean Newton-Schulz time.
+    Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
+    host under pipeline ZeRO-2), which no toggle removes."""
+    base = ActMode(Recompute.NONE, False, False, False, False)
+    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    p = f.pp
+    stage = float(cf.time["tensor"].sum()) / p
+    update = float(cf.update["tensor"].sum()) / p
+    t_lb = schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
+    persistent = float((cf.master + cf.optimizer + cf.bf16_view).sum())
+    if "pipeline_zero2_host_grads" not in _allowed_on(job):
+        persistent += float(cf.grads.sum())
+    return t_lb, persistent / p
+
+
+def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """A rough step time of frame f (not a bound): slots x the mean per-rank work of its busiest resource plus
+    the mean update, under recompute 'none', no toggles. Orders the frames the incumbent heuristics visit."""
+    base = ActMode(Recompute.NONE, False, False, False, False)
+    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    stage = max(float(cf.time[res].sum()) for res in cf.time) / f.pp
+    update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+    return schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
+
+
+_DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+"""(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
+
+
+def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                     cluster: ClusterSpec) -> tuple[float, float]:
+    """(step-time bound, worst-rank peak bound) of one frame, recompute mode and lifecycle, over every split and
+    toggle. Work uses the cheapest activation mode (the toggles only add work), memory the leanest one.
+
+    v = 1: a dynamic program over contiguous stage ranges gives the exact min-max of a relaxed stage cost (each
+    rank's work on every resource; the stage must fit persistent + in-flight saved bytes, or the optimizer phase,
+    under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
+    allowed = _allowed_on(job)
+    cf = coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
+                                  lc), model, cluster)
+    lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+    lcf = _memory_view(job, f, lean, lc, model, cluster)
+    p = f.pp
+    update = max(float(cf.update[res].sum()) for res in cf.update) / p
+    peak = _peak_lower_bound(job, f, lcf, cluster, allowed)
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    if f.vp == 1 and job.search.split is None:
+        ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
+            if "activation_offload" in allowed else None
+        stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
+        _DP_HINTS[(job.model_dump_json(), f, rc, lc)] = (stage, split)
+        return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
+    stage = max(float(cf.time[res].sum()) for res in cf.time) / p
+    return cf.slots * stage + update, peak
+
+
+def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
+    recompute mode and lifecycle (no toggles) and the least saved and working-set bytes of any (all toggles
+    allowed); (0, 0) for v > 1."""
+    if f.vp != 1 or job.search.split is not None:
+        return 0.0, 0.0
+    allowed = _allowed_on(job)
+    recs = job.search.recompute or list(Recompute)
+    lcs = lifecycles(job)
+    cheap = [coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
+                                      lc), model, cluster) for rc in recs for lc in lcs]
+    lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+            for rc in recs for lc in lcs]
+    time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
+    update = {res: np.min([c.update[res] for c in cheap], axis=0) for res in cheap[0].update}
+    mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
+    cf = replace(cheap[0], time=time, update=update)
+    lcf = replace(lean[0], **mins)
+    off = None
+    if "activation_offload" in allowed:
+        offs = [coefficients(frame_shape(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc,
+                                         activation_offload=True), model, cluster) for rc in recs for lc in lcs]
+        off = replace(offs[0], time={**offs[0].time,
+                                     "host_link": np.min([o.time["host_link"] for o in offs], axis=0)})
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed)
+    upd = max(float(update[res].sum()) for res in update) / f.pp
+    return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
+
+
+def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                     cluster: ClusterSpec) -> float:
+    """The node's step-time bound with the dynamic program run per undominated activation mode (its own work
+    and memory), the least over modes; only for v = 1. Computed when a node is about to be solved."""
+    if f.vp != 1 or job.search.split is not None:
+        return 0.0
+    allowed = _allowed_on(job)
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
+    best = math.inf
+    offloads = [False, True] if "activation_offload" in allowed else [False]
+    balances = [False, True] if "balance_activations" in allowed else [False]
+    for md in modes:
+        cf = coefficients(frame_shape(job, f, md, lc), model, cluster)
+        update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+        for off_on, bal_on in itertools.product(offloads, balances):
+            # Offload and balancing are global decisions: every rank pays them or none does.
+            off = coefficients(frame_shape(job, f, md, lc, activation_offload=True), model, cluster) if off_on \
+                else None
+            variant = (allowed - {"activation_offload", "balance_activations"}) | (
+                {"activation_offload"} if off_on else set()) | ({"balance_activations"} if bal_on else set())
+            mem = _memory_view(job, f, md, lc, model, cluster, balance=bal_on)
+            stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True)
+            best = min(best, cf.slots * stage + update)
+    return best
+
+
+def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
+               allowed: set[str], force: bool = False) -> tuple[float, float, list[int] | None]:
+    """Exact min over contiguous v = 1 splits of (max stage work, max stage memory) by dynamic programming over
+    (rank, boundary), with work from the cheapest mode and memory from the leanest (so both are lower bounds):
+    persistent + in-flight saved bytes and AttnRes bank + the largest working set + PP, EP and routing buffers +
+    logits, or the optimizer phase, under the HBM line; offload when the host holds the saved bytes.
+    Returns (inf, inf, None) when no split fits, and the argmin split of the work."""
+    L, p = cf.n_layers, cf.shape.pp
+    idx = np.arange(L + 1)
+    a_i, b_i = np.meshgrid(idx, idx, indexing="ij")
+    valid = b_i > a_i
+
+    def rng(arr: np.ndarray) -> np.ndarray:
+        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
+        return pre[b_i] - pre[a_i]
+
+    def edge(arr: np.ndarray, r: int) -> float:
+        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
+
+    cache: dict[int, np.ndarray] = {}
+
+    def range_max(arr: np.ndarray) -> np.ndarray:
+        if id(arr) not in cache:
+            out = np.full((L + 1, L + 1), -np.inf)
+            for a in range(L):
+                out[a, a + 1:] = np.maximum.accumulate(arr[a:L])
+            cache[id(arr)] = out
+        return cache[id(arr)]
+
+    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+    opt = 2 * (lean.resident_params if "p2p_muon" in allowed else lean.view_params)
+    Pr, Ar = rng(P), rng(lean.act)
+    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
+    grads = rng(lean.grads)
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
+    Pr = Pr + grads
+    P = P + lean.grads
+    Or = rng(opt) + range_max(lean.ns_working_set)
+    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
+    bank = R[b_i] * lean.stream_bytes
+    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
+    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
+    has_moe = rng(lean.moe) > 0
+    buffers = 2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers)
+    ws = range_max(lean.working_set)
+    work = {res: rng(cf.time[res]) for res in cf.time}
+    packet_s = {res: np.zeros((p, L + 1, L + 1)) for res in ("nvlink", "nic")}
+    for r in range(p):
+        # PP packets: the one in (from rank r - 1) and the one out (to rank r + 1), on that hop's link.
+        if r > 0:
+            hop = r - 1
+            packet_s["nvlink" if cf.pp_on_nvlink[hop] else "nic"][r] += packet_in * cf.pp_seconds_per_byte[hop]
+        if r < p - 1:
+            packet_s["nvlink" if cf.pp_on_nvlink[r] else "nic"][r] += packet_out * cf.pp_seconds_per_byte[r]
+    host_off = rng(off.time["host_link"]) if off is not None else None
+    best_t = np.full(L + 1, np.inf)
+    best_m = np.full(L + 1, np.inf)
+    choice = np.zeros((p, L + 1), dtype=int)
+    for r in range(p):
+        n_own = max(sum(c) for c in lean.compositions[r])
+        t_base = np.max([w + edge(cf.time[res], r) + (packet_s[res][r] if res in packet_s else 0.0)
+                         for res, w in work.items()], axis=0)
+        options = [(n_own, t_base)]
+        balancing = lean.balanced_inflight is not None and "balance_activations" in allowed
+        if balancing:
+            avg = lean.balanced_inflight
+            t_bal = t_base
+            if avg < n_own:
+                # Balancing holds the average, paying the excess out and back on the network every microbatch.
+                moved = balance_moved_bytes(Ar + edge(lean.act, r), n_own, avg)
+                res = lean.balance_resource
+                t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r)
+                                   + (packet_s[res][r] if res in packet_s else 0.0)
+                                   + moved * lean.balance_seconds_per_byte)
+            # Forced (balancing on for every rank): this is the only option; otherwise a per-rank choice.
+            options = [(avg, t_bal)] if force else [*options, (avg, t_bal)]
+        t_r, mem_r = np.full((L + 1, L + 1), np.inf), np.full((L + 1, L + 1), np.inf)
+        for n, t_opt in options:
+            t_n, m_n = _dp_stage(n, t_opt, r, p, L, P, Pr, Ar, Or, opt, bank, buffers, ws, has_moe, lean, off,
+                                 host_off, edge, range_max, cluster, cap, valid, force)
+            t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
+        t, mem = t_r, mem_r
+        if r == 0:
+            new_t, new_m = t[0].copy(), mem[0].copy()
+        else:
+            cand = np.maximum(best_t[:, None], t)
+            choice[r] = np.argmin(cand, axis=0)
+            new_t = cand[choice[r], idx]
+            new_m = np.min(np.maximum(best_m[:, None], mem), axis=0)
+        best_t, best_m = new_t, new_m
+    if not math.isfinite(best_t[L]):
+        return math.inf, float(best_m[L]), None
+    bounds, b = [L], L
+    for r in range(p - 1, 0, -1):
+        b = int(choice[r][b])
+        bounds.append(b)
+    bounds.append(0)
+    bounds = bounds[::-1]
+    return float(best_t[L]), float(best_m[L]), [bounds[j + 1] - bounds[j] for j in range(p)]
+
+
+def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr: np.ndarray, Ar: np.ndarray,
+              Or: np.ndarray, opt: np.ndarray, bank: np.ndarray, buffers: np.ndarray, ws: np.ndarray,
+              has_moe: np.ndarray, lean: Coefficients, off: Coefficients | None, host_off: np.ndarray | None,
+              edge: Callable, range_max: Callable, cluster: ClusterSpec, cap: int, valid: np.ndarray,
+              force: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Work and memory of rank r over every range [a, b) when it holds n in-flight microbatches."""
+    persistent = Pr + edge(P, r) + has_moe * lean.moonep_buffers
+    ws_r = np.maximum(ws, max(float(lean.working_set[L]) if r == 0 else 0.0,
+                              float(lean.working_set[L + 1]) if r == p - 1 else 0.0))
+    fixed_act = ws_r + buffers + (lean.logits if r == p - 1 else 0.0)
+    saved = n * (Ar + edge(lean.act, r) + bank)
+    mem_opt = persistent + Or + edge(opt, r)
+    mem_keep = np.maximum(persistent + saved + fixed_act, mem_opt)
+    fits_keep = mem_keep <= cap
+    mem = mem_keep
+    if off is not None and host_off is not None:
+        host = n * (Ar + edge(lean.act, r)) <= cluster.host_memory_bytes
+        resident = lean.shape.offload_resident_layers * range_max(lean.act)
+        mem_off = np.maximum(persistent + resident + n * bank + fixed_act, mem_opt)
+        fits_off = host & (mem_off <= cap)
+        t_off = np.maximum(t, host_off + edge(off.time["host_link"], r))
+        if force:  # offload on every rank: every rank pays its traffic
+            t, mem, fits = t_off, np.where(host, mem_off, np.inf), fits_off
+        else:
+            t = np.where(fits_keep, t, t_off)
+            # The peak bound takes the lower of the two wherever the host can hold the saved bytes.
+            mem = np.where(host, np.minimum(mem_keep, mem_off), mem_keep)
+            fits = fits_keep | fits_off
+    else:
+        fits = fits_keep
+    fits = fits & valid
+    return np.where(fits, t, np.inf), np.where(valid, mem, np.inf)
+
+
+def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec, allowed: set[str]) -> float:
+    """A lower bound on the worst-rank peak over every contiguous split, by LP duality on a fractional relaxation.
+
+    Layer i on rank r costs s_ir = P_i + c A_i: P_i its persistent bytes, A_i its saved bytes per in-flight
+    microbatch under the leanest activation mode, c the in-flight copies of the chunk holding it at the rank's
+    peak composition. Every chunk holds at least one layer, so rank r carries at least F_r = sum over its chunks
+    of min_i s_ir, plus its edges E_r; the other L - p v layers are fractional. For y_r >= 0:
+    worst peak >= (sum_r y_r (E_r + F_r) + sum of the L - p v smallest min_r y_r s_ir) / sum_r y_r, here with
+    y_r = 1 / (mean P + w_r mean A), w_r the rank's smallest chunk count. Offload (if allowed) keeps the resident
+    layers' saved sets on the GPU and moves the rest to the host, where the same bound must fit host memory.
+    The optimizer phase gives the mean of P_i + O_i."""
+    L, p, v = cf.n_layers, f.pp, f.vp
+    P = cf.master + cf.optimizer + cf.bf16_view + cf.grad_accum
+    if "pipeline_zero2_host_grads" not in allowed:
+        P = P + cf.grads
+    opt = 2 * (cf.resident_params if "p2p_muon" in allowed else cf.view_params)
+    counts = []
+    for r in range(p):
+        comp = np.array(max(cf.compositions[r], key=sum), dtype=float)
+        if cf.balanced_inflight is not None and "balance_activations" in allowed:
+            comp = comp * min(1.0, cf.balanced_inflight / comp.sum())
+        counts.append(comp)
+    w = np.array([c.min() for c in counts])
+    A = cf.act[:L]
+    edges = np.zeros(p)
+    edges[0] += P[L] + cf.act[L]
+    edges[p - 1] += P[L + 1] + cf.act[L + 1]
+
+    def bound(Pl: np.ndarray, Al: np.ndarray, extra: float = 0.0) -> float:
+        y = 1.0 / (Pl.mean() + w * Al.mean() + 1.0)
+        floor = np.array([sum(float((Pl + c * Al).min()) for c in counts[r]) for r in range(p)]) + extra
+        cost = ((Pl[:, None] + Al[:, None] * w[None, :]) * y[None, :]).min(axis=1)
+        rest = np.sort(cost)[: max(L - p * v, 0)].sum()
+        return float((rest + (y * (edges + floor)).sum()) / y.sum())
+
+    opt_phase = float((P + opt).sum()) / p
+    gpu = bound(P[:L], A)
+    offload = "activation_offload" in allowed and bound(np.zeros(L), A) <= cluster.host_memory_bytes
+    if offload:
+        gpu = min(gpu, bound(P[:L], np.zeros(L), cf.shape.offload_resident_layers * float(A.min())))
+    # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers, with the MoE buffers of one layer,
+    # the smallest working set and, when p > 1, at least one packet each way (an edge rank has only one).
+    moe = cf.moe[:L] > 0
+    n_moe = int(moe.sum())
+    if n_moe:
+        k = -(-n_moe // p)
+        buffers = (cf.ep_buffers + cf.moonep_buffers + cf.routing_map + float(cf.working_set[:L][moe].min())
+                   + (2 * cf.stream_bytes if p > 1 else 0))
+        act_moe = np.zeros(n_moe) if offload else w.min() * A[moe]
+        hold = np.sort(P[:L][moe] + act_moe)[:k].sum() + buffers
+        hold_opt = np.sort((P + opt)[:L][moe])[:k].sum()
+        gpu = max(gpu, float(hold), float(hold_opt))
+    return max(gpu, opt_phase)

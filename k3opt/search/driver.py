@@ -1,0 +1,293 @@
+"""The best-first branch and bound over frames and nodes: `plan()`."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import signal
+import time as _time
+from collections.abc import Callable
+
+from k3opt.coefficients import coefficients
+from k3opt.errors import InfeasibleJobError
+from k3opt.evaluate import Evaluation
+from k3opt.search.bounds import frame_dp_bound, frame_estimate, frame_lower_bound, node_lower_bound, tight_node_bound
+from k3opt.search.frames import ActMode, Frame, allocated_capacity_bytes, enumerate_frames, frame_shape, lifecycles
+from k3opt.search.front import _pareto
+from k3opt.search.incumbents import frame_incumbent, incumbents, visiting_order
+from k3opt.search.node_model import solve_frame
+from k3opt.search.result import Plan, PlanItem
+from k3opt.specs import (
+    GIB,
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    ModelSpec,
+    Recompute,
+    load_cluster,
+    load_model,
+)
+
+# ------------------------------------------------------------------------------------- driver
+
+
+def _key(ev: Evaluation) -> tuple[float, int]:
+    return (ev.step.step_time_s, ev.peak_bytes)
+
+
+ProgressFn = Callable[[int, int, float], None]
+
+
+class _CtrlC:
+    """Ctrl-C during a search sets a flag instead of raising, so the driver returns the best so far: checked between
+    heuristic frames, between nodes and after each CP-SAT slice (CP-SAT is told not to catch SIGINT itself). Off
+    the main thread, where no handler can be installed, Ctrl-C raises KeyboardInterrupt as usual."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._prev = None
+
+    def __enter__(self) -> _CtrlC:
+        try:
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:
+            self._prev = None
+        return self
+
+    def _handler(self, *_: object) -> None:
+        self.flag = True
+
+    def __exit__(self, *_: object) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+DEFAULT_GAP = 0.01
+"""Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
+
+
+def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
+         time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
+         progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
+    """Ranked layouts (best first, one per frame) and the Pareto front over (step time, worst-rank peak).
+
+    Anytime best-first branch and bound. First, heuristic layouts of the frames with the lowest bounds, priced by
+    evaluate(), are the incumbents (a fitting layout within seconds). Then frames enter a queue keyed by a lower
+    bound on their step time; a popped frame is expanded into (recompute, lifecycle) nodes with tighter bounds; a
+    popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
+    time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The search stops
+    when every node left has a bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when
+    the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
+    InfeasibleJobError with the smallest reachable peak when nothing fits."""
+    t0 = _time.monotonic()
+    model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+    cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
+    if not frames:
+        raise InfeasibleJobError(
+            f"no parallel shape satisfies the job's rules (gpus {job.gpus}, tokens_per_update "
+            f"{job.tokens_per_update}, rows x context {job.rows} x {job.context}); make tokens_per_update a "
+            "multiple of DP x rows x context for some PP, or give [search] microbatches"
+        )
+    caps = {f: allocated_capacity_bytes(job, f, model, cluster) for f in frames}
+    recs = job.search.recompute or list(Recompute)
+    lcs = lifecycles(job)
+    heap: list = []
+    seq = itertools.count()
+    min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
+    best_of: dict[Frame, PlanItem] = {}
+    budget = min(5.0, max(1.0, 0.05 * time_limit))
+    ctrl_c = _CtrlC().__enter__()
+    first_layout_s: float | None = None
+    # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
+    # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
+    unbounded = False
+    try:
+        quick = visiting_order([((False, -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f) for f in frames])
+        best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
+                                  stop=lambda: ctrl_c.flag))
+        if best_of:
+            first_layout_s = _time.monotonic() - t0
+        for f in frames:
+            if ctrl_c.flag:
+                if not best_of:
+                    raise KeyboardInterrupt
+                unbounded = True  # Ctrl-C while bounding: the shapes not bounded yet leave the bound at 0
+                break
+            t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
+            if m_lb < min_peak_lb[0]:
+                min_peak_lb = (m_lb, f)
+            if m_lb <= caps[f]:
+                heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
+    except BaseException:
+        ctrl_c.__exit__()
+        raise
+    candidates = len(heap)
+    solved = 0
+    timed_out = interrupted = False
+    size: dict[str, int] = {}
+    residual = math.inf
+    """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
+    tightened: set = set()
+    frame_tightened: set = set()
+    base_slice = max(1.0, time_limit / 20)
+
+    def kth() -> PlanItem | None:
+        ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
+        return ranked[top - 1] if len(ranked) >= top else None
+
+    current = math.inf
+    residual = 0.0 if unbounded else residual
+    try:
+        if unbounded:
+            raise KeyboardInterrupt
+        # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
+        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
+                                  for e in heap])
+        # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
+        # bounds), leaving CP-SAT the time to find a layout or prove there is none.
+        deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
+        rest = [e for e in ordered if e[1] not in best_of]
+        best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        if best_of and first_layout_s is None:
+            first_layout_s = _time.monotonic() - t0
+        while heap:
+            t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
+            k = kth()
+
+            def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
+                return k is not None and (t >= k.step_time_s * (1 - gap) if gap > 0 else
+                                          (t > k.step_time_s or (t == k.step_time_s and m >= k.peak_bytes)))
+
+            if closed(t_lb, m_lb):
+                break
+            remaining = time_limit - (_time.monotonic() - t0)
+            if remaining <= 0:
+                timed_out = True
+                break
+            if ctrl_c.flag:
+                interrupted = True
+                break
+            pick = 0
+            if solved % 2 == 1:
+                # Every other CP-SAT solve goes to the best v = 1 node: its bound is an exact program over the
+                # split, so it is proven fast, while a v > 1 node's mean bound keeps it first in the queue. The
+                # order changes which node is solved first, never the bound (the least over the queue).
+                ones = [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])]
+                if ones:
+                    pick = min(ones, key=lambda j: heap[j])
+            if pick:
+                t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]
+                heap[pick] = heap[-1]
+                heap.pop()
+                heapq.heapify(heap)
+            else:
+                heapq.heappop(heap)
+            current = t_lb
+            mine = best_of.get(f)
+            if mine is not None and (t_lb > mine.step_time_s or (gap > 0 and t_lb >= mine.step_time_s * (1 - gap))):
+                residual = min(residual, t_lb)
+                current = math.inf
+                continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
+            if rc is None and f not in frame_tightened:
+                frame_tightened.add(f)
+                ft, fm_ = frame_dp_bound(job, f, model, cluster)
+                if ft > t_lb + 1e-12 or fm_ > m_lb:
+                    if math.isfinite(ft) and fm_ <= caps[f]:
+                        heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                    current = math.inf
+                    continue
+            if rc is None:
+                for r_ in recs:
+                    for l_ in lcs:
+                        nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
+                        if nm <= caps[f]:
+                            heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
+                current = math.inf
+                continue
+            if (f, rc, lc) not in tightened:
+                tightened.add((f, rc, lc))
+                tight = tight_node_bound(job, f, rc, lc, model, cluster)
+                if tight > t_lb + 1e-12:
+                    if math.isfinite(tight):
+                        heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc, 0))
+                    current = math.inf
+                    continue
+            hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
+                                   deadline=t0 + time_limit) if attempt == 0 else None
+            if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
+                best_of[f] = mine = hint
+            remaining = time_limit - (_time.monotonic() - t0)
+            res, item = solve_frame(job, f, model, cluster, min(remaining, base_slice * 2 ** attempt), workers,
+                                    recompute=rc, lifecycle=lc, relative_gap=gap,
+                                    hint=(hint or mine).layout if (hint or mine) is not None else None)
+            solved += 1
+            size = {"variables": max(size.get("variables", 0), res.variables),
+                    "constraints": max(size.get("constraints", 0), res.constraints)}
+            if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
+                best_of[f] = item
+            if best_of and first_layout_s is None:
+                first_layout_s = _time.monotonic() - t0
+            node_bound = max(t_lb, res.bound_step_s)
+            if ctrl_c.flag:
+                interrupted = True
+                residual = min(residual, node_bound)
+                break
+            if res.status in ("FEASIBLE", "UNKNOWN"):
+                # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
+                heapq.heappush(heap, (node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
+            elif res.status == "OPTIMAL" and item is not None and node_bound < item.step_time_s:
+                residual = min(residual, node_bound)  # proven to the relative gap only
+            current = math.inf
+            if progress:
+                progress(solved, candidates, _time.monotonic() - t0)
+    except KeyboardInterrupt:
+        interrupted = True
+        residual = min(residual, current)
+    finally:
+        ctrl_c.__exit__()
+    if ctrl_c.flag:
+        interrupted = True
+    bound = min(heap[0][0] if heap else math.inf, residual)
+    ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
+    if not ranked:
+        if interrupted:
+            raise KeyboardInterrupt
+        if timed_out or math.isfinite(bound):
+            raise InfeasibleJobError(
+                f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
+                "raise --time-limit")
+        raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
+    top_items = ranked[:top]
+    best_t = top_items[0].step_time_s
+    bound = min(bound, best_t)
+    proven_gap = (best_t - bound) / best_t if best_t else 0.0
+    k = ranked[min(top, len(ranked)) - 1].step_time_s
+    done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
+    status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
+    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers)
+                       if pareto and not interrupted else (ranked[:1] if interrupted else [], False))
+    return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
+                frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
+                model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+
+
+def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Frame | None,
+                       lb: float) -> str:
+    """The smallest peak any layout could reach on its worst rank, against the capacity, with its terms."""
+    if f is None:
+        return "no candidate shape"
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    base = ActMode(Recompute.FULL, True, True, True, True)
+    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    terms = {"master": cf.master.sum() / f.pp, "optimizer": cf.optimizer.sum() / f.pp,
+             "bf16_view": cf.bf16_view.sum() / f.pp, "grads": cf.grads.sum() / f.pp}
+    top = sorted(terms.items(), key=lambda kv: -kv[1])
+    state = (cf.master + cf.grads + cf.optimizer).sum() * (f.gpus // f.pp)
+    gpus = ", ".join(str(g) for g in job.gpu_counts)
+    return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is at "
+            f"least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape PP{f.pp} EP{f.ep} "
+            f"expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
+            + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top)
+            + f" GiB per GPU; the model state alone is {state / 2**40:,.2f} TiB); use more GPUs or a larger-memory "
+            "cluster")

@@ -1,0 +1,231 @@
+"""Frames (the parallel shapes a job allows), activation modes, and the per-rank memory budget."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3opt import comm
+from k3opt.coefficients import Coefficients, Shape, coefficients
+from k3opt.memory_outside import allocated_budget_bytes
+from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.specs import (
+    GIB,
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    Layout,
+    ModelSpec,
+    Recompute,
+    Toggles,
+    load_cluster,
+)
+
+ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
+"""Toggles that change the saved-for-backward set; they form one-hot activation modes with the recompute mode."""
+RANK_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
+                "fused_cross_entropy", "moonep")
+NEVER_CHOSEN = ("moonep",)
+"""MoonEP only adds memory here: its benefit, expert-load balance, is outside the forced-balanced routing model.
+It is searched only when a job requires it."""
+"""Toggles that act on one rank-level term each; they are Boolean decisions of the frame model."""
+FIXED_TOGGLES = ("ep_dedup",)
+"""A property of the dispatcher, not a memory decision: set it with [search] require_toggles."""
+
+
+@dataclass(frozen=True, order=True)
+class Frame:
+    """The parallel shape of a layout: everything the frame model does not decide."""
+
+    pp: int
+    vp: int
+    cp: int
+    ep: int
+    expert_fsdp: int
+    dense_fsdp: int
+    microbatches: int
+    gpus: int
+
+
+# ------------------------------------------------------------------------------------- enumeration
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(values: list[int], allowed: list[int] | None) -> list[int]:
+    return [v for v in values if allowed is None or v in allowed]
+
+
+def default_cp(job: Job, cluster: ClusterSpec, stage: int) -> list[int]:
+    """CP degrees searched when the job lists none: 1, and every C dividing the stage whose split of the sequence
+    into 2 C load-balancing chunks is whole (TE's DualChunkSwap) and whose local tokens T = rows x context / C
+    still hide the MLA KV ring behind the attention of a ring step on NVLink (T >= 2 F / B,
+    `comm.cp_overlap_min_tokens`); below that CP only adds exposed traffic to a shorter sequence."""
+    seq = job.rows * job.context
+    t_min = comm.cp_overlap_min_tokens(cluster.bf16_tflops * 1e12, cluster.nvlink_gbps * 1e9)
+    return [c for c in _divisors(stage) if c == 1 or (seq % (2 * c) == 0 and seq / c >= t_min)]
+
+
+def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec | None = None) -> list[Frame]:
+    """Every frame the job allows on `gpus` GPUs (divisibility rules of the Layout model). CP: the job's list, else
+    `default_cp` on the job's cluster (or `cluster`)."""
+    s = job.search
+    if s.cp is None and cluster is None:
+        cluster = load_cluster(job.cluster)
+    L = model.num_layers
+    experts = model.moe.num_experts if model.moe else 1
+    frames = []
+    for p in _allowed(_divisors(gpus), s.pp):
+        if p > L:
+            continue
+        stage = gpus // p
+        max_v = max(s.vp) if s.vp else s.max_vp
+        for v in _allowed(list(range(1, max_v + 1)), s.vp):
+            if p * v > L or (v > 1 and p == 1):
+                continue
+            if s.split is not None and len(s.split) != p * v:
+                continue
+            for c in (_allowed(_divisors(stage), s.cp) if s.cp is not None else default_cp(job, cluster, stage)):
+                if (job.rows * job.context) % c:
+                    continue
+                dp = stage // c
+                if job.tokens_per_update is not None:
+                    per = dp * job.rows * job.context
+                    if job.tokens_per_update % per:
+                        continue
+                    ms = [job.tokens_per_update // per]
+                    ms = _allowed(ms, s.microbatches)
+                else:
+                    ms = list(s.microbatches or [])
+                for e in _allowed([d for d in _divisors(stage) if experts % d == 0], s.ep):
+                    for fe in _allowed(_divisors(stage // e), s.expert_fsdp):
+                        for fd in _allowed(_divisors(dp), s.dense_fsdp):  # dense FSDP groups are dp indices
+                            for m in ms:
+                                frames.append(Frame(p, v, c, e, fe, fd, m, gpus))
+    return frames
+
+
+@dataclass(frozen=True)
+class ActMode:
+    recompute: Recompute
+    fp8_activations: bool
+    fused_situ: bool
+    moe_backward_rewrite: bool
+    dispatch_recompute: bool
+
+    def toggles(self) -> dict[str, bool]:
+        return {t: getattr(self, t) for t in ACT_TOGGLES}
+
+
+def _choices(job: Job, name: str) -> list[bool]:
+    if name in job.search.require_toggles:
+        return [True]
+    if name in job.search.forbid_toggles:
+        return [False]
+    if name in FIXED_TOGGLES or name in NEVER_CHOSEN:
+        return [False]
+    return [False, True]
+
+
+def act_modes(job: Job) -> list[ActMode]:
+    recs = job.search.recompute or list(Recompute)
+    return [ActMode(r, *flags) for r in recs for flags in itertools.product(*(_choices(job, t) for t in ACT_TOGGLES))]
+
+
+def lifecycles(job: Job) -> list[FsdpLifecycle]:
+    return job.search.fsdp_lifecycle or list(FsdpLifecycle)
+
+
+def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **rank_toggles: bool) -> Shape:
+    fixed = {t: t in job.search.require_toggles for t in FIXED_TOGGLES}
+    tg = Toggles(**mode.toggles(), **fixed, **rank_toggles)
+    return Shape(
+        gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
+        microbatches=f.microbatches, rows=job.rows, context=job.context,
+        document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
+        toggles=tg, domain_gpus_used=job.domain_gpus_used,
+    )
+
+
+def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = "") -> Layout:
+    return Layout(
+        gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
+        microbatches=f.microbatches, rows=job.rows, context=job.context, document_length=job.document_length,
+        split=split, recompute=shape.recompute, fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles,
+        reserve_gib=job.reserve_gib, domain_gpus_used=job.domain_gpus_used, model=job.model, cluster=job.cluster,
+        runtime=job.runtime, name=name,
+    )
+
+
+def _allowed_on(job: Job) -> set[str]:
+    return {t for t in RANK_TOGGLES + ACT_TOGGLES if True in _choices(job, t)}
+
+
+def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLifecycle], model: ModelSpec,
+                      cluster: ClusterSpec) -> list[ActMode]:
+    """Drop activation modes another mode beats or ties on every per-layer time and memory coefficient
+    (for example fused SiTU, which saves memory at no priced time): they cannot be strictly better."""
+    def vec(md: ActMode) -> np.ndarray:
+        parts = []
+        for lc in lcs:
+            cf = coefficients(frame_shape(job, f, md, lc), model, cluster)
+            off = coefficients(frame_shape(job, f, md, lc, activation_offload=True), model, cluster)
+            parts += [cf.time[r] for r in cf.time] + [cf.act, cf.working_set, off.time["host_link"]]
+        return np.concatenate(parts)
+
+    vecs = {md: vec(md) for md in modes}
+    keep = []
+    for md in modes:
+        v = vecs[md]
+        beaten = any(
+            np.all(vecs[o] <= v) and (np.any(vecs[o] < v) or modes.index(o) < modes.index(md))
+            for o in modes if o is not md
+        )
+        if not beaten:
+            keep.append(md)
+    return keep
+
+
+def _memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+                 balance: bool | None = None) -> Coefficients:
+    """Coefficients for the memory side of a bound: the chunked cross-entropy on when allowed (smaller logits),
+    and balancing on when allowed (so the balanced in-flight count is known; it changes no other array)."""
+    allowed = _allowed_on(job)
+    bal = ("balance_activations" in allowed) if balance is None else balance
+    return coefficients(frame_shape(job, f, md, lc, fused_cross_entropy="fused_cross_entropy" in allowed,
+                                    balance_activations=bal), model, cluster)
+
+
+def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: ClusterSpec) -> int:
+    """The ledger peak (live tensors) a rank may reach. Without a runtime: HBM minus the job's reserve. With one
+    (`job.runtime`): the budget that keeps every rank's device peak (+ workspaces, allocator slack and the memory
+    outside the allocator, k3opt.memory_outside) under HBM minus the reserve, as evaluate() checks it. Every
+    capacity test of the search goes through this function."""
+    if job.runtime is None:
+        return cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    # Keyed by object identity (specs hold lists, so they are not hashable); the value keeps the objects alive so
+    # an identity is never reused while its entry exists.
+    key = (job.model_dump_json(), frame, id(model), id(cluster))
+    hit = _BUDGETS.get(key)
+    if hit is None:
+        # The runtime items depend on the degrees, tokens and placement only: any activation mode gives the budget.
+        shape = frame_shape(job, frame, ActMode(Recompute.FULL, False, False, False, False),
+                            FsdpLifecycle.PER_MICROBATCH)
+        budget = allocated_budget_bytes(shape, model, cluster, job.reserve_gib, _runtime(job.runtime))
+        if len(_BUDGETS) > 65536:
+            _BUDGETS.clear()
+        hit = _BUDGETS[key] = (budget, model, cluster)
+    return hit[0]
+
+
+_BUDGETS: dict[tuple, tuple[int, ModelSpec, ClusterSpec]] = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _runtime(name: str) -> RuntimeSpec:
+    return load_runtime(name)

@@ -1,0 +1,102 @@
+"""The Pareto front over (tokens/s per GPU, GPUs, worst-rank peak) by epsilon-constraint solves."""
+
+from __future__ import annotations
+
+import math
+import time as _time
+from collections.abc import Iterable
+
+from k3opt.search.bounds import frame_lower_bound
+from k3opt.search.frames import (
+    Frame,
+    act_modes,
+    allocated_capacity_bytes,
+    enumerate_frames,
+    lifecycles,
+    undominated_modes,
+)
+from k3opt.search.node_model import FrameModel, _item
+from k3opt.search.result import PlanItem
+from k3opt.specs import (
+    GIB,
+    MIB,
+    ClusterSpec,
+    Job,
+    Layout,
+    ModelSpec,
+)
+
+
+def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
+            ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int
+            ) -> tuple[list[PlanItem], bool]:
+    """Non-dominated (step time, worst-rank peak) layouts by epsilon-constraint solves per frame: minimize the
+    step time (ties: the lower peak) under peak <= epsilon, then lower epsilon by the step. A frame is skipped,
+    or its loop stopped, once a point found dominates its bounds (every further layout of it is dominated).
+    Returns the front and whether it is complete (False when the time limit cut it short)."""
+    points: list[PlanItem] = list(ranked)
+    step_mib = max(1, int(round(step_gib * GIB / MIB)))
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
+    bounds = sorted((*frame_lower_bound(job, f, model, cluster), f) for f in frames)
+    complete = True
+
+    def dominated(f: Frame, t_lb: float, peak_cap: float) -> bool:
+        """Some point found has at least the frame's best possible tokens/s per GPU, no more GPUs, and a
+        peak no higher than peak_cap (with one GPU count: a step time no longer than the frame's bound)."""
+        tps_ub = job_tokens(f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
+        return any(p.evaluation.step.tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
+                   and p.peak_bytes <= peak_cap for p in points)
+
+    def job_tokens(f: Frame) -> int:
+        return f.gpus // (f.pp * f.cp) * f.microbatches * job.rows * job.context
+
+    for t_lb, m_lb, f in bounds:
+        if m_lb > allocated_capacity_bytes(job, f, model, cluster) or dominated(f, t_lb, m_lb):
+            continue
+        if _time.monotonic() - t0 > time_limit:
+            complete = False
+            break
+        have = best_of.get(f)
+        cap = have.peak_bytes // MIB - step_mib if have else None
+        fm: FrameModel | None = None
+        while True:
+            if cap is not None and (cap * MIB < m_lb or dominated(f, t_lb, cap * MIB)):
+                break
+            remaining = time_limit - (_time.monotonic() - t0)
+            if remaining <= 0:
+                complete = False
+                break
+            if fm is None:
+                modes = undominated_modes(job, f, act_modes(job), lifecycles(job), model, cluster)
+                fm = FrameModel(job, f, model, cluster, modes=modes)
+            res = fm.solve(remaining, workers, peak_cap_mib=cap)
+            if res.status == "FEASIBLE" or res.status == "UNKNOWN":
+                complete = False
+            item = _item(job, f, fm, res, model, cluster)
+            if item is None:
+                break
+            points.append(item)
+            cap = item.peak_bytes // MIB - step_mib
+    return _non_dominated(points), complete
+
+
+def _frame_of(layout: Layout) -> Frame:
+    return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
+                 layout.microbatches, layout.gpus)
+
+
+def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
+    """Layouts no other beats on tokens/s per GPU, GPU count and worst-rank peak at once (one of them strictly).
+    With one GPU count and fixed tokens per update this is the (step time, peak) front."""
+    items = sorted(items, key=lambda it: (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes))
+
+    def crit(it: PlanItem) -> tuple[float, int, int]:
+        return (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes)
+
+    front: list[PlanItem] = []
+    for it in items:
+        c = crit(it)
+        if not any(all(a <= b for a, b in zip(crit(o), c, strict=True)) and crit(o) != c for o in front) \
+                and all(crit(o) != c for o in front):
+            front.append(it)
+    return sorted(front, key=lambda it: (it.layout.gpus, it.step_time_s))

@@ -1,0 +1,559 @@
+"""The CP-SAT model of one node (a frame, optionally one recompute mode and FSDP lifecycle).
+
+Resolution: memory in KiB, rounded up per layer (the solver never accepts a layout evaluate() rejects); time in
+units of 100 ns, rounded up per layer; the tie-break on the worst-rank peak in MiB, then on fewer toggles."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.errors import LayoutError
+from k3opt.evaluate import Evaluation, evaluate
+from k3opt.search.bounds import _DP_HINTS, node_lower_bound
+from k3opt.search.frames import (
+    ACT_TOGGLES,
+    RANK_TOGGLES,
+    ActMode,
+    Frame,
+    _choices,
+    act_modes,
+    allocated_capacity_bytes,
+    frame_shape,
+    layout_of,
+    lifecycles,
+    undominated_modes,
+)
+from k3opt.search.result import PlanItem
+from k3opt.specs import (
+    MIB,
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    Layout,
+    ModelSpec,
+    Recompute,
+)
+
+MEM_UNIT = 1024          # bytes
+TIME_UNIT = 1e-7         # seconds
+PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
+
+
+# ------------------------------------------------------------------------------------- frame model
+
+
+def _ceil(a: np.ndarray | float, unit: float) -> np.ndarray:
+    return np.ceil(np.asarray(a, dtype=float) / unit - 1e-9).astype(np.int64)
+
+
+@dataclass
+class FrameResult:
+    frame: Frame
+    status: str
+    split: list[int] | None = None
+    shape: Shape | None = None
+    objective: int | None = None
+    bound: int | None = None
+    bound_step_s: float = 0.0
+    variables: int = 0
+    constraints: int = 0
+
+
+class FrameModel:
+    """One CP-SAT model: a frame's split, recompute mode, lifecycle and toggles, with every rank's ledger."""
+
+    def __init__(self, job: Job, frame: Frame, model: ModelSpec, cluster: ClusterSpec,
+                 modes: list[ActMode] | None = None, lcs: list[FsdpLifecycle] | None = None,
+                 fixed_split: list[int] | None = None) -> None:
+        self.job, self.f, self.model, self.cluster = job, frame, model, cluster
+        self.L = model.num_layers
+        self.K = frame.pp * frame.vp
+        self.m = cp_model.CpModel()
+        self.modes = modes or act_modes(job)
+        self.lcs = lcs or lifecycles(job)
+        self.cap_bytes = allocated_capacity_bytes(job, frame, model, cluster)
+        self.fixed_split = fixed_split or job.search.split
+        self._coefs()
+        self._build()
+
+    # -- coefficients -------------------------------------------------------------------------
+    def _cf(self, mode: ActMode, lc: FsdpLifecycle, **tg: bool) -> Coefficients:
+        return coefficients(frame_shape(self.job, self.f, mode, lc, **tg), self.model, self.cluster)
+
+    def _coefs(self) -> None:
+        m0, lc0 = self.modes[0], self.lcs[0]
+        self.base = {(m, lc): self._cf(m, lc) for m in self.modes for lc in self.lcs}
+        self.offload = {m: self._cf(m, lc0, activation_offload=True) for m in self.modes}
+        self.z2 = self._cf(m0, lc0, pipeline_zero2_host_grads=True)
+        self.p2p = {lc: self._cf(m0, lc, p2p_muon=True) for lc in self.lcs}
+        self.fce = self._cf(m0, lc0, fused_cross_entropy=True)
+        self.moon = self._cf(m0, lc0, moonep=True)
+        self.bal = self._cf(m0, lc0, balance_activations=True)
+        self.c0 = self.base[(m0, lc0)]
+
+    # -- variables ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        m, L, K, p = self.m, self.L, self.K, self.f.pp
+        # z[i][j] (j = 1..K-1): layer i belongs to chunk j or later. Monotone in i and in j.
+        self.z = [[None] + [m.new_bool_var(f"z{i}_{j}") for j in range(1, K)] + [None] for i in range(L)]
+        for j in range(1, K):
+            for i in range(L - 1):
+                m.add_implication(self.z[i][j], self.z[i + 1][j])
+            if j + 1 < K:
+                for i in range(L):
+                    m.add_implication(self.z[i][j + 1], self.z[i][j])
+        for j in range(K):
+            m.add(self._x_sum(np.ones(L, dtype=np.int64), j) >= 1)
+        even = np.cumsum([L // K + (1 if j < L % K else 0) for j in range(K)])
+        for j in range(1, K):
+            for i in range(L):
+                m.add_hint(self.z[i][j], int(i >= even[j - 1]))
+        if self.fixed_split is not None:
+            if sum(self.fixed_split) != L or len(self.fixed_split) != K:
+                raise LayoutError(f"[search] split {self.fixed_split} does not fit p*v = {K} chunks of {L} layers")
+            bounds = np.cumsum(self.fixed_split)
+            for j in range(1, K):
+                for i in range(L):
+                    m.add(self.z[i][j] == int(i >= bounds[j - 1]))
+
+        self.mv = {md: m.new_bool_var(f"mode{k}") for k, md in enumerate(self.modes)}
+        m.add_exactly_one(self.mv.values())
+        self.lv = {lc: m.new_bool_var(f"lc_{lc.value}") for lc in self.lcs}
+        m.add_exactly_one(self.lv.values())
+        self.tv = {}
+        for t in RANK_TOGGLES:
+            var = m.new_bool_var(t)
+            ch = _choices(self.job, t)
+            if len(ch) == 1:
+                m.add(var == int(ch[0]))
+            self.tv[t] = var
+        self._kinds()
+        # Variable bounds keep the objective inside int64: every time term is at most the sum of all per-layer
+        # work on every resource under the most expensive mode, plus the toggles' rank-level costs.
+        worst = max(max(float(cf.time[res].sum()) for res in cf.time) for cf in self.base.values())
+        extra = max(max(float(c.time[res].sum()) for res in c.time)
+                    for c in (*self.offload.values(), self.z2, self.bal, self.fce))
+        pp_bytes = 2 * self.K * (1 + float(self.c0.closes.sum())) * self.c0.stream_bytes
+        upd = max(max(float(c.update[res].sum()) for res in c.update) for c in (*self.p2p.values(), self.z2))
+        self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**5
+        self.tie_max = self.cap_bytes // PEAK_TIE_UNIT + 1
+        self.ranks = [self._rank(r) for r in range(p)]
+        self._objective()
+
+    def _z(self, i: int, j: int):  # noqa: ANN202
+        if j <= 0:
+            return 1
+        if j >= self.K:
+            return 0
+        return self.z[i][j]
+
+    def _x_sum(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
+        """sum_i a[i] x[i][j] with x[i][j] = z[i][j] - z[i][j+1] (layers only)."""
+        terms: list = []
+        const = 0
+        for i in range(self.L):
+            if a[i] == 0:
+                continue
+            for zz, sign in ((self._z(i, j), 1), (self._z(i, j + 1), -1)):
+                if isinstance(zz, int):
+                    const += sign * int(a[i]) * zz
+                else:
+                    terms.append(sign * int(a[i]) * zz)
+        return sum(terms) + const if terms else const
+
+    def _chunk(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
+        """Chunk j's sum of a per-layer array, with the edges on the first and last chunks."""
+        expr = self._x_sum(a[: self.L], j)
+        if j == 0:
+            expr = expr + int(a[self.L])
+        if j == self.K - 1:
+            expr = expr + int(a[self.L + 1])
+        return expr
+
+    def _rank_sum(self, a: np.ndarray, r: int) -> cp_model.LinearExprT:
+        return sum(self._chunk(a, j) for j in range(r, self.K, self.f.pp))
+
+    def _closes_before(self, j: int) -> cp_model.LinearExprT:
+        """R at the start of chunk j: AttnRes residual blocks closed by layers before it."""
+        closes = self.c0.closes[: self.L]
+        return sum(int(closes[i]) * (1 - self._z(i, j)) for i in range(self.L) if closes[i]) if j > 0 else 0
+
+    def _kinds(self) -> None:
+        """Group layers whose max-relevant coefficients are identical, so 'max over the rank's layers' needs
+        one indicator per kind and rank instead of one constraint per layer."""
+        keys = []
+        for i in range(self.L):
+            key = [float(cf.working_set[i]) for cf in self.base.values()]
+            key += [float(cf.act[i]) for cf in self.base.values()]
+            key += [float(self.c0.ns_working_set[i]), float(self.c0.moe[i])]
+            keys.append(tuple(key))
+        uniq = sorted(set(keys))
+        self.kind_of = np.array([uniq.index(k) for k in keys])
+        self.kind_rep = [int(np.where(self.kind_of == k)[0][0]) for k in range(len(uniq))]
+
+    def _has_kind(self, r: int) -> list:
+        m, K, p = self.m, self.K, self.f.pp
+        has = []
+        for k, _ in enumerate(self.kind_rep):
+            b = m.new_bool_var(f"has_r{r}_k{k}")
+            for i in np.where(self.kind_of == k)[0]:
+                y = sum(self._z(int(i), j) - self._z(int(i), j + 1) for j in range(r, K, p))
+                m.add(b >= y)
+            has.append(b)
+        return has
+
+    def _mem(self, a: np.ndarray) -> np.ndarray:
+        return _ceil(a, MEM_UNIT)
+
+    def _t(self, a: np.ndarray) -> np.ndarray:
+        return _ceil(a, TIME_UNIT)
+
+    # -- one rank -----------------------------------------------------------------------------
+    def _rank(self, r: int) -> dict:
+        m, K, p, L = self.m, self.K, self.f.pp, self.L
+        c0, tv = self.c0, self.tv
+        mine = list(range(r, K, p))
+        has = self._has_kind(r)
+        holds_first, holds_last = 0 in mine, (K - 1) in mine
+        edges = ([L] if holds_first else []) + ([L + 1] if holds_last else [])
+        mem_ub = max(self.cap_bytes, self.cluster.host_memory_bytes) // MEM_UNIT
+
+        def var(name: str) -> cp_model.IntVar:
+            return m.new_int_var(0, mem_ub, f"{name}_r{r}")
+
+        def tvar(name: str) -> cp_model.IntVar:
+            return m.new_int_var(0, self.time_ub, f"{name}_r{r}")
+
+        # persistent -----------------------------------------------------------------------
+        persistent = self._rank_sum(self._mem(c0.master + c0.optimizer + c0.bf16_view), r)
+        grads = var("grads")
+        m.add(grads >= self._rank_sum(self._mem(c0.grads), r)).only_enforce_if(~tv["pipeline_zero2_host_grads"])
+        for j in mine:
+            m.add(grads >= 2 * self._chunk(self._mem(self.z2.chunk_grad_buffer), j)).only_enforce_if(
+                tv["pipeline_zero2_host_grads"])
+        accum = var("accum")
+        for lc in self.lcs:
+            m.add(accum >= self._rank_sum(self._mem(self.base[(self.modes[0], lc)].grad_accum), r)).only_enforce_if(
+                self.lv[lc])
+        moon = var("moonep")
+        m.add(moon >= self._rank_sum(self._mem(self.moon.moonep_slots), r)).only_enforce_if(tv["moonep"])
+        moon_b = var("moonep_buf")
+        moe_kinds = [k for k, rep in enumerate(self.kind_rep) if c0.moe[rep] > 0]
+        has_moe = m.new_bool_var(f"hasmoe_r{r}")
+        m.add(has_moe <= sum(has[k] for k in moe_kinds)) if moe_kinds else m.add(has_moe == 0)
+        for k in moe_kinds:
+            m.add(has_moe >= has[k])
+        moon_buf = int(self._mem(np.array([self.moon.moonep_buffers]))[0])
+        ep_buf = int(self._mem(np.array([c0.ep_buffers]))[0])
+        rmap = int(self._mem(np.array([c0.routing_map]))[0])
+        # MoonEP buffers are persistent (allocated for the run), plain EP buffers are activation-phase.
+        m.add(moon_b >= moon_buf * (has_moe + tv["moonep"] - 1))
+        persistent = persistent + grads + accum + moon + moon_b
+
+        # activation phase -------------------------------------------------------------------
+        comps = c0.compositions[r]
+        n_peak = max(sum(c) for c in comps)
+        scale_bal = (self.bal.balanced_inflight / n_peak) if self.bal.balanced_inflight else 1.0
+        stream = int(self._mem(np.array([c0.stream_bytes]))[0])
+        ends = []
+        for j in mine:
+            ends.append(self._closes_before(j + 1) if j + 1 < K else int(c0.closes[:L].sum()))
+        bank = [stream * e for e in ends]
+        acts = var("acts")
+        host_act = var("host_act")
+        off, bal = tv["activation_offload"], tv["balance_activations"]
+        for md in self.modes:
+            cf = self.base[(md, self.lcs[0])]
+            a = self._mem(cf.act)
+            chunk_act = [self._chunk(a, j) for j in mine]
+            for comp in comps:
+                for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
+                    tot = sum(c * (ca + bk) for c, ca, bk in zip(comp, chunk_act, bank, strict=True))
+                    num, den = _ratio(sc)
+                    m.add(den * acts >= num * tot).only_enforce_if([self.mv[md], ~off, b_lit])
+                    host = sum(c * ca for c, ca in zip(comp, chunk_act, strict=True))
+                    m.add(den * host_act >= num * host).only_enforce_if([self.mv[md], off, b_lit])
+            # Offload: the resident layers' worth of the largest saved set, plus the bank, on the GPU.
+            amax = var(f"amax{self.modes.index(md)}")
+            for k, rep in enumerate(self.kind_rep):
+                m.add(amax >= int(a[rep]) * has[k])
+            for e in edges:
+                m.add(amax >= int(a[e]))
+            res_layers = self.base[(md, self.lcs[0])].shape.offload_resident_layers
+            for comp in comps:
+                for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
+                    num, den = _ratio(sc)
+                    bk = sum(c * b for c, b in zip(comp, bank, strict=True))
+                    m.add(den * acts >= den * res_layers * amax + num * bk).only_enforce_if([self.mv[md], off, b_lit])
+        ws = var("ws")
+        for md in self.modes:
+            for lc in self.lcs:
+                w = self._mem(self.base[(md, lc)].working_set)
+                for k, rep in enumerate(self.kind_rep):
+                    m.add(ws >= int(w[rep]) * has[k]).only_enforce_if([self.mv[md], self.lv[lc]])
+                for e in edges:
+                    m.add(ws >= int(w[e])).only_enforce_if([self.mv[md], self.lv[lc]])
+        pp = var("pp")
+        for j in mine:
+            pin = stream * (1 + self._closes_before(j)) if j > 0 else 0
+            pout = stream * (1 + (self._closes_before(j + 1))) if j < K - 1 else 0
+            m.add(pp >= 2 * (pin + pout))
+        epb = var("epb")
+        m.add(epb >= ep_buf * (has_moe - tv["moonep"]))
+        logits = 0
+        if holds_last:
+            lo = int(self._mem(np.array([c0.logits]))[0])
+            lf = int(self._mem(np.array([self.fce.logits]))[0])
+            logits = lo + (lf - lo) * tv["fused_cross_entropy"]
+        act_phase = acts + ws + pp + epb + rmap * has_moe + logits
+
+        # optimizer phase ------------------------------------------------------------------
+        nsws = var("nsws")
+        w = self._mem(c0.ns_working_set)
+        for k, rep in enumerate(self.kind_rep):
+            m.add(nsws >= int(w[rep]) * has[k])
+        for e in edges:
+            m.add(nsws >= int(w[e]))
+        opt = var("opt")
+        m.add(opt >= self._rank_sum(self._mem(2 * c0.view_params), r) + nsws).only_enforce_if(~tv["p2p_muon"])
+        m.add(opt >= self._rank_sum(self._mem(2 * c0.resident_params), r) + nsws).only_enforce_if(tv["p2p_muon"])
+
+        peak = var("peak")
+        m.add(peak >= persistent + act_phase)
+        m.add(peak >= persistent + opt)
+        m.add(peak <= self.cap_bytes // MEM_UNIT)
+
+        hostg = var("hostg")
+        m.add(hostg >= self._rank_sum(self._mem(self.z2.host_grads), r)).only_enforce_if(
+            tv["pipeline_zero2_host_grads"])
+        m.add(host_act + hostg <= self.cluster.host_memory_bytes // MEM_UNIT)
+
+        # time per microbatch ----------------------------------------------------------------
+        times = {}
+        for res in ("tensor", "hbm", "nvlink", "nic", "host_link"):
+            t = tvar(f"t_{res}")
+            for md in self.modes:
+                for lc in self.lcs:
+                    m.add(t >= self._rank_sum(self._t(self.base[(md, lc)].time[res]), r) + self._extra(res, r, md, mine)
+                          ).only_enforce_if([self.mv[md], self.lv[lc]])
+            times[res] = t
+        upd = {}
+        for res in ("tensor", "hbm", "nvlink", "nic", "host_link"):
+            u = tvar(f"u_{res}")
+            for lc in self.lcs:
+                base = self._rank_sum(self._t(self.base[(self.modes[0], lc)].update[res]), r)
+                m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                pz = self._rank_sum(self._t(self.p2p[lc].update[res]), r)
+                m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                z2 = self._rank_sum(self._t(self.z2.update[res] - self.c0.update[res]), r)
+                m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+                m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+            upd[res] = u
+        return {"peak": peak, "times": times, "update": upd}
+
+    def _extra(self, res: str, r: int, md: ActMode, mine: list[int]) -> cp_model.LinearExprT:
+        """Rank-level time terms on top of the per-layer sums: PP packets, the toggles' costs."""
+        c0, tv, K, p = self.c0, self.tv, self.K, self.f.pp
+        expr = 0
+        if res in ("nvlink", "nic"):
+            for j in mine:
+                if j > 0:
+                    hop = (r - 1) % p
+                    if ("nvlink" if c0.pp_on_nvlink[hop] else "nic") == res:
+                        spb = c0.pp_seconds_per_byte[hop] * c0.stream_bytes
+                        expr = expr + _tq(spb) * (1 + self._closes_before(j))
+                if j < K - 1 and ("nvlink" if c0.pp_on_nvlink[r] else "nic") == res:
+                    spb = c0.pp_seconds_per_byte[r] * c0.stream_bytes
+                    expr = expr + _tq(spb) * (1 + self._closes_before(j + 1))
+            if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
+                n_peak = max(sum(c) for c in c0.compositions[r])
+                if n_peak > self.bal.balanced_inflight:
+                    a = self.base[(md, self.lcs[0])].act
+                    moved = balance_moved_bytes(a, n_peak, self.bal.balanced_inflight)
+                    coef = _ceil(moved * self.bal.balance_seconds_per_byte, TIME_UNIT)
+                    bvar = self.m.new_int_var(0, self.time_ub, f"bal_r{r}_{res}_{self.modes.index(md)}")
+                    self.m.add(bvar >= self._rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
+                    expr = expr + bvar
+        if res == "host_link":
+            hvar = self.m.new_int_var(0, self.time_ub, f"off_r{r}_{self.modes.index(md)}")
+            off = self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time["host_link"]
+            self.m.add(hvar >= self._rank_sum(self._t(off), r)).only_enforce_if(tv["activation_offload"])
+            zvar = self.m.new_int_var(0, self.time_ub, f"z2t_r{r}_{self.modes.index(md)}")
+            z2 = self.z2.time["host_link"] - self.c0.time["host_link"]
+            self.m.add(zvar >= self._rank_sum(self._t(z2), r)).only_enforce_if(tv["pipeline_zero2_host_grads"])
+            expr = expr + hvar + zvar
+        if res == "tensor" and (K - 1) in mine:
+            secs = self.fce.time["tensor"][self.L + 1] - self.c0.time["tensor"][self.L + 1]
+            expr = expr + _tq(secs) * self.tv["fused_cross_entropy"]
+        return expr
+
+    def _objective(self) -> None:
+        m, f = self.m, self.f
+        stage = m.new_int_var(0, self.time_ub, "stage")
+        update = m.new_int_var(0, self.time_ub, "update")
+        for rk in self.ranks:
+            for t in rk["times"].values():
+                m.add(stage >= t)
+            for u in rk["update"].values():
+                m.add(update >= u)
+        # Redundant cuts: the slowest rank carries at least the mean work of every resource, and the update at
+        # least its mean; without them the bound does not move (CP-SAT practice notes, A11).
+        moe = self.c0.moe[: self.L] > 0
+        k_moe = -(-int(moe.sum()) // f.pp)
+        for (md, lc), cf in self.base.items():
+            for res in cf.time:
+                t = self._t(cf.time[res])
+                m.add(f.pp * stage >= int(t.sum())).only_enforce_if([self.mv[md], self.lv[lc]])
+                m.add(f.pp * update >= int(self._t(cf.update[res]).sum())).only_enforce_if(self.lv[lc])
+                if k_moe:
+                    # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers.
+                    m.add(stage >= int(np.sort(t[: self.L][moe])[:k_moe].sum())).only_enforce_if(
+                        [self.mv[md], self.lv[lc]])
+        peak_mib = m.new_int_var(0, self.tie_max, "peak_mib")
+        for rk in self.ranks:
+            m.add(peak_mib * (PEAK_TIE_UNIT // MEM_UNIT) >= rk["peak"])
+        slots_v = f.vp * f.microbatches + f.pp - 1  # v * (M + (p - 1)/v)
+        self.step_units = slots_v * stage + f.vp * update
+        self.peak_mib = peak_mib
+        self.stage, self.update = stage, update
+        # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
+        # so that equal layouts do not switch on toggles that buy nothing.
+        toggles_on = sum(self.tv[t] for t in RANK_TOGGLES) + sum(
+            sum(getattr(md, t) for t in ACT_TOGGLES) * v for md, v in self.mv.items())
+        self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
+        self.obj_scale = (self.tie_max + 1) * self.toggle_scale
+        m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
+
+    def add_stage_bound(self, stage_lb_s: float, split: list[int] | None) -> None:
+        """A valid lower bound on the stage time (from the node's dynamic program) and its split as a hint."""
+        if math.isfinite(stage_lb_s) and stage_lb_s > 0:
+            self.m.add(self.stage >= int(math.floor(stage_lb_s / TIME_UNIT)))
+        if split is not None and len(split) == self.K:
+            self.m.clear_hints()
+            bounds = np.cumsum(split)
+            for j in range(1, self.K):
+                for i in range(self.L):
+                    self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
+
+    def add_layout_hint(self, layout: Layout) -> None:
+        """A complete solution hint from a fitting layout of this frame (an incumbent): its split, mode,
+        lifecycle and toggles. Parts the model does not have (a mode dropped as dominated) are left unhinted."""
+        if len(layout.split) != self.K or self.fixed_split is not None:
+            return
+        self.m.clear_hints()
+        bounds = np.cumsum(layout.split)
+        for j in range(1, self.K):
+            for i in range(self.L):
+                self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
+        tg = layout.toggles
+        mode = ActMode(layout.recompute, *(getattr(tg, t) for t in ACT_TOGGLES))
+        if mode in self.mv:
+            for md, var in self.mv.items():
+                self.m.add_hint(var, int(md == mode))
+        if layout.fsdp_lifecycle in self.lv:
+            for lc, var in self.lv.items():
+                self.m.add_hint(var, int(lc == layout.fsdp_lifecycle))
+        for t, var in self.tv.items():
+            self.m.add_hint(var, int(getattr(tg, t)))
+
+    # -- solve --------------------------------------------------------------------------------
+    def solve(self, time_limit: float, workers: int = 2, presolve: bool = True,
+              peak_cap_mib: int | None = None, relative_gap: float = 0.0) -> FrameResult:
+        """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
+        CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
+        if peak_cap_mib is not None:
+            self.m.add(self.peak_mib <= peak_cap_mib)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(time_limit, 0.05)
+        solver.parameters.num_workers = workers
+        solver.parameters.random_seed = 7
+        solver.parameters.relative_gap_limit = relative_gap
+        solver.parameters.catch_sigint_signal = False
+        if not presolve:
+            solver.parameters.cp_model_presolve = False
+        st = solver.solve(self.m)
+        if st == cp_model.MODEL_INVALID:
+            raise RuntimeError(f"CP-SAT model of {self.f} is invalid: {self.m.validate()[:300]}")
+        proto = self.m.proto
+        res = FrameResult(self.f, solver.status_name(st), variables=len(proto.variables),
+                          constraints=len(proto.constraints))
+        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            split = self._read_split(solver)
+            md = next(md for md, v in self.mv.items() if solver.value(v))
+            lc = next(lc for lc, v in self.lv.items() if solver.value(v))
+            tg = {t: bool(solver.value(v)) for t, v in self.tv.items()}
+            res.split, res.shape = split, frame_shape(self.job, self.f, md, lc, **tg)
+            res.objective = int(solver.objective_value)
+        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
+            res.bound = max(int(solver.best_objective_bound), 0)
+            res.bound_step_s = (res.bound // self.obj_scale) * TIME_UNIT / self.f.vp
+        return res
+
+    def _read_split(self, solver: cp_model.CpSolver) -> list[int]:
+        counts = [0] * self.K
+        for i in range(self.L):
+            j = sum(int(solver.value(self.z[i][jj])) for jj in range(1, self.K))
+            counts[j] += 1
+        return counts
+
+
+def _ratio(x: float) -> tuple[int, int]:
+    """x as num/den with den 2^16, num rounded up (balance scales are ratios of small integers)."""
+    if x == 1.0:
+        return 1, 1
+    den = 1 << 16
+    return math.ceil(x * den), den
+
+
+def _tq(seconds: float) -> int:
+    return int(math.ceil(seconds / TIME_UNIT - 1e-9))
+
+
+def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time_limit: float,
+                workers: int = 2, presolve: bool = True, peak_cap_mib: int | None = None,
+                recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None,
+                hint: Layout | None = None, relative_gap: float = 0.0) -> tuple[FrameResult, PlanItem | None]:
+    """Solve one frame (optionally one recompute mode and lifecycle of it) to optimality, to `relative_gap`, or
+    to the time limit. `hint`: a fitting layout of the frame, handed to CP-SAT as its first solution."""
+    modes = [md for md in act_modes(job) if recompute is None or md.recompute == recompute]
+    lcs = [lifecycle] if lifecycle is not None else lifecycles(job)
+    modes = undominated_modes(job, f, modes, lcs, model, cluster)
+    fm = FrameModel(job, f, model, cluster, modes=modes, lcs=lcs)
+    if recompute is not None and lifecycle is not None:
+        key = (job.model_dump_json(), f, recompute, lifecycle)
+        if key not in _DP_HINTS:
+            node_lower_bound(job, f, recompute, lifecycle, model, cluster)
+        stage_lb, split = _DP_HINTS.get(key, (0.0, None))
+        fm.add_stage_bound(stage_lb, split)
+    if hint is not None:
+        fm.add_layout_hint(hint)
+    res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
+    return res, _item(job, f, fm, res, model, cluster)
+
+
+def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec,
+          cluster: ClusterSpec) -> PlanItem | None:
+    if res.split is None or res.shape is None:
+        return None
+    layout = layout_of(job, f, res.shape, res.split)
+    ev = evaluate(layout, model=model, cluster=cluster)
+    _check_agreement(fm, res, ev)
+    return PlanItem(layout, ev)
+
+
+def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
+    """The solver's integer objective and evaluate() must agree to the integer resolution."""
+    f = fm.f
+    solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
+    slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
+    if not (ev.step.step_time_s - 1e-9 <= solver_step <= ev.step.step_time_s + slack):
+        raise RuntimeError(
+            f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ev.step.step_time_s:.6f} s"
+        )
+    if not ev.fits:
+        raise RuntimeError(f"solver returned a layout evaluate() says does not fit: {f} {res.split}")

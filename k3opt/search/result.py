@@ -1,0 +1,53 @@
+"""What `plan()` returns: ranked items, the Pareto front, the proven bound and gap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3opt.evaluate import Evaluation
+from k3opt.specs import (
+    Job,
+    Layout,
+)
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    layout: Layout
+    evaluation: Evaluation
+
+    @property
+    def step_time_s(self) -> float:
+        return self.evaluation.step.step_time_s
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.evaluation.peak_bytes
+
+
+@dataclass
+class Plan:
+    """What `plan()` returns: the status, the proven bound and gap, the ranked layouts, the Pareto front."""
+
+    job: Job
+    status: str
+    layouts: list[PlanItem]
+    pareto: list[PlanItem]
+    bound: float
+    """Lower bound on the best step time (s) over the whole space; equals the best when OPTIMAL."""
+    gap: float
+    """(best - bound) / best."""
+    frames_total: int
+    frames_solved: int
+    solve_time_s: float
+    model_size: dict[str, int] = field(default_factory=dict)
+    pareto_complete: bool = False
+    first_layout_s: float | None = None
+    """Seconds from the call to the first fitting layout (heuristic or solved); None if none was found."""
+    """True when every frame was either dominated by its bounds or solved down to its last epsilon step."""
+
+    def to_frame(self, which: str = "pareto"):  # noqa: ANN201 - pandas DataFrame
+        """The CSV schema: one row per layout, every decision and every ledger term a column, units in names."""
+        from k3opt.report import plan_frame
+
+        return plan_frame(self.pareto if which == "pareto" and self.pareto else self.layouts)

@@ -1,0 +1,76 @@
+"""The schedule replay (Megatron's 1F1B / interleaved order over per-chunk forward and backward times) against
+schedules worked out by hand, the textbook bubble for equal chunks, and evaluate()'s schedule-priced step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.schedule import pipeline_order, replay_makespan
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_1f1b_two_stages_three_microbatches_by_hand():
+    """p = 2, M = 3, forward 1, backward 2 on both stages. Rank 0: F0 [0,1] F1 [1,2], B0 waits for rank 1's B0
+    (F0 [1,2], B0 [2,4]) -> [4,6], F2 [6,7]; rank 1: F1 [4,5] B1 [5,7], F2 [7,8] B2 [8,10]; rank 0: B1 [7,9],
+    B2 [10,12]. Makespan 12 = (M + p - 1)(f + b)."""
+    assert pipeline_order(2, 1, 3, 0) == [(True, 0, 0), (True, 0, 1), (False, 0, 0), (True, 0, 2), (False, 0, 1),
+                                          (False, 0, 2)]
+    assert replay_makespan(2, 1, 3, np.ones(2), 2 * np.ones(2)) == pytest.approx(12.0)
+
+
+def test_1f1b_unequal_stages_by_hand():
+    """p = 2, M = 2; stage 0: forward 2, backward 4; stage 1: forward 1, backward 2. Rank 0: F0 [0,2], F1 [2,4];
+    rank 1: F0 [2,3] B0 [3,5]; rank 0: B0 [5,9]; rank 1: F1 [5,6] B1 [6,8]; rank 0: B1 [9,13]. Makespan 13, where
+    (M + p - 1) x the slowest stage gives 18."""
+    assert replay_makespan(2, 1, 2, np.array([2.0, 1.0]), np.array([4.0, 2.0])) == pytest.approx(13.0)
+
+
+def test_interleaved_two_stages_two_chunks_by_hand():
+    """p = 2, v = 2, M = 2, every op 1. Rank 0 warms up 2(p-1) + (v-1)p = 4 = all forwards (chunks 0, 0, 2, 2),
+    rank 1 warms up 2 (chunk 1 twice), then F3 B3 F3 B3, then B1 B1. Worked forward: rank 0 F [0,1] [1,2] [2,3]
+    [3,4]; rank 1 F1 [1,2] [2,3], F3 [3,4], B3 [4,5], F3 [5,6], B3 [6,7]; rank 0 B2 [5,6] [7,8]; rank 1 B1 [7,8]
+    [8,9]; rank 0 B0 [8,9] [9,10]. Makespan 10 = (v M + p - 1) x 2."""
+    assert replay_makespan(2, 2, 2, np.ones(4), np.ones(4)) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(8, 1, 64), (8, 2, 64), (8, 4, 64), (4, 3, 8), (16, 2, 32)])
+def test_equal_chunks_give_the_textbook_bubble(p, v, m):
+    """Equal chunks: the step is v M chunk-slots of work plus p - 1 chunk-slots of bubble, an overhead of
+    (p - 1)/(v M) over the work (seed 002: 10.94% at PP8, M64)."""
+    f, b = 0.25, 0.5
+    k = p * v
+    makespan = replay_makespan(p, v, m, np.full(k, f), np.full(k, b))
+    work = v * m * (f + b)
+    assert makespan / work - 1 == pytest.approx((p - 1) / (v * m), rel=1e-12)
+    if (p, v, m) == (8, 1, 64):
+        assert makespan / work - 1 == pytest.approx(0.109375)
+
+
+def test_skewed_interleaved_split_costs_more_than_the_formula():
+    """PP4 VP4 M4 with the split 2+1x6+2+1+4+1+3+20+17+20+17 (93 layers, 74 in the last virtual stage), chunk time
+    proportional to its layers, backward 3x forward (a layer's forward + backward = 4). Rank r holds chunks r, r+4,
+    r+8, r+12: rank 0 holds 2+1+1+20 = 24 layers, ranks 1-3 hold 23, so the formula gives (M + (p-1)/v) x 4 x 24 =
+    4.75 x 96 = 456. The replay is 29% above it: the early chunks wait on the long last virtual stage."""
+    split = np.array([2, 1, 1, 1, 1, 1, 1, 2, 1, 4, 1, 3, 20, 17, 20, 17], dtype=float)
+    formula = (4 + 3 / 4) * max(4 * split[r::4].sum() for r in range(4))
+    assert formula == pytest.approx(456.0)
+    assert replay_makespan(4, 4, 4, split, 3 * split) / formula == pytest.approx(1.2894736842105263, rel=1e-9)
+
+
+def test_evaluate_prices_the_schedule():
+    """evaluate()'s schedule-priced step: at v = 1 the replay never exceeds (M + p - 1) x the slowest rank (the
+    makespan only grows with op times, and every op is at most the slowest rank's); it exceeds the update."""
+    lay = k3opt.load_layout("k3-gb200-512-reference")
+    ev = k3opt.evaluate(lay)
+    assert ev.step.update_time_s < ev.step.schedule_step_time_s <= ev.step.step_time_s * (1 + 1e-12)
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    lay = k3opt.specs.make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=4, context=2048,
+                                  split=[1, 2, 2, 1], reserve_gib=1.5)
+    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+    assert ev.step.schedule_step_time_s > ev.step.update_time_s
