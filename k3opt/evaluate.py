@@ -132,6 +132,10 @@ class StepTime:
     model_flops_per_token: float
     mfu_convention: str
     unpriced: tuple[str, ...]
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
+    `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
+    `exposed_update`; these three sum to step_time_s."""
 
 
 @dataclass(frozen=True)
@@ -414,4 +418,11 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
                         f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
                         f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
         unpriced=UNPRICED,
+        components={
+            "compute": float(slowest.time_s["tensor"]),
+            **{res: float(slowest.time_s[res]) for res in RESOURCES if res != "tensor"},
+            "microbatch_work": float(sh.microbatches * stage),
+            "bubble": float((cf.slots - sh.microbatches) * stage),
+            "exposed_update": float(update),
+        },
     )
