@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import k3opt
+from k3opt import coefficients, schedule, structure
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cost_model_caches():
+    """Under mutation testing (bench/mutation.sh) every test recomputes the cost model instead of reading a result
+    cached from another test or from mutmut's own clean run."""
+    if "MUTANT_UNDER_TEST" in os.environ:
+        for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
+                   schedule.inflight_compositions):
+            fn.cache_clear()
+        structure._CACHE.clear()
+    yield
 
 
 @pytest.fixture(scope="session")
