@@ -232,6 +232,7 @@ class Golden:
     a_expert: int
     pp_nvlink: list[bool]              # is the hop r -> r + 1 inside one domain
     cluster: Cluster
+    pipeline_in_domain: bool = False   # all PP ranks of a replica in one domain (balancing then uses NVLink)
 
 
 def hier(size: float, n: int, a: int) -> tuple[float, float]:
@@ -374,6 +375,9 @@ def golden(g: Golden) -> dict:
         return units
 
     ep_buf = 2 * T * TOP_K * LATENT * 2           # dispatch receive + combine buffers of one MoE layer
+    peaks = [max(sum(v) for v in inflight_vectors(g.pp, g.vp, g.m, r)) for r in range(g.pp)]
+    # Balancing across PP ranks (K3 paper's memory-efficient training ledger): every rank holds the average count.
+    balanced = Fraction(sum(peaks), g.pp) if t.balance_activations else None
     ranks = []
     for r in range(g.pp):
         mine = list(range(r, k, g.pp))
@@ -390,9 +394,17 @@ def golden(g: Golden) -> dict:
         acts = [sum((u["act"] for u in chunk_units(j)), Fraction(0)) for j in mine]
         banks = [residuals(bounds[j][1]) * stream for j in mine]
         vecs = inflight_vectors(g.pp, g.vp, g.m, r)
-        best = max(vecs, key=lambda h: sum(n * (a + b) for n, a, b in zip(h, acts, banks, strict=True)))
-        led["activations"] = sum(n * a for n, a in zip(best, acts, strict=True))
-        led["attnres_bank"] = sum(n * b for n, b in zip(best, banks, strict=True))
+        scale = balanced / peaks[r] if balanced is not None else 1
+        host_act = 0
+        if t.activation_offload:
+            # only the current and the prefetched layer stay on the GPU; the in-flight sets live in host memory
+            led["activations"] = 2 * max(u["act"] for u in units)
+            host_act = max(sum(n * a for n, a in zip(h, acts, strict=True)) for h in vecs) * scale
+            led["attnres_bank"] = max(sum(n * b for n, b in zip(h, banks, strict=True)) for h in vecs) * scale
+        else:
+            best = max(vecs, key=lambda h: sum(n * (a + b) for n, a, b in zip(h, acts, banks, strict=True)))
+            led["activations"] = sum(n * a for n, a in zip(best, acts, strict=True)) * scale
+            led["attnres_bank"] = sum(n * b for n, b in zip(best, banks, strict=True)) * scale
         worst = max(units, key=lambda u: u["ws"])
         led["recompute_working_set"] = worst["rws"]
         led["grad_transient"] = worst["ws"] - worst["rws"]
@@ -416,8 +428,13 @@ def golden(g: Golden) -> dict:
         time = {res: sum(u["time"][res] for u in units) for res in ("tensor", "hbm", "nvlink", "nic", "host_link")}
         time["nvlink"] += pp_time["nvlink"]
         time["nic"] += pp_time["nic"]
+        if balanced is not None and peaks[r] > balanced:
+            # the excess share of each microbatch's saved bytes goes to another rank and comes back
+            moved = float(2 * sum(acts) * (1 - balanced / peaks[r]))
+            link = "nvlink" if g.pipeline_in_domain else "nic"
+            time[link] += moved / ((c.nvlink_gbps if link == "nvlink" else c.nic_gbps) * 1e9)
         update = {res: sum(u["update"][res] for u in units) for res in time}
-        ranks.append({"ledger": led, "time": time, "update": update, "host": tot("host_grads"),
+        ranks.append({"ledger": led, "time": time, "update": update, "host": host_act + tot("host_grads"),
                       "ns_flops": tot("ns_flops"), "ns_routed": tot("ns_routed"), "moe_layers": int(tot("moe"))})
 
     slowest = max(range(g.pp), key=lambda r: max(ranks[r]["time"].values()))

@@ -1,0 +1,78 @@
+"""Each toggle, recompute mode, lifecycle and placement on its own, pinned term by term against the hand model of
+tests/golden_k3.py (the direction-only checks of test_toggles.py say which way a toggle moves a figure; these say
+by exactly how much)."""
+
+from __future__ import annotations
+
+import golden_k3 as hand
+import pytest
+
+import k3opt
+from k3opt.specs import TOGGLE_NAMES
+
+GB200 = hand.Cluster(bf16_tflops=2500, hbm_gbps=8000, nvlink_gbps=900, nic_gbps=50, host_link_gbps=200)
+REF = dict(gpus=512, pp=8, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, rows=1, context=4096,
+           split=[12] * 7 + [9], recompute="full")
+# Hand placement of the reference shape on 72-GPU domains: a = 8 for EP64 and dense FSDP64, 1 for expert FSDP 1,
+# every PP hop on the NIC (see test_golden.py). On 64-GPU blocks each stage is one domain: a = 64.
+HAND_REF = dict(gpus=512, pp=8, vp=1, cp=1, ep=64, fe=1, fd=64, m=64, rows=1, context=4096, doc=4096,
+                recompute="full", accumulate=False, a_ep=8, a_dense=8, a_expert=1, pp_nvlink=[False] * 8)
+
+VARIANTS = {f"toggle:{name}": ({"toggles": {name: True}}, {}) for name in TOGGLE_NAMES}
+VARIANTS |= {
+    "recompute:none": ({"recompute": "none"}, {"recompute": "none"}),
+    "recompute:selective": ({"recompute": "selective"}, {"recompute": "selective"}),
+    "lifecycle:accumulate": ({"fsdp_lifecycle": "accumulate"}, {"accumulate": True}),
+    "documents:2048": ({"document_length": 2048}, {"doc": 2048}),
+    "domain:64": ({"domain_gpus_used": 64}, {"a_ep": 64, "a_dense": 64}),
+    "selective+offload+balance+fp8": (
+        {"recompute": "selective", "toggles": {"activation_offload": True, "balance_activations": True,
+                                               "fp8_activations": True}},
+        {"recompute": "selective"}),
+    "interleaved v2 + zero2 + offload": (
+        {"vp": 2, "split": [6] * 15 + [3], "toggles": {"pipeline_zero2_host_grads": True,
+                                                     "activation_offload": True}},
+        {"vp": 2}),
+}
+# 64 GPUs inside one 72-GPU domain: PP8 / EP8 / dense FSDP 8. Every rank, the wrap-around hop included, shares the
+# domain: a = 8, every PP hop and the balancing traffic on NVLink.
+SMALL = (dict(gpus=64, pp=8, ep=8, expert_fsdp=1, dense_fsdp=8, microbatches=16, rows=1, context=4096,
+              split=[12] * 7 + [9], recompute="full", toggles={"balance_activations": True, "ep_dedup": True}),
+         dict(gpus=64, pp=8, vp=1, cp=1, ep=8, fe=1, fd=8, m=16, rows=1, context=4096, doc=4096, recompute="full",
+              accumulate=False, a_ep=8, a_dense=8, a_expert=1, pp_nvlink=[True] * 8, pipeline_in_domain=True))
+
+
+def _check(layout_fields: dict, hand_fields: dict) -> None:
+    layout = k3opt.make_layout(**layout_fields)
+    ev = k3opt.evaluate(layout)
+    g = hand.golden(hand.Golden(split=list(layout.split), t=layout.toggles, cluster=GB200, **hand_fields))
+    wrong = []
+    for got, want in zip(ev.ranks, g["ranks"], strict=True):
+        for key, val in want["ledger"].items():
+            if abs(got.ledger[key] - float(val)) > max(1.0, 1e-9 * abs(float(val))):
+                wrong.append((got.rank, key, got.ledger[key], float(val)))
+        if abs(got.host_bytes - float(want["host"])) > max(1.0, 1e-9 * float(want["host"])):
+            wrong.append((got.rank, "host", got.host_bytes, float(want["host"])))
+        for res in want["time"]:
+            for what, x, y in (("t", got.time_s[res], want["time"][res]), ("u", got.update_s[res],
+                                                                          want["update"][res])):
+                if abs(x - y) > max(1e-15, 1e-9 * abs(y)):
+                    wrong.append((got.rank, what, res, x, y))
+    assert not wrong, wrong
+    assert ev.step.step_time_s == pytest.approx(g["step"], rel=1e-9)
+    for key, val in g["components"].items():
+        assert ev.step.components[key] == pytest.approx(val, rel=1e-9, abs=1e-15), key
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_of_the_reference_matches_the_hand_model(variant):
+    layout_delta, hand_delta = VARIANTS[variant]
+    _check({**REF, **layout_delta}, {**HAND_REF, **hand_delta})
+
+
+def test_pipeline_inside_one_domain_balances_over_nvlink():
+    _check(*SMALL)
+    ev = k3opt.evaluate(k3opt.make_layout(**SMALL[0]))
+    # 1F1B peaks 8, 7, ..., 1 average to 4.5: every rank holds 4.5 microbatches' inputs (12 or 9 x 56 MiB)
+    assert [r.in_flight for r in ev.ranks] == [4.5] * 8
+    assert ev.ranks[0].time_s["nic"] == 0
