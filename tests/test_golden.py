@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import golden_k3 as hand
 import pytest
+from conftest import shared_scope
 
 import k3opt
 from k3opt import comm
@@ -66,7 +67,7 @@ CASES = {
 DOMAIN = {"A": 72, "B": 64, "C": 72}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope=shared_scope, params=sorted(CASES))
 def case(request):
     make, params = CASES[request.param]
     layout = make()

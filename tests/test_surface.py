@@ -69,3 +69,45 @@ def test_step_components_and_ledger_keys_are_the_frozen_sets(reference_eval):
     data = reference_eval.to_dict()
     assert set(data["step"]["components"]) == STEP_COMPONENTS
     assert set(data["ranks"][0]["ledger_bytes"]) == LEDGER_KEYS
+
+
+TO_DICT_KEYS = frozenset({"layout", "model", "cluster", "params", "capacity_bytes", "peak_bytes", "worst_rank", "fits",
+                          "ranks", "terms", "step", "validation"})
+RANK_KEYS = frozenset({"rank", "chunks", "ledger_bytes", "persistent_bytes", "activation_phase_bytes",
+                       "optimizer_phase_bytes", "peak_bytes", "headroom_bytes", "fits", "in_flight", "host_bytes",
+                       "host_fits", "time_per_microbatch_s", "update_s", "binding", "counts"})
+
+
+def test_json_result_carries_the_same_numbers_under_frozen_keys(reference_eval):
+    ev = reference_eval
+    d = ev.to_dict()
+    assert set(d) == TO_DICT_KEYS
+    assert (d["model"], d["cluster"]) == ("kimi-k3", "gb200-nvl72")
+    assert d["layout"]["pp"] == 8 and d["layout"]["split"] == [12] * 7 + [9]
+    assert d["params"] == {"total": 2_779_931_738_208, "muon": 2_777_072_664_576, "adamw": 2_859_073_632,
+                           "routed": 2_722_740_830_208, "active_matrix": 104_174_092_288,
+                           "active_routed": 48_620_371_968, "active_conventional": 104_189_515_872}
+    assert (d["capacity_bytes"], d["peak_bytes"], d["worst_rank"], d["fits"]) == (
+        189_471 * 2**20, 120_887_629_304, 0, True)
+    for r, row in zip(ev.ranks, d["ranks"], strict=True):
+        assert set(row) == RANK_KEYS
+        assert row == {
+            "rank": r.rank, "chunks": [list(c) for c in r.chunks], "ledger_bytes": r.ledger,
+            "persistent_bytes": r.persistent_bytes, "activation_phase_bytes": r.activation_phase_bytes,
+            "optimizer_phase_bytes": r.optimizer_phase_bytes, "peak_bytes": r.peak_bytes,
+            "headroom_bytes": r.capacity_bytes - r.peak_bytes, "fits": r.fits, "in_flight": r.in_flight,
+            "host_bytes": r.host_bytes, "host_fits": r.host_fits, "time_per_microbatch_s": r.time_s,
+            "update_s": r.update_s, "binding": r.binding, "counts": r.counts}
+    assert [row["chunks"] for row in d["ranks"]] == [[[12 * r, 12 * r + 12]] for r in range(7)] + [[[84, 93]]]
+    assert set(d["terms"]) == LEDGER_KEYS
+    for key, info in d["terms"].items():
+        assert set(info) == {"phase", "kind", "formula"} and info["formula"]
+        assert info["phase"] == ("optimizer" if key == "optimizer_transient" else "persistent" if key in {
+            "master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers"}
+            else "activation")
+        assert info["kind"] in {"derived", "assumption"}
+    assert d["step"] == {f.name: getattr(ev.step, f.name) for f in dataclasses.fields(k3opt.StepTime)}
+    (v,) = d["validation"]
+    assert v == {"figure": "peak HBM, worst rank", "modeled": 120_887_629_304 / 2**30, "measured": 146.18,
+                 "unit": "GiB", "gap": 146.18 - 120_887_629_304 / 2**30,
+                 "gap_pct": 100 * (146.18 - 120_887_629_304 / 2**30) / 146.18}
