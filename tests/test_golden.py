@@ -96,10 +96,12 @@ def test_every_ledger_term_of_every_rank(case):
     for r, (got, want) in enumerate(zip(ev.ranks, g["ranks"], strict=True)):
         assert set(want["ledger"]) == set(got.ledger), f"{name} rank {r}: ledger keys"
         for key, val in want["ledger"].items():
-            if not _close(got.ledger[key], float(val), abs_=1.0):
+            if not hand.same_bytes(got.ledger[key], val):
                 wrong.append((r, key, got.ledger[key], float(val)))
-        if not _close(got.host_bytes, float(want["host"]), abs_=1.0):
+        if not hand.same_bytes(got.host_bytes, want["host"]):
             wrong.append((r, "host", got.host_bytes, float(want["host"])))
+        if got.in_flight != pytest.approx(float(want["in_flight"]), rel=1e-12):
+            wrong.append((r, "in_flight", got.in_flight, float(want["in_flight"])))
     assert not wrong, f"layout {name}: (rank, term, k3opt, hand) {wrong}"
 
 
@@ -138,7 +140,11 @@ def test_step_components(case):
     flops = 6 * 104_174_092_288 + 24 * 92_160 * CASES[name][1]["doc"]
     assert s.model_flops_per_token == flops
     assert _close(s.mfu, flops * g["tokens_per_update"] / g["step"] / (layout.gpus * 2.5e15))
-    assert s.bubble_overhead == (layout.pp - 1) / (layout.vp * layout.microbatches)
+    # seed 002's (p - 1)/(v M) and its share of the compute-plus-bubble interval, ((p - 1)/v) / (M + (p - 1)/v)
+    assert s.bubble_overhead == pytest.approx(float(g["bubble_overhead"]), rel=1e-15)
+    assert s.bubble_fraction == pytest.approx(float(g["bubble_fraction"]), rel=1e-15)
+    assert (s.bubble_overhead, s.bubble_fraction) == {
+        "A": (7 / 64, 7 / 71), "B": (15 / 32, 15 / 47), "C": (1.5 / 16, 1.5 / 17.5)}[name]
 
 
 # --- literal anchors: the reference layout's rank 1 and slowest rank, derived step by step --------------------

@@ -61,7 +61,7 @@ def test_cluster_preset_evaluates_the_reference_shape_like_the_hand_model(name, 
     assert domain in (8, 72)
     for got, want in zip(ev.ranks, g["ranks"], strict=True):
         for key, val in want["ledger"].items():
-            assert got.ledger[key] == pytest.approx(float(val), abs=1), (name, got.rank, key)
+            assert hand.same_bytes(got.ledger[key], val), (name, got.rank, key)
         for res, val in want["time"].items():
             assert got.time_s[res] == pytest.approx(val, rel=1e-9, abs=1e-15), (name, got.rank, res)
             assert got.update_s[res] == pytest.approx(want["update"][res], rel=1e-9, abs=1e-15), (name, res)

@@ -7,8 +7,11 @@ home), and say it in the README.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 import k3opt
@@ -111,3 +114,22 @@ def test_json_result_carries_the_same_numbers_under_frozen_keys(reference_eval):
     assert v == {"figure": "peak HBM, worst rank", "modeled": 120_887_629_304 / 2**30, "measured": 146.18,
                  "unit": "GiB", "gap": 146.18 - 120_887_629_304 / 2**30,
                  "gap_pct": 100 * (146.18 - 120_887_629_304 / 2**30) / 146.18}
+
+
+def test_json_layout_is_plain_json_without_unset_fields(reference_eval):
+    lay = reference_eval.to_dict()["layout"]
+    assert type(lay["recompute"]) is str and type(lay["fsdp_lifecycle"]) is str
+    assert "document_length" not in lay and "domain_gpus_used" not in lay  # None fields are left out
+    assert json.loads(json.dumps(lay)) == lay
+
+
+def test_evaluate_reads_the_layouts_own_model_and_cluster():
+    """With no model or cluster given, evaluate() uses the layout's `model` / `cluster` fields."""
+    data = Path(__file__).parent / "data"
+    lay = k3opt.make_layout(gpus=8, pp=2, ep=2, microbatches=4, context=2048, split=[3, 3],
+                            model=str(data / "tiny-moe.toml"), cluster=str(data / "slow-cluster.toml"))
+    ev = k3opt.evaluate(lay)
+    assert (ev.model.name, ev.cluster.name) == (k3opt.load_model(data / "tiny-moe.toml").name,
+                                                k3opt.load_cluster(data / "slow-cluster.toml").name)
+    with pytest.raises(k3opt.LayoutError, match="covers 6 layers"):
+        k3opt.evaluate(lay, model="kimi-k3")
