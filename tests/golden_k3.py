@@ -443,6 +443,8 @@ def golden(g: Golden) -> dict:
         update = {res: sum(u["update"][res] for u in units) for res in time}
         ranks.append({"ledger": led, "time": time, "update": update, "host": host_act + tot("host_grads"),
                       "in_flight": in_flight,
+                      "residual_out": [residuals(bounds[j][1]) for j in mine if j < k - 1],
+                      "packet_out": [(1 + residuals(bounds[j][1])) * stream for j in mine if j < k - 1],
                       "ns_flops": tot("ns_flops"), "ns_routed": tot("ns_routed"), "moe_layers": int(tot("moe"))})
 
     slowest = max(range(g.pp), key=lambda r: max(ranks[r]["time"].values()))

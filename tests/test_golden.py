@@ -106,7 +106,7 @@ def test_every_ledger_term_of_every_rank(case):
 
 
 def test_every_resource_time_per_microbatch_and_per_update(case):
-    name, _, ev, g = case
+    name, layout, ev, g = case
     wrong = []
     for r, (got, want) in enumerate(zip(ev.ranks, g["ranks"], strict=True)):
         for res in ("tensor", "hbm", "nvlink", "nic", "host_link"):
@@ -117,6 +117,10 @@ def test_every_resource_time_per_microbatch_and_per_update(case):
         assert got.counts["newton_schulz_flops"] == pytest.approx(float(want["ns_flops"]), rel=1e-12)
         assert got.counts["newton_schulz_routed_flops"] == pytest.approx(float(want["ns_routed"]), rel=1e-12)
         assert got.counts["moe_layers"] == want["moe_layers"]
+        assert got.counts["residual_streams_out"] == want["residual_out"]
+        assert got.counts["pp_packet_out_bytes"] == want["packet_out"]
+        assert got.counts["routing_map_allgathers_per_update"] == want["moe_layers"] * layout.microbatches * (
+            2 if layout.recompute == "full" else 1)
     assert not wrong, f"layout {name}: {wrong}"
 
 

@@ -62,6 +62,8 @@ def _check(layout_fields: dict, hand_fields: dict) -> None:
                                                                           want["update"][res])):
                 if abs(x - y) > max(1e-15, 1e-9 * abs(y)):
                     wrong.append((got.rank, what, res, x, y))
+        assert got.counts["residual_streams_out"] == want["residual_out"]
+        assert got.counts["pp_packet_out_bytes"] == want["packet_out"]
     assert not wrong, wrong
     assert ev.step.step_time_s == pytest.approx(g["step"], rel=1e-9)
     for key, val in g["components"].items():
@@ -80,3 +82,15 @@ def test_pipeline_inside_one_domain_balances_over_nvlink():
     # 1F1B peaks 8, 7, ..., 1 average to 4.5: every rank holds 4.5 microbatches' inputs (12 or 9 x 56 MiB)
     assert [r.in_flight for r in ev.ranks] == [4.5] * 8
     assert ev.ranks[0].time_s["nic"] == 0
+
+
+def test_pipeline_hops_alternating_between_nvlink_and_the_nic():
+    """192 GPUs, PP8: stages of 24 ranks, three per 72-GPU domain (0-2, 3-5, 6-7). EP8, dense FSDP 8 and expert
+    FSDP 3 (ranks l, l + 8, l + 16) stay inside a stage, so inside a domain. Hops 0->1, 1->2, 3->4, 4->5, 6->7 stay
+    in a domain; 2->3, 5->6 and the wrap-around 7->0 cross it: each rank pays its in and out packets on its own
+    hops' links."""
+    _check(dict(gpus=192, pp=8, ep=8, expert_fsdp=3, dense_fsdp=8, microbatches=16, rows=1, context=4096,
+                split=[12] * 7 + [9], recompute="full", toggles={"balance_activations": True}),
+           dict(gpus=192, pp=8, vp=1, cp=1, ep=8, fe=3, fd=8, m=16, rows=1, context=4096, doc=4096,
+                recompute="full", accumulate=False, a_ep=8, a_dense=8, a_expert=3,
+                pp_nvlink=[True, True, False, True, True, False, True, False]))
