@@ -286,3 +286,108 @@ def test_ring_allgather_receives_all_but_its_own_shard():
     """Ring all-gather of S bytes over n ranks: each receives S (1 - 1/n) (cost-model.md section 3)."""
     assert comm.allgather_received(2_000, 64) == 1_968.75
     assert comm.allgather_received(2_000, 1) == 0
+
+
+# --- the tensor inventory: names are part of the model TOML's contract (optimizer.adamw_matrices names them) ---
+M, A = "muon", "adamw"
+INVENTORY = {
+    # model-k3.md section 2, [out, in]; (name, shape, optimizer, count, routed, active copies per token)
+    "kda": [("kda.q_proj", (12288, 7168), M, 1, False, 1), ("kda.k_proj", (12288, 7168), M, 1, False, 1),
+            ("kda.v_proj", (12288, 7168), M, 1, False, 1), ("kda.g_proj", (12288, 7168), M, 1, False, 1),
+            ("kda.o_proj", (7168, 12288), M, 1, False, 1), ("kda.f_a_proj", (128, 7168), M, 1, False, 1),
+            ("kda.f_b_proj", (12288, 128), M, 1, False, 1), ("kda.beta_proj", (96, 7168), A, 1, False, 1),
+            ("kda.conv1d", (3, 12288, 4), A, 1, False, 0), ("kda.dt_bias", (12288,), A, 1, False, 0),
+            ("kda.A_log", (96,), A, 1, False, 0), ("kda.o_norm", (128,), A, 1, False, 0)],
+    "mla": [("mla.q_a_proj", (1536, 7168), M, 1, False, 1), ("mla.q_b_proj", (18432, 1536), M, 1, False, 1),
+            ("mla.kv_a_proj", (576, 7168), M, 1, False, 1), ("mla.kv_b_proj", (24576, 512), M, 1, False, 1),
+            ("mla.o_proj", (7168, 12288), M, 1, False, 1), ("mla.q_a_norm", (1536,), A, 1, False, 0),
+            ("mla.kv_a_norm", (512,), A, 1, False, 0), ("mla.g_proj", (12288, 7168), M, 1, False, 1)],
+    "dense_ffn": [("ffn.gate_proj", (33792, 7168), M, 1, False, 1), ("ffn.up_proj", (33792, 7168), M, 1, False, 1),
+                  ("ffn.down_proj", (7168, 33792), M, 1, False, 1)],
+    "moe": [("moe.router", (896, 7168), M, 1, False, 1), ("moe.latent_down", (3584, 7168), M, 1, False, 1),
+            ("moe.latent_up", (7168, 3584), M, 1, False, 1), ("moe.latent_norm", (3584,), A, 1, False, 0),
+            ("moe.experts.w1", (3072, 3584), M, 896, True, 16), ("moe.experts.w3", (3072, 3584), M, 896, True, 16),
+            ("moe.experts.w2", (3584, 3072), M, 896, True, 16), ("moe.shared_gate", (6144, 7168), M, 1, False, 1),
+            ("moe.shared_up", (6144, 7168), M, 1, False, 1), ("moe.shared_down", (7168, 6144), M, 1, False, 1)],
+    "vectors": [("input_norm", (7168,), A, 1, False, 0), ("post_attention_norm", (7168,), A, 1, False, 0),
+                ("attn_res.attn_norm", (7168,), A, 1, False, 0), ("attn_res.attn_proj", (1, 7168), A, 1, False, 0),
+                ("attn_res.mlp_norm", (7168,), A, 1, False, 0), ("attn_res.mlp_proj", (1, 7168), A, 1, False, 0)],
+    "embedding": [("embed", (163840, 7168), A, 1, False, 0)],
+    "head": [("final_norm", (7168,), A, 1, False, 0), ("attn_res.output_norm", (7168,), A, 1, False, 0),
+             ("attn_res.output_proj", (1, 7168), A, 1, False, 0), ("lm_head", (163840, 7168), A, 1, False, 1)],
+    # MoonViT-V2: 27 blocks of width 1024, 12 heads x 128, MLP 4096, patch 14, 64 x 64 positions; projector
+    # 4 x 1024 -> 4096 -> 7168 (401,214,464 + 46,144,512 parameters)
+    "vision": [("vision.blocks.wqkv", (4608, 1024), A, 27, False, 0),
+               ("vision.blocks.wo", (1024, 1536), A, 27, False, 0),
+               ("vision.blocks.fc0", (4096, 1024), A, 27, False, 0),
+               ("vision.blocks.fc1", (1024, 4096), A, 27, False, 0),
+               ("vision.blocks.norm0", (1024,), A, 27, False, 0), ("vision.blocks.norm1", (1024,), A, 27, False, 0),
+               ("vision.patch_embed", (1024, 3, 14, 14), A, 1, False, 0),
+               ("vision.pos_emb", (64, 64, 1024), A, 1, False, 0),
+               ("vision.final_norm", (1024,), A, 1, False, 0), ("projector.proj0", (4096, 4096), A, 1, False, 0),
+               ("projector.proj2", (7168, 4096), A, 1, False, 0), ("projector.post_norm", (7168,), A, 1, False, 0)],
+}
+
+
+def test_tensor_inventory_names_shapes_and_optimizers(model):
+    st = structure_of(model)
+    blocks = {"kda": st.layers[1][0], "mla": st.layers[3][0], "dense_ffn": st.layers[0][1], "moe": st.layers[1][1],
+              "vectors": st.layers[1][2], "embedding": st.first[0], "vision": st.first[1], "head": st.last[0]}
+    for kind, block in blocks.items():
+        got = [(t.name, t.shape, t.optimizer, t.count, t.routed, t.active_per_token) for t in block.tensors]
+        assert got == INVENTORY[kind], kind
+        assert block.kind == kind
+    assert [t.name for t in st.layers[0][2].tensors] == ["input_norm", "post_attention_norm", "attn_res.mlp_norm",
+                                                           "attn_res.mlp_proj"]  # layer 0 has no attention pair
+    assert [b.name for b in st.layers[3]] == ["layer3.mla", "layer3.moe", "layer3.vectors"]
+    assert [b.name for b in st.layers[0]] == ["layer0.kda", "layer0.dense_ffn", "layer0.vectors"]
+    assert [b.name for b in st.first + st.last] == ["embedding", "vision", "lm_head"]
+
+
+SAVED = {
+    # (name, values per token, bytes per value, GEMM input, recomputable, role); itemized in golden_k3 by shape
+    "kda": ["attn_norm_input", "attn_norm_rstd", "attn_norm_output", "attn_attn_res_scores", "kda_qkv_pre_conv",
+            "kda_qkv_post_conv", "kda_decay_lowrank", "kda_decay_gate", "kda_beta", "kda_output_gate",
+            "kda_scan_output", "kda_gated_norm_output"],
+    "mla": ["attn_norm_input", "attn_norm_rstd", "attn_norm_output", "attn_attn_res_scores", "mla_q_a_output",
+            "mla_q_a_norm_output", "mla_kv_a_output", "mla_kv_a_norm_output", "mla_q", "mla_k", "mla_v",
+            "mla_attn_output", "mla_softmax_lse", "mla_output_gate", "mla_gated_output"],
+    "moe": ["mlp_norm_input", "mlp_norm_rstd", "mlp_norm_output", "mlp_attn_res_scores", "moe_router_scores",
+            "moe_topk_weights", "moe_topk_indices", "moe_latent_down_output", "moe_latent_norm_output",
+            "moe_dispatched_inputs", "moe_expert_situ_fp32_copies", "moe_expert_situ_input", "moe_expert_act_output",
+            "moe_expert_outputs", "moe_combined_latent", "moe_shared_situ_fp32_copies", "moe_shared_situ_input",
+            "moe_shared_act_output"],
+}
+ROLES = {"moe_dispatched_inputs": "dispatch_copy", "moe_expert_outputs": "expert_output",
+         "moe_expert_situ_fp32_copies": "situ_naive", "moe_shared_situ_fp32_copies": "situ_naive",
+         "moe_expert_situ_input": "situ_fused", "moe_shared_situ_input": "situ_fused",
+         "ffn_situ_fp32_copies": "situ_naive", "ffn_situ_input": "situ_fused"}
+
+
+def test_saved_inventory_matches_the_hand_itemization(model):
+    """Names, roles and (values, bytes, GEMM input, recomputable) of every saved-for-backward item, against
+    golden_k3's itemization from shapes (both SiTU variants listed: the toggles pick one)."""
+    st = structure_of(model)
+    plain = {"kda": hand.kda_saved(), "mla": hand.mla_saved()}
+    for kind, block in (("kda", st.layers[1][0]), ("mla", st.layers[3][0])):
+        assert [s.name for s in block.saved] == SAVED[kind]
+        got = [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable) for s in block.saved]
+        assert got == plain[kind] and all(s.role == "" for s in block.saved)
+    moe = st.layers[1][1]
+    assert [s.name for s in moe.saved] == SAVED["moe"]
+    for s in moe.saved:
+        assert s.role == ROLES.get(s.name, "")
+    naive = [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable) for s in moe.saved
+             if s.role != "situ_fused"]
+    fused = [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable) for s in moe.saved
+             if s.role != "situ_naive"]
+    assert naive == hand.moe_saved(False, False, False) and fused == hand.moe_saved(True, False, False)
+    dense = st.layers[0][1]
+    assert [(s.name, s.role) for s in dense.saved][-3:] == [("ffn_situ_fp32_copies", "situ_naive"),
+                                                             ("ffn_situ_input", "situ_fused"), ("ffn_act_output", "")]
+    assert [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable) for s in dense.saved
+            if s.role != "situ_fused"] == hand.dense_saved(False)
+    assert [(s.name, s.values_per_token, s.bytes_per_value) for s in st.first[0].saved] == [("token_ids", 1, 8)]
+    assert [s.name for s in st.last[0].saved] == ["final_norm_input", "final_norm_rstd", "final_norm_output"]
+    assert [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable)
+            for s in st.last[0].saved] == hand.HEAD_SAVED
