@@ -233,6 +233,9 @@ class Golden:
     pp_nvlink: list[bool]              # is the hop r -> r + 1 inside one domain
     cluster: Cluster
     pipeline_in_domain: bool = False   # all PP ranks of a replica in one domain (balancing then uses NVLink)
+    fp8_block: int = 128               # values per FP32 scale of FP8 storage
+    ce_chunk: int = 1024               # tokens per chunk of the chunked cross-entropy
+    offload_layers: int = 2            # layers whose saved set stays on the GPU under offload
 
 
 def same_bytes(got: int, want) -> bool:  # noqa: ANN001 - Fraction or int
@@ -292,7 +295,7 @@ def golden(g: Golden) -> dict:
         res_adam = Fraction(u.d_adam, fd)
         resident = res_muon + res_adam
         view = pn + Fraction(u.routed, e)                                  # BF16 view 2 (D + E/e)
-        sv, rec, fp8v = saved_bytes(u.saved, t.fp8_activations)
+        sv, rec, fp8v = saved_bytes(u.saved, t.fp8_activations, g.fp8_block)
         sv, rec = sv * T, rec * T
         if g.recompute == "none":
             act, rws = sv, Fraction(0)
@@ -403,7 +406,7 @@ def golden(g: Golden) -> dict:
         host_act = 0
         if t.activation_offload:
             # only the current and the prefetched layer stay on the GPU; the in-flight sets live in host memory
-            led["activations"] = 2 * max(u["act"] for u in units)
+            led["activations"] = g.offload_layers * max(u["act"] for u in units)
             host_act = max(sum(n * a for n, a in zip(h, acts, strict=True)) for h in vecs) * scale
             led["attnres_bank"] = max(sum(n * b for n, b in zip(h, banks, strict=True)) for h in vecs) * scale
             in_flight = peaks[r] * scale
@@ -428,7 +431,7 @@ def golden(g: Golden) -> dict:
         led["pp_buffers"] = 2 * max(packets)
         led["ep_buffers"] = ep_buf if (has_moe and not t.moonep) else 0
         led["routing_map"] = e * T * EXPERTS if has_moe else 0
-        v_tokens = min(T, 1024) if t.fused_cross_entropy else T
+        v_tokens = min(T, g.ce_chunk) if t.fused_cross_entropy else T
         led["logits"] = v_tokens * VOCAB * (2 + 4) if (k - 1) in mine else 0
         ws = max(u["ns_ws"] for u in units)
         led["optimizer_transient"] = (2 * tot("resident") if t.p2p_muon else 2 * tot("view")) + ws
@@ -441,7 +444,10 @@ def golden(g: Golden) -> dict:
             link = "nvlink" if g.pipeline_in_domain else "nic"
             time[link] += moved / ((c.nvlink_gbps if link == "nvlink" else c.nic_gbps) * 1e9)
         update = {res: sum(u["update"][res] for u in units) for res in time}
-        ranks.append({"ledger": led, "time": time, "update": update, "host": host_act + tot("host_grads"),
+        formula = f"{v_tokens} tokens x vocab {VOCAB} x (2 B BF16 logits + 4 B FP32 softmax)" + (
+            " (one cross-entropy chunk)" if t.fused_cross_entropy else "")
+        ranks.append({"logits_formula": formula, "ledger": led, "time": time, "update": update,
+                      "host": host_act + tot("host_grads"),
                       "in_flight": in_flight,
                       "residual_out": [residuals(bounds[j][1]) for j in mine if j < k - 1],
                       "packet_out": [(1 + residuals(bounds[j][1])) * stream for j in mine if j < k - 1],

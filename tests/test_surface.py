@@ -202,3 +202,12 @@ def test_every_measured_figure_gets_a_validation_row(reference_eval, reference):
         "tokens/s per GPU", ev.step.tokens_per_s_per_gpu, 500.0, "tokens/s")
     assert step.gap == 60.0 - ev.step.step_time_s and math.isclose(step.gap_pct, 100 * step.gap / 60.0)
     assert ev.step.step_time_s == reference_eval.step.step_time_s  # a measurement never moves the model
+
+
+def test_mfu_convention_and_unpriced_items_are_stated(reference_eval):
+    s = reference_eval.step
+    assert s.mfu_convention == (
+        "6 x learned active matrices per token + MLA score/value contractions with the causal half (Megatron "
+        "convention), document length 4096; no recompute, no KDA scan; denominator 2500 TFLOP/s dense BF16 per GPU")
+    assert len(s.unpriced) == 4 and s.unpriced[0].startswith("CP attention communication")
+    assert any("routing imbalance" in u for u in s.unpriced)
