@@ -40,3 +40,17 @@ def test_ep_exchanges_4_without_checkpointing_6_with():
     assert comm.ep_exchanges(False, False) == 4
     assert comm.ep_exchanges(True, False) == 6
     assert comm.ep_exchanges(False, True) == 5
+
+
+def test_members_per_domain_are_counted_per_group():
+    """Four pairs of ranks, each pair inside one 4-GPU domain (two pairs per domain): every member sees 2 of its
+    group in its domain, not the 4 ranks of two groups sharing it."""
+    import numpy as np
+
+    assert comm._min_members_per_domain(np.array([[6, 7], [4, 5], [3, 0], [1, 2]]), 4) == 2
+    assert comm._min_members_per_domain(np.array([[0, 4], [1, 5]]), 4) == 1
+
+
+def test_a_single_stage_pipeline_is_inside_its_domain():
+    pl = comm.placement(8, 1, 1, 8, 1, 8, 72)
+    assert pl.pipeline_in_domain and pl.pp_hop_in_domain == (True,) and pl.ep_local == 8

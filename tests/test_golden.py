@@ -391,3 +391,23 @@ def test_saved_inventory_matches_the_hand_itemization(model):
     assert [s.name for s in st.last[0].saved] == ["final_norm_input", "final_norm_rstd", "final_norm_output"]
     assert [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable)
             for s in st.last[0].saved] == hand.HEAD_SAVED
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(4, 2, 16), (8, 2, 64), (4, 4, 8), (2, 3, 4), (3, 2, 3), (8, 4, 8)])
+def test_interleaved_compositions_are_every_held_vector_of_megatrons_order(p, v, m):
+    """Every distinct (held chunk-microbatches per local chunk) vector a rank passes through in steady state, against
+    the hand enumeration of Megatron's order (golden_k3.inflight_vectors)."""
+    from k3opt.schedule import inflight_compositions
+
+    for r in range(p):
+        assert set(inflight_compositions(p, v, m, r)) == set(hand.inflight_vectors(p, v, m, r)), r
+
+
+def test_every_matrix_named_in_adamw_matrices_moves_to_adamw(model):
+    """optimizer.adamw_matrices is matched by name: naming every text matrix puts each one on AdamW."""
+    names = [t[0] for kind in ("kda", "mla", "dense_ffn", "moe") for t in INVENTORY[kind] if len(t[1]) == 2]
+    moved = model.model_copy(update={"optimizer": model.optimizer.model_copy(update={"adamw_matrices": names})})
+    st = structure_of(moved)
+    for block in (st.layers[1][0], st.layers[3][0], st.layers[0][1], st.layers[1][1]):
+        assert all(t.optimizer == "adamw" for t in block.tensors), block.name
+    assert st.params.muon == 0 and st.params.total == 2_779_931_738_208
