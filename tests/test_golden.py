@@ -383,8 +383,9 @@ def test_saved_inventory_matches_the_hand_itemization(model):
              if s.role != "situ_naive"]
     assert naive == hand.moe_saved(False, False, False) and fused == hand.moe_saved(True, False, False)
     dense = st.layers[0][1]
-    assert [(s.name, s.role) for s in dense.saved][-3:] == [("ffn_situ_fp32_copies", "situ_naive"),
-                                                             ("ffn_situ_input", "situ_fused"), ("ffn_act_output", "")]
+    assert [(s.name, s.role) for s in dense.saved] == [
+        ("mlp_norm_input", ""), ("mlp_norm_rstd", ""), ("mlp_norm_output", ""), ("mlp_attn_res_scores", ""),
+        ("ffn_situ_fp32_copies", "situ_naive"), ("ffn_situ_input", "situ_fused"), ("ffn_act_output", "")]
     assert [(s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable) for s in dense.saved
             if s.role != "situ_fused"] == hand.dense_saved(False)
     assert [(s.name, s.values_per_token, s.bytes_per_value) for s in st.first[0].saved] == [("token_ids", 1, 8)]

@@ -36,6 +36,7 @@ VARIANTS |= {
         {"fp8_block": 32, "ce_chunk": 512, "offload_layers": 3}),
     # rank 0 holds layer 0 only (no MoE layer: no EP buffers, routing map or MoonEP buffers), rank 1 exactly one
     "edge split + moonep": ({"split": [1, 1, 13, 13, 13, 13, 13, 26], "toggles": {"moonep": True}}, {}),
+    "edge split": ({"split": [1, 1, 13, 13, 13, 13, 13, 26]}, {}),
     "selective+offload+balance+fp8": (
         {"recompute": "selective", "toggles": {"activation_offload": True, "balance_activations": True,
                                                "fp8_activations": True}},
@@ -113,3 +114,14 @@ def test_expert_fsdp_inside_a_domain_with_accumulate_and_p2p_muon():
                 recompute="selective", domain_gpus_used=64, fsdp_lifecycle="accumulate", toggles={"p2p_muon": True}),
            dict(gpus=1024, pp=16, vp=1, cp=1, ep=32, fe=2, fd=32, m=32, rows=1, context=4096, doc=4096,
                 recompute="selective", accumulate=True, a_ep=32, a_dense=32, a_expert=2, pp_nvlink=[False] * 16))
+
+
+def test_a_model_without_attnres_carries_no_bank_and_one_stream_per_packet(model):
+    """Without Block AttnRes nothing closes a residual block: no bank, and every PP packet is the hidden stream."""
+    plain = model.model_copy(update={"attn_res": None})
+    ev = k3opt.evaluate(k3opt.make_layout(**REF), model=plain)
+    stream = 4096 * 7168 * 2
+    for r in ev.ranks:
+        assert r.ledger["attnres_bank"] == 0
+        assert r.counts["residual_streams_out"] == ([0] if r.rank < 7 else [])
+        assert r.ledger["pp_buffers"] == 2 * (2 if 0 < r.rank < 7 else 1) * stream
