@@ -316,6 +316,12 @@ class _Static:
 
 @lru_cache(maxsize=16)
 def _static(model_json: str) -> _Static:
+    return _build_static(model_json)
+
+
+# The cached entry points are thin wrappers so that the bodies stay plain functions (mutation testing,
+# bench/mutation.md, only mutates undecorated functions).
+def _build_static(model_json: str) -> _Static:
     model = ModelSpec.model_validate_json(model_json)
     st: Structure = structure_of(model)
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
@@ -360,6 +366,11 @@ def _static(model_json: str) -> _Static:
 @lru_cache(maxsize=512)
 def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
            precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
+    return _build_saved(model_json, tokens, toggles, fp8_block, precision)
+
+
+def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
+                 precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
     st = structure_of(ModelSpec.model_validate_json(model_json))
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
@@ -410,6 +421,10 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
 
 @lru_cache(maxsize=8192)
 def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
+    return _build_coefficients(shape, model_json, cluster_json, rates_json)
+
+
+def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     model = ModelSpec.model_validate_json(model_json)
     cluster = ClusterSpec.model_validate_json(cluster_json)
     sa = _static(model_json)

@@ -167,6 +167,10 @@ class StepTime:
     schedule_step_time_s: float = 0.0
     """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
     forward and backward times (`schedule.replay_makespan`), plus the exposed update. Equal chunks: step_time_s."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
+    `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
+    `exposed_update`; these three sum to step_time_s."""
 
 
 @dataclass(frozen=True)
@@ -597,6 +601,13 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
                         f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
         unpriced=UNPRICED,
         schedule_step_time_s=schedule_makespan_s(cf, ranks, layout) + update,
+        components={
+            "compute": float(slowest.time_s["tensor"]),
+            **{res: float(slowest.time_s[res]) for res in RESOURCES if res != "tensor"},
+            "microbatch_work": float(sh.microbatches * stage),
+            "bubble": float((cf.slots - sh.microbatches) * stage),
+            "exposed_update": float(update),
+        },
     )
 
 

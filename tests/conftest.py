@@ -2,26 +2,64 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import k3opt
+from k3opt import coefficients, schedule, structure
 
 
-@pytest.fixture(scope="session")
+def _mutmut_phase() -> str:
+    """'' outside mutation testing; 'stats' while mutmut records which test calls which function; else the name
+    of the mutant (or mutmut's clean and forced-fail runs)."""
+    return os.environ.get("MUTANT_UNDER_TEST", "")
+
+
+def shared_scope(fixture_name: str, config: pytest.Config) -> str:
+    """One shared evaluation per session, except while mutmut records which tests call which function: a shared
+    fixture is computed inside the first test that asks for it, so the others would never be picked for a mutant."""
+    return "function" if _mutmut_phase() == "stats" else "session"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cold_cost_model_caches():
+    """Under mutation testing (bench/mutation.sh) a mutant's process must not read results cached by mutmut's
+    clean run, and the stats run must see every call: clear the cost model's caches (per test for the stats)."""
+    if _mutmut_phase():
+        _clear_caches()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _per_test_caches_for_mutmut_stats():
+    if _mutmut_phase() == "stats":
+        _clear_caches()
+    yield
+
+
+def _clear_caches() -> None:
+    for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
+               schedule.inflight_compositions):
+        fn.cache_clear()
+    structure._CACHE.clear()
+
+
+@pytest.fixture(scope=shared_scope)
 def model() -> k3opt.ModelSpec:
     return k3opt.load_model("kimi-k3")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=shared_scope)
 def cluster() -> k3opt.ClusterSpec:
     return k3opt.load_cluster("gb200-nvl72")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=shared_scope)
 def reference() -> k3opt.Layout:
     return k3opt.load_layout("k3-gb200-512-reference")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=shared_scope)
 def reference_eval(reference, model, cluster) -> k3opt.Evaluation:
     return k3opt.evaluate(reference, model=model, cluster=cluster)

@@ -80,3 +80,17 @@ def test_cp_prices_mla_and_kda_layers():
     want = (4 * 16384 * 61_440 - 3 * 12 * 2**20) / 900e9
     assert diff[2] - diff[1] == pytest.approx(want, rel=1e-6)
     assert not any("CP attention communication" in u for u in k3opt.evaluate(lays[2]).step.unpriced)
+
+
+def test_members_per_domain_are_counted_per_group():
+    """Four pairs of ranks, each pair inside one 4-GPU domain (two pairs per domain): every member sees 2 of its
+    group in its domain, not the 4 ranks of two groups sharing it."""
+    import numpy as np
+
+    assert comm._min_members_per_domain(np.array([[6, 7], [4, 5], [3, 0], [1, 2]]), 4) == 2
+    assert comm._min_members_per_domain(np.array([[0, 4], [1, 5]]), 4) == 1
+
+
+def test_a_single_stage_pipeline_is_inside_its_domain():
+    pl = comm.placement(8, 1, 1, 8, 1, 8, 72)
+    assert pl.pipeline_in_domain and pl.pp_hop_in_domain == (True,) and pl.ep_local == 8

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import shared_scope
 
 import k3opt
 
@@ -17,7 +18,7 @@ def _eval(reference, model, cluster, **changes):
     return k3opt.evaluate(k3opt.Layout.model_validate(data), model=model, cluster=cluster)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope=shared_scope)
 def base(reference, model, cluster):
     """No recompute, so activation toggles act on the saved set of every in-flight layer."""
     return _eval(reference, model, cluster, recompute="none")

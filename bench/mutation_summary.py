@@ -1,0 +1,50 @@
+"""Per-module mutation score from mutmut's result files (mutants/k3opt/*.py.meta), as bench/mutation.md reports it.
+
+    python bench/mutation_summary.py            # table per module, then the totals
+    python bench/mutation_summary.py --list     # also every mutant not killed, with its status
+
+Score = killed (a timeout counts as killed) / mutants checked. "no tests" (no selected test calls the function)
+counts as not killed; "not checked" (a run stopped early) is left out and shown.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
+          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
+MODULES = ("structure", "coefficients", "evaluate", "schedule", "comm")
+
+
+def main() -> None:
+    root = Path(__file__).resolve().parent.parent / "mutants" / "k3opt"
+    rows, total, not_killed = [], Counter(), []
+    for mod in MODULES:
+        meta = root / f"{mod}.py.meta"
+        if not meta.exists():
+            continue
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        c = Counter(STATUS.get(v, "suspicious") for v in codes.values())
+        total.update(c)
+        rows.append((mod, c))
+        not_killed += [(k, STATUS.get(v, "suspicious")) for k, v in codes.items()
+                       if STATUS.get(v, "suspicious") not in ("killed", "timeout", "not checked")]
+    print("| module | mutants | checked | killed | timeout | survived | no tests | not checked | score |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mod, c in [*rows, ("total", total)]:
+        n = sum(c.values())
+        checked = n - c["not checked"]
+        kill = c["killed"] + c["timeout"]
+        score = f"{100 * kill / checked:.1f}%" if checked else "-"
+        print(f"| {mod} | {n} | {checked} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['no tests']} "
+              f"| {c['not checked']} | {score} |")
+    if "--list" in sys.argv:
+        for key, status in not_killed:
+            print(f"{status}\t{key}")
+
+
+if __name__ == "__main__":
+    main()
