@@ -233,7 +233,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
         "rank": "#", "pp": "PP", "vp": "VP", "cp": "CP", "ep": "EP", "expert_fsdp": "eFSDP",
         "dense_fsdp": "dFSDP", "microbatches": "M", "split_layers": "split", "recompute": "recompute",
         "step_time_s": "step_s", "achievable_step_time_s": "achievable_s",
-        "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "peak_GiB",
+        "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "live_GiB", "peak_device_gib": "device_GiB",
         "headroom_gib": "headroom_GiB", "binding_resource": "binds",
     }
     table = df[list(cols)].rename(columns=cols)
@@ -244,7 +244,9 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines.append("")
     lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
                  "FSDP degrees, M), each with its best split, recompute mode and toggles. Ties in step time go to "
-                 "the lower worst-rank peak.")
+                 "the lower worst-rank peak. live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
+                 "allocator slack and memory outside the allocator (the job's runtime); headroom = HBM - reserve - "
+                 "device.")
     if show_ledger is not None:
         if not 1 <= show_ledger <= len(plan.layouts):
             from k3opt.errors import K3optError

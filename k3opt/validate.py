@@ -11,26 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3opt.evaluate import evaluate
+from k3opt.evaluate import Comparison, evaluate
 from k3opt.specs import load_layout, preset_dir
 
 
 @dataclass(frozen=True)
-class ValidationRow:
-    layout: str
-    figure: str
-    kind: str
-    modeled: float
-    measured: float
-    unit: str
+class ValidationRow(Comparison):
+    """One evaluate() comparison (its gap and gap_pct) with the measured layout it belongs to."""
 
-    @property
-    def gap(self) -> float:
-        return self.measured - self.modeled
-
-    @property
-    def gap_pct(self) -> float:
-        return 100 * self.gap / self.measured
+    layout: str = ""
 
     def to_dict(self) -> dict:
         return {**asdict(self), "gap": self.gap, "gap_pct": self.gap_pct}
@@ -49,7 +38,8 @@ def validation_rows(folder: str | Path | None = None) -> list[ValidationRow]:
         layout = load_layout(path)
         ev = evaluate(layout)
         name = layout.name or path.stem
-        rows += [ValidationRow(name, c.figure, c.kind or "-", c.modeled, c.measured, c.unit) for c in ev.validation]
+        rows += [ValidationRow(c.figure, c.modeled, c.measured, c.unit, c.kind or "-", layout=name)
+                 for c in ev.validation]
     return rows
 
 
