@@ -15,7 +15,8 @@ from pathlib import Path
 
 from k3opt.errors import K3optError
 from k3opt.evaluate import evaluate
-from k3opt.specs import load_layout, preset_dir
+from k3opt.specs import load_layout
+from k3opt.validate import measured_layouts as all_measured_layouts
 
 NOT_EXPRESSIBLE: dict[str, str] = {
     "MB-23": "DeepSeek-V3 FP8-MX (25.11) at PP8 / VP4 / EP32: the pinned recipes hold no PP8 x VP4 pipeline layout "
@@ -63,9 +64,8 @@ class ThroughputValidation:
 
 def measured_layouts(folder: Path | None = None) -> list[Path]:
     """The shipped measured layouts that carry a tokens/s measurement, in row order."""
-    folder = folder or preset_dir("layout") / "measured"
     paths = []
-    for p in sorted(folder.glob("*.toml")):
+    for p in all_measured_layouts(folder):
         lay = load_layout(p)
         if lay.measured is not None and lay.measured.tokens_per_s_per_gpu is not None:
             paths.append(p)
