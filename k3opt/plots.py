@@ -18,12 +18,12 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from k3opt.errors import LayoutError  # noqa: E402
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
+from k3opt.schedule import BACKWARD_OVER_FORWARD, pipeline_order  # noqa: E402
 from k3opt.specs import GIB  # noqa: E402
 
-FORWARD_SHARE = 1 / 3
-"""Forward share of a microbatch's stage time in the timeline: backward computes the input and the weight
-gradients, two GEMMs per forward GEMM, so forward : backward = 1 : 2 (drawing only; the step time is the
-cost model's)."""
+FORWARD_SHARE = 1 / (1 + BACKWARD_OVER_FORWARD)
+"""Forward share of a microbatch's stage time in the timeline, from the schedule module's backward / forward
+ratio (drawing only; the step time is the cost model's)."""
 
 
 def _save(fig: plt.Figure, path: str | Path) -> None:
@@ -131,27 +131,9 @@ class Op:
 
 
 def _order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Rank r's operation order (kind, local chunk, microbatch): 1F1B (Megatron schedules.py) or interleaved
-    1F1B, whose q-th forward runs chunk (q // p) % v on microbatch (q // (p v)) p + q % p and whose backwards
-    take the chunks in reverse; warmup min(2(p - r - 1) + (v - 1) p, v M) forwards (v = 1: min(p - r - 1, M))."""
-    total = v * m
-
-    def fwd(q: int) -> tuple[str, int, int]:
-        return ("F", (q // p) % v, (q // (p * v)) * p + q % p) if v > 1 else ("F", 0, q)
-
-    def bwd(q: int) -> tuple[str, int, int]:
-        return ("B", v - 1 - (q // p) % v, (q // (p * v)) * p + q % p) if v > 1 else ("B", 0, q)
-
-    warm = min(2 * (p - r - 1) + (v - 1) * p, total) if v > 1 else min(p - r - 1, m)
-    ops = [fwd(q) for q in range(warm)]
-    f, b = warm, 0
-    while f < total:
-        ops.append(fwd(f))
-        f += 1
-        ops.append(bwd(b))
-        b += 1
-    ops += [bwd(q) for q in range(b, total)]
-    return ops
+    """Rank r's operation order (kind, local chunk, microbatch): Megatron's 1F1B / interleaved order from the
+    schedule module (`k3opt.schedule.pipeline_order`), with "F" / "B" kinds."""
+    return [("F" if is_fwd else "B", k, mb) for is_fwd, k, mb in pipeline_order(p, v, m, r)]
 
 
 def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]]) -> list[Op]:
