@@ -8,7 +8,8 @@ the GEMMs' stream, one after another, so their time adds to the tensor-core time
     step     = slots x max_r stage_r + update compute + max(0, update communication - overlap window)
 
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
-an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts run concurrently (max). Overlapped, it
+an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts of one layer's all-to-all run concurrently
+(max per layer), the layers one after another (sum). Overlapped, it
 still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest. Data-parallel
 communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
 overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
@@ -16,7 +17,7 @@ overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,6 +48,8 @@ class AchievableStep:
     update_time_s: float
     rank_time_s: tuple[dict[str, float], ...]
     rates: str
+    update_comm_exposed_s: float = 0.0
+    """The update's communication beyond what hides under `dp_overlap_microbatches` stage-microbatches."""
 
 
 def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
@@ -61,11 +64,18 @@ def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) ->
 
 def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
     """Seconds per stage-microbatch of physical rank r on each resource at the achievable rates, EP apart."""
+    return _rank_sums(cf, cf.achievable, cf.pp_seconds_per_byte_achievable, split, r)
+
+
+def _rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[float, ...],
+               split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
+    """Rank r's sums of per-layer seconds, plus its PP packets (at `pp_spb` seconds per byte) and the activation
+    balancing traffic, on the resources they ride."""
     sh = cf.shape
     p, k = sh.pp, sh.chunks
     mine = list(range(r, k, p))
     idx = [i for j in mine for i in _chunk_indices(split, j, cf.n_layers)]
-    out = {res: float(arr[idx].sum()) for res, arr in cf.achievable.items()}
+    out = {res: float(arr[idx].sum()) for res, arr in arrays.items()}
     # Pipeline packets (1 + AttnRes residual streams) x BF16 [T, d], in and out of each chunk, as in the ledger.
     edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
     closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
@@ -74,10 +84,10 @@ def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r
         if j > 0:
             hop = (r - 1) % p
             out["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += (
-                (1 + closes_cum[s]) * cf.stream_bytes * cf.pp_seconds_per_byte_achievable[hop])
+                (1 + closes_cum[s]) * cf.stream_bytes * pp_spb[hop])
         if j < k - 1:
             out["nvlink" if cf.pp_on_nvlink[r] else "nic"] += (
-                (1 + closes_cum[e]) * cf.stream_bytes * cf.pp_seconds_per_byte_achievable[r])
+                (1 + closes_cum[e]) * cf.stream_bytes * pp_spb[r])
     if cf.balanced_inflight is not None:
         n_peak = max(sum(c) for c in cf.compositions[r])
         if n_peak > cf.balanced_inflight:
@@ -87,30 +97,88 @@ def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r
     return out
 
 
+UPDATE_COMPUTE = ("tensor", "hbm", "host_link")
+UPDATE_COMM = ("nvlink", "nic")
+
+
+@dataclass(frozen=True)
+class RankingArrays:
+    """Per-layer (length L + 2) seconds per microbatch whose per-rank sums give the achievable stage time in the
+    roofline's form, stage_r = max_res sum_{i in r} time[res][i] (+ the PP packets on nvlink / nic):
+
+        time[res] = overlapped[res] + exposed          (exposed EP)    or    overlapped[res]    (overlap schedule)
+
+    `overlapped` folds the memory-bound kernels into `tensor` (serial with the GEMMs) and, under an EP overlap
+    schedule, the dispatcher's SM share of the all-to-all into `tensor` and the all-to-all into its own `ep_nvlink`
+    / `ep_nic` resources. `exposed` is each layer's dispatch + combine, max(NVLink side, NIC side): the two sides
+    of one all-to-all run concurrently, the layers one after another. max_res(A_res) + E = max_res(A_res + E), so
+    the exposed part rides every resource. `update` keeps the compute side of the update only (the communication
+    side, `update_hidden`, hides under `dp_overlap_microbatches` x stage and adds only its excess)."""
+
+    time: dict[str, np.ndarray]
+    update: dict[str, np.ndarray]
+    exposed: np.ndarray
+    """Per layer: exposed EP all-to-all seconds (zeros under an overlap schedule)."""
+    update_hidden: dict[str, np.ndarray]
+    """The update's communication (NVLink, NIC): step += max(0, its worst rank sum - hidden_stages x stage)."""
+    hidden_stages: float
+
+
+def ranking_arrays(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | None) -> RankingArrays:
+    """The achievable arrays in the roofline's form (RankingArrays); cf must carry achievable arrays."""
+    a = cf.achievable
+    exposed_on = rates.overlap.ep_exposed_without_overlap and not cf.shape.ep_overlap
+    serial = rates.overlap.vector_serial_with_tensor
+    over = {res: a[res] for res in OVERLAPPED}
+    over["tensor"] = a["tensor"] + a["vector"] if serial else a["tensor"]
+    if not serial:
+        over["vector"] = a["vector"]
+    ep = np.maximum(a["ep_nvlink"], a["ep_nic"])
+    if exposed_on:
+        time = {res: arr + ep for res, arr in over.items()}
+        exposed = ep
+    else:
+        # Overlapped: the all-to-all hides under compute but holds its SMs meanwhile, so the compute it overlaps
+        # runs on the rest: + share x all-to-all time (the measured bandwidth's SM budget).
+        time = dict(over, tensor=over["tensor"] + _sm_share(cf, rates, cluster) * ep,
+                    ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
+        exposed = np.zeros_like(ep)
+    update = {res: (arr if res in UPDATE_COMPUTE else np.zeros_like(arr))
+              for res, arr in cf.update_achievable.items()}
+    hidden = {res: cf.update_achievable[res] for res in UPDATE_COMM}
+    return RankingArrays(time=time, update=update, exposed=exposed, update_hidden=hidden,
+                         hidden_stages=rates.overlap.dp_overlap_microbatches)
+
+
+def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
+    """The coefficients a search ranks by: the achievable arrays (RankingArrays) in the `time` / `update` /
+    `pp_seconds_per_byte` fields and the update's communication in `update_hidden`, every memory array unchanged;
+    `cf` itself without a rates file (the search then ranks by the peak roofline). A search's step on this view,
+    slots x max_r stage_r + max_r update_r + max(0, max_r hidden_r - hidden_stages x stage), is achievable_step's.
+    `update` alone (without the hidden part) is a lower bound of the update, as the search's bounds read it."""
+    rates = rates if rates is not None else rates_for(cluster)
+    if rates is None or not cf.achievable:
+        return cf
+    ra = ranking_arrays(cf, rates, cluster)
+    return replace(cf, time=ra.time, update=ra.update, pp_seconds_per_byte=cf.pp_seconds_per_byte_achievable,
+                   update_hidden=ra.update_hidden, update_hidden_stages=ra.hidden_stages)
+
+
 def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec,
                     cluster: ClusterSpec | None = None) -> AchievableStep:
-    """Roofline plus bubble at the achievable ceilings (module docstring)."""
+    """Roofline plus bubble at the achievable ceilings (module docstring), summed from ranking_arrays."""
     sh = cf.shape
-    share = _sm_share(cf, rates, cluster)
+    ra = ranking_arrays(cf, rates, cluster)
     per_rank = tuple(rank_achievable_time(cf, split, r) for r in range(sh.pp))
     stages = []
-    for t in per_rank:
-        ep = max(t.get("ep_nvlink", 0.0), t.get("ep_nic", 0.0))
-        exposed = ep if (rates.overlap.ep_exposed_without_overlap and not sh.ep_overlap) else 0.0
-        inner = {res: t[res] for res in OVERLAPPED}
-        if rates.overlap.vector_serial_with_tensor:
-            inner["tensor"] += t.get("vector", 0.0)
-        else:
-            inner["vector"] = t.get("vector", 0.0)
-        if not exposed:
-            # Overlapped: the all-to-all hides under compute but holds its SMs meanwhile, so the compute it
-            # overlaps runs on the rest: + share x all-to-all time (the measured bandwidth's SM budget).
-            inner["tensor"] += share * ep
-            inner["ep_all_to_all"] = ep
-        binding = max(inner, key=inner.get)
-        if exposed > inner[binding]:
+    for r in range(sh.pp):
+        t = _rank_sums(cf, ra.time, cf.pp_seconds_per_byte_achievable, split, r)
+        idx = [i for j in range(r, sh.chunks, sh.pp) for i in _chunk_indices(split, j, cf.n_layers)]
+        exposed = float(ra.exposed[idx].sum())
+        binding = max(t, key=t.get)
+        if exposed > t[binding] - exposed:
             binding = "ep_all_to_all (exposed)"
-        stages.append((max(inner.values()) + exposed, binding, exposed))
+        stages.append((max(t.values()), binding, exposed))
     slowest = max(range(sh.pp), key=lambda r: stages[r][0])
     stage, binding, exposed = stages[slowest]
     idx_all = np.arange(cf.n_layers + 2)
@@ -118,13 +186,15 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     for r in range(sh.pp):
         idx = [i for j in range(r, sh.chunks, sh.pp) for i in _chunk_indices(split, j, cf.n_layers)]
         u = {res: float(arr[idx_all[idx]].sum()) for res, arr in cf.update_achievable.items()}
-        update_compute = max(update_compute, u["tensor"], u["hbm"], u["host_link"])
-        update_comm = max(update_comm, u["nvlink"], u["nic"])
+        update_compute = max(update_compute, *(u[res] for res in UPDATE_COMPUTE))
+        update_comm = max(update_comm, *(u[res] for res in UPDATE_COMM))
     hidden = rates.overlap.dp_overlap_microbatches * stage
-    update = update_compute + max(0.0, update_comm - hidden)
+    comm_exposed = max(0.0, update_comm - hidden)
+    update = update_compute + comm_exposed
     return AchievableStep(
         step_time_s=cf.slots * stage + update, stage_time_s=stage, slowest_rank=slowest, binding=binding,
         exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
+        update_comm_exposed_s=comm_exposed,
     )
 
 
@@ -135,43 +205,3 @@ def achievable_for(cf: Coefficients, split: list[int] | tuple[int, ...], cluster
     if rates is None or not cf.achievable:
         return None
     return achievable_step(cf, split, rates, cluster)
-
-
-@dataclass(frozen=True)
-class SearchArrays:
-    """Per-layer (length L + 2) seconds per microbatch for a search that ranks by the achievable step time:
-
-        stage_r   = max_res sum_{i in r} overlapped[res][i] + exposed_r
-        exposed_r = max(sum_{i in r} ep_nvlink[i], sum_{i in r} ep_nic[i])  if ep_exposed else 0
-
-    where `overlapped` already folds the memory-bound
-    kernels into `tensor` and, under an EP overlap schedule, the SM share of the all-to-all into `tensor` and the
-    all-to-all itself into its own `ep_all_to_all` resource. The PP packets at the achievable rates add to
-    `nvlink` / `nic` per rank as in rank_achievable_time. Every term is a linear sum over the rank's layers, so a
-    CP-SAT model builds it with the same AddMaxEquality constraints as the peak roofline."""
-
-    overlapped: dict[str, np.ndarray]
-    ep_nvlink: np.ndarray
-    ep_nic: np.ndarray
-    ep_exposed: bool
-
-
-def search_arrays(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> SearchArrays | None:
-    """What a search needs to rank layouts of one shape by the achievable step time (None without rates)."""
-    rates = rates if rates is not None else rates_for(cluster)
-    if rates is None or not cf.achievable:
-        return None
-    a = cf.achievable
-    exposed = rates.overlap.ep_exposed_without_overlap and not cf.shape.ep_overlap
-    tensor = a["tensor"] + (a["vector"] if rates.overlap.vector_serial_with_tensor else 0.0)
-    over = {res: a[res].copy() for res in OVERLAPPED}
-    over["tensor"] = tensor
-    if not rates.overlap.vector_serial_with_tensor:
-        over["vector"] = a["vector"].copy()
-    if not exposed:
-        # The SM share is charged on the per-layer max of the two sides: equal to the rank-level charge when one
-        # side is empty (EP inside a domain), an upper bound otherwise.
-        share = _sm_share(cf, rates, cluster)
-        over["ep_nvlink"], over["ep_nic"] = a["ep_nvlink"].copy(), a["ep_nic"].copy()
-        over["tensor"] = tensor + share * np.maximum(a["ep_nvlink"], a["ep_nic"])
-    return SearchArrays(overlapped=over, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"], ep_exposed=exposed)

@@ -230,7 +230,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         if free is None:
             raise
         raise InfeasibleJobError(f"{err} (without the {j.target} limits the best layout takes "
-                                 f"{free.layouts[0].step_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
+                                 f"{free.layouts[0].rank_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
     launch = None
     if save is not None:
         n, path = save
@@ -244,7 +244,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         launch = result.layouts[0].layout.to_launch(export_fmt, j.model)
     cost = None
     if free is not None:
-        best, unlimited = result.layouts[0].step_time_s, free.layouts[0].step_time_s
+        best, unlimited = result.layouts[0].rank_time_s, free.layouts[0].rank_time_s
         cost = (f"launch target {j.target}: best {best:.3f} s with its limits, {unlimited:.3f} s without "
                 f"({_short(free.layouts[0].layout)}); the limits cost "
                 f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
@@ -255,7 +255,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
             "layouts": [it.evaluation.to_dict() for it in result.layouts],
         }
         if free is not None:
-            out.update({"target": j.target, "best_without_target_s": free.layouts[0].step_time_s,
+            out.update({"target": j.target, "best_without_target_s": free.layouts[0].rank_time_s,
                         "layout_without_target": free.layouts[0].evaluation.to_dict()["layout"]})
         if launch is not None and save is None:
             out["export"] = {"format": launch.format, "text": launch.text,
@@ -320,7 +320,8 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         click.echo(df.to_json(orient="records", indent=2))
         return
     cols = ["rank", "gpus", "pp", "vp", "ep", "expert_fsdp", "dense_fsdp", "microbatches", "recompute",
-            "step_time_s", "tokens_per_s_per_gpu", "peak_gib", "headroom_gib"]
+            "achievable_step_time_s", "step_time_s", "achievable_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
+            "peak_gib", "headroom_gib"]
     click.echo(f"Pareto front ({'complete' if result.pareto_complete else 'cut by the time limit'}), "
                f"{len(df)} layouts; ranked search status {result.status}")
     click.echo(df[cols].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))

@@ -180,6 +180,11 @@ class Coefficients:
     update_achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     pp_seconds_per_byte_achievable: tuple[float, ...] = ()
     rates_name: str = ""
+    update_hidden: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """Per-update seconds that hide under `update_hidden_stages` stage-microbatches of compute; only what exceeds
+    that window adds to the step (empty in the cost model's own coefficients: the roofline exposes the whole update;
+    set by the achievable ranking view, k3opt.achievable.ranking_view)."""
+    update_hidden_stages: float = 0.0
 
     @property
     def first(self) -> int:

@@ -163,6 +163,8 @@ class StepTime:
     achievable_binding: str = ""
     achievable_exposed_ep_s: float = 0.0
     """Exposed EP all-to-all per stage-microbatch on the slowest rank (0 with an EP overlap schedule)."""
+    achievable_update_comm_exposed_s: float = 0.0
+    """The update's data-parallel communication left exposed beyond its overlap window (in achievable_step_time_s)."""
     rates: str = ""
     schedule_step_time_s: float = 0.0
     """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
@@ -171,6 +173,18 @@ class StepTime:
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
     `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
     `exposed_update`; these three sum to step_time_s."""
+
+    @property
+    def rank_time_s(self) -> float:
+        """The step time plans rank by: the achievable one when the cluster has a rates file, else the peak
+        roofline."""
+        return self.step_time_s if self.achievable_step_time_s is None else self.achievable_step_time_s
+
+    @property
+    def rank_tokens_per_s_per_gpu(self) -> float:
+        """Tokens/s per GPU at rank_time_s."""
+        a = self.achievable_tokens_per_s_per_gpu
+        return self.tokens_per_s_per_gpu if a is None else a
 
 
 @dataclass(frozen=True)
@@ -572,6 +586,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         step, achievable_step_time_s=ach.step_time_s, achievable_tokens_per_s_per_gpu=tps / cf.shape.gpus,
         achievable_mfu=cf.model_flops_per_token * tps / (cf.shape.gpus * cluster.bf16_tflops * 1e12),
         achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
+        achievable_update_comm_exposed_s=ach.update_comm_exposed_s,
     )
 
 

@@ -200,6 +200,11 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
             "precision": lay.precision.value,
             "achievable_step_time_s": s.achievable_step_time_s,
             "achievable_tokens_per_s_per_gpu": s.achievable_tokens_per_s_per_gpu,
+            "achievable_mfu_pct": None if s.achievable_mfu is None else 100 * s.achievable_mfu,
+            "achievable_binding_resource": s.achievable_binding,
+            "ranked_step_time_s": s.rank_time_s,
+            "ranked_tokens_per_s": s.tokens_per_update / s.rank_time_s,
+            "ranked_mfu_pct": 100 * (s.mfu if s.achievable_mfu is None else s.achievable_mfu),
             "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
             "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
             "peak_gib": ev.peak_bytes / GIB, "peak_allocated_gib": ev.peak_allocated_bytes / GIB,
@@ -219,10 +224,12 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
 def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Plan
     job = plan.job
     gpus = ", ".join(str(g) for g in job.gpu_counts)
+    rates = plan.layouts[0].evaluation.step.rates
+    ranked = f"(achievable, rates '{rates}')" if rates else "(peak roofline: no rates file)"
     lines = [
         f"{job.name or 'job'}: {job.model} on {gpus} {job.cluster} GPUs, context {job.context}, rows {job.rows}, "
         f"tokens per update {job.tokens_per_update or 'from [search] microbatches'}, reserve {job.reserve_gib:g} GiB",
-        f"status {plan.status}: best {plan.layouts[0].step_time_s:.3f} s, bound {plan.bound:.3f} s, "
+        f"status {plan.status}: best {plan.layouts[0].rank_time_s:.3f} s {ranked}, bound {plan.bound:.3f} s, "
         f"gap {100 * plan.gap:.2f}%; {plan.frames_solved} CP-SAT models solved of {plan.frames_total} parallel "
         f"shapes in {plan.solve_time_s:.1f} s (largest model {plan.model_size.get('variables', 0):,} variables, "
         f"{plan.model_size.get('constraints', 0):,} constraints)",
@@ -232,10 +239,12 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     cols = {
         "rank": "#", "pp": "PP", "vp": "VP", "cp": "CP", "ep": "EP", "expert_fsdp": "eFSDP",
         "dense_fsdp": "dFSDP", "microbatches": "M", "split_layers": "split", "recompute": "recompute",
-        "step_time_s": "step_s", "achievable_step_time_s": "achievable_s",
-        "tokens_per_s": "tokens/s", "mfu_pct": "MFU%", "peak_gib": "live_GiB", "peak_device_gib": "device_GiB",
-        "headroom_gib": "headroom_GiB", "binding_resource": "binds",
+        "achievable_step_time_s": "achievable_s", "step_time_s": "step_s",
+        "ranked_tokens_per_s": "tokens/s", "ranked_mfu_pct": "MFU%", "peak_gib": "live_GiB",
+        "peak_device_gib": "device_GiB", "headroom_gib": "headroom_GiB", "binding_resource": "binds",
     }
+    if rates:
+        df["binding_resource"] = df["achievable_binding_resource"]
     table = df[list(cols)].rename(columns=cols)
     table["tokens/s"] = table["tokens/s"].round().astype(int)
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
@@ -243,8 +252,11 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     lines.append("")
     lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
-                 "FSDP degrees, M), each with its best split, recompute mode and toggles. Ties in step time go to "
-                 "the lower worst-rank peak. live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
+                 "FSDP degrees, M), each with its best split, recompute mode and toggles. Ranked by achievable_s "
+                 "(roofline plus bubble at the cluster's achievable rates; step_s, the peak roofline, is the "
+                 "optimistic bound beside it; without a rates file the ranking is by step_s); tokens/s, MFU% and "
+                 "binds are at the ranked time. Ties in step time go to the lower worst-rank peak. "
+                 "live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
                  "allocator slack and memory outside the allocator (the job's runtime); headroom = HBM - reserve - "
                  "device.")
     if show_ledger is not None:

@@ -317,7 +317,7 @@ def test_target_job_never_returns_a_refused_layout():
     for it in bound.layouts:
         assert launch_refusals(it.layout, "megatron-bridge", tiny) == []
         assert it.layout.recompute == Recompute.FULL
-    assert bound.layouts[0].step_time_s >= free.layouts[0].step_time_s
+    assert bound.layouts[0].rank_time_s >= free.layouts[0].rank_time_s
     assert bound.status != "OPTIMAL" or bound.gap == 0.0
 
 

@@ -124,18 +124,44 @@ def test_overlapped_all_to_all_still_holds_its_sms():
         assert step.stage_time_s == pytest.approx(t["tensor"] + t["vector"] + share * ep, rel=1e-12)
 
 
-def test_search_arrays_sum_to_the_achievable_stage():
-    """A search ranking by the achievable step sums per-layer arrays over a rank's layers; for a single-stage
-    layout (no PP packets) that reproduces achievable_step's stage time exactly."""
-    from k3opt.achievable import achievable_for, search_arrays
+def test_ranking_view_sums_to_the_achievable_stage():
+    """The search ranks by per-layer arrays summed over a rank's layers (achievable.ranking_view); for a single-stage
+    layout (no PP packets, EP inside one domain) their max is the achievable stage written from the raw arrays:
+    exposed, max(tensor + vector, HBM, NVLink, NIC, host) + the all-to-all; overlapped, the all-to-all is one more
+    resource and the compute beside it loses HybridEP's 32 of 148 SMs. The view's update keeps the compute side."""
+    from k3opt.achievable import achievable_for, ranking_view
 
     lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
     for overlap in (True, False):
         lo = lay.model_copy(update={"ep_overlap": overlap})
         cf = coefficients(Shape.of(lo), model, cluster)
-        sa = search_arrays(cf, cluster)
-        stage = max(float(v.sum()) for v in sa.overlapped.values())
-        if sa.ep_exposed:
-            stage += max(float(sa.ep_nvlink.sum()), float(sa.ep_nic.sum()))
+        view = ranking_view(cf, cluster)
+        a = {res: float(v.sum()) for res, v in cf.achievable.items()}
+        assert a["ep_nvlink"] > 0 and a["ep_nic"] == 0
+        inner = [a["tensor"] + a["vector"], a["hbm"], a["nvlink"], a["nic"], a["host_link"]]
+        want = (max(inner[0] + 32 / 148 * a["ep_nvlink"], *inner[1:], a["ep_nvlink"]) if overlap
+                else max(inner) + a["ep_nvlink"])
+        stage = max(float(v.sum()) for v in view.time.values())
+        assert stage == pytest.approx(want, rel=1e-12)
         assert stage == pytest.approx(achievable_for(cf, lo.split, cluster).stage_time_s, rel=1e-12)
+        assert view.update["nvlink"].sum() == 0 and view.update["tensor"].sum() == cf.update_achievable["tensor"].sum()
+        assert view.pp_seconds_per_byte == cf.pp_seconds_per_byte_achievable
+        assert view.act is cf.act
+
+
+def test_exposed_all_to_all_is_per_layer_when_it_crosses_domains():
+    """Each layer's dispatch + combine runs its NVLink and NIC sides at once and the layers one after another, so
+    the exposed time is sum over MoE layers of max(NVLink side, NIC side) (B200 row: EP 32 over 8-GPU domains)."""
+    from k3opt.achievable import achievable_for
+
+    lay = k3opt.load_layout("layouts/measured/mb-14-deepseek-v3-b200.toml").model_copy(update={"ep_overlap": False})
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
+    cf = coefficients(Shape.of(lay), model, cluster)
+    step = achievable_for(cf, lay.split, cluster)
+    r = step.slowest_rank
+    edges = np.concatenate([[0], np.cumsum(lay.split)]).astype(int)
+    mine = [i for j in range(r, lay.pp * lay.vp, lay.pp) for i in range(edges[j], edges[j + 1])]
+    nvl, nic = cf.achievable["ep_nvlink"][mine], cf.achievable["ep_nic"][mine]
+    assert nvl.sum() > 0 and nic.sum() > 0
+    assert step.exposed_ep_s == pytest.approx(float(np.maximum(nvl, nic).sum()), rel=1e-12)

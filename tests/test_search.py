@@ -64,7 +64,7 @@ def enumerated(job, tiny, slow):
                                       reserve_gib=1.5)
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
-                        out.append((f, ev.step.step_time_s, ev.peak_bytes, lay))
+                        out.append((f, ev.step.rank_time_s, ev.peak_bytes, lay))
     assert out, "the test space must contain layouts that fit"
     return out
 
@@ -90,7 +90,7 @@ def test_cpsat_optimum_equals_enumeration(job, tiny, slow, enumerated):
     assert plan.status == "OPTIMAL" and plan.gap == 0
     (f_best, (t_best, m_best, _)), *_ = _best_per_frame(enumerated)
     got = plan.layouts[0]
-    assert got.step_time_s == pytest.approx(t_best, abs=TOL_S)
+    assert got.rank_time_s == pytest.approx(t_best, abs=TOL_S)
     assert got.peak_bytes <= m_best + 2 * MIB  # tie-break on the peak at MiB resolution
     assert got.evaluation.fits
 
@@ -99,12 +99,12 @@ def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
     k = 4
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, pareto=False, gap=0)
     want = _best_per_frame(enumerated)[:k]
-    assert [it.step_time_s for it in plan.layouts] == pytest.approx([v[0] for _, v in want], abs=TOL_S)
+    assert [it.rank_time_s for it in plan.layouts] == pytest.approx([v[0] for _, v in want], abs=TOL_S)
     best = dict(_best_per_frame(enumerated))
     for it in plan.layouts:
         f = Frame(it.layout.pp, it.layout.vp, it.layout.cp, it.layout.ep, it.layout.expert_fsdp,
                   it.layout.dense_fsdp, it.layout.microbatches, it.layout.gpus)
-        assert it.step_time_s == pytest.approx(best[f][0], abs=TOL_S)
+        assert it.rank_time_s == pytest.approx(best[f][0], abs=TOL_S)
 
 
 def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
@@ -116,7 +116,7 @@ def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
         if m < best_m - MIB:  # the front is resolved at the 1 MiB epsilon step
             front.append((t, m))
             best_m = m
-    got = [(it.step_time_s, it.peak_bytes) for it in plan.pareto]
+    got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
     for t, m in front:
         assert any(abs(gt - t) <= TOL_S and gm <= m + MIB for gt, gm in got), (t, m / GIB)
     for gt, gm in got:  # nothing returned is dominated by an enumerated layout
@@ -138,7 +138,7 @@ def test_returned_layouts_are_distinct_ranked_fitting_and_honour_the_job(job, ti
     """Replaces a re-run of the evaluate() call the search already makes: what can go wrong in the search's own
     bookkeeping is the order, duplicates, the fit under capacity minus the reserve and the job's batch."""
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
-    times = [it.step_time_s for it in plan.layouts]
+    times = [it.rank_time_s for it in plan.layouts]
     assert len(times) == 3 and times == sorted(times)
     assert len({it.layout.model_dump_json() for it in plan.layouts}) == 3
     capacity = slow.hbm_bytes - int(job.reserve_gib * GIB)
@@ -251,11 +251,11 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
                                   split=split, recompute=rc, toggles=tg, reserve_gib=1.5)
                 ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                 if ev.fits:
-                    rows.append((rc, ev.step.step_time_s, ev.peak_bytes))
+                    rows.append((rc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
-    assert plan.layouts[0].step_time_s == pytest.approx(min(t for _, t, _ in rows), abs=TOL_S)
+    assert plan.layouts[0].rank_time_s == pytest.approx(min(t for _, t, _ in rows), abs=TOL_S)
     t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
     assert min(t for _, t, _ in rows) >= t_dp - 1e-9 and min(m for *_, m in rows) >= m_dp - 1
     for rc in (Recompute.NONE, Recompute.FULL):
@@ -287,12 +287,12 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
                                   context=2048, split=split, recompute=rc,
                                   toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5)
                 ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits and (best is None or ev.step.step_time_s < best):
-                    best = ev.step.step_time_s
+                if ev.fits and (best is None or ev.step.rank_time_s < best):
+                    best = ev.step.rank_time_s
     assert best is not None
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
-    assert plan.layouts[0].step_time_s == pytest.approx(best, abs=TOL_S)
+    assert plan.layouts[0].rank_time_s == pytest.approx(best, abs=TOL_S)
 
 
 def test_minmax_split_equals_enumeration():
@@ -322,7 +322,7 @@ def test_interrupt_returns_the_best_so_far(job, tiny, slow):
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=False, gap=0, progress=interrupt)
     assert plan.status == "FEASIBLE" and plan.layouts
     assert all(it.evaluation.fits for it in plan.layouts)
-    assert plan.bound <= plan.layouts[0].step_time_s and 0 <= plan.gap < 1
+    assert plan.bound <= plan.layouts[0].rank_time_s and 0 <= plan.gap < 1
 
 
 def test_plain_job_gets_a_layout_under_a_short_limit():
@@ -332,7 +332,7 @@ def test_plain_job_gets_a_layout_under_a_short_limit():
     plan = k3opt.plan(job, top=1, pareto=False, time_limit=30)
     assert plan.layouts and plan.layouts[0].evaluation.fits
     assert plan.status in ("OPTIMAL", "FEASIBLE")
-    assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].step_time_s
+    assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].rank_time_s
 
 
 def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
@@ -358,11 +358,11 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
                                       toggles=dict(zip(ALLOWED, flags, strict=True)), reserve_gib=1.5)
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
-                        rows.append((f, rc, lc, ev.step.step_time_s, ev.peak_bytes))
+                        rows.append((f, rc, lc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
-    assert plan.layouts[0].step_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
+    assert plan.layouts[0].rank_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
     assert plan.layouts[0].layout.cp == 2
     for f in frames:
         mine = [r for r in rows if r[0] == f]

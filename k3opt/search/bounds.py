@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from k3opt.coefficients import Coefficients, balance_moved_bytes, coefficients
+from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.schedule import schedule_slots
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -26,6 +26,8 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
+from k3opt.search.ranking import work_floor  # a work floor over the activation toggles
 from k3opt.specs import (
     ClusterSpec,
     FsdpLifecycle,
@@ -45,7 +47,7 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
     host under pipeline ZeRO-2), which no toggle removes."""
     base = ActMode(Recompute.NONE, False, False, False, False)
-    cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    cf = work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     p = f.pp
     stage = float(cf.time["tensor"].sum()) / p
     update = float(cf.update["tensor"].sum()) / p
@@ -79,8 +81,8 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     rank's work on every resource; the stage must fit persistent + in-flight saved bytes, or the optimizer phase,
     under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
     allowed = _allowed_on(job)
-    cf = coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
-                                  lc), model, cluster)
+    cf = work_floor(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
+                                lc), model, cluster)
     lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
     lcf = _memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
@@ -106,8 +108,8 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     allowed = _allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
-    cheap = [coefficients(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
-                                      lc), model, cluster) for rc in recs for lc in lcs]
+    cheap = [work_floor(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
+                                    lc), model, cluster) for rc in recs for lc in lcs]
     lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
             for rc in recs for lc in lcs]
     time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}

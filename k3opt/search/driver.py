@@ -33,7 +33,8 @@ from k3opt.specs import (
 
 
 def _key(ev: Evaluation) -> tuple[float, int]:
-    return (ev.step.step_time_s, ev.peak_bytes)
+    """Plans rank by the achievable step time (the roofline without a rates file), ties to the lower peak."""
+    return (ev.step.rank_time_s, ev.peak_bytes)
 
 
 ProgressFn = Callable[[int, int, float], None]
@@ -156,8 +157,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             k = kth()
 
             def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
-                return k is not None and (t >= k.step_time_s * (1 - gap) if gap > 0 else
-                                          (t > k.step_time_s or (t == k.step_time_s and m >= k.peak_bytes)))
+                return k is not None and (t >= k.rank_time_s * (1 - gap) if gap > 0 else
+                                          (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
 
             if closed(t_lb, m_lb):
                 break
@@ -185,7 +186,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 heapq.heappop(heap)
             current = t_lb
             mine = best_of.get(f)
-            if mine is not None and (t_lb > mine.step_time_s or (gap > 0 and t_lb >= mine.step_time_s * (1 - gap))):
+            if mine is not None and (t_lb > mine.rank_time_s or (gap > 0 and t_lb >= mine.rank_time_s * (1 - gap))):
                 residual = min(residual, t_lb)
                 current = math.inf
                 continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
@@ -236,7 +237,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if res.status in ("FEASIBLE", "UNKNOWN"):
                 # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
                 heapq.heappush(heap, (node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
-            elif res.status == "OPTIMAL" and item is not None and node_bound < item.step_time_s:
+            elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
                 residual = min(residual, node_bound)  # proven to the relative gap only
             current = math.inf
             if progress:
@@ -259,10 +260,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 "raise --time-limit")
         raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
     top_items = ranked[:top]
-    best_t = top_items[0].step_time_s
+    best_t = top_items[0].rank_time_s
     bound = min(bound, best_t)
     proven_gap = (best_t - bound) / best_t if best_t else 0.0
-    k = ranked[min(top, len(ranked)) - 1].step_time_s
+    k = ranked[min(top, len(ranked)) - 1].rank_time_s
     done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
     status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
     front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers)

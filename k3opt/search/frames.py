@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3opt import comm
-from k3opt.coefficients import Coefficients, Shape, coefficients
+from k3opt.coefficients import Coefficients, Shape
 from k3opt.memory_outside import allocated_budget_bytes
 from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
     GIB,
     ClusterSpec,

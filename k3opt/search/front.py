@@ -1,4 +1,5 @@
-"""The Pareto front over (tokens/s per GPU, GPUs, worst-rank peak) by epsilon-constraint solves."""
+"""The Pareto front over (tokens/s per GPU, GPUs, worst-rank peak) by epsilon-constraint solves; tokens/s per GPU
+at the ranked step time (achievable when the cluster has rates, search/ranking.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         """Some point found has at least the frame's best possible tokens/s per GPU, no more GPUs, and a
         peak no higher than peak_cap (with one GPU count: a step time no longer than the frame's bound)."""
         tps_ub = job_tokens(f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
-        return any(p.evaluation.step.tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
+        return any(p.evaluation.step.rank_tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
                    and p.peak_bytes <= peak_cap for p in points)
 
     def job_tokens(f: Frame) -> int:
@@ -88,10 +89,10 @@ def _frame_of(layout: Layout) -> Frame:
 def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
     """Layouts no other beats on tokens/s per GPU, GPU count and worst-rank peak at once (one of them strictly).
     With one GPU count and fixed tokens per update this is the (step time, peak) front."""
-    items = sorted(items, key=lambda it: (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes))
+    items = sorted(items, key=lambda it: (-it.evaluation.step.rank_tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes))
 
     def crit(it: PlanItem) -> tuple[float, int, int]:
-        return (-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes)
+        return (-it.evaluation.step.rank_tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes)
 
     front: list[PlanItem] = []
     for it in items:
@@ -99,4 +100,4 @@ def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
         if not any(all(a <= b for a, b in zip(crit(o), c, strict=True)) and crit(o) != c for o in front) \
                 and all(crit(o) != c for o in front):
             front.append(it)
-    return sorted(front, key=lambda it: (it.layout.gpus, it.step_time_s))
+    return sorted(front, key=lambda it: (it.layout.gpus, it.rank_time_s))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from k3opt.coefficients import Coefficients, coefficients
+from k3opt.coefficients import Coefficients
 from k3opt.evaluate import evaluate
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -28,6 +28,7 @@ from k3opt.search.frames import (
     layout_of,
     lifecycles,
 )
+from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
 from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 
@@ -162,8 +163,8 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
             if not ev.fits:
                 continue
             fitted = True
-            key = (ev.step.step_time_s, ev.peak_bytes)
-            if key[0] < better_than and (best is None or key < (best.step_time_s, best.peak_bytes)):
+            key = (ev.step.rank_time_s, ev.peak_bytes)
+            if key[0] < better_than and (best is None or key < (best.rank_time_s, best.peak_bytes)):
                 best = PlanItem(ev.layout, ev)
             break  # the splits come most work-balanced first: the first that fits stands for this candidate
         return fitted

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
 from k3opt.search.bounds import _DP_HINTS, node_lower_bound
@@ -28,6 +28,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
 from k3opt.specs import (
     MIB,
@@ -139,7 +140,8 @@ class FrameModel:
         extra = max(max(float(c.time[res].sum()) for res in c.time)
                     for c in (*self.offload.values(), self.z2, self.bal, self.fce))
         pp_bytes = 2 * self.K * (1 + float(self.c0.closes.sum())) * self.c0.stream_bytes
-        upd = max(max(float(c.update[res].sum()) for res in c.update) for c in (*self.p2p.values(), self.z2))
+        upd = max(max(float(c.update[res].sum()) for res in (*c.update, *c.update_hidden))
+                  for c in (*self.p2p.values(), self.z2))
         self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**5
         self.tie_max = self.cap_bytes // PEAK_TIE_UNIT + 1
         self.ranks = [self._rank(r) for r in range(p)]
@@ -335,7 +337,7 @@ class FrameModel:
 
         # time per microbatch ----------------------------------------------------------------
         times = {}
-        for res in ("tensor", "hbm", "nvlink", "nic", "host_link"):
+        for res in c0.time:  # the ranked view's resources (search/ranking.py)
             t = tvar(f"t_{res}")
             for md in self.modes:
                 for lc in self.lcs:
@@ -343,7 +345,7 @@ class FrameModel:
                           ).only_enforce_if([self.mv[md], self.lv[lc]])
             times[res] = t
         upd = {}
-        for res in ("tensor", "hbm", "nvlink", "nic", "host_link"):
+        for res in c0.update:
             u = tvar(f"u_{res}")
             for lc in self.lcs:
                 base = self._rank_sum(self._t(self.base[(self.modes[0], lc)].update[res]), r)
@@ -354,7 +356,20 @@ class FrameModel:
                 m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
                 m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
             upd[res] = u
-        return {"peak": peak, "times": times, "update": upd}
+        hidden = {}
+        for res in c0.update_hidden:
+            # The update's communication that hides under compute (ranking view, search/ranking.py): same cases.
+            u = tvar(f"h_{res}")
+            for lc in self.lcs:
+                base = self._rank_sum(self._t(self.base[(self.modes[0], lc)].update_hidden[res]), r)
+                pz = self._rank_sum(self._t(self.p2p[lc].update_hidden[res]), r)
+                z2 = self._rank_sum(self._t(self.z2.update_hidden[res] - self.c0.update_hidden[res]), r)
+                m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+                m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+            hidden[res] = u
+        return {"peak": peak, "times": times, "update": upd, "hidden": hidden}
 
     def _extra(self, res: str, r: int, md: ActMode, mine: list[int]) -> cp_model.LinearExprT:
         """Rank-level time terms on top of the per-layer sums: PP packets, the toggles' costs."""
@@ -417,8 +432,16 @@ class FrameModel:
         peak_mib = m.new_int_var(0, self.tie_max, "peak_mib")
         for rk in self.ranks:
             m.add(peak_mib * (PEAK_TIE_UNIT // MEM_UNIT) >= rk["peak"])
+        exposed = 0
+        if self.c0.update_hidden:
+            # Only the hidden communication beyond its window of update_hidden_stages x stage adds to the step.
+            exposed = m.new_int_var(0, self.time_ub, "update_hidden_exposed")
+            num, den = _ratio(self.c0.update_hidden_stages)
+            for rk in self.ranks:
+                for u in rk["hidden"].values():
+                    m.add(den * exposed >= den * u - num * stage)
         slots_v = f.vp * f.microbatches + f.pp - 1  # v * (M + (p - 1)/v)
-        self.step_units = slots_v * stage + f.vp * update
+        self.step_units = slots_v * stage + f.vp * (update + exposed)
         self.peak_mib = peak_mib
         self.stage, self.update = stage, update
         # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
@@ -547,13 +570,15 @@ def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec
 
 
 def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
-    """The solver's integer objective and evaluate() must agree to the integer resolution."""
+    """The solver's integer objective and evaluate()'s ranked step time (search/ranking.py) must agree to the
+    integer resolution."""
     f = fm.f
     solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
     slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
-    if not (ev.step.step_time_s - 1e-9 <= solver_step <= ev.step.step_time_s + slack):
+    ranked = ev.step.rank_time_s
+    if not (ranked - 1e-9 <= solver_step <= ranked + slack):
         raise RuntimeError(
-            f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ev.step.step_time_s:.6f} s"
+            f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ranked:.6f} s"
         )
     if not ev.fits:
         raise RuntimeError(f"solver returned a layout evaluate() says does not fit: {f} {res.split}")

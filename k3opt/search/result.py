@@ -21,6 +21,11 @@ class PlanItem:
         return self.evaluation.step.step_time_s
 
     @property
+    def rank_time_s(self) -> float:
+        """The step time the plan ranks by: achievable when the cluster has a rates file, else the roofline."""
+        return self.evaluation.step.rank_time_s
+
+    @property
     def peak_bytes(self) -> int:
         return self.evaluation.peak_bytes
 
@@ -34,7 +39,8 @@ class Plan:
     layouts: list[PlanItem]
     pareto: list[PlanItem]
     bound: float
-    """Lower bound on the best step time (s) over the whole space; equals the best when OPTIMAL."""
+    """Lower bound on the best ranked step time (PlanItem.rank_time_s, s) over the whole space; equals the best when
+    OPTIMAL."""
     gap: float
     """(best - bound) / best."""
     frames_total: int
