@@ -165,6 +165,9 @@ class StepTime:
     """Exposed EP all-to-all per stage-microbatch on the slowest rank (0 with an EP overlap schedule)."""
     achievable_update_comm_exposed_s: float = 0.0
     """The update's data-parallel communication left exposed beyond its overlap window (in achievable_step_time_s)."""
+    achievable_stage_time_s: float = 0.0
+    achievable_update_time_s: float = 0.0
+    """achievable_step_time_s = slots x achievable_stage_time_s + achievable_update_time_s."""
     rates: str = ""
     schedule_step_time_s: float = 0.0
     """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
@@ -586,7 +589,8 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         step, achievable_step_time_s=ach.step_time_s, achievable_tokens_per_s_per_gpu=tps / cf.shape.gpus,
         achievable_mfu=cf.model_flops_per_token * tps / (cf.shape.gpus * cluster.bf16_tflops * 1e12),
         achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
-        achievable_update_comm_exposed_s=ach.update_comm_exposed_s,
+        achievable_update_comm_exposed_s=ach.update_comm_exposed_s, achievable_stage_time_s=ach.stage_time_s,
+        achievable_update_time_s=ach.update_time_s,
     )
 
 

@@ -45,6 +45,13 @@ class ThroughputRow:
     """k3opt's model FLOPs per token (6 x active matrices + causal attention)."""
     measured_flops_per_token: float | None = None
     """The run's: its model TFLOP/s per GPU / its tokens/s per GPU (Megatron's FLOP count)."""
+    stage_ms: float = 0.0
+    """The achievable stage time per stage-microbatch (slowest rank), ms."""
+    stage_gap_ms: float = 0.0
+    """GAP: what the measurement leaves per stage-microbatch beyond it, (measured step - achievable update) / slots
+    - stage, ms; negative when the prediction is slower."""
+    layers_per_rank: float = 0.0
+    """Decoder layers per pipeline rank (L / PP), to read the GAP per layer."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
                              "add one to validate its throughput")
         measured = float(lay.measured.tokens_per_s_per_gpu)
         pred, roof = st.achievable_tokens_per_s_per_gpu, st.tokens_per_s_per_gpu
+        measured_step = st.tokens_per_update / (measured * lay.gpus)
         rows.append(ThroughputRow(
             id=lay.name or path.stem, model=ev.model.name, cluster=ev.cluster.name, gpus=lay.gpus,
             precision=lay.precision.value, measured_tps_per_gpu=measured, predicted_tps_per_gpu=pred,
@@ -97,6 +105,9 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
             source=lay.source, flops_per_token=st.model_flops_per_token,
             measured_flops_per_token=(lay.measured.model_tflops_per_gpu * 1e12 / measured
                                       if lay.measured.model_tflops_per_gpu else None),
+            stage_ms=1e3 * st.achievable_stage_time_s,
+            stage_gap_ms=1e3 * ((measured_step - st.achievable_update_time_s) / st.slots - st.achievable_stage_time_s),
+            layers_per_rank=ev.model.num_layers / lay.pp,
         ))
     if not rows:
         raise K3optError("no measured layouts with tokens_per_s_per_gpu found")
@@ -124,4 +135,12 @@ def validation_table(v: ThroughputValidation) -> str:
                f"peak roofline: {v.roofline_mean_abs_error_pct:.1f}%.")
     for rid, why in v.not_expressible.items():
         out.append(f"Not expressible: {rid}: {why}.")
+    out.append("")
+    out.append("GAP per stage-microbatch (what the measured step leaves beyond the achievable stage: "
+               "(measured step - achievable update) / slots - stage; never a scale factor):")
+    for r in v.rows:
+        per_layer = r.stage_gap_ms / r.layers_per_rank if r.layers_per_rank else 0.0
+        out.append(f"  {r.id:<6} stage {r.stage_ms:8.1f} ms, GAP {r.stage_gap_ms:+8.1f} ms "
+                   f"({100 * r.stage_gap_ms / r.stage_ms:+.0f}%; {per_layer:+.2f} ms per layer, "
+                   f"{r.layers_per_rank:g} layers a rank)")
     return "\n".join(out)
