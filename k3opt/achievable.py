@@ -6,6 +6,7 @@ ceilings of k3opt.rates (an empirical roofline), and the overlap rules of the ra
 `vector` is the memory-bound kernels between the GEMMs (norms, activations, permutes, quantize): they run on
 the GEMMs' stream, one after another, so their time adds to the tensor-core time instead of hiding under it.
     step     = slots x max_r stage_r + update compute + max(0, update communication - overlap window)
+               (+ under an EP overlap schedule, the exposed all-to-all of its unpaired microbatches)
 
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
 an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts of one layer's all-to-all run concurrently
@@ -21,9 +22,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from k3opt import comm
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.rates import RatesSpec, rates_for
-from k3opt.specs import ClusterSpec
+from k3opt.schedule import ep_overlap_unpaired
+from k3opt.specs import ClusterSpec, Recompute
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
 
@@ -50,6 +53,8 @@ class AchievableStep:
     rates: str
     update_comm_exposed_s: float = 0.0
     """The update's communication beyond what hides under `dp_overlap_microbatches` stage-microbatches."""
+    unpaired_ep_s: float = 0.0
+    """Under an EP overlap schedule: the exposed all-to-all of the microbatches run without a partner."""
 
 
 def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
@@ -155,7 +160,9 @@ def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None
     `pp_seconds_per_byte` fields and the update's communication in `update_hidden`, every memory array unchanged;
     `cf` itself without a rates file (the search then ranks by the peak roofline). A search's step on this view,
     slots x max_r stage_r + max_r update_r + max(0, max_r hidden_r - hidden_stages x stage), is achievable_step's.
-    `update` alone (without the hidden part) is a lower bound of the update, as the search's bounds read it."""
+    `update` alone (without the hidden part) is a lower bound of the update, as the search's bounds read it. Under
+    an EP overlap schedule (a layout field no search sets) the view leaves out the unpaired microbatches'
+    all-to-all (unpaired_ep_s), and is a lower bound."""
     rates = rates if rates is not None else rates_for(cluster)
     if rates is None or not cf.achievable:
         return cf
@@ -191,11 +198,35 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     hidden = rates.overlap.dp_overlap_microbatches * stage
     comm_exposed = max(0.0, update_comm - hidden)
     update = update_compute + comm_exposed
+    unpaired = unpaired_ep_s(cf, split, rates, cluster)
     return AchievableStep(
-        step_time_s=cf.slots * stage + update, stage_time_s=stage, slowest_rank=slowest, binding=binding,
-        exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
-        update_comm_exposed_s=comm_exposed,
+        step_time_s=cf.slots * stage + update + unpaired, stage_time_s=stage, slowest_rank=slowest,
+        binding=binding, exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
+        update_comm_exposed_s=comm_exposed, unpaired_ep_s=unpaired,
     )
+
+
+def unpaired_ep_s(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec,
+                  cluster: ClusterSpec | None) -> float:
+    """Under an EP overlap schedule, the all-to-all of the microbatches the schedule runs without a partner
+    (schedule.ep_overlap_unpaired: the warmup forwards, the cooldown backwards) is exposed: per rank,
+    (1 - SM share) x sum over those chunk passes of their all-to-all (forward: dispatch + combine, 2 of the
+    `comm.ep_exchanges` payloads; backward: the rest), as they would cost beside compute; the slowest rank's adds
+    to the step. 0 without an overlap schedule (then every all-to-all is exposed in the stage already)."""
+    sh = cf.shape
+    if not sh.ep_overlap or not rates.overlap.ep_exposed_without_overlap:
+        return 0.0
+    ep = np.maximum(cf.achievable["ep_nvlink"], cf.achievable["ep_nic"])
+    exch = comm.ep_exchanges(sh.recompute == Recompute.FULL, sh.toggles.dispatch_recompute)
+    fwd_share = 2 / exch
+    keep = 1 - _sm_share(cf, rates, cluster)
+    worst = 0.0
+    for r in range(sh.pp):
+        chunk = [float(ep[_chunk_indices(split, r + k * sh.pp, cf.n_layers)].sum()) for k in range(sh.vp)]
+        fwd, bwd = ep_overlap_unpaired(sh.pp, sh.vp, sh.microbatches, r)
+        worst = max(worst, keep * (fwd_share * sum(chunk[k] for k in fwd)
+                                   + (1 - fwd_share) * sum(chunk[k] for k in bwd)))
+    return worst
 
 
 def achievable_for(cf: Coefficients, split: list[int] | tuple[int, ...], cluster: ClusterSpec,

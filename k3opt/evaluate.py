@@ -167,7 +167,9 @@ class StepTime:
     """The update's data-parallel communication left exposed beyond its overlap window (in achievable_step_time_s)."""
     achievable_stage_time_s: float = 0.0
     achievable_update_time_s: float = 0.0
-    """achievable_step_time_s = slots x achievable_stage_time_s + achievable_update_time_s."""
+    achievable_unpaired_ep_s: float = 0.0
+    """achievable_step_time_s = slots x achievable_stage_time_s + achievable_update_time_s + achievable_unpaired_ep_s
+    (the exposed all-to-all of the microbatches an EP overlap schedule runs without a partner)."""
     rates: str = ""
     schedule_step_time_s: float = 0.0
     """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
@@ -590,7 +592,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_mfu=cf.model_flops_per_token * tps / (cf.shape.gpus * cluster.bf16_tflops * 1e12),
         achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
         achievable_update_comm_exposed_s=ach.update_comm_exposed_s, achievable_stage_time_s=ach.stage_time_s,
-        achievable_update_time_s=ach.update_time_s,
+        achievable_update_time_s=ach.update_time_s, achievable_unpaired_ep_s=ach.unpaired_ep_s,
     )
 
 

@@ -95,11 +95,7 @@ def pipeline_order(p: int, v: int, m: int, r: int) -> list[tuple[bool, int, int]
     Forwards go in groups of p microbatches per model chunk, chunk 0 first; backwards the same, last chunk first.
     Warmup: min(p - r - 1, M) forwards (1F1B), or 2(p - r - 1) + (v - 1)p (interleaved), capped at v M; then one
     forward and one backward alternate; the cooldown drains the backwards."""
-    fwd, bwd = [], []
-    for start in range(0, m, p):
-        group = range(start, min(start + p, m))
-        fwd += [(k, mb) for k in range(v) for mb in group]
-        bwd += [(k, mb) for k in reversed(range(v)) for mb in group]
+    fwd, bwd = _chunk_orders(p, v, m)
     total = v * m
     warm = min(p - r - 1, m) if v == 1 else min(2 * (p - r - 1) + (v - 1) * p, total)
     ops = [(True, *fwd[q]) for q in range(warm)]
@@ -107,6 +103,28 @@ def pipeline_order(p: int, v: int, m: int, r: int) -> list[tuple[bool, int, int]
         ops += [(True, *fwd[warm + i]), (False, *bwd[i])]
     ops += [(False, *bwd[q]) for q in range(total - warm, total)]
     return ops
+
+
+def _chunk_orders(p: int, v: int, m: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(local chunk, microbatch) of a rank's forwards and of its backwards in Megatron's order: groups of p
+    microbatches per model chunk, chunk 0 first for forwards, last chunk first for backwards."""
+    fwd, bwd = [], []
+    for start in range(0, m, p):
+        group = range(start, min(start + p, m))
+        fwd += [(k, mb) for k in range(v) for mb in group]
+        bwd += [(k, mb) for k in reversed(range(v)) for mb in group]
+    return fwd, bwd
+
+
+def ep_overlap_unpaired(p: int, v: int, m: int, r: int) -> tuple[list[int], list[int]]:
+    """Local chunks of the forwards and of the backwards that Megatron's EP-overlap schedule runs without a partner
+    on rank r (their all-to-all cannot hide under another microbatch's compute): the 2(p - r - 1) + (v - 1)p + 1
+    warmup forwards (capped at v M) and as many cooldown backwards. With PP > 1 (which needs VP) Megatron's
+    `get_pp_rank_microbatches` adds the one warmup forward to the interleaved count; under PP 1 (`combined_1f1b.py`)
+    the first forward and the last backward run alone, which the same count gives (1)."""
+    w = min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+    fwd, bwd = _chunk_orders(p, v, m)
+    return [k for k, _ in fwd[:w]], [k for k, _ in bwd[v * m - w:]]
 
 
 def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,

@@ -48,8 +48,8 @@ class ThroughputRow:
     stage_ms: float = 0.0
     """The achievable stage time per stage-microbatch (slowest rank), ms."""
     stage_gap_ms: float = 0.0
-    """GAP: what the measurement leaves per stage-microbatch beyond it, (measured step - achievable update) / slots
-    - stage, ms; negative when the prediction is slower."""
+    """GAP: what the measurement leaves per stage-microbatch beyond it, (measured step - achievable update - unpaired
+    all-to-all) / slots - stage, ms; negative when the prediction is slower."""
     layers_per_rank: float = 0.0
     """Decoder layers per pipeline rank (L / PP), to read the GAP per layer."""
 
@@ -106,7 +106,8 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
             measured_flops_per_token=(lay.measured.model_tflops_per_gpu * 1e12 / measured
                                       if lay.measured.model_tflops_per_gpu else None),
             stage_ms=1e3 * st.achievable_stage_time_s,
-            stage_gap_ms=1e3 * ((measured_step - st.achievable_update_time_s) / st.slots - st.achievable_stage_time_s),
+            stage_gap_ms=1e3 * ((measured_step - st.achievable_update_time_s - st.achievable_unpaired_ep_s) / st.slots
+                                - st.achievable_stage_time_s),
             layers_per_rank=ev.model.num_layers / lay.pp,
         ))
     if not rows:
@@ -137,7 +138,7 @@ def validation_table(v: ThroughputValidation) -> str:
         out.append(f"Not expressible: {rid}: {why}.")
     out.append("")
     out.append("GAP per stage-microbatch (what the measured step leaves beyond the achievable stage: "
-               "(measured step - achievable update) / slots - stage; never a scale factor):")
+               "(measured step - achievable update - unpaired all-to-all) / slots - stage; never a scale factor):")
     for r in v.rows:
         per_layer = r.stage_gap_ms / r.layers_per_rank if r.layers_per_rank else 0.0
         out.append(f"  {r.id:<6} stage {r.stage_ms:8.1f} ms, GAP {r.stage_gap_ms:+8.1f} ms "

@@ -165,3 +165,36 @@ def test_exposed_all_to_all_is_per_layer_when_it_crosses_domains():
     nvl, nic = cf.achievable["ep_nvlink"][mine], cf.achievable["ep_nic"][mine]
     assert nvl.sum() > 0 and nic.sum() > 0
     assert step.exposed_ep_s == pytest.approx(float(np.maximum(nvl, nic).sum()), rel=1e-12)
+
+
+def test_unpaired_microbatches_of_the_ep_overlap_schedule():
+    """Megatron's combined 1F1B pairs one microbatch's forward with another's backward; the ones without a partner
+    run their all-to-all exposed. Interleaved PP 4 x VP 4, 64 microbatches, rank 0: warmup 2(4 - 1) + 3 x 4 + 1 = 19
+    forwards, chunks in groups of 4 microbatches (0000 1111 2222 3333 000); the last 19 backwards run last chunk
+    first per group (000 | 3333 2222 1111 0000). PP 1: the first forward and the last backward."""
+    from k3opt.schedule import ep_overlap_unpaired
+
+    fwd, bwd = ep_overlap_unpaired(4, 4, 64, 0)
+    assert fwd == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [0] * 3
+    assert bwd == [0] * 3 + [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4
+    assert ep_overlap_unpaired(4, 4, 64, 3) == ([0] * 4 + [1] * 4 + [2] * 4 + [3], [3] + [2] * 4 + [1] * 4 + [0] * 4)
+    assert ep_overlap_unpaired(1, 1, 16, 0) == ([0], [0])
+    assert ep_overlap_unpaired(8, 4, 2, 0) == ([0, 0, 1, 1, 2, 2, 3, 3], [3, 3, 2, 2, 1, 1, 0, 0])  # capped at v M
+
+
+def test_ep_overlap_exposes_one_microbatch_of_all_to_all_under_pp1():
+    """MB-20 (PP 1, HybridEP overlapped, 32 of 148 SMs): the first forward's dispatch + combine and the last
+    backward's run alone, one microbatch's all-to-all in all (4 payload exchanges, 2 each way), costing what the
+    overlapped stage did not charge: (1 - 32/148) x its time, added once to the step. Without overlap: 0."""
+    from k3opt.achievable import achievable_for
+
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
+    cf = coefficients(Shape.of(lay), model, cluster)
+    step = achievable_for(cf, lay.split, cluster)
+    a2a = float(cf.achievable["ep_nvlink"].sum())  # 8 GPUs in one domain: no NIC side
+    assert cf.achievable["ep_nic"].sum() == 0 and a2a > 0
+    assert step.unpaired_ep_s == pytest.approx((1 - 32 / 148) * a2a, rel=1e-12)
+    assert step.step_time_s == pytest.approx(16 * step.stage_time_s + step.update_time_s + step.unpaired_ep_s)
+    off = lay.model_copy(update={"ep_overlap": False})
+    assert achievable_for(coefficients(Shape.of(off), model, cluster), off.split, cluster).unpaired_ep_s == 0
