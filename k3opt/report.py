@@ -162,7 +162,9 @@ def _achievable_lines(ev) -> list[str]:  # noqa: ANN001 - Evaluation
         f"achievable step {s.achievable_step_time_s:.3f} s at the measured rates of '{s.rates}' "
         f"({s.achievable_binding}-bound; exposed EP all-to-all {s.achievable_exposed_ep_s * 1e3:.1f} ms per "
         f"stage-microbatch): {s.achievable_tokens_per_s_per_gpu:,.1f} tokens/s per GPU, MFU "
-        f"{100 * s.achievable_mfu:.1f}%; the peak roofline {s.step_time_s:.3f} s is the optimistic bound",
+        f"{100 * s.achievable_mfu:.1f}%; the peak roofline {s.step_time_s:.3f} s is the optimistic bound"
+        + (f"; the EP overlap schedule's unpaired microbatches expose {s.achievable_unpaired_ep_s * 1e3:.1f} ms of "
+           "all-to-all per step" if s.achievable_unpaired_ep_s else ""),
         f"precision {ev.layout.precision.value}: linear GEMMs at {ev.cluster.dense_tflops(ev.layout.precision):g} "
         f"TFLOP/s dense peak; attention core, router, embedding and head at BF16",
     ]

@@ -114,6 +114,29 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     assert "achievable_s" in text and "step_s" in text and "(achievable, rates 'gb200-nvl72')" in text
 
 
+def test_pareto_front_on_the_achievable_step_equals_enumeration(rated):
+    """The (ranked step time, worst-rank peak) front with rates: every enumerated front point is matched, and
+    nothing returned is dominated by an enumerated layout (at the 1 MiB epsilon step)."""
+    tiny, slow = rated
+    job = _job()
+    rows = _enumerate(job, tiny, slow)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, gap=0, pareto_step_gib=1 / 1024)
+    assert plan.pareto_complete
+    mib = 2**20
+    points = sorted((r[2], r[4]) for r in rows)
+    front, best_m = [], float("inf")
+    for t, m in points:
+        if m < best_m - mib:
+            front.append((t, m))
+            best_m = m
+    got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
+    assert all(it.rank_time_s == it.evaluation.step.achievable_step_time_s for it in plan.pareto)
+    for t, m in front:
+        assert any(abs(gt - t) <= TOL_S and gm <= m + mib for gt, gm in got), (t, m)
+    for gt, gm in got:
+        assert not any(t < gt - TOL_S and m < gm - mib for t, m in points)
+
+
 def test_without_rates_the_plan_ranks_by_the_roofline():
     """The slow test cluster has no rates file: the ranked time is the peak roofline, and the plan says so."""
     tiny, slow = k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")

@@ -198,3 +198,5 @@ def test_ep_overlap_exposes_one_microbatch_of_all_to_all_under_pp1():
     assert step.step_time_s == pytest.approx(16 * step.stage_time_s + step.update_time_s + step.unpaired_ep_s)
     off = lay.model_copy(update={"ep_overlap": False})
     assert achievable_for(coefficients(Shape.of(off), model, cluster), off.split, cluster).unpaired_ep_s == 0
+    text = k3opt.report.explain_text(k3opt.evaluate(lay, model=model, cluster=cluster))
+    assert f"unpaired microbatches expose {step.unpaired_ep_s * 1e3:.1f} ms" in text
