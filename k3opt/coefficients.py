@@ -711,9 +711,9 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`:
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction), attention and scan
-    FLOPs / (BF16 peak x attention fraction), bytes / (link or HBM peak x fraction), EP all-to-all bytes / the
-    dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an
-    overlap schedule is on (the step-time helper decides)."""
+    FLOPs / (BF16 peak x attention forward / backward fraction), bytes / (link or HBM peak x fraction), EP
+    all-to-all bytes / the dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they
+    are exposed unless an overlap schedule is on (the step-time helper decides)."""
     gb, tf = 1e9, 1e12
     dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
     rc = np.where(layer, rc_factor, 1.0)
@@ -737,8 +737,11 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
     tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=len(layer)) * rc
     if shape.toggles.fused_cross_entropy:
         tensor[-1] += 2 * T * head_active / (bf16 * rt.gemm("dense", bf))
-    core = T * (sa.attn * s_eff + sa.scan) * rc
-    tensor = tensor + core / (bf16 * rt.attention_core.value)
+    # Attention and scan FLOPs are 1 forward + 2 backward units (one more forward under full recompute, rc = 4/3):
+    # the forward share runs at the forward kernels' rate, the backward share at the backward kernels'.
+    core = T * (sa.attn * s_eff + sa.scan)
+    tensor = tensor + core * (rc - 2 / 3) / (bf16 * rt.attention_core.value) \
+        + core * (2 / 3) / (bf16 * rt.attention_backward())
     c_nvl = cluster.nvlink_gbps * gb * rt.collective_nvlink.value
     c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
     time = {

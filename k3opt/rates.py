@@ -6,7 +6,8 @@ a vendor document). None of them comes from the throughput validation rows: thos
 
 The cost model turns the rates into achievable ceilings (an empirical roofline) beside the peak ceilings:
     GEMM time          = FLOPs / (dense peak of the precision x GEMM fraction of its shape class)
-    attention time     = FLOPs / (BF16 dense peak x attention-core fraction)
+    attention time     = forward FLOPs / (BF16 dense peak x attention-core fraction)
+                         + backward FLOPs / (BF16 dense peak x attention-core backward fraction)
     HBM time           = bytes / (HBM peak x HBM fraction)
     EP all-to-all time = bytes / achievable all-to-all bandwidth of the dispatcher (inside / across a domain)
     other collectives  = bytes / (link peak x collective fraction)
@@ -84,6 +85,8 @@ class RatesSpec(_Strict):
     """Grouped expert GEMMs (one GEMM per local expert): fraction of the precision's dense peak."""
     attention_core: Rate
     """Fused attention (score/value contractions, BF16): fraction of the BF16 dense peak."""
+    attention_core_backward: Rate | None = None
+    """The same for the attention backward kernels (absent: the forward rate)."""
     hbm: Rate
     """Streaming kernels: fraction of the HBM peak."""
     collective_nvlink: Rate
@@ -112,6 +115,11 @@ class RatesSpec(_Strict):
                             f"[gemm_{kind}.{precision.value}] with its source")
         return table[precision].value
 
+    def attention_backward(self) -> float:
+        """Fraction of the BF16 peak the attention backward reaches (the forward's without its own rate)."""
+        r = self.attention_core_backward
+        return (r or self.attention_core).value
+
     def a2a(self, dispatcher: str, where: str) -> float:
         table = self.a2a_nvlink_gbps if where == "nvlink" else self.a2a_nic_gbps
         if dispatcher not in table:
@@ -133,6 +141,8 @@ class RatesSpec(_Strict):
             out[f"gemm_grouped.{p.value}"] = r
         for key in ("attention_core", "hbm", "collective_nvlink", "collective_nic"):
             out[key] = getattr(self, key)
+        if self.attention_core_backward is not None:
+            out["attention_core_backward"] = self.attention_core_backward
         for d, r in self.a2a_nvlink_gbps.items():
             out[f"a2a_nvlink_gbps.{d}"] = r
         for d, r in self.a2a_nic_gbps.items():
