@@ -561,7 +561,7 @@ class SearchSpace(_Strict):
     fsdp_lifecycle: list[FsdpLifecycle] | None = None
     dense_sharding: list[ShardingPolicy] | None = None
     """Sharding policies of the dense shard group the planner may choose (absent: k3opt.search.frames'
-    DEFAULT_SHARDING, the policies no other policy dominates)."""
+    DEFAULT_SHARDING, the policies no other policy dominates, one for both groups when neither list is given)."""
     expert_sharding: list[ShardingPolicy] | None = None
     """The same for the expert shard group."""
     grad_dtype: list[Dtype] | None = None
