@@ -517,9 +517,10 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         closes = np.zeros(n)
     moe = sa.moe
 
-    # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices.
-    ns_flops_routed = sa.ns_routed_all / (e * fe)
-    ns_flops = ns_flops_routed + sa.ns_nonrouted / fd
+    # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices (the matrices it owns: all of
+    # them where the group shards nothing).
+    ns_flops_routed = sa.ns_routed_all / (e * opt_fe)
+    ns_flops = ns_flops_routed + sa.ns_nonrouted / opt_fd
     ns_ws = sa.ns_ws
 
     # ---------------------------------------------------------------- per-microbatch work
@@ -591,9 +592,10 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         routing_map = float(e * rmap)
         ep_buffers = float(2 * T * m.experts_per_token * model.dispatch_width * BF16)
     if not accumulate:
-        # Per-microbatch FP32 reduce-scatter of the gradients: 4 P (1 - 1/n), hierarchical.
-        a, b_ = _hier(4 * pn, fd, pl.dense_fsdp_local)
-        c, d_ = _hier(4 * p_routed / e, fe, pl.expert_fsdp_local)
+        # Per-microbatch reduce-scatter of the gradients in the gradient dtype, g P (1 - 1/n), hierarchical; only
+        # where the gradients are sharded (a whole gradient buffer accumulates and is reduced once per update).
+        a, b_ = _hier(gd * pn, g_fd, pl.dense_fsdp_local)
+        c, d_ = _hier(gd * p_routed / e, g_fe, pl.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
 
     cp_stall = np.zeros(n)
@@ -619,18 +621,27 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     }
 
     # ---------------------------------------------------------------- per-update work
-    up_hbm = (2 * FP32 + FP32 + 2 * FP32) * res_muon + (2 * FP32 + FP32 + 4 * FP32) * res_adam
+    up_hbm = (2 * FP32 + FP32 + 2 * FP32) * own_muon + (2 * FP32 + FP32 + 4 * FP32) * own_adam
     if lowp:
         # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
         up_hbm = up_hbm + q_view * (BF16 + 2 * qb)
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
-    up_nvl, up_nic = _hier(2 * pn, fd, pl.dense_fsdp_local)     # BF16 view refresh all-gather
-    a, b_ = _hier(2 * p_routed / e, fe, pl.expert_fsdp_local)
+    # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
+    # the whole model itself).
+    up_nvl, up_nic = _hier(2 * pn, opt_fd, pl.dense_fsdp_local)
+    a, b_ = _hier(2 * p_routed / e, opt_fe, pl.expert_fsdp_local)
     up_nvl, up_nic = up_nvl + a, up_nic + b_
-    if accumulate:
-        a, b_ = _hier(4 * pn, fd, pl.dense_fsdp_local)
-        c, d_ = _hier(4 * p_routed / e, fe, pl.expert_fsdp_local)
-        up_nvl, up_nic = up_nvl + a + c, up_nic + b_ + d_
+    # Gradient reduction once per update, per group: the FP32 accumulation buffer reduce-scattered (accumulate
+    # lifecycle, sharded gradients); a whole gradient buffer reduce-scattered (optim: Megatron's distributed
+    # optimizer) or all-reduced, twice the reduce-scatter's bytes (no_shard: DDP), in the gradient dtype.
+    for total, f, local, pol in ((pn, fd, pl.dense_fsdp_local, pol_d),
+                                 (p_routed / e, fe, pl.expert_fsdp_local, pol_e)):
+        if pol in grads_sharded:
+            a, b_ = _hier(4 * total, f, local) if accumulate else (0.0, 0.0)
+        else:
+            times = 2 if pol == ShardingPolicy.NO_SHARD else 1
+            a, b_ = _hier(times * gd * total, f, local)
+        up_nvl, up_nic = up_nvl + a, up_nic + b_
     if tg.p2p_muon:
         # Pull the other shards of the matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group.
         a, b_ = _hier(2 * pn / fd, fd, pl.dense_fsdp_local)

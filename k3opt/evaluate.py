@@ -19,7 +19,7 @@ from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.schedule import BACKWARD_OVER_FORWARD, bubble_fraction, bubble_overhead, replay_makespan
-from k3opt.sharding import worst_owned
+from k3opt.sharding import owned_per_rank, whole_params
 from k3opt.specs import (
     GIB,
     ClusterSpec,
@@ -342,8 +342,10 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     else:
         out["grads"] = sum(csum(cf.grads))
     out["optimizer"] = sum(csum(cf.optimizer))
+    tensor_terms = None
     if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
         out.update(_tensor_owned_state(cf, tuple(idx)))
+        tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(idx))
     out["bf16_view"] = sum(csum(cf.bf16_view))
     out["moonep_slots"] = sum(csum(cf.moonep_slots))
     out["grad_accum"] = sum(csum(cf.grad_accum))
@@ -424,6 +426,8 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
         "residual_streams_out": [int(closes_cum[bounds[j][1]]) for j in mine if j < k - 1],
         "pp_packet_out_bytes": [int((1 + closes_cum[bounds[j][1]]) * cf.stream_bytes) for j in mine if j < k - 1],
     }
+    if tensor_terms is not None:
+        counts["owned_per_dp_rank"] = tensor_terms
     return {"ledger": out, "host": host, "in_flight": in_flight, "time": time, "update": update,
             "chunks": tuple(bounds[j] for j in mine), "counts": counts}
 
@@ -455,8 +459,10 @@ def _policy_formulas(layout: Layout) -> dict[str, str]:
     }
 
 
-def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...]) -> dict[str, float]:
-    """Master, optimizer state (and sharded gradients) of the rank owning the most whole tensors."""
+def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...], dp_rank: int | None = None) -> dict[str, float]:
+    """Master, optimizer state (and sharded gradients) a data-parallel rank owns under whole-tensor sharding, by
+    Megatron's layer-wise assignment (k3opt.sharding): of `dp_rank` (its index in the dense and in the expert shard
+    group), or (None) of each group's rank owning the most bytes, the HBM constraint's worst rank."""
     sh = cf.shape
     out: dict[str, float] = {"master": 0.0, "optimizer": 0.0}
     grads = 0.0
@@ -464,17 +470,29 @@ def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...]) -> dict[str, flo
     sharded_grads = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
     for routed, pol, f in ((False, sh.dense_sharding, sh.dense_fsdp), (True, sh.expert_sharding, sh.expert_fsdp)):
         group = 1 if pol == ShardingPolicy.NO_SHARD else f
-        m, a = worst_owned(cf.model_json, idx, routed, group, sh.ep)
+        g_b = gd if pol in sharded_grads else 0
+
+        def owned_bytes(s: tuple[int, int], g_b: int = g_b) -> int:
+            return (4 + sd + g_b) * s[0] + (4 + 2 * sd + g_b) * s[1]
+
+        shares = owned_per_rank(cf.model_json, idx, routed, group, sh.ep)
+        m, a = shares[dp_rank % group] if dp_rank is not None else max(shares, key=owned_bytes)
         out["master"] += 4 * (m + a)
         out["optimizer"] += sd * m + 2 * sd * a
         if pol in sharded_grads:
             grads += gd * (m + a)
         else:
-            gm, ga = worst_owned(cf.model_json, idx, routed, 1, sh.ep)
-            grads += gd * (gm + ga)
+            grads += gd * whole_params(cf.model_json, idx, routed, sh.ep)
     if not sh.toggles.pipeline_zero2_host_grads:
         out["grads"] = grads
     return out
+
+
+def _tensor_owned_per_dp_rank(cf: Coefficients, idx: tuple[int, ...]) -> list[dict[str, int]]:
+    """`_tensor_owned_state` of every data-parallel rank d < max(dense, expert shard group) (bytes)."""
+    sh = cf.shape
+    n = max(sh.dense_fsdp, sh.expert_fsdp)
+    return [{k: int(round(v)) for k, v in _tensor_owned_state(cf, idx, d).items()} for d in range(n)]
 
 
 def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None,
@@ -564,17 +582,31 @@ def memory_comparisons(m: Any, ranks: list[RankEvaluation], owner: str = "") -> 
             where = f"rank {r.rank}" if m.rank is not None else f"worst rank ({r.rank})"
             out.append(Comparison(f"peak HBM, {where}", getattr(r, attr) / GIB, m.peak_gib, "GiB", k))
     r = ranks[m.rank] if m.rank is not None else max(ranks, key=lambda x: x.peak_bytes)
+    ledger, persistent = dict(r.ledger), r.persistent_bytes
+    pre_step = r.counts.get("resident_before_first_step_bytes", persistent)
+    per_dp = r.counts.get("owned_per_dp_rank")
+    if per_dp is not None and m.dp_rank is not None:
+        # Whole-tensor sharding: the figures were read on one data-parallel rank; its owned terms replace the
+        # worst owner's (the ledger's, for the HBM constraint).
+        if m.dp_rank >= len(per_dp):
+            raise LayoutError(f"measured.dp_rank = {m.dp_rank}: the shard groups have {len(per_dp)} ranks")
+        mine = per_dp[m.dp_rank]
+        delta = sum(mine.values()) - sum(ledger[k] for k in mine)
+        lazy = pre_step != persistent
+        pre_step += delta - ((mine["optimizer"] - ledger["optimizer"]) if lazy else 0)
+        persistent += delta
+        ledger.update(mine)
+        owner = f", DP rank {m.dp_rank}"
     if m.resident_gib is not None:
-        out.append(Comparison(f"resident state, PP rank {r.rank}{owner}", r.persistent_bytes / GIB,
+        out.append(Comparison(f"resident state, PP rank {r.rank}{owner}", persistent / GIB,
                               m.resident_gib, "GiB", "allocated"))
     if m.pre_step_resident_gib is not None:
         out.append(Comparison(f"resident before the first step, PP rank {r.rank}{owner}",
-                              r.counts["resident_before_first_step_bytes"] / GIB, m.pre_step_resident_gib, "GiB",
-                              "allocated"))
+                              pre_step / GIB, m.pre_step_resident_gib, "GiB", "allocated"))
     for key, gib in m.terms_gib.items():
-        if key not in r.ledger:
-            raise LayoutError(f"measured.terms_gib.{key}: not a ledger key; known: {', '.join(r.ledger)}")
-        out.append(Comparison(f"{key}, PP rank {r.rank}{owner}", r.ledger[key] / GIB, gib, "GiB", "allocated"))
+        if key not in ledger:
+            raise LayoutError(f"measured.terms_gib.{key}: not a ledger key; known: {', '.join(ledger)}")
+        out.append(Comparison(f"{key}, PP rank {r.rank}{owner}", ledger[key] / GIB, gib, "GiB", "allocated"))
     if m.optimizer_transient_gib is not None:
         out.append(Comparison(f"optimizer-step transient, PP rank {r.rank}{owner}", r.optimizer_phase_bytes / GIB,
                               m.optimizer_transient_gib, "GiB", "allocated"))

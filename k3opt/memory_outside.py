@@ -13,7 +13,10 @@ ledger peak a rank may reach, floor((HBM - reserve - outside) / (1 + slack)) - w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
 
 from k3opt import comm
 from k3opt.coefficients import Shape
@@ -39,6 +42,31 @@ def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
     # The cost model's cached placement: the search asks for every frame's budget, rank by rank.
     return cached_placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
                             _domain(shape, cluster))
+
+
+@lru_cache(maxsize=4096)
+def _stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int, s: int
+                   ) -> tuple[int, int, int]:
+    """(EP, dense shard, expert shard) members per NVLink domain of PP stage `s` alone, under the tp-cp-ep-dp-pp
+    order with domains as consecutive blocks (comm.placement, which keeps the worst stage for the step time)."""
+    stage = gpus // p
+    ranks = s * stage + np.arange(stage)
+    ep_groups = ranks.reshape(-1, e)
+    dp = stage // c
+    dense_groups = ranks.reshape(dp // f_d, f_d, c).transpose(0, 2, 1).reshape(-1, f_d)
+    edp = stage // e
+    exp_groups = ranks.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
+    return (comm._min_members_per_domain(ep_groups, domain), comm._min_members_per_domain(dense_groups, domain),
+            comm._min_members_per_domain(exp_groups, domain))
+
+
+def _rank_placement(shape: Shape, cluster: ClusterSpec, rank: int) -> comm.Placement:
+    """The placement as PP rank `rank`'s own communicators see it: a rank's buffers depend on where its own
+    groups sit (a stage inside one domain gets NVLS and an all-local HybridEP), not on the worst stage's."""
+    pl = _placement(shape, cluster)
+    a, d, x = _stage_members(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
+                             _domain(shape, cluster), rank)
+    return replace(pl, ep_local=a, dense_fsdp_local=d, expert_fsdp_local=x)
 
 
 def _pp_peers(shape: Shape, rank: int, pl: comm.Placement) -> list[bool]:
@@ -71,7 +99,7 @@ def runtime_items(shape: Shape, model: ModelSpec, cluster: ClusterSpec, runtime:
     # Outside it.
     items.append(MemoryItem("cuda_context", rt.cuda_context_bytes, "outside", "CUDA context and kernel images"))
 
-    pl = _placement(shape, cluster)
+    pl = _rank_placement(shape, cluster, rank)
     conn = rt.nccl_connection_bytes
     coll = rt.nccl_coll_channels * conn
     nvls = rt.nvls_channels * 2 * rt.nvls_chunk_bytes * rt.nccl_steps * rt.nvls_heads
@@ -86,6 +114,9 @@ def runtime_items(shape: Shape, model: ModelSpec, cluster: ClusterSpec, runtime:
         groups += [("expert shard", fe, pl.expert_fsdp_local == fe),
                    ("expert replicate", stage // (e * fe), False),
                    ("EP (routing map)", e, pl.ep_local == e)]
+    # The default (world) process group: barriers, and Megatron's distributed optimizer reduces the gradient norm
+    # and zero count over every rank each step (MLM distrib_optimizer.py get_grad_stats_parallel_group).
+    groups.append(("world (gradient norm)", shape.gpus, shape.gpus <= _domain(shape, cluster)))
     groups = [g for g in groups if g[1] > 1]
     n_coll = len(groups)
     n_nvls = sum(1 for _, size, local in groups if local and size > 2) if rt.nccl_nvls_enable else 0
@@ -160,7 +191,7 @@ def allocated_budgets_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec
     by_peers: dict[tuple[bool, ...], tuple[MemoryItem, ...]] = {}
     for r in range(shape.pp):
         # Ranks differ only by their PP neighbours: itemize once per distinct neighbour pattern.
-        sig = tuple(_pp_peers(shape, r, pl)) if pl is not None else ()
+        sig = ((tuple(_pp_peers(shape, r, pl)), _rank_placement(shape, cluster, r)) if pl is not None else ())
         if sig not in by_peers:
             by_peers[sig] = runtime_items(shape, model, cluster, runtime, r)
         items = by_peers[sig]

@@ -250,6 +250,10 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     table = df[list(cols)].rename(columns=cols)
     table["tokens/s"] = table["tokens/s"].round().astype(int)
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
+    # The searched sharding (dense/expert policy, gradient dtype) and compute precision.
+    table["sharding"] = [f"{it.layout.dense_sharding.value}/{it.layout.expert_sharding.value}"
+                         f" grads={it.layout.grad_dtype.value}" for it in plan.layouts]
+    table["precision"] = [it.layout.precision.value for it in plan.layouts]
     table["toggles"] = [toggles_text(it.layout) for it in plan.layouts]
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     lines.append("")

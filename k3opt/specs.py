@@ -405,6 +405,9 @@ class Measured(_Strict):
     kind: MeasurementKind = MeasurementKind.UNSTATED
     rank: Annotated[int, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)] | None = None
     """PP rank the memory figures were read on (default: the modeled worst rank)."""
+    dp_rank: Annotated[int, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)] | None = None
+    """Data-parallel rank (its index in the shard groups) the figures were read on; whole-tensor sharding gives
+    ranks unequal shares (default: the rank owning the most)."""
     peak_gib: PosFloat | None = None
     resident_gib: PosFloat | None = None
     """Persistent (parameter-shaped) memory of the rank, after the first optimizer step."""
@@ -556,6 +559,13 @@ class SearchSpace(_Strict):
     microbatches: list[PosInt] | None = None
     recompute: list[Recompute] | None = None
     fsdp_lifecycle: list[FsdpLifecycle] | None = None
+    dense_sharding: list[ShardingPolicy] | None = None
+    """Sharding policies of the dense shard group the planner may choose (absent: k3opt.search.frames'
+    DEFAULT_SHARDING, the policies no other policy dominates, one for both groups when neither list is given)."""
+    expert_sharding: list[ShardingPolicy] | None = None
+    """The same for the expert shard group."""
+    grad_dtype: list[Dtype] | None = None
+    """Gradient-buffer dtypes the planner may choose (absent: FP32 only; BF16 gradients change the numerics)."""
     forbid_toggles: list[str] = Field(default_factory=list)
     """Toggles the planner may not switch on."""
     require_toggles: list[str] = Field(default_factory=list)

@@ -76,8 +76,24 @@ def test_nvls_knob_and_collectives(model, cluster, rt):
     assert _items(on)["nccl_nvls"].bytes == 2 * 512 * MIB
     assert _items(off)["nccl_nvls"].bytes == 0
     assert on.ranks[0].device_bytes - off.ranks[0].device_bytes == 2 * 512 * MIB
-    # Two collective communicators (dense shard 64, EP 64) x 16 channels x 10 MiB.
-    assert _items(on)["nccl_collectives"].bytes == 2 * 16 * 10 * MIB
+    # Three collective communicators (dense shard 64, EP 64, the world group over which the distributed optimizer
+    # reduces the gradient norm) x 16 channels x 10 MiB.
+    assert _items(on)["nccl_collectives"].bytes == 3 * 16 * 10 * MIB
+    assert "world (gradient norm) 512" in _items(on)["nccl_collectives"].formula
+
+
+def test_a_stage_inside_one_domain_gets_its_local_buffers(reference, model, cluster, rt):
+    """The reference (512 GPUs, whole 72-GPU domains): PP rank 0 holds global ranks 0-63, all in the first domain,
+    so its dense shard 64 and EP 64 groups are NVLink-local (two NVLS communicators, 2 x 512 MiB) and its HybridEP
+    probabilities span 64 ranks: 4096 x 64 tokens x (896 / 64 experts x 64 ranks) x 4 B = 0.875 GiB, beside the
+    token buffer 4096 x 64 x 3584 x 2 B = 1.75 GiB. Rank 1 (ranks 64-127) straddles the domain boundary at 72:
+    8 of its EP ranks sit in the first domain, so no NVLS and probabilities over 8 ranks."""
+    ev = k3opt.evaluate(reference, model=model, cluster=cluster, runtime=rt)
+    r0, r1 = _items(ev, 0), _items(ev, 1)
+    assert r0["nccl_nvls"].bytes == 2 * 512 * MIB and r1["nccl_nvls"].bytes == 0
+    token = 4096 * 64 * 3584 * 2
+    assert r0["hybridep_buffers"].bytes == token + 4096 * 64 * 14 * 64 * 4
+    assert r1["hybridep_buffers"].bytes == token + 4096 * 64 * 14 * 8 * 4
 
 
 def test_pp_p2p_peers_edge_and_interior(rt):

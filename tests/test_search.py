@@ -18,7 +18,12 @@ from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
 GIB, MIB = 2**30, 2**20
-ALLOWED = ("fp8_activations", "fused_situ", "p2p_muon", "activation_offload")
+ALLOWED = ("fp8_activations", "p2p_muon")
+"""Toggles of the main enumerated space (all of them: test_all_toggles_optimum_and_bounds_match_enumeration);
+P2P Muon changes the optimizer-step gather, which the sharding policy also decides."""
+POLICIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+MAIN_POLICIES = POLICIES[1:]
+"""The main space's dense policies (no_shard, dominated by optim, is enumerated in the sharding test only)."""
 FORBIDDEN = [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
 
@@ -39,8 +44,18 @@ def job():
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [1, 2, 4], "vp": [1, 2], "cp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2],
-                   "forbid_toggles": FORBIDDEN},
+                   "dense_sharding": MAIN_POLICIES, "forbid_toggles": FORBIDDEN},
+        "precisions": ["bf16", "fp8"],
     })
+
+
+def _frame_layout(f, split, rc, lc, toggles):
+    """The layout of frame `f` (degrees, sharding, gradient dtype, precision) built field by field."""
+    return make_layout(gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp,
+                       dense_fsdp=f.dense_fsdp, microbatches=f.microbatches, rows=1, context=2048, split=split,
+                       recompute=rc, fsdp_lifecycle=lc, toggles=toggles, reserve_gib=1.5,
+                       dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype,
+                       precision=f.precision)
 
 
 def _splits(layers: int, chunks: int):
@@ -58,10 +73,7 @@ def enumerated(job, tiny, slow):
             for flags in itertools.product([False, True], repeat=len(ALLOWED)):
                 toggles = dict(zip(ALLOWED, flags, strict=True))
                 for split in _splits(tiny.num_layers, f.pp * f.vp):
-                    lay = make_layout(gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp,
-                                      dense_fsdp=f.dense_fsdp, microbatches=f.microbatches, rows=1, context=2048,
-                                      split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
-                                      reserve_gib=1.5)
+                    lay = _frame_layout(f, split, rc, lc, toggles)
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
                         out.append((f, ev.step.rank_time_s, ev.peak_bytes, lay))
@@ -103,7 +115,8 @@ def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
     best = dict(_best_per_frame(enumerated))
     for it in plan.layouts:
         f = Frame(it.layout.pp, it.layout.vp, it.layout.cp, it.layout.ep, it.layout.expert_fsdp,
-                  it.layout.dense_fsdp, it.layout.microbatches, it.layout.gpus)
+                  it.layout.dense_fsdp, it.layout.microbatches, it.layout.gpus, it.layout.dense_sharding,
+                  it.layout.expert_sharding, it.layout.grad_dtype, it.layout.precision)
         assert it.rank_time_s == pytest.approx(best[f][0], abs=TOL_S)
 
 
@@ -239,32 +252,40 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"]},
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "dense_sharding": ["optim"]},
     })
-    (f,) = enumerate_frames(job, tiny, 8)
+    frames = enumerate_frames(job, tiny, 8)
+    # The distributed optimizer's in-place gather against P2P Muon's pulled share (the reference policy's fresh
+    # gather is in the main space; the expert group has one rank).
+    assert [f.dense_sharding for f in frames] == ["optim"]
     rows = []
-    for rc in (Recompute.NONE, Recompute.FULL):
-        for flags in itertools.product([False, True], repeat=len(toggles)):
-            tg = dict(zip(toggles, flags, strict=True))
-            for split in _splits(tiny.num_layers, 2):
-                lay = make_layout(gpus=8, pp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
-                                  split=split, recompute=rc, toggles=tg, reserve_gib=1.5)
-                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits:
-                    rows.append((rc, ev.step.rank_time_s, ev.peak_bytes))
+    for f in frames:
+        for rc in (Recompute.NONE, Recompute.FULL):
+            for flags in itertools.product([False, True], repeat=len(toggles)):
+                tg = dict(zip(toggles, flags, strict=True))
+                for split in _splits(tiny.num_layers, 2):
+                    ev = k3opt.evaluate(_frame_layout(f, split, rc, FsdpLifecycle.PER_MICROBATCH, tg),
+                                        model=tiny, cluster=slow)
+                    if ev.fits:
+                        rows.append((f, rc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
-    assert plan.layouts[0].rank_time_s == pytest.approx(min(t for _, t, _ in rows), abs=TOL_S)
-    t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
-    assert min(t for _, t, _ in rows) >= t_dp - 1e-9 and min(m for *_, m in rows) >= m_dp - 1
-    for rc in (Recompute.NONE, Recompute.FULL):
-        node = [(t, m) for r, t, m in rows if r == rc]
-        if node:
-            t_n, m_n = node_lower_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
-            assert min(t for t, _ in node) >= max(t_n, tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH,
-                                                                        tiny, slow)) - 1e-9
-            assert min(m for _, m in node) >= m_n - 1
+    assert plan.layouts[0].rank_time_s == pytest.approx(min(r[2] for r in rows), abs=TOL_S)
+    for f in frames:
+        mine = [r[1:] for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(t for _, t, _ in mine) >= t_dp - 1e-9 and min(m for *_, m in mine) >= m_dp - 1
+        for rc in (Recompute.NONE, Recompute.FULL):
+            node = [(t, m) for r, t, m in mine if r == rc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
+                assert min(t for t, _ in node) >= max(
+                    t_n, tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)) - 1e-9
+                assert min(m for _, m in node) >= m_n - 1
 
 
 def test_interleaved_optimum_equals_enumeration(tiny, slow):
@@ -278,17 +299,18 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
                    "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
     })
-    (f,) = enumerate_frames(job, tiny, 8)
+    frames = enumerate_frames(job, tiny, 8)
+    assert len(frames) == 2  # the two default dense sharding policies
     best = None
-    for rc in ("none", "full"):
-        for flags in itertools.product([False, True], repeat=len(allowed)):
-            for split in _splits(tiny.num_layers, 4):
-                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
-                                  context=2048, split=split, recompute=rc,
-                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5)
-                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits and (best is None or ev.step.rank_time_s < best):
-                    best = ev.step.rank_time_s
+    for f in frames:
+        for rc in ("none", "full"):
+            for flags in itertools.product([False, True], repeat=len(allowed)):
+                for split in _splits(tiny.num_layers, 4):
+                    lay = _frame_layout(f, split, rc, FsdpLifecycle.PER_MICROBATCH,
+                                        dict(zip(allowed, flags, strict=True)))
+                    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                    if ev.fits and (best is None or ev.step.rank_time_s < best):
+                        best = ev.step.rank_time_s
     assert best is not None
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
@@ -353,9 +375,7 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
         for rc, lc in itertools.product(Recompute, FsdpLifecycle):
             for flags in itertools.product([False, True], repeat=len(ALLOWED)):
                 for split in _splits(tiny.num_layers, f.pp):
-                    lay = make_layout(gpus=8, pp=f.pp, cp=2, ep=2, microbatches=f.microbatches, context=2048,
-                                      split=split, recompute=rc, fsdp_lifecycle=lc,
-                                      toggles=dict(zip(ALLOWED, flags, strict=True)), reserve_gib=1.5)
+                    lay = _frame_layout(f, split, rc, lc, dict(zip(ALLOWED, flags, strict=True)))
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
                         rows.append((f, rc, lc, ev.step.rank_time_s, ev.peak_bytes))
@@ -378,3 +398,70 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
                 t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
                 assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
                 assert min(r[4] for r in node) >= m_n - 1
+
+
+def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny, slow):
+    """Every dense and expert sharding policy, both gradient dtypes and both precisions searched on one shape with
+    both shard groups of two ranks: the CP-SAT optimum equals enumeration through evaluate(), and no bound exceeds
+    an enumerated layout of its frame."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5, "precisions": ["bf16", "fp8"],
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [2], "dense_fsdp": [2],
+                   "recompute": ["none", "full"], "dense_sharding": POLICIES, "expert_sharding": POLICIES,
+                   "grad_dtype": ["fp32", "bf16"], "forbid_toggles": FORBIDDEN},
+    })
+    frames = enumerate_frames(job, tiny, 8)
+    assert len(frames) == 4 * 4 * 2 * 2
+    rows = []
+    for f in frames:
+        for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), FsdpLifecycle):
+            for flags in itertools.product([False, True], repeat=len(ALLOWED)):
+                for split in _splits(tiny.num_layers, 2):
+                    ev = k3opt.evaluate(_frame_layout(f, split, rc, lc, dict(zip(ALLOWED, flags, strict=True))),
+                                        model=tiny, cluster=slow)
+                    if ev.fits:
+                        rows.append((f, rc, lc, ev.step.step_time_s, ev.peak_bytes))
+    assert rows and len({r[0] for r in rows}) > 1
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
+    assert plan.status == "OPTIMAL"
+    best = {}
+    for f, _, _, t, m in rows:
+        best[f] = min(best.get(f, (t, m)), (t, m))
+    want = sorted(v[0] for v in best.values())[:3]
+    assert [it.step_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
+    for f in frames:
+        mine = [r for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
+        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
+        for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), FsdpLifecycle):
+            node = [r for r in mine if r[1] == rc and r[2] == lc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
+                assert min(r[4] for r in node) >= m_n - 1
+
+
+def test_job_search_narrows_sharding_dtype_and_precision(tiny):
+    """The [search] lists and the job's precisions are the values searched; a one-rank group is searched once."""
+    base = {"model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+            "context": 2048, "tokens_per_update": 32768}
+    grid = {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [2]}
+    default = enumerate_frames(k3opt.Job.model_validate({**base, "search": grid}), tiny, 8)
+    # Neither list given: one strategy for both groups (tied); a one-rank expert group is searched once.
+    assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding) for f in default} == {
+        (1, "optim", "optim"), (1, "optim_grads", "optim"), (2, "optim", "optim"), (2, "optim_grads", "optim_grads")}
+    assert {(f.grad_dtype, f.precision) for f in default} == {("fp32", "bf16")}
+    narrow = enumerate_frames(k3opt.Job.model_validate({
+        **base, "precisions": ["fp8"],
+        "search": {**grid, "dense_sharding": ["optim_grads_params"], "expert_sharding": ["no_shard", "optim"],
+                   "grad_dtype": ["bf16"]}}), tiny, 8)
+    assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding, f.grad_dtype, f.precision) for f in narrow} == {
+        (1, "optim_grads_params", "no_shard", "bf16", "fp8"), (2, "optim_grads_params", "no_shard", "bf16", "fp8"),
+        (2, "optim_grads_params", "optim", "bf16", "fp8")}

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.sharding import worst_owned
+from k3opt.sharding import framework_tensors, owned_per_rank, ping_pong, worst_owned
 from k3opt.structure import structure_of
 from k3opt.validate import validation_rows
 
@@ -72,9 +72,11 @@ def test_seed_003_lazy_state_and_resident(proxy_eval):
     four = sum(r0.ledger[k] for k in ("grads", "master", "optimizer", "bf16_view"))
     assert r0.persistent_bytes == four
     assert r0.counts["resident_before_first_step_bytes"] == r0.persistent_bytes - r0.ledger["optimizer"]
+    # The measured rank is DP rank 0: its own masters and gradients, the whole BF16 weights, no state yet.
+    dp0 = r0.counts["owned_per_dp_rank"][0]
     pre = _rows()["resident before the first step"]
-    assert pre.measured == 135.93 and pre.modeled == pytest.approx(r0.counts["resident_before_first_step_bytes"]
-                                                                   / GIB)
+    assert pre.measured == 135.93
+    assert pre.modeled == pytest.approx((dp0["grads"] + dp0["master"] + r0.ledger["bf16_view"]) / GIB)
 
 
 def test_seed_003_validation_rows_show_the_gap(proxy_eval):
@@ -83,10 +85,20 @@ def test_seed_003_validation_rows_show_the_gap(proxy_eval):
     assert rows["resident state"].measured == 181.18
     for key in ("grads", "bf16_view", "optimizer-step transient"):
         assert abs(rows[key].gap) < 0.01, rows[key]
-    # Whole-tensor ownership: the modeled rank is the one owning the most, so its share is at least the
-    # measured rank 0's; the difference is printed as a GAP, not fitted.
-    assert rows["master"].modeled >= rows["master"].measured
-    assert rows["resident state"].gap == pytest.approx(181.18 - proxy_eval.ranks[0].persistent_bytes / GIB)
+    # Whole-tensor ownership by Megatron's assignment: the measured DP rank 0 owns 3.45 GiB of dense masters
+    # (0.93 G parameters, all Muon) besides its 112 local experts per projection of 3 MoE layers,
+    # 3 x 3 x 112 x 3072 x 3584 x 4 B = 41.34 GiB; Muon momentum is 4 B per parameter, so state = master.
+    experts = 3 * 3 * 112 * 3072 * 3584 * 4 / GIB
+    assert round(experts, 2) == 41.34
+    assert abs(rows["master"].gap) < 0.01 and abs(rows["optimizer"].gap) < 0.02
+    assert round(rows["master"].modeled - experts, 2) == 3.45
+    # The ledger (the HBM constraint) keeps the rank owning the most: it owns the embedding or the LM head.
+    r0 = proxy_eval.ranks[0]
+    assert r0.ledger["master"] >= max(d["master"] for d in r0.counts["owned_per_dp_rank"])
+    assert r0.ledger["master"] / GIB - experts >= 4 * 163840 * 7168 / GIB
+    dp0 = r0.counts["owned_per_dp_rank"][0]
+    resident0 = r0.persistent_bytes + sum(dp0.values()) - sum(r0.ledger[k] for k in dp0)
+    assert rows["resident state"].gap == pytest.approx(181.18 - resident0 / GIB)
 
 
 def test_seed_003_state_bytes_per_param_2_4_8_over_dp():
@@ -135,16 +147,30 @@ def test_bf16_grads_and_state_halve_their_terms(reference, model, cluster):
     assert r.ledger["optimizer"] == pytest.approx(base.ledger["optimizer"] / 2, abs=1)
 
 
+def test_ping_pong_is_megatrons_docstring_example():
+    """Megatron's shard_params docstring: 4 ranks, p0-p9 after sorting -> [[p0, p7, p8], [p1, p6, p9], [p2, p5],
+    [p3, p4]]. With p_i of i + 1 elements: 1 + 8 + 9 = 18, 2 + 7 + 10 = 19, 3 + 6 = 9, 4 + 5 = 9; given in reverse
+    order, the sort puts them back."""
+    got = ping_pong([(n, True, 1) for n in range(10, 0, -1)], 4)
+    assert [m for m, _ in got] == [18, 19, 9, 9] and all(a == 0 for _, a in got)
+    assert ping_pong([(5, False, 1), (3, True, 1)], 2) == ((3, 0), (0, 5))
+    # A run of copies: 11 of size 1 then one of size 100 over 4 ranks (loop 0 1 2 3 3 2 1 0): positions 0-7 give
+    # each rank 2, positions 8-10 go to ranks 0, 1, 2 and position 11 (the 100) to rank 3.
+    assert ping_pong([(100, True, 1), (1, True, 11)], 4) == ((3, 0), (3, 0), (3, 0), (102, 0))
+
+
 def test_whole_tensor_owner_bounds(model):
-    """Longest-processing-time ownership: the worst rank owns at least the largest tensor and the average, and
-    at most the average plus the largest tensor."""
+    """The ping-pong deal hands every rank one tensor per pass of n, so the worst rank owns at least the average
+    and at most the average plus the largest tensor; every element is owned once."""
     st = structure_of(model)
     blocks = tuple(range(0, 12))
-    tensors = [t.numel // t.count for i in blocks for b in st.layers[i] for t in b.tensors if not t.routed
-               for _ in range(t.count)]
+    tensors = [n for i in blocks for n, _, k in framework_tensors(st.layers[i], False, 64, model.hidden_size)
+               for _ in range(k)]
+    assert len(tensors) > 64 and max(tensors) == 2 * 33792 * 7168  # layer 0's fused dense gate + up
     m, a = worst_owned(model.model_dump_json(), blocks, False, 64, 64)
     avg = sum(tensors) / 64
-    assert max(max(tensors), avg) <= m + a <= avg + max(tensors)
+    assert avg <= m + a <= avg + max(tensors)
+    assert sum(x + y for x, y in owned_per_rank(model.model_dump_json(), blocks, False, 64, 64)) == sum(tensors)
 
 
 def test_explain_and_validate_cli():
@@ -153,3 +179,47 @@ def test_explain_and_validate_cli():
     assert "k3-gb200-512-reference" in out.output and PROXY in out.output and "GAP" in out.output
     assert "reserved" in out.output and "device" in out.output and "allocated" in out.output
     assert CliRunner().invoke(main, ["explain", PROXY]).exit_code == 0
+
+
+def _policy_eval(policy: str, lifecycle: str = "per_microbatch") -> k3opt.Evaluation:
+    """K3 on 64 GPUs of one NVLink domain (PP8, EP8, dense shard group 8, expert group 1): every collective is on
+    NVLink, where a reduce-scatter or all-gather of S bytes over n ranks moves S (1 - 1/n) per rank."""
+    return k3opt.evaluate(k3opt.make_layout(
+        gpus=64, pp=8, ep=8, dense_fsdp=8, microbatches=8, split=[12] * 7 + [9], recompute="full",
+        fsdp_lifecycle=lifecycle, dense_sharding=policy, expert_sharding=policy))
+
+
+def test_sharding_policies_price_their_collectives():
+    """The policies trade memory for traffic, and the step time prices it. With FP32 gradients and D dense
+    parameters on a rank (expert group of one rank: nothing to reduce there):
+    optim_grads reduce-scatters 4 D (1 - 1/8) every microbatch; optim reduce-scatters the whole buffer once per
+    update, the same 4 D (1 - 1/8); no_shard all-reduces it, twice that, and gathers no BF16 weights (optim does,
+    2 D (1 - 1/8)). The whole buffer is 4 D (1 - 1/8) larger than the shard, so that ledger difference is the
+    byte count."""
+    sharded, whole, none = _policy_eval("optim_grads"), _policy_eval("optim"), _policy_eval("no_shard")
+    nvlink = k3opt.load_cluster("gb200-nvl72").nvlink_gbps * 1e9
+    for r in range(8):
+        a, b, c = sharded.ranks[r], whole.ranks[r], none.ranks[r]
+        moved = b.ledger["grads"] - a.ledger["grads"]          # 4 D - 4 D / 8
+        assert moved > 0
+        assert a.time_s["nvlink"] - b.time_s["nvlink"] == pytest.approx(moved / nvlink, rel=1e-9)
+        assert b.update_s["nvlink"] - a.update_s["nvlink"] == pytest.approx(moved / nvlink, rel=1e-9)
+        # no_shard: all-reduce 2 x 4 D (7/8) instead of reduce-scatter 4 D (7/8) + BF16 all-gather 2 D (7/8).
+        assert c.update_s["nvlink"] - b.update_s["nvlink"] == pytest.approx(moved / 2 / nvlink, rel=1e-9)
+        # no_shard orthogonalizes every dense matrix itself: 8 x the dense Newton-Schulz FLOPs of a shard.
+        dense_ns = b.counts["newton_schulz_flops"] - b.counts["newton_schulz_routed_flops"]
+        assert c.counts["newton_schulz_flops"] - c.counts["newton_schulz_routed_flops"] == pytest.approx(8 * dense_ns)
+    # Here the tensor cores bind the optimistic step, so only the serial bound (resources summed) shows the trade:
+    # the per-microbatch reduce-scatter repeats on each of the M + p - 1 = 15 slots, the per-update one once.
+    assert sharded.step.serial_step_time_s > whole.step.serial_step_time_s
+
+
+def test_bf16_gradients_halve_the_reduction():
+    """BF16 gradient buffers reduce-scatter 2 B per parameter instead of 4: half the per-microbatch traffic."""
+    fp32 = _policy_eval("optim_grads")
+    bf16 = k3opt.evaluate(k3opt.Layout.model_validate({**fp32.layout.model_dump(), "grad_dtype": "bf16"}))
+    base = _policy_eval("optim")
+    nvlink = k3opt.load_cluster("gb200-nvl72").nvlink_gbps * 1e9
+    r32, r16, rb = fp32.ranks[3], bf16.ranks[3], base.ranks[3]
+    moved32 = rb.ledger["grads"] - r32.ledger["grads"]
+    assert r32.time_s["nvlink"] - r16.time_s["nvlink"] == pytest.approx(moved32 / 2 / nvlink, rel=1e-9)

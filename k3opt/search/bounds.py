@@ -186,7 +186,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
         return cache[id(arr)]
 
     P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
-    opt = 2 * (lean.resident_params if "p2p_muon" in allowed else lean.view_params)
+    opt = _step_gather(lean, allowed)
     Pr, Ar = rng(P), rng(lean.act)
     # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
     grads = rng(lean.grads)
@@ -194,7 +194,8 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
         grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
     Pr = Pr + grads
     P = P + lean.grads
-    Or = rng(opt) + range_max(lean.ns_working_set)
+    Or = (rng(opt) + range_max(lean.ns_working_set) if lean.step_gather_with_ns
+          else np.maximum(rng(opt), range_max(lean.ns_working_set)))
     R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
     bank = R[b_i] * lean.stream_bytes
     packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
@@ -307,7 +308,7 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     P = cf.master + cf.optimizer + cf.bf16_view + cf.grad_accum
     if "pipeline_zero2_host_grads" not in allowed:
         P = P + cf.grads
-    opt = 2 * (cf.resident_params if "p2p_muon" in allowed else cf.view_params)
+    opt = _step_gather(cf, allowed)
     counts = []
     for r in range(p):
         comp = np.array(max(cf.compositions[r], key=sum), dtype=float)
@@ -345,3 +346,10 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
         hold_opt = np.sort((P + opt)[:L][moe])[:k].sum()
         gpu = max(gpu, float(hold), float(hold_opt))
     return max(gpu, opt_phase)
+
+
+def _step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:
+    """Per-layer bytes of the optimizer-step gather (evaluate.rank_ledger): the sharding policy's step gather, or
+    under P2P Muon (when allowed) the smaller pulled share."""
+    gather = cf.step_gather if cf.step_gather is not None else 2 * cf.view_params
+    return np.minimum(gather, 2 * cf.resident_params) if "p2p_muon" in allowed else gather

@@ -16,11 +16,15 @@ from k3opt.search.ranking import ranked_coefficients as coefficients  # the rank
 from k3opt.specs import (
     GIB,
     ClusterSpec,
+    Dtype,
     FsdpLifecycle,
     Job,
     Layout,
     ModelSpec,
+    Precision,
     Recompute,
+    SearchSpace,
+    ShardingPolicy,
     Toggles,
     load_cluster,
 )
@@ -49,6 +53,35 @@ class Frame:
     dense_fsdp: int
     microbatches: int
     gpus: int
+    dense_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
+    grad_dtype: Dtype = Dtype.FP32
+    precision: Precision = Precision.BF16
+
+
+DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)
+"""Sharding policies searched when the job's [search] lists none: the two no other policy dominates. `no_shard`
+holds every byte `optim` holds or more and moves more (an all-reduce, g P x 2 (1 - 1/n) against `optim`'s
+reduce-scatter g P + BF16 all-gather 2 P, g >= 2 B) and orthogonalizes every matrix itself; `optim_grads_params`
+(k3opt's accounting: the BF16 view gathered and kept) moves what `optim_grads` moves and adds the fresh BF16
+all-gather at the step. `optim` keeps the whole gradient buffer and reduces it once per update; `optim_grads`
+shards it and reduce-scatters every microbatch (the memory-for-traffic trade)."""
+
+
+def frame_of(layout: Layout) -> Frame:
+    """The frame of a layout (its degrees, microbatches, sharding, gradient dtype and precision)."""
+    return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
+                 layout.microbatches, layout.gpus, layout.dense_sharding, layout.expert_sharding, layout.grad_dtype,
+                 layout.precision)
+
+
+def _policies(listed: list[ShardingPolicy] | None, group: int) -> list[ShardingPolicy]:
+    """Policies searched for a shard group of `group` ranks: with one rank every policy shards nothing, so one
+    representative (the reference policy when allowed) stands for all."""
+    allowed = list(listed) if listed is not None else list(DEFAULT_SHARDING)
+    if group == 1:
+        return [ShardingPolicy.OPTIM_GRADS_PARAMS if ShardingPolicy.OPTIM_GRADS_PARAMS in allowed else allowed[0]]
+    return allowed
 
 
 # ------------------------------------------------------------------------------------- enumeration
@@ -72,14 +105,28 @@ def default_cp(job: Job, cluster: ClusterSpec, stage: int) -> list[int]:
     return [c for c in _divisors(stage) if c == 1 or (seq % (2 * c) == 0 and seq / c >= t_min)]
 
 
+def _policy_pairs(s: SearchSpace, fd: int, fe: int) -> list[tuple[ShardingPolicy, ShardingPolicy]]:
+    """(dense, expert) sharding policies searched. With neither list given, one strategy for both groups, as
+    Megatron launches it (one `--data-parallel-sharding-strategy` for every parameter of Megatron-FSDP;
+    `--use-distributed-optimizer` shards both groups): DEFAULT_SHARDING, tied. A list given for either group
+    searches every pair of the two lists."""
+    dense, expert = _policies(s.dense_sharding, fd), _policies(s.expert_sharding, fe)
+    if s.dense_sharding is None and s.expert_sharding is None and fd > 1 and fe > 1:
+        return [(p, p) for p in dense]
+    return list(itertools.product(dense, expert))
+
+
 def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec | None = None) -> list[Frame]:
     """Every frame the job allows on `gpus` GPUs (divisibility rules of the Layout model). CP: the job's list, else
-    `default_cp` on the job's cluster (or `cluster`)."""
+    `default_cp` on the job's cluster (or `cluster`). Per shape, the dense and expert sharding policies
+    (`_policy_pairs`), the gradient dtypes (the job's list, else FP32) and the job's accepted precisions."""
     s = job.search
     if s.cp is None and cluster is None:
         cluster = load_cluster(job.cluster)
     L = model.num_layers
     experts = model.moe.num_experts if model.moe else 1
+    grad_dtypes = list(dict.fromkeys(s.grad_dtype or [Dtype.FP32]))
+    precisions = list(dict.fromkeys(job.precisions))
     frames = []
     for p in _allowed(_divisors(gpus), s.pp):
         if p > L:
@@ -107,7 +154,9 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                     for fe in _allowed(_divisors(stage // e), s.expert_fsdp):
                         for fd in _allowed(_divisors(dp), s.dense_fsdp):  # dense FSDP groups are dp indices
                             for m in ms:
-                                frames.append(Frame(p, v, c, e, fe, fd, m, gpus))
+                                for (pd, pe), g, q in itertools.product(_policy_pairs(s, fd, fe), grad_dtypes,
+                                                                        precisions):
+                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q))
     return frames
 
 
@@ -149,7 +198,8 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
         microbatches=f.microbatches, rows=job.rows, context=job.context,
         document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
-        toggles=tg, domain_gpus_used=job.domain_gpus_used,
+        toggles=tg, domain_gpus_used=job.domain_gpus_used, dense_sharding=f.dense_sharding,
+        expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
     )
 
 
@@ -159,7 +209,8 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
         microbatches=f.microbatches, rows=job.rows, context=job.context, document_length=job.document_length,
         split=split, recompute=shape.recompute, fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles,
         reserve_gib=job.reserve_gib, domain_gpus_used=job.domain_gpus_used, model=job.model, cluster=job.cluster,
-        runtime=job.runtime, name=name,
+        runtime=job.runtime, name=name, dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
+        grad_dtype=f.grad_dtype, precision=f.precision,
     )
 
 

@@ -13,6 +13,7 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     enumerate_frames,
+    frame_of,
     lifecycles,
     undominated_modes,
 )
@@ -59,9 +60,13 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
             break
         have = best_of.get(f)
         cap = have.peak_bytes // MIB - step_mib if have else None
+        # Each solve lowers the cap, so every later layout of the frame is no faster than the last one found
+        # (t_seen) and holds at least the frame's peak bound: a point at least as fast with a peak no higher than
+        # that bound dominates them all. (A point under the cap but above the bound does not.)
+        t_seen = max(t_lb, have.step_time_s) if have else t_lb
         fm: FrameModel | None = None
         while True:
-            if cap is not None and (cap * MIB < m_lb or dominated(f, t_lb, cap * MIB)):
+            if cap is not None and (cap * MIB < m_lb or dominated(f, t_seen, m_lb)):
                 break
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
@@ -78,12 +83,12 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
                 break
             points.append(item)
             cap = item.peak_bytes // MIB - step_mib
+            t_seen = max(t_seen, item.step_time_s)
     return _non_dominated(points), complete
 
 
 def _frame_of(layout: Layout) -> Frame:
-    return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
-                 layout.microbatches, layout.gpus)
+    return frame_of(layout)
 
 
 def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:

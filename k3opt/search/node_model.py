@@ -232,7 +232,8 @@ class FrameModel:
             return m.new_int_var(0, self.time_ub, f"{name}_r{r}")
 
         # persistent -----------------------------------------------------------------------
-        persistent = self._rank_sum(self._mem(c0.master + c0.optimizer + c0.bf16_view), r)
+        qw = c0.quantized_weights if len(c0.quantized_weights) else 0.0  # low-precision weight copies
+        persistent = self._rank_sum(self._mem(c0.master + c0.optimizer + c0.bf16_view + qw), r)
         grads = var("grads")
         m.add(grads >= self._rank_sum(self._mem(c0.grads), r)).only_enforce_if(~tv["pipeline_zero2_host_grads"])
         for j in mine:
@@ -322,8 +323,16 @@ class FrameModel:
         for e in edges:
             m.add(nsws >= int(w[e]))
         opt = var("opt")
-        m.add(opt >= self._rank_sum(self._mem(2 * c0.view_params), r) + nsws).only_enforce_if(~tv["p2p_muon"])
-        m.add(opt >= self._rank_sum(self._mem(2 * c0.resident_params), r) + nsws).only_enforce_if(tv["p2p_muon"])
+        # The step gather of the frame's sharding policy (evaluate.rank_ledger): with the Newton-Schulz working set
+        # on top (reference policy) or the larger of the two (the others).
+        gather = c0.step_gather if c0.step_gather is not None else 2 * c0.view_params
+        for g_arr, lit in ((gather, ~tv["p2p_muon"]), (2 * c0.resident_params, tv["p2p_muon"])):
+            g_sum = self._rank_sum(self._mem(g_arr), r)
+            if c0.step_gather_with_ns:
+                m.add(opt >= g_sum + nsws).only_enforce_if(lit)
+            else:
+                m.add(opt >= g_sum).only_enforce_if(lit)
+                m.add(opt >= nsws).only_enforce_if(lit)
 
         peak = var("peak")
         m.add(peak >= persistent + act_phase)
