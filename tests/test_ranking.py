@@ -56,7 +56,9 @@ def _enumerate(job, tiny, slow, allowed=ALLOWED, lcs=(FsdpLifecycle.PER_MICROBAT
                 for split in _splits(tiny.num_layers, f.pp):
                     lay = make_layout(gpus=8, pp=f.pp, ep=f.ep, dense_fsdp=f.dense_fsdp, microbatches=f.microbatches,
                                       context=2048, split=split, recompute=rc, fsdp_lifecycle=lc,
-                                      toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5)
+                                      toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5,
+                                      dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
+                                      grad_dtype=f.grad_dtype, precision=f.precision)
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
                         s = ev.step
