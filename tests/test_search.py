@@ -378,3 +378,39 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
                 t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
                 assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
                 assert min(r[4] for r in node) >= m_n - 1
+
+
+def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow):
+    """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
+    under a budget tight enough that some nodes have no fitting layout: per (recompute, lifecycle) node, the linear
+    relaxation stays below every enumerated layout, and it is tighter than the mean load where memory binds
+    (infinite where nothing fits, above the mean where only a slower split or mode fits)."""
+    from k3opt.search import node_lower_bound, tight_node_bound
+
+    allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
+               "p2p_muon", "fused_cross_entropy")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.5,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    infinite = above_mean = 0
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        best = None
+        for flags in itertools.product([False, True], repeat=len(allowed)):
+            for split in _splits(tiny.num_layers, 4):
+                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
+                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc,
+                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=2.5)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits and (best is None or ev.step.step_time_s < best):
+                    best = ev.step.step_time_s
+        lp = tight_node_bound(job, f, rc, lc, tiny, slow)
+        mean = node_lower_bound(job, f, rc, lc, tiny, slow)[0]
+        if best is not None:
+            assert lp <= best + 1e-9, (rc, lc, lp, best)
+        infinite += lp == float("inf")
+        above_mean += mean * 1.01 < lp < float("inf")
+    assert infinite and above_mean

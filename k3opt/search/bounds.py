@@ -26,6 +26,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.lp_bound import interleaved_lp_bound
 from k3opt.specs import (
     ClusterSpec,
     FsdpLifecycle,
@@ -67,6 +68,8 @@ def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
 
 
 _DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+_LP_BOUNDS: dict[tuple, float] = {}
+"""Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 
 
@@ -129,10 +132,16 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
 
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                      cluster: ClusterSpec) -> float:
-    """The node's step-time bound with the dynamic program run per undominated activation mode (its own work
-    and memory), the least over modes; only for v = 1. Computed when a node is about to be solved."""
-    if f.vp != 1 or job.search.split is not None:
+    """The node's step-time bound, computed when a node is about to be solved. v = 1: the dynamic program run per
+    undominated activation mode (its own work and memory), the least over modes. v > 1: the linear relaxation of
+    `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows), kept
+    for the node's CP-SAT model as a cut on its objective."""
+    if job.search.split is not None:
         return 0.0
+    if f.vp != 1:
+        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster)
+        _LP_BOUNDS[(job.model_dump_json(), f, rc, lc)] = lp
+        return lp
     allowed = _allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
