@@ -411,6 +411,25 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow):
         mean = node_lower_bound(job, f, rc, lc, tiny, slow)[0]
         if best is not None:
             assert lp <= best + 1e-9, (rc, lc, lp, best)
+            assert mean <= best + 1e-9, (rc, lc, mean, best)
         infinite += lp == float("inf")
         above_mean += mean * 1.01 < lp < float("inf")
     assert infinite and above_mean
+
+
+def test_frame_peak_bound_shrinks_with_more_sharding(job, tiny, slow):
+    """The driver skips a shape when a shape of its group with a multiple of both FSDP degrees is already over the
+    HBM line: that needs the frame peak bound to be non-increasing in the expert and dense FSDP degrees."""
+    from k3opt.search import frame_lower_bound
+
+    wide = job.model_validate({**job.model_dump(), "search": {**job.search.model_dump(), "expert_fsdp": None,
+                                                              "dense_fsdp": None, "ep": None}})
+    frames = enumerate_frames(wide, tiny, 8)
+    peak = {f: frame_lower_bound(wide, f, tiny, slow)[1] for f in frames}
+    pairs = 0
+    for f, g in itertools.product(frames, frames):
+        same = (f.pp, f.vp, f.cp, f.ep, f.microbatches) == (g.pp, g.vp, g.cp, g.ep, g.microbatches)
+        if same and f != g and g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0:
+            pairs += 1
+            assert peak[g] <= peak[f] + 1, (f, g)
+    assert pairs >= 10

@@ -26,7 +26,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.lp_bound import interleaved_lp_bound
+from k3opt.search.lp_bound import interleaved_lp_bound, needs_offload
 from k3opt.specs import (
     ClusterSpec,
     FsdpLifecycle,
@@ -97,6 +97,13 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         _DP_HINTS[(job.model_dump_json(), f, rc, lc)] = (stage, split)
         return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
+    if "activation_offload" in allowed and (
+            _peak_lower_bound(job, f, lcf, cluster, allowed - {"activation_offload"}) > cap
+            or (f.vp > 1 and needs_offload(job, f, lcf, cap))):
+        # No split fits without offload: every rank moves its saved bytes over the host link, at least the
+        # leanest activation mode's traffic (offload moves the saved set, least under the leanest mode).
+        ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster)
+        stage = max(stage, float(ocf.time["host_link"].sum()) / p)
     return cf.slots * stage + update, peak
 
 
