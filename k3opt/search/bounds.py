@@ -110,9 +110,11 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
 def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
     """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
     recompute mode and lifecycle (no toggles) and the least saved and working-set bytes of any (all toggles
-    allowed); (0, 0) for v > 1."""
-    if f.vp != 1 or job.search.split is not None:
+    allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0)."""
+    if job.search.split is not None:
         return 0.0, 0.0
+    if f.vp != 1:
+        return _frame_interleaved_bound(job, f, model, cluster), 0.0
     allowed = _allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
@@ -135,6 +137,41 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed)
     upd = max(float(update[res].sum()) for res in update) / f.pp
     return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
+
+
+def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
+    of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
+    offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
+    least over recompute modes. Modes that cannot undercut the best one so far skip the memory test."""
+    allowed = _allowed_on(job)
+    recs = sorted(job.search.recompute or list(Recompute),
+                  key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
+    lcs = lifecycles(job)
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    best = math.inf
+    for rc in recs:
+        required = ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES))
+        lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+        cheap = [coefficients(frame_shape(job, f, required, lc), model, cluster) for lc in lcs]
+        stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
+        update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
+        slots = cheap[0].slots
+        if slots * stage + update >= best:
+            continue
+        if "activation_offload" in allowed:
+            views = [_memory_view(job, f, lean, lc, model, cluster) for lc in lcs]
+            merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
+                "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
+                "working_set")}, logits=min(vw.logits for vw in views),
+                ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
+                moonep_buffers=min(vw.moonep_buffers for vw in views))
+            if needs_offload(job, f, merged, cap):
+                host = min(float(coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model,
+                                              cluster).time["host_link"].sum()) for lc in lcs) / f.pp
+                stage = max(stage, host)
+        best = min(best, slots * stage + update)
+    return best
 
 
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
