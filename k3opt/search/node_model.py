@@ -480,6 +480,11 @@ class FrameModel:
         solver.parameters.random_seed = 7
         solver.parameters.relative_gap_limit = relative_gap
         solver.parameters.catch_sigint_signal = False
+        if self.f.vp > 1:
+            # Presolve probing on an interleaved K3 node (PP8 VP3: 2,400 variables, 440k linear terms) took 19 of
+            # 20 s on 2 cores and the solver returned nothing, not even the hinted incumbent; without it the same
+            # solve returns the incumbent and the relaxation's bound.
+            solver.parameters.cp_model_probing_level = 0
         if not presolve:
             solver.parameters.cp_model_presolve = False
         st = solver.solve(self.m)
