@@ -159,7 +159,9 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         slots = cheap[0].slots
         if slots * stage + update >= best:
             continue
-        if "activation_offload" in allowed:
+        if "activation_offload" in allowed and rc != Recompute.FULL:
+            # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
+            # bound valid and saves a linear program per shape.)
             views = [_memory_view(job, f, lean, lc, model, cluster) for lc in lcs]
             merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
                 "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",

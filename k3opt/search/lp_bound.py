@@ -23,6 +23,7 @@ keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -238,10 +239,15 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, bc: Coefficients, cap: float,
 
 def _undominated(comps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     """In-flight compositions no other composition covers entry by entry (a covered one gives a weaker row)."""
+    return list(_undominated_cached(tuple(comps)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _undominated_cached(comps: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
     arr = np.unique(np.array(comps, dtype=float), axis=0)
     covered = np.all(arr[None, :, :] >= arr[:, None, :], axis=2)  # covered[i, j]: j covers i
     np.fill_diagonal(covered, False)
-    return [tuple(c) for c in arr[~covered.any(axis=1)]]
+    return tuple(tuple(float(x) for x in c) for c in arr[~covered.any(axis=1)])
 
 
 def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray, b_eq: np.ndarray,
