@@ -380,41 +380,56 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
                 assert min(r[4] for r in node) >= m_n - 1
 
 
-def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow):
+@pytest.mark.parametrize("reserve", [2.2, 2.5])
+def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
-    under a budget tight enough that some nodes have no fitting layout: per (recompute, lifecycle) node, the linear
-    relaxation stays below every enumerated layout, and it is tighter than the mean load where memory binds
-    (infinite where nothing fits, above the mean where only a slower split or mode fits)."""
+    under budgets tight enough that offload is needed (2.2 GiB reserve) or nothing fits (2.5 GiB): per (recompute,
+    lifecycle) node, the linear relaxation and the node bound stay below every enumerated layout; the memory
+    program says offload is forced only where no layout without offload fits, and it does say so where only
+    offload layouts fit; the relaxation is tighter than the mean load where memory binds."""
     from k3opt.search import node_lower_bound, tight_node_bound
+    from k3opt.search.frames import ActMode, _memory_view, allocated_capacity_bytes
+    from k3opt.search.lp_bound import needs_offload
 
     allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
                "p2p_muon", "fused_cross_entropy")
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.5,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
     })
     (f,) = enumerate_frames(job, tiny, 8)
-    infinite = above_mean = 0
+    cap = allocated_capacity_bytes(job, f, tiny, slow)
+    infinite = above_mean = forced_with_fit = 0
     for rc, lc in itertools.product(Recompute, FsdpLifecycle):
         best = None
+        without_offload = with_offload = False
         for flags in itertools.product([False, True], repeat=len(allowed)):
+            toggles = dict(zip(allowed, flags, strict=True))
             for split in _splits(tiny.num_layers, 4):
                 lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
-                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc,
-                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=2.5)
+                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
+                                  reserve_gib=reserve)
                 ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits and (best is None or ev.step.step_time_s < best):
-                    best = ev.step.step_time_s
+                if ev.fits:
+                    with_offload |= toggles["activation_offload"]
+                    without_offload |= not toggles["activation_offload"]
+                    if best is None or ev.step.step_time_s < best:
+                        best = ev.step.step_time_s
         lp = tight_node_bound(job, f, rc, lc, tiny, slow)
         mean = node_lower_bound(job, f, rc, lc, tiny, slow)[0]
         if best is not None:
             assert lp <= best + 1e-9, (rc, lc, lp, best)
             assert mean <= best + 1e-9, (rc, lc, mean, best)
+        forced = needs_offload(job, f, _memory_view(job, f, ActMode(rc, True, False, False, False), lc, tiny, slow),
+                               cap)
+        assert not (forced and without_offload), (rc, lc)
+        forced_with_fit += forced and with_offload
         infinite += lp == float("inf")
         above_mean += mean * 1.01 < lp < float("inf")
-    assert infinite and above_mean
+    assert above_mean
+    assert infinite if reserve == 2.5 else forced_with_fit
 
 
 def test_frame_peak_bound_shrinks_with_more_sharding(job, tiny, slow):
