@@ -20,9 +20,10 @@ def _min_members_per_domain(groups: np.ndarray, domain: int) -> int:
     """groups: [n_groups, size] global ranks. The smallest number of a member's group peers (itself
     included) in its NVLink domain, over all members: the worst member sets the collective's time."""
     dom = groups // domain
+    dom = dom - int(dom.min())
     key = dom + np.arange(groups.shape[0])[:, None] * (int(dom.max()) + 1)
-    _, counts = np.unique(key, return_counts=True)
-    return int(counts.min())
+    counts = np.bincount(key.ravel())
+    return int(counts[counts > 0].min())
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int
     stage = gpus // p
     # One stage is enough: stages are congruent blocks, but their offsets against the domain grid differ.
     ep_a = dense_a = exp_a = stage
-    for s in range(p):
-        base = s * stage
+    # A stage shifted by whole domains has the same members per domain: one stage per offset in the domain grid.
+    for base in sorted({(s * stage) % domain for s in range(p)}):
         local = np.arange(stage)
         ep_groups = base + local.reshape(-1, e)
         ep_a = min(ep_a, _min_members_per_domain(ep_groups, domain))

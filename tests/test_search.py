@@ -423,7 +423,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
                     ev = k3opt.evaluate(_frame_layout(f, split, rc, lc, dict(zip(ALLOWED, flags, strict=True))),
                                         model=tiny, cluster=slow)
                     if ev.fits:
-                        rows.append((f, rc, lc, ev.step.step_time_s, ev.peak_bytes))
+                        rows.append((f, rc, lc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows and len({r[0] for r in rows}) > 1
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
@@ -431,7 +431,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
     for f, _, _, t, m in rows:
         best[f] = min(best.get(f, (t, m)), (t, m))
     want = sorted(v[0] for v in best.values())[:3]
-    assert [it.step_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
+    assert [it.rank_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
     for f in frames:
         mine = [r for r in rows if r[0] == f]
         if not mine:
@@ -465,3 +465,75 @@ def test_job_search_narrows_sharding_dtype_and_precision(tiny):
     assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding, f.grad_dtype, f.precision) for f in narrow} == {
         (1, "optim_grads_params", "no_shard", "bf16", "fp8"), (2, "optim_grads_params", "no_shard", "bf16", "fp8"),
         (2, "optim_grads_params", "optim", "bf16", "fp8")}
+@pytest.mark.parametrize("reserve", [2.2, 2.5])
+def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
+    """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
+    under budgets tight enough that offload is needed (2.2 GiB reserve) or nothing fits (2.5 GiB): per (recompute,
+    lifecycle) node, the linear relaxation and the node bound stay below every enumerated layout; the memory
+    program says offload is forced only where no layout without offload fits, and it does say so where only
+    offload layouts fit; the relaxation is tighter than the mean load where memory binds."""
+    from k3opt.search import node_lower_bound, tight_node_bound
+    from k3opt.search.frames import ActMode, _memory_view, allocated_capacity_bytes
+    from k3opt.search.lp_bound import needs_offload
+
+    allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
+               "p2p_muon", "fused_cross_entropy")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    cap = allocated_capacity_bytes(job, f, tiny, slow)
+    infinite = above_mean = forced_with_fit = 0
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        best = None
+        without_offload = with_offload = False
+        for flags in itertools.product([False, True], repeat=len(allowed)):
+            toggles = dict(zip(allowed, flags, strict=True))
+            for split in _splits(tiny.num_layers, 4):
+                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
+                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
+                                  reserve_gib=reserve)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits:
+                    with_offload |= toggles["activation_offload"]
+                    without_offload |= not toggles["activation_offload"]
+                    if best is None or ev.step.rank_time_s < best:
+                        best = ev.step.rank_time_s
+        lp = tight_node_bound(job, f, rc, lc, tiny, slow)
+        mean = node_lower_bound(job, f, rc, lc, tiny, slow)[0]
+        if best is not None:
+            assert lp <= best + 1e-9, (rc, lc, lp, best)
+            assert mean <= best + 1e-9, (rc, lc, mean, best)
+        forced = needs_offload(job, f, _memory_view(job, f, ActMode(rc, True, False, False, False), lc, tiny, slow),
+                               cap)
+        assert not (forced and without_offload), (rc, lc)
+        forced_with_fit += forced and with_offload
+        infinite += lp == float("inf")
+        above_mean += mean * 1.01 < lp < float("inf")
+    assert above_mean
+    assert infinite if reserve == 2.5 else forced_with_fit
+
+
+def test_frame_peak_bound_shrinks_with_more_sharding(job, tiny, slow):
+    """The driver skips a shape when a shape of its group with a multiple of both FSDP degrees is already over the
+    HBM line: that needs the frame peak bound to be non-increasing in the expert and dense FSDP degrees."""
+    from k3opt.search import frame_lower_bound
+
+    wide = job.model_validate({**job.model_dump(), "search": {**job.search.model_dump(), "expert_fsdp": None,
+                                                              "dense_fsdp": None, "ep": None}})
+    frames = enumerate_frames(wide, tiny, 8)
+    peak = {f: frame_lower_bound(wide, f, tiny, slow)[1] for f in frames}
+    pairs = 0
+    for f, g in itertools.product(frames, frames):
+        key = (f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding, f.expert_sharding, f.grad_dtype,
+               f.precision)
+        same = key == (g.pp, g.vp, g.cp, g.ep, g.microbatches, g.dense_sharding, g.expert_sharding, g.grad_dtype,
+                       g.precision)
+        if same and f != g and g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0:
+            pairs += 1
+            assert peak[g] <= peak[f] + 1, (f, g)
+    assert pairs >= 10

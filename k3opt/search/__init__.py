@@ -6,16 +6,17 @@ the activation mode (FP8 storage, fused SiTU, MoE backward rewrite, dispatch rec
 (offload, balancing, host gradient shards, P2P Muon, chunked cross-entropy), under every rank's HBM and host
 limits. Frames and nodes are explored best-first by lower bounds that tighten as they are popped: the mean
 tensor work, then an exact dynamic program over contiguous stage ranges of a relaxed cost (v = 1), then that
-program per activation mode with offload and balancing decided globally. The search stops with a proof once
-the next bound exceeds the K-th best layout found; the bound and gap it reports are that proof.
+program per activation mode with offload and balancing decided globally; for v > 1 the mean load raised by
+memory (offload forced), then a linear relaxation over fractional layers per chunk. The search stops with a
+proof once the next bound exceeds the K-th best layout found; the bound and gap it reports are that proof.
 
 Every coefficient comes from k3opt.coefficients (one call per mode combination); the model only sums them over
 the split. Every layout returned is re-evaluated with `evaluate()`, and what is reported is that evaluation; a
 disagreement beyond the integer resolution raises an error instead of being rounded away.
 
 Files: `frames` (the shapes a job allows, activation modes, the per-rank memory budget), `bounds` (lower bounds
-on a frame or node), `node_model` (one node's CP-SAT model), `driver` (`plan()`: the branch and bound),
-`front` (the Pareto front), `result` (`Plan`, `PlanItem`).
+on a frame or node), `lp_bound` (linear relaxations of interleaved nodes), `node_model` (one node's CP-SAT
+model), `driver` (`plan()`: the branch and bound), `front` (the Pareto front), `result` (`Plan`, `PlanItem`).
 """
 
 from k3opt.search.bounds import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound

@@ -26,6 +26,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.lp_bound import interleaved_lp_bound, needs_offload
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.ranking import work_floor  # a work floor over the activation toggles
 from k3opt.specs import (
@@ -69,6 +70,8 @@ def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
 
 
 _DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+_LP_BOUNDS: dict[tuple, float] = {}
+"""Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 
 
@@ -96,15 +99,24 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         _DP_HINTS[(job.model_dump_json(), f, rc, lc)] = (stage, split)
         return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
+    if "activation_offload" in allowed and (
+            _peak_lower_bound(job, f, lcf, cluster, allowed - {"activation_offload"}) > cap
+            or (f.vp > 1 and needs_offload(job, f, lcf, cap))):
+        # No split fits without offload: every rank moves its saved bytes over the host link, at least the
+        # leanest activation mode's traffic (offload moves the saved set, least under the leanest mode).
+        ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster)
+        stage = max(stage, float(ocf.time["host_link"].sum()) / p)
     return cf.slots * stage + update, peak
 
 
 def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
     """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
     recompute mode and lifecycle (no toggles) and the least saved and working-set bytes of any (all toggles
-    allowed); (0, 0) for v > 1."""
-    if f.vp != 1 or job.search.split is not None:
+    allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0)."""
+    if job.search.split is not None:
         return 0.0, 0.0
+    if f.vp != 1:
+        return _frame_interleaved_bound(job, f, model, cluster), 0.0
     allowed = _allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
@@ -129,12 +141,55 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
 
 
+def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
+    of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
+    offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
+    least over recompute modes. Modes that cannot undercut the best one so far skip the memory test."""
+    allowed = _allowed_on(job)
+    recs = sorted(job.search.recompute or list(Recompute),
+                  key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
+    lcs = lifecycles(job)
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    best = math.inf
+    for rc in recs:
+        required = ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES))
+        lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+        cheap = [coefficients(frame_shape(job, f, required, lc), model, cluster) for lc in lcs]
+        stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
+        update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
+        slots = cheap[0].slots
+        if slots * stage + update >= best:
+            continue
+        if "activation_offload" in allowed and rc != Recompute.FULL:
+            # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
+            # bound valid and saves a linear program per shape.)
+            views = [_memory_view(job, f, lean, lc, model, cluster) for lc in lcs]
+            merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
+                "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
+                "working_set")}, logits=min(vw.logits for vw in views),
+                ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
+                moonep_buffers=min(vw.moonep_buffers for vw in views))
+            if needs_offload(job, f, merged, cap):
+                host = min(float(coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model,
+                                              cluster).time["host_link"].sum()) for lc in lcs) / f.pp
+                stage = max(stage, host)
+        best = min(best, slots * stage + update)
+    return best
+
+
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                      cluster: ClusterSpec) -> float:
-    """The node's step-time bound with the dynamic program run per undominated activation mode (its own work
-    and memory), the least over modes; only for v = 1. Computed when a node is about to be solved."""
-    if f.vp != 1 or job.search.split is not None:
+    """The node's step-time bound, computed when a node is about to be solved. v = 1: the dynamic program run per
+    undominated activation mode (its own work and memory), the least over modes. v > 1: the linear relaxation of
+    `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows), kept
+    for the node's CP-SAT model as a cut on its objective."""
+    if job.search.split is not None:
         return 0.0
+    if f.vp != 1:
+        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster)
+        _LP_BOUNDS[(job.model_dump_json(), f, rc, lc)] = lp
+        return lp
     allowed = _allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)

@@ -90,7 +90,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             f"{job.tokens_per_update}, rows x context {job.rows} x {job.context}); make tokens_per_update a "
             "multiple of DP x rows x context for some PP, or give [search] microbatches"
         )
-    caps = {f: allocated_capacity_bytes(job, f, model, cluster) for f in frames}
+    caps = _Caps(job, model, cluster)
+    hbm_line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
     heap: list = []
@@ -109,13 +111,20 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                   stop=lambda: ctrl_c.flag))
         if best_of:
             first_layout_s = _time.monotonic() - t0
-        for f in frames:
+        over: dict[tuple, list[Frame]] = {}
+        for f in _most_sharded_first(frames):
             if ctrl_c.flag:
                 if not best_of:
                     raise KeyboardInterrupt
                 unbounded = True  # Ctrl-C while bounding: the shapes not bounded yet leave the bound at 0
                 break
+            group = over.setdefault((f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding,
+                                     f.expert_sharding, f.grad_dtype, f.precision), [])
+            if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
+                continue  # dominated: a shape with more sharding of the same state is already over the HBM line
             t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
+            if m_lb > hbm_line:
+                group.append(f)
             if m_lb < min_peak_lb[0]:
                 min_peak_lb = (m_lb, f)
             if m_lb <= caps[f]:
@@ -271,6 +280,27 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+
+
+class _Caps(dict):
+    """Each frame's allocated budget (`allocated_capacity_bytes`), computed when first asked for."""
+
+    def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec) -> None:
+        super().__init__()
+        self._args = (job, model, cluster)
+
+    def __missing__(self, f: Frame) -> int:
+        job, model, cluster = self._args
+        self[f] = allocated_capacity_bytes(job, f, model, cluster)
+        return self[f]
+
+
+def _most_sharded_first(frames: list[Frame]) -> list[Frame]:
+    """Frames by descending expert x dense FSDP degree (stable otherwise). The peak bound of `frame_lower_bound`
+    (the mean of master, optimizer, BF16 view and gradient bytes) only shrinks as either degree grows by a
+    multiple (each state is divided by its shard count; tests/test_search.py checks it over every frame of the
+    test job), so once a shape is over the HBM line every less-sharded shape of its group is too."""
+    return sorted(frames, key=lambda f: -f.expert_fsdp * f.dense_fsdp)
 
 
 def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Frame | None,
