@@ -53,8 +53,8 @@ def _enumerate(job, tiny, slow, allowed=ALLOWED, lcs=(FsdpLifecycle.PER_MICROBAT
     for f in enumerate_frames(job, tiny, 8):
         for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), lcs):
             for flags in itertools.product([False, True], repeat=len(allowed)):
-                for split in _splits(tiny.num_layers, f.pp):
-                    lay = make_layout(gpus=8, pp=f.pp, ep=f.ep, dense_fsdp=f.dense_fsdp, microbatches=f.microbatches,
+                for split in _splits(tiny.num_layers, f.pp * f.vp):
+                    lay = make_layout(gpus=8, pp=f.pp, vp=f.vp, ep=f.ep, dense_fsdp=f.dense_fsdp, microbatches=f.microbatches,
                                       context=2048, split=split, recompute=rc, fsdp_lifecycle=lc,
                                       toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5,
                                       dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
@@ -114,6 +114,32 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     assert (df["achievable_step_time_s"] > df["step_time_s"]).all()
     text = k3opt.report.plan_text(plan)
     assert "achievable_s" in text and "step_s" in text and "(achievable, rates 'gb200-nvl72')" in text
+
+
+def test_interleaved_bounds_and_optimum_on_the_achievable_step(rated):
+    """PP 2 x VP 2 with rates: the interleaved nodes' bounds (mean load, the memory-only program and the GLOP
+    relaxation over the ranked view's work floor) stay below every enumerated layout of their node, and the search's
+    exact optimum is the enumeration's best achievable step."""
+    from k3opt.search import frame_lower_bound, node_lower_bound, tight_node_bound
+
+    tiny, slow = rated
+    spec = _job().model_dump(mode="json", exclude_none=True)
+    spec["search"].update({"pp": [2], "vp": [2], "ep": [2]})
+    job = k3opt.Job.model_validate(spec)
+    rows = _enumerate(job, tiny, slow)
+    assert {r[0].vp for r in rows} == {2}
+    for f in {r[0] for r in rows}:
+        mine = [r for r in rows if r[0] == f]
+        assert min(r[2] for r in mine) >= frame_lower_bound(job, f, tiny, slow)[0] - 1e-9
+        for rc in (Recompute.NONE, Recompute.FULL):
+            node = [r[2] for r in mine if r[1] == rc]
+            if node:
+                t_n, _ = node_lower_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
+                t_t = tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
+                assert min(node) >= max(t_n, t_t) - 1e-9, (f, rc, min(node), t_n, t_t)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].rank_time_s == pytest.approx(min(r[2] for r in rows), abs=TOL_S)
 
 
 def test_pareto_front_on_the_achievable_step_equals_enumeration(rated):
