@@ -684,6 +684,11 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
             hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
             ns_flops=ns_flops, up_hbm=up_hbm,
             up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
+        lat = collective_latency(shape, rt, pl, moe=moe, dense=pn > 0, routed=p_routed > 0,
+                                 moe_model=model.moe is not None)
+        for res in ("nvlink", "nic"):
+            achievable[res] = achievable[res] + lat["microbatch"][res]
+            update_achievable[res] = update_achievable[res] + lat["update"][res]
         pp_spb_ach = tuple(
             1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
             else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
@@ -707,6 +712,42 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         achievable=achievable, update_achievable=update_achievable, pp_seconds_per_byte_achievable=pp_spb_ach,
         rates_name=_rates_from_json(rates_json).name if rates_json else "",
     )
+
+
+def collective_latency(shape: Shape, rt: RatesSpec, pl: comm.Placement, *, moe: np.ndarray, dense: np.ndarray,
+                       routed: np.ndarray, moe_model: bool) -> dict[str, dict[str, np.ndarray]]:
+    """Per-layer latency seconds of the NCCL collectives, per microbatch and per update, on the link each call
+    crosses (the NIC when its group spans NVLink domains): calls x RatesSpec.ring_latency_s(group, per domain).
+    Per microbatch: the routing-map all-gathers of each MoE layer over EP (comm.routing_map_allgathers_per_layer),
+    and without gradient accumulation one gradient reduce-scatter per layer and sharded group (dense, routed).
+    Per update: one parameter all-gather per layer and sharded group, plus the reduce-scatters under accumulation
+    or of a whole gradient buffer (optim; no_shard all-reduces: two ring passes). The bytes of the same calls are
+    priced elsewhere; this is their alpha term only."""
+    n = len(moe)
+    out = {k: {"nvlink": np.zeros(n), "nic": np.zeros(n)} for k in ("microbatch", "update")}
+
+    def add(kind: str, calls: np.ndarray, group: int, local: int) -> None:
+        lat = rt.ring_latency_s(group, local)
+        if lat:
+            out[kind]["nic" if group > local else "nvlink"] += calls * lat
+
+    full = shape.recompute == Recompute.FULL
+    if moe_model:
+        add("microbatch", moe * comm.routing_map_allgathers_per_layer(full), shape.ep, pl.ep_local)
+    accumulate = shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE
+    groups = ((dense.astype(float), shape.dense_fsdp, pl.dense_fsdp_local, shape.dense_sharding),
+              (routed.astype(float), shape.expert_fsdp, pl.expert_fsdp_local, shape.expert_sharding))
+    for calls, group, local, pol in groups:
+        # The same calls as the byte terms of each sharding policy: no all-gather where the group shards nothing;
+        # sharded gradients reduced per microbatch (per update under accumulation); a whole gradient buffer once
+        # per update, reduce-scattered (optim) or all-reduced, two ring passes (no_shard).
+        if pol != ShardingPolicy.NO_SHARD:
+            add("update", calls, group, local)  # parameter all-gather
+        if pol in (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS):
+            add("update" if accumulate else "microbatch", calls, group, local)  # gradient reduce-scatter
+        else:
+            add("update", calls * (2 if pol == ShardingPolicy.NO_SHARD else 1), group, local)
+    return out
 
 
 def model_moe_tokens_factor(shape: Shape, sa: _Static) -> float:

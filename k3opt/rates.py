@@ -11,6 +11,8 @@ The cost model turns the rates into achievable ceilings (an empirical roofline) 
     HBM time           = bytes / (HBM peak x HBM fraction)
     EP all-to-all time = bytes / achievable all-to-all bandwidth of the dispatcher (inside / across a domain)
     other collectives  = bytes / (link peak x collective fraction)
+                         + calls x NCCL ring latency (base + intra-domain steps x NVLink hop + inter-domain steps
+                           x network hop, NCCL's tuning model), on the per-layer arrays of the link they cross
 """
 
 from __future__ import annotations
@@ -100,6 +102,23 @@ class RatesSpec(_Strict):
     overlap: OverlapRules
     gemm_size: SizeCurve | None = None
     """How much slower small GEMMs run than the large ones the class fractions were measured on (absent: 1)."""
+    collective_base_latency_us: Rate | None = None
+    """Fixed latency of one NCCL collective call, microseconds (absent, with the hop latencies: no latency term)."""
+    collective_hop_latency_nvlink_us: Rate | None = None
+    """Latency of one ring step between two GPUs of an NVLink domain, microseconds."""
+    collective_hop_latency_nic_us: Rate | None = None
+    """Latency of one ring step across NVLink domains (the network), microseconds."""
+
+    def ring_latency_s(self, n: int, a: int) -> float:
+        """Seconds of latency of one ring all-gather or reduce-scatter over n ranks, a of them per NVLink domain,
+        as NCCL's tuning model prices a ring (NVIDIA/nccl src/graph/tuning.cc, latencies[coll][ring][proto]):
+        base + (n - 1 - (n/a - 1)) x NVLink hop + (n/a - 1) x network hop; 0 for n = 1 or without latencies."""
+        base, hv, hn = (self.collective_base_latency_us, self.collective_hop_latency_nvlink_us,
+                        self.collective_hop_latency_nic_us)
+        if n <= 1 or base is None or hv is None or hn is None:
+            return 0.0
+        inter = max(n // max(a, 1) - 1, 0)
+        return 1e-6 * (base.value + (n - 1 - inter) * hv.value + inter * hn.value)
 
     def size_factor(self, edge: np.ndarray) -> np.ndarray:
         """Relative GEMM rate at cube-equivalent edge `edge` (1 without a curve)."""
@@ -143,6 +162,9 @@ class RatesSpec(_Strict):
             out[key] = getattr(self, key)
         if self.attention_core_backward is not None:
             out["attention_core_backward"] = self.attention_core_backward
+        for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         for d, r in self.a2a_nvlink_gbps.items():
             out[f"a2a_nvlink_gbps.{d}"] = r
         for d, r in self.a2a_nic_gbps.items():

@@ -54,8 +54,9 @@ def _enumerate(job, tiny, slow, allowed=ALLOWED, lcs=(FsdpLifecycle.PER_MICROBAT
         for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), lcs):
             for flags in itertools.product([False, True], repeat=len(allowed)):
                 for split in _splits(tiny.num_layers, f.pp * f.vp):
-                    lay = make_layout(gpus=8, pp=f.pp, vp=f.vp, ep=f.ep, dense_fsdp=f.dense_fsdp, microbatches=f.microbatches,
-                                      context=2048, split=split, recompute=rc, fsdp_lifecycle=lc,
+                    lay = make_layout(gpus=8, pp=f.pp, vp=f.vp, ep=f.ep, dense_fsdp=f.dense_fsdp,
+                                      microbatches=f.microbatches, context=2048, split=split, recompute=rc,
+                                      fsdp_lifecycle=lc,
                                       toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.5,
                                       dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
                                       grad_dtype=f.grad_dtype, precision=f.precision)

@@ -218,3 +218,73 @@ def test_full_recompute_runs_the_attention_forward_twice_at_the_forward_rate():
     attn = 3 * 64 * (128 + 128) * 8192
     extra = 2 * T * linear / (2.5e15 * 0.716) + T * attn / 3 / (2.5e15 * 0.391)
     assert full.achievable["tensor"][5] - sel.achievable["tensor"][5] == pytest.approx(extra, rel=1e-9)
+
+
+def test_nccl_ring_latency_is_the_tuning_models_alpha(tmp_path):
+    """NCCL's tuning model (tuning.cc at 5067397c, Ring / Simple): base 8.4 us + 3.4 us per step inside an NVLink
+    domain + 14.0 us per step across domains; a ring all-gather over n ranks in n/a domains has n - 1 steps, n/a - 1
+    of them across."""
+    r = load_rates("gb200-nvl72")
+    assert r.ring_latency_s(64, 64) == pytest.approx((8.4 + 63 * 3.4) * 1e-6, rel=1e-12)         # 222.6 us
+    assert r.ring_latency_s(32, 8) == pytest.approx((8.4 + 28 * 3.4 + 3 * 14.0) * 1e-6, rel=1e-12)  # 145.6 us
+    assert r.ring_latency_s(1, 1) == 0.0
+    # Without the fields (a user's rates file that leaves them out) there is no latency term.
+    assert r.model_copy(update={"collective_hop_latency_nic_us": None}).ring_latency_s(64, 64) == 0.0
+    bad = tmp_path / "r.toml"
+    text = (k3opt.specs.preset_dir("rates") / "gb200-nvl72.toml").read_text()
+    bad.write_text(text.replace("value = 8.4", "value = -8.4"))
+    with pytest.raises(SpecError, match="collective_base_latency_us"):
+        load_rates(str(bad))
+
+
+def _latency_delta(path: str, model: str, cluster: str, **update) -> tuple[dict, dict]:
+    """(per-microbatch, per-update) seconds the latency fields add to the achievable nvlink / nic arrays."""
+    lay = k3opt.load_layout(path).model_copy(update=update)
+    m, c = k3opt.load_model(model), k3opt.load_cluster(cluster)
+    r = load_rates(cluster)
+    bare = r.model_copy(update={"collective_base_latency_us": None})
+    a = coefficients(Shape.of(lay), m, c, rates=r)
+    b = coefficients(Shape.of(lay), m, c, rates=bare)
+    per_mb = {res: a.achievable[res] - b.achievable[res] for res in ("nvlink", "nic")}
+    per_up = {res: a.update_achievable[res] - b.update_achievable[res] for res in ("nvlink", "nic")}
+    return per_mb, per_up
+
+
+def test_collective_latency_inside_one_nvlink_domain():
+    """MB-13 (DeepSeek-V3, GB200, EP64 and DP64 each inside one 64-GPU domain, gradients accumulated): per
+    microbatch, one routing-map all-gather over EP64 per MoE layer, 8.4 + 63 x 3.4 = 222.6 us on NVLink, none on a
+    dense layer (0-2); per update, one parameter all-gather and one gradient reduce-scatter over DP64 per layer,
+    2 x 222.6 us (expert FSDP 1: no expert-group call)."""
+    mb, up = _latency_delta("layouts/measured/mb-13-deepseek-v3-gb200.toml", "deepseek-v3", "gb200-nvl72")
+    ring = (8.4 + 63 * 3.4) * 1e-6
+    assert mb["nvlink"][0] == 0.0 and mb["nvlink"][10] == pytest.approx(ring, rel=1e-12)
+    assert not mb["nic"].any() and not up["nic"].any()
+    assert up["nvlink"][0] == pytest.approx(2 * ring, rel=1e-12)
+    assert up["nvlink"][10] == pytest.approx(2 * ring, rel=1e-12)
+
+
+def test_collective_latency_across_domains_per_microbatch_reduce_scatter():
+    """MB-14's layout on B200 (8-GPU domains) with gradients reduce-scattered every microbatch: EP32 and DP32 each
+    span 4 domains, 8.4 + 28 x 3.4 + 3 x 14.0 = 145.6 us a call, on the NIC. Per microbatch a dense layer (0) pays
+    the DP reduce-scatter, an MoE layer (10) that plus the routing-map all-gather; per update, the parameter
+    all-gather of each layer."""
+    mb, up = _latency_delta("layouts/measured/mb-14-deepseek-v3-b200.toml", "deepseek-v3", "b200",
+                            fsdp_lifecycle="per_microbatch")
+    ring = (8.4 + 28 * 3.4 + 3 * 14.0) * 1e-6
+    assert not mb["nvlink"].any()
+    assert mb["nic"][0] == pytest.approx(ring, rel=1e-12)
+    assert mb["nic"][10] == pytest.approx(2 * ring, rel=1e-12)
+    assert up["nic"][10] == pytest.approx(ring, rel=1e-12)
+
+
+def test_collective_latency_follows_the_sharding_policy():
+    """MB-14's layout on B200 with gradients reduced every microbatch where they are sharded (145.6 us a call, on
+    the NIC, as above). optim (Megatron's distributed optimizer): the whole gradient buffer is reduce-scattered once
+    per update, so a dense layer (0) pays nothing per microbatch and all-gather + reduce-scatter = 2 calls per
+    update; no_shard (DDP): no parameter all-gather, one all-reduce = two ring passes per update, again 2 calls."""
+    ring = (8.4 + 28 * 3.4 + 3 * 14.0) * 1e-6
+    for policy in ("optim", "no_shard"):
+        mb, up = _latency_delta("layouts/measured/mb-14-deepseek-v3-b200.toml", "deepseek-v3", "b200",
+                                fsdp_lifecycle="per_microbatch", dense_sharding=policy)
+        assert mb["nic"][0] == 0.0, policy
+        assert up["nic"][0] == pytest.approx(2 * ring, rel=1e-12), policy
