@@ -35,6 +35,7 @@ def plan(job, model=None, cluster=None, top: int = 5, **kwargs):  # noqa: ANN001
     found or the search runs out of frames. Without a target it is search.plan unchanged."""
     from k3opt.errors import InfeasibleJobError
     from k3opt.search import plan as search_plan
+    from k3opt.search.driver import DEFAULT_GAP
     from k3opt.specs import ClusterSpec, load_cluster
 
     target = getattr(job, "target", None)
@@ -57,9 +58,12 @@ def plan(job, model=None, cluster=None, top: int = 5, **kwargs):  # noqa: ANN001
             f"derived expert sharding rule dense_fsdp = ep x expert_fsdp); widen [search] or drop the target")
     res.layouts = ok[:top]
     res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m)]
-    best = res.layouts[0].step_time_s
+    best = res.layouts[0].rank_time_s
     if res.status == "OPTIMAL":
-        res.bound = best  # every layout faster than it was ranked and refused, so it is proven among runnable ones
+        # OPTIMAL: every node the search left has a bound of at least (1 - gap) x the last ranked layout, or x its
+        # own frame's ranked layout, and runnability depends on the frame alone; every ranked layout faster than
+        # `best` was refused, so a runnable layout takes at least (1 - gap) x best: proven within the gap.
+        res.bound = max(res.bound, best * (1 - kwargs.get("gap", DEFAULT_GAP)))
     res.gap = (best - res.bound) / best if best else 0.0
     return res
 
