@@ -75,3 +75,13 @@ def test_adamw_matrices_move_each_gqa_projection_by_name(tmp_path):
         blk = Structure(model).layers[0][0]
         assert {t.name: t.optimizer for t in blk.tensors if t.is_matrix} == {
             n: (A if n == name else M) for n in ("gqa.q_proj", "gqa.k_proj", "gqa.v_proj", "gqa.o_proj")}
+
+
+def test_attention_residuals_add_their_scores_before_the_gqa_items(tmp_path):
+    """A GQA model with Block Attention Residuals (as K3 has): the attention sub-layer also keeps the FP32 scores
+    over the bank's representatives, 9 per token with bank_representatives = 9, named after the sub-layer."""
+    extra = "\n[attn_res]\nblock_size = 12\nbank_representatives = 9\n"
+    blk = Structure(_qwen3_30b_variant(tmp_path, extra=extra)).layers[0][0]
+    assert [(s.name, s.values_per_token, s.bytes_per_value) for s in blk.saved][:5] == [
+        ("attn_norm_input", 2048, 2), ("attn_norm_rstd", 1, 4), ("attn_norm_output", 2048, 2),
+        ("attn_attn_res_scores", 9, 4), ("gqa_q", 4096, 2)]
