@@ -83,3 +83,31 @@ def test_eager_optimizer_state_is_resident_before_the_first_step():
     lazy = lay.model_copy(update={"lazy_optimizer_state": True})
     r0 = k3opt.evaluate(lazy, model="qwen3-30b-a3b", cluster="b200").ranks[0]
     assert r0.counts["resident_before_first_step_bytes"] == r0.persistent_bytes - r0.ledger["optimizer"]
+
+
+def _qwen_b200_coefficients(precision: str):
+    from k3opt.coefficients import Shape, coefficients
+
+    lay = _qwen_b200_mxfp8().model_copy(update={"precision": precision})
+    return coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"))
+
+
+def test_peak_tensor_time_runs_the_quantized_gemms_at_the_mxfp8_peak():
+    """Qwen3-30B-A3B layer on B200 in MXFP8, T = 4,096, full recompute (x 4/3): the quantized GEMMs (q, k, v, o:
+    18,874,368 weights; 8 active experts x 3 x 768 x 2,048 = 37,748,736) at the 4,500 TF/s MXFP8 peak; the BF16
+    router (128 x 2,048) and the attention core (3 x 32 x 256 x 4,096 per token) at the 2,250 TF/s BF16 peak."""
+    cf = _qwen_b200_coefficients("mxfp8")
+    T = 4096
+    quantized = 6 * T * (2 * 4096 * 2048 + 2 * 512 * 2048 + 8 * 3 * 768 * 2048) * 4 / 3
+    bf16 = (6 * T * 128 * 2048 + T * 3 * 32 * 256 * 4096) * 4 / 3
+    assert cf.time["tensor"][5] == pytest.approx(bf16 / 2250e12 + quantized / 4500e12, rel=1e-13)
+
+
+def test_each_update_requantizes_the_cached_weight_copies():
+    """Per update, MXFP8 reads every quantized weight of the layer in BF16 (2 B) and writes the row- and
+    column-wise copies (2 x 33/32 B): q, k, v, o whole (dense weights are gathered: 18,874,368) and the rank's
+    128 / 16 = 8 experts (8 x 3 x 768 x 2,048 = 37,748,736), at the 8,000 GB/s HBM peak, on top of BF16's."""
+    q, b = _qwen_b200_coefficients("mxfp8"), _qwen_b200_coefficients("bf16")
+    weights = 2 * 4096 * 2048 + 2 * 512 * 2048 + 8 * 3 * 768 * 2048
+    assert q.update["hbm"][5] - b.update["hbm"][5] == pytest.approx(weights * (2 + 2 * 33 / 32) / 8000e9,
+                                                                    rel=1e-12)
