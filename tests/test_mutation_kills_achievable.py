@@ -131,3 +131,19 @@ def test_achievable_mfu_is_model_flops_over_the_bf16_peak():
     # is exposed and binds the stage.
     assert st.achievable_binding == "ep_all_to_all (exposed)" and st.achievable_exposed_ep_s > 0
     assert st.rates == "b200"
+
+
+def test_an_expert_gemm_sees_t_k_e_over_e_tokens():
+    """The routed GEMM's M is the tokens one expert receives, T k e / E: at EP16 4096 x 8 x 16 / 128 = 4,096, at
+    EP8 (one 8-GPU domain) 2,048. Only the experts' size factors change, so the layer's achievable tensor time
+    moves by the three expert GEMMs re-read on the measured size curve (x 4/3 for full recompute)."""
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    ep8 = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8)
+    t8 = coefficients(Shape.of(ep8), model, cluster).achievable["tensor"][5]
+    t16 = coefficients(Shape.of(_layout()), model, cluster).achievable["tensor"][5]
+    T = 4096
+    diff = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8) * (1 / _size(2048, o, i) - 1 / _size(4096, o, i))
+               for o, i in ((768, 2048), (768, 2048), (2048, 768))) * 4 / 3
+    assert diff > 0
+    assert t8 - t16 == pytest.approx(diff, rel=1e-9)
