@@ -58,6 +58,14 @@ def test_chunk_times_share_the_rank_time_by_work_and_split_backward_3_to_1_under
     for r in (0, 1):
         assert fwd[r] + bwd[r] + fwd[r + 2] + bwd[r + 2] == pytest.approx(ev.ranks[r].stage_time_s, rel=1e-12)
     assert fwd[2] > 1.4 * fwd[0]       # 30 layers against 20 (plus the embedding's small work)
+    # The replayed step: the pipeline's makespan over these chunk times plus the exposed update.
+    update = max(max(r.update_s.values()) for r in ev.ranks)
+    assert ev.step.schedule_step_time_s == pytest.approx(replay_makespan(2, 2, 8, fwd, bwd) + update, rel=1e-12)
+    # Selective recompute: backward = 2 x forward.
+    sel = lay.model_copy(update={"recompute": "selective"})
+    ev_sel = k3opt.evaluate(sel, model=model, cluster=cluster)
+    f_sel, b_sel = chunk_times_s(coefficients(Shape.of(sel), model, cluster), list(ev_sel.ranks), sel)
+    np.testing.assert_allclose(b_sel, 2 * f_sel, rtol=1e-12)
     # 20 layers against 10 plus the LM head (128,256 x 8,192 = 1.05B parameters, about 1.2 layers of 0.86B)
     assert fwd[1] > 1.4 * fwd[3]
 
@@ -82,14 +90,14 @@ def test_cp_across_domains_rides_the_nic():
     lay = k3opt.make_layout(gpus=512, pp=8, cp=2, ep=64, dense_fsdp=32, microbatches=16, context=32768,
                             split=[12] * 7 + [9], recompute="full", reserve_gib=4, domain_gpus_used=64)
     n = model.num_layers + 2
-    attn = np.zeros(n)
-    attn[3] = 1e12  # 1 TFLOP of attention hides 0.4 ms of the ring at 2,500 TF/s
-    nvl, nic, stall, ws = _context_parallel(model, Shape.of(lay), 16384, cluster, False, attn, True)
     mla_sent, kda_got = 4 * 16384 * 61_440, 3 * 12 * 2**20
+    attn = np.zeros(n)
+    attn[3] = 0.99 * mla_sent / 50e9 * 2500e12  # attention at 2,500 TF/s covering 99 % of the ring's transfer
+    nvl, nic, stall, ws = _context_parallel(model, Shape.of(lay), 16384, cluster, False, attn, True)
     assert not nvl.any()
     assert nic[3] == mla_sent and nic[2] == kda_got
     assert ws[3] == 4 * 16384 * 61_440 and ws[2] == 2 * 12 * 2**20
-    assert stall[3] == pytest.approx(mla_sent / 50e9 - 1e12 / 2500e12, rel=1e-14)
+    assert stall[3] == pytest.approx(mla_sent / 50e9 - attn[3] / 2500e12, rel=1e-12)
     assert stall[2] == pytest.approx(kda_got / 50e9, rel=1e-14)
     on_nvl = _context_parallel(model, Shape.of(lay), 16384, cluster, True, np.zeros(n), True)
     assert not on_nvl[1].any() and on_nvl[0][3] == mla_sent
