@@ -31,6 +31,11 @@ def test_hybridep_buffers_only_on_ranks_holding_moe_layers():
     assert ev.ranks[0].counts["moe_layers"] == 0
     assert _items(ev.ranks[0])["hybridep_buffers"] == 0
     assert _items(ev.ranks[1])["hybridep_buffers"] == 32_768 * 7168 * 2 + 32_768 * 32 * 8 * 4 == 503_316_480
+    # Split 4 / 57: rank 0 now holds layer 3, its one MoE layer, and the same buffer.
+    one = k3opt.evaluate(lay.model_copy(update={"split": [4, 57]}), model="deepseek-v3", cluster="gb200-nvl72",
+                         runtime=RUNTIME)
+    assert one.ranks[0].counts["moe_layers"] == 1
+    assert _items(one.ranks[0])["hybridep_buffers"] == 503_316_480
 
 
 def test_hybridep_buffer_of_a_model_without_latent_moe():
