@@ -63,7 +63,16 @@ def run(names: list[str], tests: list[str]) -> dict[str, str]:
         rc = os.waitstatus_to_exitcode(status)
         out[name] = "survived" if rc == 0 else "killed" if rc == 1 else f"error {rc}"
         print(out[name], name, flush=True)
+        _save({name: out[name]})  # after every mutant: a stopped re-check keeps what it found
     return out
+
+
+def _save(new: dict[str, str]) -> None:
+    verdicts = json.loads(RECHECK.read_text()) if RECHECK.exists() else {}  # read late: two runs may share it
+    for name, v in new.items():
+        if verdicts.get(name) != "killed":
+            verdicts[name] = v
+    RECHECK.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
 
 
 def main() -> None:
@@ -73,12 +82,7 @@ def main() -> None:
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()
     names = survivors() if a.survivors else a.names
-    new = run(names, a.tests)
-    verdicts = json.loads(RECHECK.read_text()) if RECHECK.exists() else {}  # read late: two runs may share it
-    for name, v in new.items():
-        if verdicts.get(name) != "killed":
-            verdicts[name] = v
-    RECHECK.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
+    run(names, a.tests)
 
 
 if __name__ == "__main__":
