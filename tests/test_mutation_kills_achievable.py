@@ -55,7 +55,7 @@ def test_mxfp8_moe_layer_tensor_time_gemm_by_gemm(qwen_b200):
     experts = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8 * _size(m_expert, o, i))
                   for o, i in ((768, 2048), (768, 2048), (2048, 768)))
     core = T * 3 * 32 * 256 * 4096 / (BF16_PEAK * ATTENTION)
-    assert cf.achievable["tensor"][5] == pytest.approx((dense + router + experts + core) * 4 / 3, rel=1e-12)
+    assert cf.achievable["tensor"][5] == pytest.approx((dense + router + experts + core) * 4 / 3, rel=1e-12, abs=0)
 
 
 def test_lm_head_tensor_time_with_fused_cross_entropy(qwen_b200):
@@ -64,7 +64,7 @@ def test_lm_head_tensor_time_with_fused_cross_entropy(qwen_b200):
     cf, _, _ = qwen_b200
     T, V, d = 4096, 151936, 2048
     head = 6 * T * V * d / (BF16_PEAK * DENSE_BF16 * _size(T, V, d)) + 2 * T * V * d / (BF16_PEAK * DENSE_BF16)
-    assert cf.achievable["tensor"][cf.last] == pytest.approx(head, rel=1e-12)
+    assert cf.achievable["tensor"][cf.last] == pytest.approx(head, rel=1e-12, abs=0)
     assert cf.achievable["tensor"][cf.first] == 0.0  # the embedding is a lookup
 
 
@@ -123,10 +123,10 @@ def test_achievable_mfu_is_model_flops_over_the_bf16_peak():
     st = ev.step
     # Tokens per update: 8 microbatches x 4,096 tokens x 16 data-parallel replicas (dense FSDP 16 = 32 / PP 2).
     tps = 8 * 4096 * 16 / st.achievable_step_time_s
-    assert st.achievable_tokens_per_s_per_gpu == pytest.approx(tps / 32, rel=1e-12)
+    assert st.achievable_tokens_per_s_per_gpu == pytest.approx(tps / 32, rel=1e-12, abs=0)
     # The peak-bound MFU has the same model FLOPs per token: MFU = F x (tokens/s per GPU) / BF16 peak.
     flops_per_token = st.mfu * BF16_PEAK / st.tokens_per_s_per_gpu
-    assert st.achievable_mfu == pytest.approx(flops_per_token * (tps / 32) / BF16_PEAK, rel=1e-14)
+    assert st.achievable_mfu == pytest.approx(flops_per_token * (tps / 32) / BF16_PEAK, rel=1e-14, abs=0)
     # Without an EP overlap schedule the all-to-all over the NIC (43.74 GB/s for ~0.44 s of the stage's bytes)
     # is exposed and binds the stage.
     assert st.achievable_binding == "ep_all_to_all (exposed)" and st.achievable_exposed_ep_s > 0
@@ -146,4 +146,4 @@ def test_an_expert_gemm_sees_t_k_e_over_e_tokens():
     diff = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8) * (1 / _size(2048, o, i) - 1 / _size(4096, o, i))
                for o, i in ((768, 2048), (768, 2048), (2048, 768))) * 4 / 3
     assert diff > 0
-    assert t8 - t16 == pytest.approx(diff, rel=1e-9)
+    assert t8 - t16 == pytest.approx(diff, rel=1e-9, abs=0)

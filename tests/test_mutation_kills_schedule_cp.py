@@ -56,11 +56,11 @@ def test_chunk_times_share_the_rank_time_by_work_and_split_backward_3_to_1_under
     fwd, bwd = chunk_times_s(cf, list(ev.ranks), lay)
     np.testing.assert_allclose(bwd, 3 * fwd, rtol=1e-12)
     for r in (0, 1):
-        assert fwd[r] + bwd[r] + fwd[r + 2] + bwd[r + 2] == pytest.approx(ev.ranks[r].stage_time_s, rel=1e-12)
+        assert fwd[r] + bwd[r] + fwd[r + 2] + bwd[r + 2] == pytest.approx(ev.ranks[r].stage_time_s, rel=1e-12, abs=0)
     assert fwd[2] > 1.4 * fwd[0]       # 30 layers against 20 (plus the embedding's small work)
     # The replayed step: the pipeline's makespan over these chunk times plus the exposed update.
     update = max(max(r.update_s.values()) for r in ev.ranks)
-    assert ev.step.schedule_step_time_s == pytest.approx(replay_makespan(2, 2, 8, fwd, bwd) + update, rel=1e-12)
+    assert ev.step.schedule_step_time_s == pytest.approx(replay_makespan(2, 2, 8, fwd, bwd) + update, rel=1e-12, abs=0)
     # Selective recompute: backward = 2 x forward.
     sel = lay.model_copy(update={"recompute": "selective"})
     ev_sel = k3opt.evaluate(sel, model=model, cluster=cluster)
@@ -97,8 +97,8 @@ def test_cp_across_domains_rides_the_nic():
     assert not nvl.any()
     assert nic[3] == mla_sent and nic[2] == kda_got
     assert ws[3] == 4 * 16384 * 61_440 and ws[2] == 2 * 12 * 2**20
-    assert stall[3] == pytest.approx(mla_sent / 50e9 - attn[3] / 2500e12, rel=1e-12)
-    assert stall[2] == pytest.approx(kda_got / 50e9, rel=1e-14)
+    assert stall[3] == pytest.approx(mla_sent / 50e9 - attn[3] / 2500e12, rel=1e-12, abs=0)
+    assert stall[2] == pytest.approx(kda_got / 50e9, rel=1e-14, abs=0)
     on_nvl = _context_parallel(model, Shape.of(lay), 16384, cluster, True, np.zeros(n), True)
     assert not on_nvl[1].any() and on_nvl[0][3] == mla_sent
-    assert on_nvl[2][2] == pytest.approx(kda_got / 900e9, rel=1e-14)
+    assert on_nvl[2][2] == pytest.approx(kda_got / 900e9, rel=1e-14, abs=0)
