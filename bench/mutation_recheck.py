@@ -72,7 +72,9 @@ def _save(new: dict[str, str]) -> None:
     for name, v in new.items():
         if verdicts.get(name) != "killed":
             verdicts[name] = v
-    RECHECK.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
+    tmp = RECHECK.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(verdicts, indent=1, sort_keys=True))
+    os.replace(tmp, RECHECK)  # atomic: a parallel run never reads half a file
 
 
 def main() -> None:
