@@ -154,11 +154,11 @@ def runtime_items(shape: Shape, model: ModelSpec, cluster: ClusterSpec, runtime:
         m = model.moe
         a = pl.ep_local
         max_tokens = shape.tokens * a * (e // a)
-        tokens = max_tokens * m.latent_size * rt.hybridep_token_bytes
+        tokens = max_tokens * model.dispatch_width * rt.hybridep_token_bytes
         probs = max_tokens * (m.num_experts // e) * a * rt.hybridep_prob_bytes
         hep = tokens + probs
         hep_formula = (f"max tokens {shape.tokens} x {a} EP ranks per domain x {e // a} domains = {max_tokens:,}; "
-                       f"token buffer x {m.latent_size} x {rt.hybridep_token_bytes} B + probs x "
+                       f"token buffer x {model.dispatch_width} x {rt.hybridep_token_bytes} B + probs x "
                        f"({m.num_experts // e} experts x {a} ranks) x {rt.hybridep_prob_bytes} B")
     items.append(MemoryItem("hybridep_buffers", hep, "outside", hep_formula))
     return tuple(items)

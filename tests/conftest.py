@@ -43,6 +43,7 @@ def _clear_caches() -> None:
                schedule.inflight_compositions):
         fn.cache_clear()
     structure._CACHE.clear()
+    coefficients._RATES_JSON.clear()
 
 
 @pytest.fixture(scope=shared_scope)
