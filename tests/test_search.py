@@ -58,6 +58,27 @@ def _frame_layout(f, split, rc, lc, toggles):
                        precision=f.precision)
 
 
+def _assert_bounds_below(job, frames, rows, tiny, slow, recs) -> None:
+    """Every frame and node bound (time and peak) below every enumerated layout it stands for; rows are
+    (frame, recompute, lifecycle, ranked s, peak bytes)."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    for f in frames:
+        mine = [r for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
+        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
+        for rc, lc in itertools.product(recs, FsdpLifecycle):
+            node = [r for r in mine if r[1] == rc and r[2] == lc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
+                assert min(r[4] for r in node) >= m_n - 1
+
+
 def _splits(layers: int, chunks: int):
     for cuts in itertools.combinations(range(1, layers), chunks - 1):
         edges = (0, *cuts, layers)
@@ -360,7 +381,6 @@ def test_plain_job_gets_a_layout_under_a_short_limit():
 def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
     """CP = 2 frames (PP2 and PP1, 2,048-token sequences split in two): the CP-SAT optimum equals enumeration through
     evaluate(), and no bound the search prunes with exceeds an enumerated layout."""
-    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
 
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
@@ -384,27 +404,13 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
     assert plan.layouts[0].layout.cp == 2
-    for f in frames:
-        mine = [r for r in rows if r[0] == f]
-        if not mine:
-            continue
-        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
-        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
-        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
-        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
-        for rc, lc in itertools.product(Recompute, FsdpLifecycle):
-            node = [r for r in mine if r[1] == rc and r[2] == lc]
-            if node:
-                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
-                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
-                assert min(r[4] for r in node) >= m_n - 1
+    _assert_bounds_below(job, frames, rows, tiny, slow, tuple(Recompute))
 
 
 def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny, slow):
     """Every dense and expert sharding policy, both gradient dtypes and both precisions searched on one shape with
     both shard groups of two ranks: the CP-SAT optimum equals enumeration through evaluate(), and no bound exceeds
     an enumerated layout of its frame."""
-    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
 
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
@@ -432,20 +438,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
         best[f] = min(best.get(f, (t, m)), (t, m))
     want = sorted(v[0] for v in best.values())[:3]
     assert [it.rank_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
-    for f in frames:
-        mine = [r for r in rows if r[0] == f]
-        if not mine:
-            continue
-        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
-        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
-        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
-        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
-        for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), FsdpLifecycle):
-            node = [r for r in mine if r[1] == rc and r[2] == lc]
-            if node:
-                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
-                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
-                assert min(r[4] for r in node) >= m_n - 1
+    _assert_bounds_below(job, frames, rows, tiny, slow, (Recompute.NONE, Recompute.FULL))
 
 
 def test_job_search_narrows_sharding_dtype_and_precision(tiny):
