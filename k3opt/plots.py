@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -18,7 +19,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from k3opt.errors import LayoutError  # noqa: E402
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
-from k3opt.schedule import BACKWARD_OVER_FORWARD, pipeline_order  # noqa: E402
+from k3opt.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
 from k3opt.specs import GIB  # noqa: E402
 
 FORWARD_SHARE = 1 / (1 + BACKWARD_OVER_FORWARD)
@@ -132,51 +133,17 @@ class Op:
     end: float
 
 
-def _order(p: int, v: int, m: int, r: int) -> list[tuple[str, int, int]]:
-    """Rank r's operation order (kind, local chunk, microbatch): Megatron's 1F1B / interleaved order from the
-    schedule module (`k3opt.schedule.pipeline_order`), with "F" / "B" kinds."""
-    return [("F" if is_fwd else "B", k, mb) for is_fwd, k, mb in pipeline_order(p, v, m, r)]
-
-
 def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]]) -> list[Op]:
-    """Start and end of every forward and backward on every rank, each op starting when its rank is free and
-    its input has arrived (forward: the previous stage's forward of that microbatch; backward: the next
-    stage's backward, or its own forward on the last stage). chunk_times[r][k]: seconds per microbatch of
-    local chunk k on rank r (forward + backward). Interleaving needs M divisible by p (Megatron's rule)."""
+    """Start and end of every forward and backward on every rank (`k3opt.schedule.replay_ops`: each op starts when
+    its rank is free and its input has arrived). chunk_times[r][k]: seconds per microbatch of local chunk k on
+    rank r (forward + backward, split 1 : BACKWARD_OVER_FORWARD). Interleaving needs M divisible by p (Megatron's
+    rule)."""
     if v > 1 and m % p:
         raise LayoutError(f"the interleaved 1F1B timeline needs microbatches ({m}) divisible by pp ({p}); "
                           "Megatron's interleaved schedule has the same rule")
-    orders = [_order(p, v, m, r) for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, global stage, microbatch) -> end time
-    pos = [0] * p
-    free = [0.0] * p
-    out: list[Op] = []
-    n_stages = p * v
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                kind, k, mb = orders[r][pos[r]]
-                stage = k * p + r
-                if kind == "F":
-                    dep = ("F", stage - 1, mb) if stage > 0 else None
-                else:
-                    dep = ("B", stage + 1, mb) if stage < n_stages - 1 else ("F", stage, mb)
-                if dep is not None and dep not in done:
-                    break
-                t = chunk_times[r][k] * (FORWARD_SHARE if kind == "F" else 1 - FORWARD_SHARE)
-                start = max(free[r], done[dep] if dep is not None else 0.0)
-                end = start + t
-                done[(kind, stage, mb)] = end
-                free[r] = end
-                out.append(Op(r, kind, k, mb, start, end))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked")  # an ordering bug, not a user error
-    return out
+    per_chunk = np.array([chunk_times[g % p][g // p] for g in range(p * v)], dtype=float)
+    ops = replay_ops(p, v, m, per_chunk * FORWARD_SHARE, per_chunk * (1 - FORWARD_SHARE))
+    return [Op(r, "F" if is_f else "B", g // p, mb, start, end) for r, is_f, g, mb, start, end in ops]
 
 
 def in_flight_peak(ops: list[Op], rank: int) -> int:

@@ -129,11 +129,17 @@ def ep_overlap_unpaired(p: int, v: int, m: int, r: int) -> tuple[list[int], list
 
 def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
                     hop_s: np.ndarray | float = 0.0) -> float:
-    """Makespan of one step's pipeline: every rank runs its ops in Megatron's order (`pipeline_order`); a forward
-    of global chunk g = k p + r waits for the forward of chunk g - 1 (plus the hop from its rank), a backward for
-    the backward of chunk g + 1 (the last chunk: for its own forward). forward_s, backward_s: per global chunk;
-    hop_s: per sending rank (or one value). Equal chunks with M a multiple of p give (v M + p - 1) x (forward +
-    backward) of a chunk: the textbook bubble (p - 1) / (v M) (seed 002)."""
+    """Makespan of one step's pipeline: the latest end of `replay_ops`. Equal chunks with M a multiple of p give
+    (v M + p - 1) x (forward + backward) of a chunk: the textbook bubble (p - 1) / (v M) (seed 002)."""
+    return max(op[5] for op in replay_ops(p, v, m, forward_s, backward_s, hop_s))
+
+
+def replay_ops(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
+               hop_s: np.ndarray | float = 0.0) -> list[tuple[int, bool, int, int, float, float]]:
+    """(rank, forward?, global chunk, microbatch, start, end) of every operation of one step's pipeline: every
+    rank runs its ops in Megatron's order (`pipeline_order`); a forward of global chunk g = k p + r waits for the
+    forward of chunk g - 1 (plus the hop from its rank), a backward for the backward of chunk g + 1 (the last
+    chunk: for its own forward). forward_s, backward_s: per global chunk; hop_s: per sending rank (or one value)."""
     k_all = p * v
     hop = [float(h) for h in np.broadcast_to(np.asarray(hop_s, dtype=float), (p,))]
     fwd_t = [float(x) for x in forward_s]
@@ -144,6 +150,7 @@ def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: n
     nan = float("nan")
     done_f = [[nan] * m for _ in range(k_all)]
     done_b = [[nan] * m for _ in range(k_all)]
+    ops: list[tuple[int, bool, int, int, float, float]] = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         moved = False
@@ -158,8 +165,10 @@ def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: n
                     ready = done_f[g][mb] if g == k_all - 1 else done_b[g + 1][mb] + hop[(g + 1) % p]
                 if ready != ready:  # NaN: the operation it waits for has not run yet
                     break
-                t = (t if t > ready else ready) + (fwd_t[g] if is_f else bwd_t[g])
+                begin = t if t > ready else ready
+                t = begin + (fwd_t[g] if is_f else bwd_t[g])
                 (done_f if is_f else done_b)[g][mb] = t
+                ops.append((r, is_f, g, mb, begin, t))
                 i += 1
             if i != pos[r]:
                 remaining -= i - pos[r]
@@ -167,7 +176,7 @@ def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: n
                 moved = True
         if not moved:
             raise RuntimeError(f"pipeline order p={p} v={v} M={m} deadlocks")
-    return max(free)
+    return ops
 
 
 @lru_cache(maxsize=256)
