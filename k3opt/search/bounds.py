@@ -225,7 +225,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
 
     def rng(arr: np.ndarray) -> np.ndarray:
         pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
-        return pre[b_i] - pre[a_i]
+        return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
 
     def edge(arr: np.ndarray, r: int) -> float:
         return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
