@@ -107,6 +107,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     unbounded = False
     lbs: dict[Frame, tuple[float, float]] = {}
     """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
+    estimates: dict[Frame, float] = {}
+    """frame_estimate of every shape in the queue: the order the heuristics visit them in."""
     over_line: set[Frame] = set()
     """Frames skipped as dominated: their peak bound is over HBM minus the reserve, hence over every budget."""
     try:
@@ -134,6 +136,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 min_peak_lb = (m_lb, f)
             if m_lb <= hbm_line and m_lb <= caps[f]:  # over the line: over every budget, no budget needed
                 heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
+                # Now, while the shape's coefficients are still in the build cache (thousands of shapes evict it).
+                estimates[f] = frame_estimate(job, f, model, cluster)
     except BaseException:
         ctrl_c.__exit__()
         raise
@@ -152,6 +156,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         return ranked[top - 1] if len(ranked) >= top else None
 
     current = math.inf
+    share = {True: 0.0, False: 0.0}
+    """Seconds spent on steps picked out of order (v = 1 first) and in queue order: each gets half."""
+    last_pick: tuple[bool, float] | None = None
     dive: Frame | None = None
     """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
     residual = 0.0 if unbounded else residual
@@ -159,7 +166,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if unbounded:
             raise KeyboardInterrupt
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
-        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
+        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], estimates[e[3]]), e[3])
                                   for e in heap])
         # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
@@ -185,18 +192,23 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if ctrl_c.flag:
                 interrupted = True
                 break
+            now = _time.monotonic()
+            if last_pick is not None:
+                share[last_pick[0]] += now - last_pick[1]
             pick, diving = 0, False
-            if solved % 2 == 0:
-                # Every other CP-SAT solve, the first included, goes to the best v = 1 node: its bound is an exact
-                # program over the split, so it is proven fast, while a v > 1 node's mean bound keeps it first in
-                # the queue (and expanding interleaved shapes one by one could take the whole limit before any
-                # solve). The order changes which node is solved first, never the bound (the least over the queue).
+            if share[True] <= share[False]:
+                # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
+                # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
+                # mean bound keeps it first in the queue (and expanding interleaved shapes one by one could take
+                # the whole limit before any solve); the other half follows the queue, which raises the proven
+                # bound. The order changes which node is solved first, never the bound (the least over the queue).
                 # It dives: the shape expanded last goes on to its best node, and that node is solved once
                 # tightened, even when tightening lifted it above other nodes (its bound stays valid).
                 ones = [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])]
                 ones = [j for j in ones if heap[j][3] == dive] or ones
                 if ones:
                     pick, diving = min(ones, key=lambda j: heap[j]), True
+            last_pick = (diving, now)
             if pick:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]
                 heap[pick] = heap[-1]
