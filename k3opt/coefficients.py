@@ -283,7 +283,32 @@ def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: Ra
     """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
     the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
     rates = rates if rates is not None else rates_for(cluster)
-    return _coefficients(shape, model.model_dump_json(), cluster.model_dump_json(), _rates_json(rates))
+    return _coefficients(shape, _spec_json(model), _spec_json(cluster), _rates_json(rates))
+
+
+_SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = {}
+
+
+def _spec_json(spec: ModelSpec | ClusterSpec) -> str:
+    """A (frozen) spec's JSON, the cache key of the coefficients, serialized once per spec object: the search asks
+    for thousands of shapes of one model and cluster. The entry keeps the object alive, so its id is not reused."""
+    hit = _SPEC_JSON.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_SPEC_JSON) > 256:
+            _SPEC_JSON.clear()
+        hit = _SPEC_JSON[id(spec)] = (spec, spec.model_dump_json())
+    return hit[1]
+
+
+@lru_cache(maxsize=16)
+def _model_of(model_json: str) -> ModelSpec:
+    """The model parsed once per JSON (frozen, never mutated by a build)."""
+    return ModelSpec.model_validate_json(model_json)
+
+
+@lru_cache(maxsize=16)
+def _cluster_of(cluster_json: str) -> ClusterSpec:
+    return ClusterSpec.model_validate_json(cluster_json)
 
 
 @dataclass(frozen=True)
@@ -377,7 +402,7 @@ def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
 def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
                  precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
-    st = structure_of(ModelSpec.model_validate_json(model_json))
+    st = structure_of(_model_of(model_json))
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     out = np.zeros((3, len(blocks)))
     for i, bl in enumerate(blocks):
@@ -430,8 +455,8 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
 
 
 def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
-    model = ModelSpec.model_validate_json(model_json)
-    cluster = ClusterSpec.model_validate_json(cluster_json)
+    model = _model_of(model_json)
+    cluster = _cluster_of(cluster_json)
     sa = _static(model_json)
     tg = shape.toggles
     L, n = model.num_layers, model.num_layers + 2

@@ -530,3 +530,29 @@ def test_frame_peak_bound_shrinks_with_more_sharding(job, tiny, slow):
             pairs += 1
             assert peak[g] <= peak[f] + 1, (f, g)
     assert pairs >= 10
+
+
+def test_budget_depends_on_the_degrees_only():
+    """allocated_capacity_bytes shares one budget among frames that differ only in microbatches, sharding
+    policies, gradient dtype and precision: each must equal the budget of its own shape, computed directly."""
+    from dataclasses import replace
+
+    from k3opt.memory_outside import allocated_budget_bytes
+    from k3opt.search.frames import ActMode, _runtime, allocated_capacity_bytes, frame_shape
+    from k3opt.specs import Dtype, Precision, ShardingPolicy, load_cluster, load_model
+
+    job = k3opt.load_job("k3-512-4k")
+    assert job.runtime is not None
+    model, cluster = load_model(job.model), load_cluster(job.cluster)
+    frames = enumerate_frames(job, model, 512, cluster)
+    picked = {(f.pp, f.vp, f.cp, f.ep): f for f in frames}  # one frame per (PP, VP, CP, EP)
+    checked = 0
+    for f in list(picked.values())[:12]:
+        for g in (f, replace(f, microbatches=2 * f.microbatches), replace(f, grad_dtype=Dtype.BF16),
+                  replace(f, precision=Precision.FP8), replace(f, dense_sharding=ShardingPolicy.NO_SHARD,
+                                                               expert_sharding=ShardingPolicy.OPTIM)):
+            shape = frame_shape(job, g, ActMode(Recompute.NONE, True, True, True, True), FsdpLifecycle.ACCUMULATE)
+            direct = allocated_budget_bytes(shape, model, cluster, job.reserve_gib, _runtime(job.runtime))
+            assert allocated_capacity_bytes(job, g, model, cluster) == direct, g
+            checked += 1
+    assert checked == 60

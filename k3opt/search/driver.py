@@ -105,6 +105,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
     # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
     unbounded = False
+    lbs: dict[Frame, tuple[float, float]] = {}
+    """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
+    estimates: dict[Frame, float] = {}
+    """frame_estimate of every shape in the queue: the order the heuristics visit them in."""
+    over_line: set[Frame] = set()
+    """Frames skipped as dominated: their peak bound is over HBM minus the reserve, hence over every budget."""
     try:
         quick = visiting_order([((False, -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f) for f in frames])
         best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
@@ -121,14 +127,17 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             group = over.setdefault((f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding,
                                      f.expert_sharding, f.grad_dtype, f.precision), [])
             if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
+                over_line.add(f)
                 continue  # dominated: a shape with more sharding of the same state is already over the HBM line
-            t_lb, m_lb = frame_lower_bound(job, f, model, cluster)
+            t_lb, m_lb = lbs[f] = frame_lower_bound(job, f, model, cluster)
             if m_lb > hbm_line:
                 group.append(f)
             if m_lb < min_peak_lb[0]:
                 min_peak_lb = (m_lb, f)
-            if m_lb <= caps[f]:
+            if m_lb <= hbm_line and m_lb <= caps[f]:  # over the line: over every budget, no budget needed
                 heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
+                # Now, while the shape's coefficients are still in the build cache (thousands of shapes evict it).
+                estimates[f] = frame_estimate(job, f, model, cluster)
     except BaseException:
         ctrl_c.__exit__()
         raise
@@ -147,12 +156,17 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         return ranked[top - 1] if len(ranked) >= top else None
 
     current = math.inf
+    share = {True: 0.0, False: 0.0}
+    """Seconds spent on steps picked out of order (v = 1 first) and in queue order: each gets half."""
+    last_pick: tuple[bool, float] | None = None
+    dive: Frame | None = None
+    """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
     residual = 0.0 if unbounded else residual
     try:
         if unbounded:
             raise KeyboardInterrupt
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
-        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], frame_estimate(job, e[3], model, cluster)), e[3])
+        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], estimates[e[3]]), e[3])
                                   for e in heap])
         # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
@@ -178,14 +192,23 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if ctrl_c.flag:
                 interrupted = True
                 break
-            pick = 0
-            if solved % 2 == 1:
-                # Every other CP-SAT solve goes to the best v = 1 node: its bound is an exact program over the
-                # split, so it is proven fast, while a v > 1 node's mean bound keeps it first in the queue. The
-                # order changes which node is solved first, never the bound (the least over the queue).
+            now = _time.monotonic()
+            if last_pick is not None:
+                share[last_pick[0]] += now - last_pick[1]
+            pick, diving = 0, False
+            if share[True] <= share[False]:
+                # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
+                # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
+                # mean bound keeps it first in the queue (and expanding interleaved shapes one by one could take
+                # the whole limit before any solve); the other half follows the queue, which raises the proven
+                # bound. The order changes which node is solved first, never the bound (the least over the queue).
+                # It dives: the shape expanded last goes on to its best node, and that node is solved once
+                # tightened, even when tightening lifted it above other nodes (its bound stays valid).
                 ones = [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])]
+                ones = [j for j in ones if heap[j][3] == dive] or ones
                 if ones:
-                    pick = min(ones, key=lambda j: heap[j])
+                    pick, diving = min(ones, key=lambda j: heap[j]), True
+            last_pick = (diving, now)
             if pick:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]
                 heap[pick] = heap[-1]
@@ -206,6 +229,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     if math.isfinite(ft) and fm_ <= caps[f]:
                         heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
                     current = math.inf
+                    dive = f if diving else dive
                     continue
             if rc is None:
                 for r_ in recs:
@@ -214,15 +238,18 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         if nm <= caps[f]:
                             heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
                 current = math.inf
+                dive = f if diving else dive
                 continue
             if (f, rc, lc) not in tightened:
                 tightened.add((f, rc, lc))
                 tight = tight_node_bound(job, f, rc, lc, model, cluster)
                 if tight > t_lb + 1e-12:
-                    if math.isfinite(tight):
-                        heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc, 0))
-                    current = math.inf
-                    continue
+                    if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
+                        if math.isfinite(tight):
+                            heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc, 0))
+                        current = math.inf
+                        continue
+                    t_lb = current = tight  # the dive solves it now, with its tightened bound
             hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
                                    deadline=t0 + time_limit) if attempt == 0 else None
             if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
@@ -232,6 +259,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                     recompute=rc, lifecycle=lc, relative_gap=gap,
                                     hint=(hint or mine).layout if (hint or mine) is not None else None)
             solved += 1
+            dive = None
             size = {"variables": max(size.get("variables", 0), res.variables),
                     "constraints": max(size.get("constraints", 0), res.constraints)}
             if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
@@ -275,7 +303,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     k = ranked[min(top, len(ranked)) - 1].rank_time_s
     done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
     status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
-    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers)
+    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers,
+                                          lower_bounds=lbs, over_line=over_line)
                        if pareto and not interrupted else (ranked[:1] if interrupted else [], False))
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,

@@ -262,11 +262,14 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
         return cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
     # Keyed by object identity (specs hold lists, so they are not hashable); the value keeps the objects alive so
     # an identity is never reused while its entry exists.
-    key = (job.model_dump_json(), frame, id(model), id(cluster))
+    # The runtime items (memory_outside.runtime_items) read the degrees, the tokens and the placement only: any
+    # activation mode, microbatch count, sharding policy, gradient dtype and precision gives the same budget, so
+    # the frames that differ only there share one (tests/test_search.py checks it over a job's frames).
+    degrees = Frame(frame.pp, frame.vp, frame.cp, frame.ep, frame.expert_fsdp, frame.dense_fsdp, 1, frame.gpus)
+    key = (job.model_dump_json(), degrees, id(model), id(cluster))
     hit = _BUDGETS.get(key)
     if hit is None:
-        # The runtime items depend on the degrees, tokens and placement only: any activation mode gives the budget.
-        shape = frame_shape(job, frame, ActMode(Recompute.FULL, False, False, False, False),
+        shape = frame_shape(job, degrees, ActMode(Recompute.FULL, False, False, False, False),
                             FsdpLifecycle.PER_MICROBATCH)
         budget = allocated_budget_bytes(shape, model, cluster, job.reserve_gib, _runtime(job.runtime))
         if len(_BUDGETS) > 65536:

@@ -30,16 +30,29 @@ from k3opt.specs import (
 
 
 def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
-            ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int
+            ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
+            lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None
             ) -> tuple[list[PlanItem], bool]:
     """Non-dominated (step time, worst-rank peak) layouts by epsilon-constraint solves per frame: minimize the
     step time (ties: the lower peak) under peak <= epsilon, then lower epsilon by the step. A frame is skipped,
     or its loop stopped, once a point found dominates its bounds (every further layout of it is dominated).
-    Returns the front and whether it is complete (False when the time limit cut it short)."""
+    Returns the front and whether it is complete (False when the time limit cut it short). `lower_bounds`: the
+    frame_lower_bound of frames already bounded (by the driver), not computed again; `over_line`: frames whose
+    peak bound the driver showed over HBM minus the reserve (over every budget: skipped, as a bound would skip
+    them)."""
     points: list[PlanItem] = list(ranked)
+    if _time.monotonic() - t0 > time_limit:
+        return _non_dominated(points), False  # no time left to bound the frames, let alone solve one
     step_mib = max(1, int(round(step_gib * GIB / MIB)))
     frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
-    bounds = sorted((*frame_lower_bound(job, f, model, cluster), f) for f in frames)
+    known = lower_bounds or {}
+    frames = [f for f in frames if f not in (over_line or set())]
+    unsorted = []
+    for i, f in enumerate(frames):
+        if i % 64 == 0 and _time.monotonic() - t0 > time_limit:
+            return _non_dominated(points), False
+        unsorted.append((*(known[f] if f in known else frame_lower_bound(job, f, model, cluster)), f))
+    bounds = sorted(unsorted)
     complete = True
 
     def dominated(f: Frame, t_lb: float, peak_cap: float) -> bool:

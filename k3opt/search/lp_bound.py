@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.search.frames import (
@@ -254,28 +254,36 @@ def _undominated_cached(comps: tuple[tuple[float, ...], ...]) -> tuple[tuple[flo
 def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray, b_eq: np.ndarray,
           upper: np.ndarray) -> float:
     """min cost.z, a_ub z <= b_ub, a_eq z = b_eq, 0 <= z <= upper, by GLOP: the optimum, inf if infeasible,
-    0 when GLOP ends without a certificate (no bound rather than a wrong one)."""
+    0 when GLOP ends without a certificate (no bound rather than a wrong one). The model is handed over as one
+    MPModelProto (rows filled from numpy slices) rather than coefficient by coefficient: the same model, built in a
+    fraction of the time."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
         raise RuntimeError("OR-tools' GLOP linear solver is unavailable")
-    inf = solver.infinity()
-    z = [solver.NumVar(0.0, float(u) if math.isfinite(u) else inf, "") for u in upper]
-    for mat, lo_of, hi_of in ((a_ub, lambda b: -inf, lambda b: b), (a_eq, lambda b: b, lambda b: b)):
-        b_vec = b_ub if mat is a_ub else b_eq
+    proto = linear_solver_pb2.MPModelProto()
+    for u, c in zip(upper, cost, strict=True):
+        var = proto.variable.add()
+        var.lower_bound = 0.0
+        var.upper_bound = float(u) if math.isfinite(u) else math.inf
+        var.objective_coefficient = float(c)
+    for mat, b_vec, equal in ((a_ub, b_ub, False), (a_eq, b_eq, True)):
         for i in range(mat.shape[0]):
-            row = solver.Constraint(lo_of(float(b_vec[i])), hi_of(float(b_vec[i])))
-            for j in np.flatnonzero(mat[i]):
-                row.SetCoefficient(z[j], float(mat[i, j]))
-    obj = solver.Objective()
-    for j in np.flatnonzero(cost):
-        obj.SetCoefficient(z[j], float(cost[j]))
-    obj.SetMinimization()
+            row = proto.constraint.add()
+            row.lower_bound = float(b_vec[i]) if equal else -math.inf
+            row.upper_bound = float(b_vec[i])
+            nz = np.flatnonzero(mat[i])
+            row.var_index.extend(nz.tolist())
+            row.coefficient.extend(mat[i, nz].astype(float).tolist())
+    proto.maximize = False
+    error = solver.LoadModelFromProto(proto)
+    if error:
+        raise RuntimeError(f"GLOP rejected the relaxation: {error}")
     status = solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return math.inf
     if status != pywraplp.Solver.OPTIMAL:
         return 0.0
-    return float(obj.Value())
+    return float(solver.Objective().Value())
 
 
 def _edge_act(a: _Arrays, comp: tuple[float, ...], r: int, p: int, L: int) -> float:
