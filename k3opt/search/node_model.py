@@ -353,32 +353,29 @@ class FrameModel:
                     m.add(t >= self._rank_sum(self._t(self.base[(md, lc)].time[res]), r) + self._extra(res, r, md, mine)
                           ).only_enforce_if([self.mv[md], self.lv[lc]])
             times[res] = t
-        upd = {}
-        for res in c0.update:
-            u = tvar(f"u_{res}")
-            for lc in self.lcs:
-                base = self._rank_sum(self._t(self.base[(self.modes[0], lc)].update[res]), r)
-                m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
-                pz = self._rank_sum(self._t(self.p2p[lc].update[res]), r)
-                m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
-                z2 = self._rank_sum(self._t(self.z2.update[res] - self.c0.update[res]), r)
-                m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
-                m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
-            upd[res] = u
-        hidden = {}
-        for res in c0.update_hidden:
-            # The update's communication that hides under compute (ranking view, search/ranking.py): same cases.
-            u = tvar(f"h_{res}")
-            for lc in self.lcs:
-                base = self._rank_sum(self._t(self.base[(self.modes[0], lc)].update_hidden[res]), r)
-                pz = self._rank_sum(self._t(self.p2p[lc].update_hidden[res]), r)
-                z2 = self._rank_sum(self._t(self.z2.update_hidden[res] - self.c0.update_hidden[res]), r)
-                m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
-                m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
-                m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
-                m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
-            hidden[res] = u
+        # The update's compute and communication, and (ranking view, search/ranking.py) its communication that
+        # hides under compute: the same four cases of P2P Muon x ZeRO-2 host gradients for each field.
+        upd = self._update_terms(r, "update", "u")
+        hidden = self._update_terms(r, "update_hidden", "h")
         return {"peak": peak, "times": times, "update": upd, "hidden": hidden}
+
+    def _update_terms(self, r: int, field_name: str, prefix: str) -> dict:
+        """Per resource of coefficient field `field_name` ("update" or "update_hidden"): rank r's seconds per update
+        under the lifecycle, P2P Muon and ZeRO-2 host gradients chosen (one variable bounded below in each case)."""
+        m, tv = self.m, self.tv
+        out = {}
+        for res in getattr(self.c0, field_name):
+            u = m.new_int_var(0, self.time_ub, f"{prefix}_{res}_r{r}")
+            for lc in self.lcs:
+                base = self._rank_sum(self._t(getattr(self.base[(self.modes[0], lc)], field_name)[res]), r)
+                pz = self._rank_sum(self._t(getattr(self.p2p[lc], field_name)[res]), r)
+                z2 = self._rank_sum(self._t(getattr(self.z2, field_name)[res] - getattr(self.c0, field_name)[res]), r)
+                m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
+                m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+                m.add(u >= pz + z2).only_enforce_if([self.lv[lc], tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
+            out[res] = u
+        return out
 
     def _extra(self, res: str, r: int, md: ActMode, mine: list[int]) -> cp_model.LinearExprT:
         """Rank-level time terms on top of the per-layer sums: PP packets, the toggles' costs."""
