@@ -44,7 +44,8 @@ def main() -> None:
               help="Cluster preset or TOML (default: the layout's, else gb200-nvl72).")
 @click.option("--reserve-gib", type=float, default=None, help="HBM kept back per GPU (default: the layout's).")
 @click.option("--runtime", "runtime_name", default=None,
-              help="Runtime preset or TOML for the memory outside live tensors (default: the layout's).")
+              help="Runtime preset or TOML for the memory outside live tensors (default: the layout's; "
+                   "none: live tensors only).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output with the same numbers.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of the per-rank ledger bars against the HBM line and the reserve.")
@@ -249,8 +250,12 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
                 f"({_short(free.layouts[0].layout)}); the limits cost "
                 f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
     if as_json:
+        from k3opt.runtime import planning_runtime
+
+        rt = planning_runtime(result.job, result.layouts[0].evaluation.cluster)
         out = {
             "status": result.status, "bound_s": result.bound, "gap": result.gap,
+            "runtime": rt.name, "runtime_from": rt.origin,
             "solve_time_s": result.solve_time_s, "models_solved": result.frames_solved,
             "layouts": [it.evaluation.to_dict() for it in result.layouts],
         }
@@ -324,6 +329,10 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
             "peak_gib", "headroom_gib"]
     click.echo(f"Pareto front ({'complete' if result.pareto_complete else 'cut by the time limit'}), "
                f"{len(df)} layouts; ranked search status {result.status}")
+    if result.layouts:
+        from k3opt.runtime import planning_runtime
+
+        click.echo(planning_runtime(result.job, result.layouts[0].evaluation.cluster).line())
     click.echo(df[cols].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     if csv_path:
         click.echo(f"wrote {len(df)} rows to {csv_path}")

@@ -22,6 +22,7 @@ from k3opt.schedule import BACKWARD_OVER_FORWARD, bubble_fraction, bubble_overhe
 from k3opt.sharding import owned_per_rank, whole_params
 from k3opt.specs import (
     GIB,
+    NO_RUNTIME,
     ClusterSpec,
     Layout,
     MeasurementKind,
@@ -499,13 +500,15 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
              reserve_gib: float | None = None, runtime: RuntimeSpec | str | None = None) -> Evaluation:
     """Per-rank ledger and step time of `layout` (model and cluster: objects, preset names or paths;
     default: the layout's own `model` / `cluster` fields, else kimi-k3 on gb200-nvl72). `runtime` (default:
-    the layout's `runtime`; none: live tensors only) itemizes the memory outside the ledger."""
+    the layout's `runtime`; absent there, or "none": live tensors only) itemizes the memory outside the ledger.
+    A layout is evaluated as written: the cluster's `default_runtime` is the planner's default for jobs, and a
+    planned layout names the runtime it was planned with."""
     model = load_model(model or layout.model or "kimi-k3") if not isinstance(model, ModelSpec) else model
     cluster = (load_cluster(cluster or layout.cluster or "gb200-nvl72")
                if not isinstance(cluster, ClusterSpec) else cluster)
     check_layout(layout, model, cluster)
     rt_name = runtime if runtime is not None else layout.runtime
-    rt = load_runtime(rt_name) if rt_name is not None else None
+    rt = load_runtime(rt_name) if rt_name not in (None, NO_RUNTIME) else None
     shape = Shape.of(layout)
     cf = coefficients(shape, model, cluster)
     reserve = layout.reserve_gib if reserve_gib is None else reserve_gib

@@ -6,6 +6,7 @@ import pandas as pd
 
 from k3opt.coefficients import RESOURCES
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
+from k3opt.runtime import planning_runtime
 from k3opt.specs import GIB, MIB, TOGGLE_NAMES, Layout
 from k3opt.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 
@@ -89,7 +90,9 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"granularity={lay.optimizer_shard_granularity.value} grads={lay.grad_dtype.value} "
         f"optimizer state={lay.optimizer_state_dtype.value}"
         f"{' (allocated at the first step)' if lay.lazy_optimizer_state else ''}; "
-        f"runtime {ev.runtime.name if ev.runtime is not None else 'none (live tensors only)'}",
+        f"runtime {ev.runtime.name if ev.runtime is not None else 'none (live tensors only)'}"
+        + (f"; a plan on {cl.name} uses {cl.default_runtime} (--runtime {cl.default_runtime})"
+           if ev.runtime is None and cl.default_runtime else ""),
         f"  parameters {p.total:,} (Muon {p.muon:,}, AdamW {p.adamw:,}); routed {p.routed:,}; "
         f"learned active matrices per token {p.active_matrix:,}",
         f"  HBM line {cl.hbm_bytes / GIB:.2f} GiB ({cl.hbm_mib:,} MiB, nvidia-smi) - reserve {reserve:.2f} GiB "
@@ -231,6 +234,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines = [
         f"{job.name or 'job'}: {job.model} on {gpus} {job.cluster} GPUs, context {job.context}, rows {job.rows}, "
         f"tokens per update {job.tokens_per_update or 'from [search] microbatches'}, reserve {job.reserve_gib:g} GiB",
+        planning_runtime(job, plan.layouts[0].evaluation.cluster).line(),
         f"status {plan.status}: best {plan.layouts[0].rank_time_s:.3f} s {ranked}, bound {plan.bound:.3f} s, "
         f"gap {100 * plan.gap:.2f}%; {plan.frames_solved} CP-SAT models solved of {plan.frames_total} parallel "
         f"shapes in {plan.solve_time_s:.1f} s (largest model {plan.model_size.get('variables', 0):,} variables, "

@@ -9,13 +9,27 @@ field a user can override with a measurement; the shipped preset names its sourc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import model_validator
 
-from k3opt.specs import MIB, NonNegFloat, PosFloat, PosInt, StrictBool, _load, _Strict
+from k3opt.specs import (
+    MIB,
+    NO_RUNTIME,
+    ClusterSpec,
+    Job,
+    NonNegFloat,
+    PosFloat,
+    PosInt,
+    StrictBool,
+    _load,
+    _Strict,
+    load_cluster,
+)
 
 DEFAULT_RUNTIME = "megatron-te-hybridep-gb200"
+"""The shipped runtime preset (load_runtime's default); a job's default is its cluster's `default_runtime`."""
 
 
 class RuntimeSpec(_Strict):
@@ -106,3 +120,55 @@ def load_runtime(name_or_path: str | Path | RuntimeSpec = DEFAULT_RUNTIME) -> Ru
     if isinstance(name_or_path, RuntimeSpec):
         return name_or_path
     return _load(RuntimeSpec, name_or_path, "runtime")
+
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """The runtime a job plans with (`name`; None: live tensors only) and where it comes from: `origin` is
+    "job" (the job names it), "cluster default" (the job names none; its cluster's `default_runtime`), "none"
+    (the job's `runtime = "none"`) or "no cluster default" (the job names none and neither does its cluster)."""
+
+    name: str | None
+    origin: str
+    cluster: str
+
+    def line(self) -> str:
+        """One line for the plan's output."""
+        if self.origin == "job":
+            return f"runtime {self.name} (named by the job): every rank's device peak <= HBM - reserve"
+        if self.origin == "cluster default":
+            return (f"runtime {self.name} ({self.cluster}'s default_runtime; the job names none, runtime = \"none\" "
+                    "plans on live tensors only): every rank's device peak <= HBM - reserve")
+        why = "the job's runtime = \"none\"" if self.origin == "none" else f"{self.cluster} names no default_runtime"
+        return f"runtime none ({why}): live tensors only, the reserve must cover the memory outside them"
+
+
+def planning_runtime(job: Job, cluster: ClusterSpec | str | None = None) -> RuntimeChoice:
+    """The runtime `job` plans with. A job that names no runtime takes its cluster's `default_runtime` (`cluster`:
+    object, preset or path; default: the job's); `runtime = "none"` is live tensors only. A job resolved by
+    resolve_job_runtime keeps the choice made then."""
+    if job._runtime_from is not None:
+        return job._runtime_from
+    c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    if job.runtime == NO_RUNTIME:
+        return RuntimeChoice(None, "none", c.name)
+    if job.runtime is not None:
+        return RuntimeChoice(job.runtime, "job", c.name)
+    if c.default_runtime in (None, NO_RUNTIME):
+        return RuntimeChoice(None, "no cluster default", c.name)
+    return RuntimeChoice(c.default_runtime, "cluster default", c.name)
+
+
+def resolve_job_runtime(job: Job, cluster: ClusterSpec | str | None = None) -> Job:
+    """The job as the search reads it (k3opt.search.frames.allocated_capacity_bytes): `runtime` is the preset it
+    plans with, or None for live tensors only (the search's HBM line is then HBM - reserve). k3opt.plan applies
+    it once; a resolved job passes unchanged (its choice travels with it, see planning_runtime)."""
+    if job._runtime_from is not None:
+        return job
+    choice = planning_runtime(job, cluster)
+    if choice.name is not None:
+        load_runtime(choice.name)  # an unknown name is one clear line here, before the search starts
+    resolved = job.model_copy(update={"runtime": choice.name})
+    resolved._runtime_from = choice
+    return resolved

@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     ValidationError,
     field_validator,
@@ -29,6 +30,8 @@ from k3opt.errors import LayoutError, PresetNotFoundError, SpecError
 
 GIB = 1 << 30
 MIB = 1 << 20
+NO_RUNTIME = "none"
+"""The runtime name that means no runtime: live tensors only (a job's explicit opt-out of its cluster's default)."""
 
 
 
@@ -287,6 +290,9 @@ class ClusterSpec(_Strict):
     """Datasheet the dense per-precision peaks come from."""
     sm_count: PosInt | None = None
     """Streaming multiprocessors per GPU (what an overlapped communication kernel's SMs are a share of)."""
+    default_runtime: str | None = None
+    """Runtime preset (constraints/runtimes/) a job on this cluster plans with when the job names none: the memory
+    outside live tensors of the stack measured on this hardware. Absent: no preset exists for it (live tensors)."""
 
     def dense_tflops(self, precision: Precision | str) -> float:
         """Dense tensor peak for one compute precision: BF16, FP8 = MXFP8, NVFP4 = FP4."""
@@ -473,8 +479,9 @@ class Layout(_Strict):
     """Optimizer state is allocated at the first step (seed 003: Muon state absent from a pre-step reading).
     The peak counts it either way; the rank's `resident_before_first_step_bytes` leaves it out."""
     runtime: str | None = None
-    """Runtime preset or file (memory outside live tensors, constraints/runtimes/); absent: live tensors
-    only, so allocated = reserved = device and the reserve must cover everything else."""
+    """Runtime preset or file (memory outside live tensors, constraints/runtimes/); absent or "none": live tensors
+    only, so allocated = reserved = device and the reserve must cover everything else. A planned layout names the
+    runtime it was planned with."""
     precision: Precision = Precision.BF16
     """Compute precision of the linear-layer GEMMs (attention core, router, embedding and head stay BF16)."""
     ep_overlap: StrictBool = False
@@ -486,6 +493,11 @@ class Layout(_Strict):
     copies, and HybridEP's measured bandwidth for the achievable step time."""
     source: str = ""
     """Where a measured layout's settings come from (recipe file and commit)."""
+
+    @field_validator("runtime")
+    @classmethod
+    def _no_runtime(cls, v: str | None) -> str | None:
+        return None if v == NO_RUNTIME else v
 
     @property
     def dp(self) -> int:
@@ -599,13 +611,16 @@ class Job(_Strict):
     domain_gpus_used: PosInt | None = None
     """GPUs used per NVLink domain (placement); default: whole domains."""
     runtime: str | None = None
-    """Runtime preset or file for the memory outside live tensors (see Layout.runtime)."""
+    """Runtime preset or file for the memory outside live tensors (see Layout.runtime). Absent: the cluster's
+    `default_runtime` (live tensors only if it names none); "none": live tensors only, explicitly."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
     precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16])
     """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
+    _runtime_from: Any = PrivateAttr(default=None)
+    """Set on the job the search receives (k3opt.runtime.resolve_job_runtime): its k3opt.runtime.RuntimeChoice."""
 
     @property
     def gpu_counts(self) -> list[int]:
@@ -704,10 +719,19 @@ def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
 
 
 def load_cluster(name_or_path: str | Path = "gb200-nvl72") -> ClusterSpec:
-    """A cluster preset name (`gb200-nvl72`) or a path to a cluster TOML."""
+    """A cluster preset name (`gb200-nvl72`) or a path to a cluster TOML. Its `default_runtime`, if named, must
+    exist."""
     if isinstance(name_or_path, ClusterSpec):
         return name_or_path
-    return _load(ClusterSpec, name_or_path, "cluster")
+    cluster = _load(ClusterSpec, name_or_path, "cluster")
+    if cluster.default_runtime not in (None, NO_RUNTIME):
+        from k3opt.runtime import load_runtime
+
+        try:
+            load_runtime(cluster.default_runtime)
+        except PresetNotFoundError as err:
+            raise PresetNotFoundError(f"cluster {cluster.name}: default_runtime: {err}") from None
+    return cluster
 
 
 def load_layout(name_or_path: str | Path) -> Layout:
@@ -716,9 +740,10 @@ def load_layout(name_or_path: str | Path) -> Layout:
 
 
 def load_job(name_or_path: str | Path = "k3-512-4k") -> Job:
-    """A job file (or the name of a shipped job, e.g. `k3-512-4k`). Its runtime, if named, must exist."""
+    """A job file (or the name of a shipped job, e.g. `k3-512-4k`). Its runtime, if named, must exist; absent,
+    the plan uses the cluster's `default_runtime` (k3opt.runtime.resolve_job_runtime)."""
     job = _load(Job, name_or_path, "job")
-    if job.runtime is not None:
+    if job.runtime not in (None, NO_RUNTIME):
         from k3opt.runtime import load_runtime
 
         load_runtime(job.runtime)

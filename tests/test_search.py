@@ -368,16 +368,6 @@ def test_interrupt_returns_the_best_so_far(job, tiny, slow):
     assert plan.bound <= plan.layouts[0].rank_time_s and 0 <= plan.gap < 1
 
 
-def test_plain_job_gets_a_layout_under_a_short_limit():
-    """K3 on 512 GB200 GPUs with nothing but the job's sizes (VP searched, no [search] table): a fitting layout,
-    with its proven gap, under a time limit far below what a proof takes."""
-    job = k3opt.Job(gpus=512, context=4096, rows=1, tokens_per_update=16777216, reserve_gib=5)
-    plan = k3opt.plan(job, top=1, pareto=False, time_limit=30)
-    assert plan.layouts and plan.layouts[0].evaluation.fits
-    assert plan.status in ("OPTIMAL", "FEASIBLE")
-    assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].rank_time_s
-
-
 def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
     """CP = 2 frames (PP2 and PP1, 2,048-token sequences split in two): the CP-SAT optimum equals enumeration through
     evaluate(), and no bound the search prunes with exceeds an enumerated layout."""

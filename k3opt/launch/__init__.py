@@ -32,12 +32,15 @@ def plan(job, model=None, cluster=None, top: int = 5, **kwargs):  # noqa: ANN001
     are dropped from the ranking. The ranked search keeps one layout per frame, and whether a frame is
     runnable depends only on its degrees once the toggles are narrowed, so asking for more frames and
     filtering keeps the optimum among runnable layouts; the request grows until `top` runnable ones are
-    found or the search runs out of frames. Without a target it is search.plan unchanged."""
+    found or the search runs out of frames. Without a target it is search.plan unchanged. Either way the job
+    first takes its cluster's default runtime when it names none (k3opt.runtime.resolve_job_runtime)."""
     from k3opt.errors import InfeasibleJobError
+    from k3opt.runtime import resolve_job_runtime
     from k3opt.search import plan as search_plan
     from k3opt.search.driver import DEFAULT_GAP
     from k3opt.specs import ClusterSpec, load_cluster
 
+    job = resolve_job_runtime(job, cluster)
     target = getattr(job, "target", None)
     if target is None:
         return search_plan(job, model=model, cluster=cluster, top=top, **kwargs)
