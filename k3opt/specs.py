@@ -729,8 +729,8 @@ def load_cluster(name_or_path: str | Path = "gb200-nvl72") -> ClusterSpec:
 
         try:
             load_runtime(cluster.default_runtime)
-        except PresetNotFoundError as err:
-            raise PresetNotFoundError(f"cluster {cluster.name}: default_runtime: {err}") from None
+        except (PresetNotFoundError, SpecError) as err:
+            raise type(err)(f"cluster {cluster.name}: default_runtime: {err}") from None
     return cluster
 
 

@@ -172,6 +172,9 @@ def test_cli_plan_says_which_runtime_and_where_it_came_from(cluster_with_default
     data = json.loads(out.output)
     assert (data["runtime"], data["runtime_from"]) == (GB200_RUNTIME, "cluster default")
     assert data["layouts"][0]["layout"]["runtime"] == GB200_RUNTIME
+    out = CliRunner().invoke(main, ["pareto", str(job), "--top", "1"])
+    assert out.exit_code == 0, out.output
+    assert f"runtime {GB200_RUNTIME} (slow-default's default_runtime;" in out.output
 
     none = _write(tmp_path / "none.toml", _tiny_job(cluster_with_default, runtime="none"))
     out = CliRunner().invoke(main, ["plan", str(none), "--top", "1"])
