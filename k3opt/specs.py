@@ -609,7 +609,8 @@ class Job(_Strict):
     reserve_gib: NonNegFloat = 0.0
     """HBM kept back per GPU for what is not itemized (see Layout.reserve_gib)."""
     domain_gpus_used: PosInt | None = None
-    """GPUs used per NVLink domain (placement); default: whole domains."""
+    """GPUs used per NVLink domain (placement); default: `domain_gpus_for`, the job's GPUs spread evenly over the
+    fewest domains that hold them."""
     runtime: str | None = None
     """Runtime preset or file for the memory outside live tensors (see Layout.runtime). Absent: the cluster's
     `default_runtime` (live tensors only if it names none); "none": live tensors only, explicitly."""
@@ -625,6 +626,18 @@ class Job(_Strict):
     @property
     def gpu_counts(self) -> list[int]:
         return list(self.gpus) if isinstance(self.gpus, list) else [self.gpus]
+
+    def domain_gpus_for(self, gpus: int, domain_gpus: int) -> int | None:
+        """GPUs per NVLink domain the plan places `gpus` GPUs on: the job's `domain_gpus_used`, else an even share
+        of the fewest `domain_gpus`-GPU domains that hold them when it divides evenly (512 GPUs on NVL72 need 8
+        racks either way: 8 x 64, not 7 x 72 + 8, whose last rack splits every rank block), else whole domains
+        (None)."""
+        if self.domain_gpus_used is not None:
+            return self.domain_gpus_used
+        n = -(-gpus // domain_gpus)
+        if n > 1 and gpus % n == 0 and gpus // n < domain_gpus:
+            return gpus // n
+        return None
 
     @model_validator(mode="after")
     def _microbatches(self) -> Job:

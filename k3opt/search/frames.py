@@ -57,6 +57,8 @@ class Frame:
     expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     grad_dtype: Dtype = Dtype.FP32
     precision: Precision = Precision.BF16
+    domain_gpus_used: int | None = None
+    """GPUs used per NVLink domain (Job.domain_gpus_for); None: whole domains."""
 
 
 DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)
@@ -72,7 +74,7 @@ def frame_of(layout: Layout) -> Frame:
     """The frame of a layout (its degrees, microbatches, sharding, gradient dtype and precision)."""
     return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
                  layout.microbatches, layout.gpus, layout.dense_sharding, layout.expert_sharding, layout.grad_dtype,
-                 layout.precision)
+                 layout.precision, layout.domain_gpus_used)
 
 
 def _policies(listed: list[ShardingPolicy] | None, group: int) -> list[ShardingPolicy]:
@@ -121,8 +123,9 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
     `default_cp` on the job's cluster (or `cluster`). Per shape, the dense and expert sharding policies
     (`_policy_pairs`), the gradient dtypes (the job's list, else FP32) and the job's accepted precisions."""
     s = job.search
-    if s.cp is None and cluster is None:
+    if cluster is None:
         cluster = load_cluster(job.cluster)
+    domain = job.domain_gpus_for(gpus, cluster.nvlink_domain_gpus)
     L = model.num_layers
     experts = model.moe.num_experts if model.moe else 1
     grad_dtypes = list(dict.fromkeys(s.grad_dtype or [Dtype.FP32]))
@@ -156,7 +159,7 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                             for m in ms:
                                 for (pd, pe), g, q in itertools.product(_policy_pairs(s, fd, fe), grad_dtypes,
                                                                         precisions):
-                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q))
+                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, domain))
     return frames
 
 
@@ -198,7 +201,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
         microbatches=f.microbatches, rows=job.rows, context=job.context,
         document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
-        toggles=tg, domain_gpus_used=job.domain_gpus_used, dense_sharding=f.dense_sharding,
+        toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
     )
 
@@ -208,7 +211,7 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
         gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
         microbatches=f.microbatches, rows=job.rows, context=job.context, document_length=job.document_length,
         split=split, recompute=shape.recompute, fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles,
-        reserve_gib=job.reserve_gib, domain_gpus_used=job.domain_gpus_used, model=job.model, cluster=job.cluster,
+        reserve_gib=job.reserve_gib, domain_gpus_used=f.domain_gpus_used, model=job.model, cluster=job.cluster,
         runtime=job.runtime, name=name, dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
         grad_dtype=f.grad_dtype, precision=f.precision,
     )
@@ -265,7 +268,8 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
     # The runtime items (memory_outside.runtime_items) read the degrees, the tokens and the placement only: any
     # activation mode, microbatch count, sharding policy, gradient dtype and precision gives the same budget, so
     # the frames that differ only there share one (tests/test_search.py checks it over a job's frames).
-    degrees = Frame(frame.pp, frame.vp, frame.cp, frame.ep, frame.expert_fsdp, frame.dense_fsdp, 1, frame.gpus)
+    degrees = Frame(frame.pp, frame.vp, frame.cp, frame.ep, frame.expert_fsdp, frame.dense_fsdp, 1, frame.gpus,
+                    domain_gpus_used=frame.domain_gpus_used)
     key = (job.model_dump_json(), degrees, id(model), id(cluster))
     hit = _BUDGETS.get(key)
     if hit is None:
