@@ -36,8 +36,8 @@ def framework_tensors(blocks: list[Block], routed: bool, ep: int, attn_res_pair:
         by_name = {t.name: t for t in b.tensors}
         skip: set[str] = set()
         for t in b.tensors:
-            if t.routed != routed or t.name in skip:
-                continue
+            if t.routed != routed or t.name in skip or t.count == 0:
+                continue  # count 0: a shared tensor (the MTP module's head is the LM head), owned where it lives
             copies = t.count // ep if routed else t.count
             numel = t.numel // t.count
             muon = t.optimizer == "muon"
