@@ -11,6 +11,7 @@ PP hop stays inside a domain.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import comb
 
 import numpy as np
@@ -19,11 +20,12 @@ import numpy as np
 def _min_members_per_domain(groups: np.ndarray, domain: int) -> int:
     """groups: [n_groups, size] global ranks. The smallest number of a member's group peers (itself
     included) in its NVLink domain, over all members: the worst member sets the collective's time."""
-    dom = groups // domain
-    dom = dom - int(dom.min())
-    key = dom + np.arange(groups.shape[0])[:, None] * (int(dom.max()) + 1)
-    counts = np.bincount(key.ravel())
-    return int(counts[counts > 0].min())
+    dom = np.sort(groups // domain, axis=1)
+    # Each row's members sit in runs of equal domain; a run's length is its members' peer count.
+    starts = np.ones(dom.shape, dtype=bool)
+    starts[:, 1:] = dom[:, 1:] != dom[:, :-1]
+    pos = np.flatnonzero(starts)
+    return int(np.diff(np.append(pos, dom.size)).min())
 
 
 @dataclass(frozen=True)
@@ -42,25 +44,30 @@ class Placement:
     """Every CP group (c consecutive ranks) sits inside one NVLink domain, so the KV ring never crosses the NIC."""
 
 
+@lru_cache(maxsize=16384)
+def members_at_offset(stage: int, c: int, e: int, f_e: int, f_d: int, domain: int, base: int
+                      ) -> tuple[int, int, int]:
+    """(EP, dense FSDP, expert FSDP) members per NVLink domain, worst member, of a stage whose first rank sits
+    `base` ranks into a domain (a stage shifted by whole domains has the same members per domain)."""
+    ranks = base + np.arange(stage)
+    ep_groups = ranks.reshape(-1, e)
+    # dense FSDP: same cp index, f_d consecutive dp indices -> stride c
+    dp = stage // c
+    dense_groups = ranks.reshape(dp // f_d, f_d, c).transpose(0, 2, 1).reshape(-1, f_d)
+    # expert FSDP: same ep index, f_e consecutive expert-dp indices -> stride e
+    edp = stage // e
+    exp_groups = ranks.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
+    return (_min_members_per_domain(ep_groups, domain), _min_members_per_domain(dense_groups, domain),
+            _min_members_per_domain(exp_groups, domain))
+
+
 def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int) -> Placement:
     """Members per domain of each group kind under the tp-cp-ep-dp-pp order."""
     stage = gpus // p
-    # One stage is enough: stages are congruent blocks, but their offsets against the domain grid differ.
-    ep_a = dense_a = exp_a = stage
-    # A stage shifted by whole domains has the same members per domain: one stage per offset in the domain grid.
-    for base in sorted({(s * stage) % domain for s in range(p)}):
-        local = np.arange(stage)
-        ep_groups = base + local.reshape(-1, e)
-        ep_a = min(ep_a, _min_members_per_domain(ep_groups, domain))
-        # dense FSDP: same cp index, f_d consecutive dp indices -> stride c
-        dp = stage // c
-        grid = (base + local).reshape(dp, c)  # [dp, cp]
-        dense_groups = grid.reshape(dp // f_d, f_d, c).transpose(0, 2, 1).reshape(-1, f_d)
-        dense_a = min(dense_a, _min_members_per_domain(dense_groups, domain))
-        edp = stage // e
-        egrid = (base + local).reshape(edp, e)  # [edp, ep]
-        exp_groups = egrid.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
-        exp_a = min(exp_a, _min_members_per_domain(exp_groups, domain))
+    # Stages are congruent blocks whose offsets against the domain grid differ: the worst offset sets each group.
+    per_offset = [members_at_offset(stage, c, e, f_e, f_d, domain, base)
+                  for base in sorted({(s * stage) % domain for s in range(p)})]
+    ep_a, dense_a, exp_a = (min(m[i] for m in per_offset) for i in range(3))
     hops = []
     for r in range(p):
         src = r * stage + np.arange(stage)

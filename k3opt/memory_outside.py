@@ -14,9 +14,6 @@ ledger peak a rank may reach, floor((HBM - reserve - outside) / (1 + slack)) - w
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
-
-import numpy as np
 
 from k3opt import comm
 from k3opt.coefficients import Shape
@@ -44,20 +41,12 @@ def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
                             _domain(shape, cluster))
 
 
-@lru_cache(maxsize=4096)
 def _stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int, s: int
                    ) -> tuple[int, int, int]:
     """(EP, dense shard, expert shard) members per NVLink domain of PP stage `s` alone, under the tp-cp-ep-dp-pp
-    order with domains as consecutive blocks (comm.placement, which keeps the worst stage for the step time)."""
+    order with domains as consecutive blocks (comm.placement keeps the worst stage for the step time)."""
     stage = gpus // p
-    ranks = s * stage + np.arange(stage)
-    ep_groups = ranks.reshape(-1, e)
-    dp = stage // c
-    dense_groups = ranks.reshape(dp // f_d, f_d, c).transpose(0, 2, 1).reshape(-1, f_d)
-    edp = stage // e
-    exp_groups = ranks.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
-    return (comm._min_members_per_domain(ep_groups, domain), comm._min_members_per_domain(dense_groups, domain),
-            comm._min_members_per_domain(exp_groups, domain))
+    return comm.members_at_offset(stage, c, e, f_e, f_d, domain, (s * stage) % domain)
 
 
 def _rank_placement(shape: Shape, cluster: ClusterSpec, rank: int) -> comm.Placement:

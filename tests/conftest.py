@@ -7,7 +7,7 @@ import os
 import pytest
 
 import k3opt
-from k3opt import coefficients, schedule, structure
+from k3opt import coefficients, comm, schedule, structure
 
 
 def _mutmut_phase() -> str:
@@ -40,7 +40,7 @@ def _per_test_caches_for_mutmut_stats():
 
 def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
-               schedule.inflight_compositions):
+               schedule.inflight_compositions, comm.members_at_offset):
         fn.cache_clear()
     structure._CACHE.clear()
     coefficients._RATES_JSON.clear()
