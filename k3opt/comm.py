@@ -68,11 +68,9 @@ def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int
     per_offset = [members_at_offset(stage, c, e, f_e, f_d, domain, base)
                   for base in sorted({(s * stage) % domain for s in range(p)})]
     ep_a, dense_a, exp_a = (min(m[i] for m in per_offset) for i in range(3))
-    hops = []
-    for r in range(p):
-        src = r * stage + np.arange(stage)
-        dst = ((r + 1) % p) * stage + np.arange(stage)
-        hops.append(bool(np.all(src // domain == dst // domain)))
+    # Hop r -> r+1 (mod p): each stage-local rank's domain before and after.
+    dom = np.arange(gpus).reshape(p, stage) // domain
+    hops = [bool(h) for h in np.all(dom == np.roll(dom, -1, axis=0), axis=1)]
     replica = np.arange(p) * stage
     cp_groups = np.arange(gpus).reshape(-1, c)
     cp_in = bool(np.all(cp_groups // domain == (cp_groups[:, :1] // domain)))
