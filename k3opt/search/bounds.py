@@ -248,36 +248,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     Returns (inf, inf, None) when no split fits, and the argmin split of the work. `stop_at`: once every partial
     split's work is at or above it (so is the answer's, work only grows along the ranks), (inf, nan, None)."""
     L, p = cf.n_layers, cf.shape.pp
-    _, b_i, _ = _grid(L)
-    a_i = b_i.T
-
-    def rng(arr: np.ndarray) -> np.ndarray:
-        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
-        return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
-
-    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
-    opt = _step_gather(lean, allowed)
-    Pr, Ar = rng(P), rng(lean.act)
-    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
-    grads = rng(lean.grads)
-    if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
-    Pr = Pr + grads
-    P = P + lean.grads
-    Or = (rng(opt) + _range_max(lean.ns_working_set, L) if lean.step_gather_with_ns
-          else np.maximum(rng(opt), _range_max(lean.ns_working_set, L)))
-    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
-    bank = R[b_i] * lean.stream_bytes
-    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
-    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
-    has_moe = rng(lean.moe) > 0
-    s = _Ranges(
-        L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
-        buffers=2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers),
-        ws=_range_max(lean.working_set, L), work={res: rng(cf.time[res]) for res in cf.time},
-        resident=lean.shape.offload_resident_layers * _range_max(lean.act, L) if off is not None else None,
-        host_off=rng(off.time["host_link"]) if off is not None else None, P=P, opt=opt, cf=cf, lean=lean, off=off,
-        host_bytes=cluster.host_memory_bytes, cap=cap, allowed=allowed, force=force)
+    s = _ranges(cf, lean, off, cluster, cap, allowed, force)
     best_t = best_m = np.full(L + 1, np.inf)
     choice = np.zeros((p, L + 1), dtype=int)
     for r in range(p):
@@ -304,6 +275,42 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     bounds.append(0)
     bounds = bounds[::-1]
     return float(best_t[L]), float(best_m[L]), [bounds[j + 1] - bounds[j] for j in range(p)]
+
+
+def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
+            allowed: set[str], force: bool) -> _Ranges:
+    """The rank-independent (a, b) arrays of `_dp_bounds` over every range [a, b) of layers."""
+    L, p = cf.n_layers, cf.shape.pp
+    _, b_i, _ = _grid(L)
+    a_i = b_i.T
+
+    def rng(arr: np.ndarray) -> np.ndarray:
+        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
+        return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
+
+    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+    opt = _step_gather(lean, allowed)
+    Pr, Ar = rng(P), rng(lean.act)
+    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
+    grads = rng(lean.grads)
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
+    Pr = Pr + grads
+    P = P + lean.grads
+    Or = (rng(opt) + _range_max(lean.ns_working_set, L) if lean.step_gather_with_ns
+          else np.maximum(rng(opt), _range_max(lean.ns_working_set, L)))
+    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
+    bank = R[b_i] * lean.stream_bytes
+    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
+    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
+    has_moe = rng(lean.moe) > 0
+    return _Ranges(
+        L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
+        buffers=2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers),
+        ws=_range_max(lean.working_set, L), work={res: rng(cf.time[res]) for res in cf.time},
+        resident=lean.shape.offload_resident_layers * _range_max(lean.act, L) if off is not None else None,
+        host_off=rng(off.time["host_link"]) if off is not None else None, P=P, opt=opt, cf=cf, lean=lean, off=off,
+        host_bytes=cluster.host_memory_bytes, cap=cap, allowed=allowed, force=force)
 
 
 def _rank_rows_cols(r: int, p: int, L: int) -> tuple[slice, slice]:
