@@ -4,10 +4,10 @@ The search prunes with these; each must stay below every layout it stands for (t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -185,7 +185,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                      cluster: ClusterSpec) -> float:
     """The node's step-time bound, computed when a node is about to be solved. v = 1: the dynamic program run per
-    undominated activation mode (its own work and memory), the least over modes. v > 1: the linear relaxation of
+    undominated activation mode (its own work and memory), the least over modes; a mode whose mean-load floor
+    (`_mean_stage`) is already at or above the least so far is not run. v > 1: the linear relaxation of
     `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows), kept
     for the node's CP-SAT model as a cut on its objective."""
     if job.search.split is not None:
@@ -197,9 +198,9 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     allowed = _allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
-    best = math.inf
     offloads = [False, True] if "activation_offload" in allowed else [False]
     balances = [False, True] if "balance_activations" in allowed else [False]
+    variants = []
     for md in modes:
         cf = coefficients(frame_shape(job, f, md, lc), model, cluster)
         update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
@@ -207,106 +208,64 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
             # Offload and balancing are global decisions: every rank pays them or none does.
             off = coefficients(frame_shape(job, f, md, lc, activation_offload=True), model, cluster) if off_on \
                 else None
-            variant = (allowed - {"activation_offload", "balance_activations"}) | (
-                {"activation_offload"} if off_on else set()) | ({"balance_activations"} if bal_on else set())
-            mem = _memory_view(job, f, md, lc, model, cluster, balance=bal_on)
-            stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True)
-            best = min(best, cf.slots * stage + update)
+            floor = cf.slots * _mean_stage(cf, off) + update
+            variants.append((floor, len(variants), md, cf, update, off, bal_on))
+    best = math.inf
+    # Cheapest floor first: a variant whose floor is at or above the best program so far cannot lower the least
+    # (its program is at least its floor; the margin covers the rounding of the two sums), so it is not run.
+    for floor, _, md, cf, update, off, bal_on in sorted(variants, key=lambda v: v[:2]):
+        if floor * (1 - 1e-9) >= best:
+            break
+        variant = (allowed - {"activation_offload", "balance_activations"}) | (
+            {"activation_offload"} if off is not None else set()) | ({"balance_activations"} if bal_on else set())
+        mem = _memory_view(job, f, md, lc, model, cluster, balance=bal_on)
+        # A program whose stage work reaches this cannot lower the least either: it stops there.
+        stop = (best - update) / cf.slots * (1 + 1e-9) if math.isfinite(best) else math.inf
+        stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True, stop_at=stop)
+        best = min(best, cf.slots * stage + update)
     return best
 
 
+def _mean_stage(cf: Coefficients, off: Coefficients | None) -> float:
+    """A floor on `_dp_bounds`' stage work (v = 1): the slowest rank carries at least the mean over the p ranks of
+    every resource's layers and edges (packets and balancing only add), and under offload (every rank pays its
+    traffic) of the host-link traffic."""
+    means = [float(cf.time[res].sum()) / cf.shape.pp for res in cf.time]
+    if off is not None:
+        means.append(float(off.time["host_link"].sum()) / cf.shape.pp)
+    return max(means)
+
+
 def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
-               allowed: set[str], force: bool = False) -> tuple[float, float, list[int] | None]:
+               allowed: set[str], force: bool = False, stop_at: float = math.inf
+               ) -> tuple[float, float, list[int] | None]:
     """Exact min over contiguous v = 1 splits of (max stage work, max stage memory) by dynamic programming over
     (rank, boundary), with work from the cheapest mode and memory from the leanest (so both are lower bounds):
     persistent + in-flight saved bytes and AttnRes bank + the largest working set + PP, EP and routing buffers +
     logits, or the optimizer phase, under the HBM line; offload when the host holds the saved bytes.
-    Returns (inf, inf, None) when no split fits, and the argmin split of the work."""
+    Rank r of p only ever holds a range [a, b) with r <= a and b <= L - (p - 1 - r) (every rank holds a layer),
+    the first rank a = 0 and the last b = L: each rank's costs are computed on that block only (`_rank_block`).
+    Returns (inf, inf, None) when no split fits, and the argmin split of the work. `stop_at`: once every partial
+    split's work is at or above it (so is the answer's, work only grows along the ranks), (inf, nan, None)."""
     L, p = cf.n_layers, cf.shape.pp
-    idx = np.arange(L + 1)
-    a_i, b_i = np.meshgrid(idx, idx, indexing="ij")
-    valid = b_i > a_i
-
-    def rng(arr: np.ndarray) -> np.ndarray:
-        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
-        return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
-
-    def edge(arr: np.ndarray, r: int) -> float:
-        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
-
-    cache: dict[int, np.ndarray] = {}
-
-    def range_max(arr: np.ndarray) -> np.ndarray:
-        if id(arr) not in cache:
-            out = np.full((L + 1, L + 1), -np.inf)
-            for a in range(L):
-                out[a, a + 1:] = np.maximum.accumulate(arr[a:L])
-            cache[id(arr)] = out
-        return cache[id(arr)]
-
-    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
-    opt = _step_gather(lean, allowed)
-    Pr, Ar = rng(P), rng(lean.act)
-    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
-    grads = rng(lean.grads)
-    if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
-    Pr = Pr + grads
-    P = P + lean.grads
-    Or = (rng(opt) + range_max(lean.ns_working_set) if lean.step_gather_with_ns
-          else np.maximum(rng(opt), range_max(lean.ns_working_set)))
-    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
-    bank = R[b_i] * lean.stream_bytes
-    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
-    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
-    has_moe = rng(lean.moe) > 0
-    buffers = 2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers)
-    ws = range_max(lean.working_set)
-    work = {res: rng(cf.time[res]) for res in cf.time}
-    packet_s = {res: np.zeros((p, L + 1, L + 1)) for res in ("nvlink", "nic")}
-    for r in range(p):
-        # PP packets: the one in (from rank r - 1) and the one out (to rank r + 1), on that hop's link.
-        if r > 0:
-            hop = r - 1
-            packet_s["nvlink" if cf.pp_on_nvlink[hop] else "nic"][r] += packet_in * cf.pp_seconds_per_byte[hop]
-        if r < p - 1:
-            packet_s["nvlink" if cf.pp_on_nvlink[r] else "nic"][r] += packet_out * cf.pp_seconds_per_byte[r]
-    host_off = rng(off.time["host_link"]) if off is not None else None
-    best_t = np.full(L + 1, np.inf)
-    best_m = np.full(L + 1, np.inf)
+    s = _ranges(cf, lean, off, cluster, cap, allowed, force)
+    best_t = best_m = np.full(L + 1, np.inf)
     choice = np.zeros((p, L + 1), dtype=int)
     for r in range(p):
-        n_own = max(sum(c) for c in lean.compositions[r])
-        t_base = np.max([w + edge(cf.time[res], r) + (packet_s[res][r] if res in packet_s else 0.0)
-                         for res, w in work.items()], axis=0)
-        options = [(n_own, t_base)]
-        balancing = lean.balanced_inflight is not None and "balance_activations" in allowed
-        if balancing:
-            avg = lean.balanced_inflight
-            t_bal = t_base
-            if avg < n_own:
-                # Balancing holds the average, paying the excess out and back on the network every microbatch.
-                moved = balance_moved_bytes(Ar + edge(lean.act, r), n_own, avg)
-                res = lean.balance_resource
-                t_bal = np.maximum(t_base, work[res] + edge(cf.time[res], r)
-                                   + (packet_s[res][r] if res in packet_s else 0.0)
-                                   + moved * lean.balance_seconds_per_byte)
-            # Forced (balancing on for every rank): this is the only option; otherwise a per-rank choice.
-            options = [(avg, t_bal)] if force else [*options, (avg, t_bal)]
-        t_r, mem_r = np.full((L + 1, L + 1), np.inf), np.full((L + 1, L + 1), np.inf)
-        for n, t_opt in options:
-            t_n, m_n = _dp_stage(n, t_opt, r, p, L, P, Pr, Ar, Or, opt, bank, buffers, ws, has_moe, lean, off,
-                                 host_off, edge, range_max, cluster, cap, valid, force)
-            t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
-        t, mem = t_r, mem_r
+        rows, cols = _rank_rows_cols(r, p, L)
+        t, mem = _rank_block(r, rows, cols, s)
+        new_t, new_m = np.full(L + 1, np.inf), np.full(L + 1, np.inf)
         if r == 0:
-            new_t, new_m = t[0].copy(), mem[0].copy()
+            new_t[cols], new_m[cols] = t[0], mem[0]
         else:
-            cand = np.maximum(best_t[:, None], t)
-            choice[r] = np.argmin(cand, axis=0)
-            new_t = cand[choice[r], idx]
-            new_m = np.min(np.maximum(best_m[:, None], mem), axis=0)
+            cand = np.maximum(best_t[rows][:, None], t)
+            pick = np.argmin(cand, axis=0)
+            choice[r][cols] = pick + rows.start
+            new_t[cols] = cand[pick, np.arange(cand.shape[1])]
+            new_m[cols] = np.min(np.maximum(best_m[rows][:, None], mem), axis=0)
         best_t, best_m = new_t, new_m
+        if stop_at < math.inf and not (best_t < stop_at).any():
+            return math.inf, math.nan, None
     if not math.isfinite(best_t[L]):
         return math.inf, float(best_m[L]), None
     bounds, b = [L], L
@@ -318,28 +277,220 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     return float(best_t[L]), float(best_m[L]), [bounds[j + 1] - bounds[j] for j in range(p)]
 
 
-def _dp_stage(n: float, t: np.ndarray, r: int, p: int, L: int, P: np.ndarray, Pr: np.ndarray, Ar: np.ndarray,
-              Or: np.ndarray, opt: np.ndarray, bank: np.ndarray, buffers: np.ndarray, ws: np.ndarray,
-              has_moe: np.ndarray, lean: Coefficients, off: Coefficients | None, host_off: np.ndarray | None,
-              edge: Callable, range_max: Callable, cluster: ClusterSpec, cap: int, valid: np.ndarray,
-              force: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Work and memory of rank r over every range [a, b) when it holds n in-flight microbatches."""
-    persistent = Pr + edge(P, r) + has_moe * lean.moonep_buffers
-    ws_r = np.maximum(ws, max(float(lean.working_set[L]) if r == 0 else 0.0,
-                              float(lean.working_set[L + 1]) if r == p - 1 else 0.0))
-    fixed_act = ws_r + buffers + (lean.logits if r == p - 1 else 0.0)
-    saved = n * (Ar + edge(lean.act, r) + bank)
-    mem_opt = persistent + Or + edge(opt, r)
-    mem_keep = np.maximum(persistent + saved + fixed_act, mem_opt)
-    fits_keep = mem_keep <= cap
+def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
+            allowed: set[str], force: bool) -> _Ranges:
+    """The rank-independent (a, b) arrays of `_dp_bounds` over every range [a, b) of layers."""
+    L, p = cf.n_layers, cf.shape.pp
+    _, b_i, _ = _grid(L)
+    a_i = b_i.T
+
+    def rng(arr: np.ndarray) -> np.ndarray:
+        pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
+        return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
+
+    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+    opt = _step_gather(lean, allowed)
+    Pr, Ar = rng(P), rng(lean.act)
+    # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
+    grads = rng(lean.grads)
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
+    Pr = Pr + grads
+    P = P + lean.grads
+    Or = (rng(opt) + _range_max(lean.ns_working_set, L) if lean.step_gather_with_ns
+          else np.maximum(rng(opt), _range_max(lean.ns_working_set, L)))
+    R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
+    bank = R[b_i] * lean.stream_bytes
+    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
+    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
+    has_moe = rng(lean.moe) > 0
+    return _Ranges(
+        L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
+        buffers=2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers),
+        ws=_range_max(lean.working_set, L), work={res: rng(cf.time[res]) for res in cf.time},
+        resident=lean.shape.offload_resident_layers * _range_max(lean.act, L) if off is not None else None,
+        host_off=rng(off.time["host_link"]) if off is not None else None, P=P, opt=opt, cf=cf, lean=lean, off=off,
+        host_bytes=cluster.host_memory_bytes, cap=cap, allowed=allowed, force=force)
+
+
+def _rank_rows_cols(r: int, p: int, L: int) -> tuple[slice, slice]:
+    """The boundaries rank r of p can start (rows a) and end (columns b) at when every rank holds a layer: the
+    first rank starts at 0, the last ends at L."""
+    rows = slice(0, 1) if r == 0 else slice(r, L - (p - r) + 1)
+    cols = slice(L, L + 1) if r == p - 1 else slice(r + 1, L - (p - 1 - r) + 1)
+    return rows, cols
+
+
+@functools.lru_cache(maxsize=8)
+def _grid(L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(a, b) index grids over boundaries 0..L and the mask of proper ranges b > a (read-only, shared)."""
+    idx = np.arange(L + 1)
+    a_i, b_i = np.meshgrid(idx, idx, indexing="ij")
+    valid = b_i > a_i
+    for arr in (a_i, b_i, valid):
+        arr.setflags(write=False)
+    return a_i, b_i, valid
+
+
+def _range_max(arr: np.ndarray, L: int) -> np.ndarray:
+    """[a, b]: max of arr over layers a..b-1 for b > a, -inf elsewhere (a running max along each row)."""
+    a_i, _, _ = _grid(L)
+    rows = np.where(a_i[:L, :L] <= np.arange(L)[None, :], arr[None, :L], -np.inf)  # row a: layers from a on
+    out = np.full((L + 1, L + 1), -np.inf)
+    out[:L, 1:] = np.maximum.accumulate(rows, axis=1)
+    return out
+
+
+@dataclass
+class _Ranges:
+    """The (a, b) arrays of every range [a, b) that `_rank_block` combines for one rank, and their sources."""
+
+    L: int
+    p: int
+    Pr: np.ndarray
+    """Persistent bytes (master, optimizer, BF16 view, accumulators, gradients)."""
+    Ar: np.ndarray
+    """Saved bytes per in-flight microbatch."""
+    Or: np.ndarray
+    """Optimizer-phase bytes (the step gather with or after the Newton-Schulz working set)."""
+    bank: np.ndarray
+    """AttnRes bank per in-flight microbatch."""
+    packet_in: np.ndarray
+    packet_out: np.ndarray
+    has_moe: np.ndarray
+    buffers: np.ndarray
+    """PP packets in and out, EP and routing buffers."""
+    ws: np.ndarray
+    """Largest working set."""
+    work: dict[str, np.ndarray]
+    resident: np.ndarray | None
+    """Offload: the resident layers' worth of the largest saved set."""
+    host_off: np.ndarray | None
+    """Offload: host-link seconds."""
+    P: np.ndarray
+    opt: np.ndarray
+    cf: Coefficients
+    lean: Coefficients
+    off: Coefficients | None
+    host_bytes: int
+    cap: int
+    allowed: set[str]
+    force: bool
+    inner: _RankTerms | None = None
+    """The terms of a rank without edges (0 < r < p - 1), over every range, computed once."""
+
+
+@dataclass
+class _RankTerms:
+    """One rank's (a, b) terms: the first five with its edges, `busy` without its PP packets."""
+
+    persistent: np.ndarray
+    fixed_act: np.ndarray
+    """Working set, buffers and logits."""
+    mem_opt: np.ndarray
+    act: np.ndarray
+    """Saved bytes per in-flight microbatch."""
+    host_off: np.ndarray | None
+    busy: dict[str, np.ndarray]
+    """Seconds on each resource."""
+    unpacketed: np.ndarray
+    """The largest of `busy` over the resources no PP packet uses."""
+
+    def sliced(self, blk: tuple[slice, slice]) -> _RankTerms:
+        return _RankTerms(self.persistent[blk], self.fixed_act[blk], self.mem_opt[blk], self.act[blk],
+                          None if self.host_off is None else self.host_off[blk],
+                          {res: w[blk] for res, w in self.busy.items()}, self.unpacketed[blk])
+
+
+def _rank_terms(r: int, blk: tuple[slice, slice], s: _Ranges) -> _RankTerms:
+    """Rank r's terms over the ranges of block blk, each with the rank's edge (the first rank the first edge, the
+    last rank the last); a rank with no edge adds none (x + 0.0 is x)."""
+    lean, L, p = s.lean, s.L, s.p
+    first, last = r == 0, r == p - 1
+
+    def edge(arr: np.ndarray) -> float:
+        return float(arr[L] if first else 0.0) + float(arr[L + 1] if last else 0.0)
+
+    def plus(x: np.ndarray, e: float) -> np.ndarray:
+        return x + e if (first or last) else x
+
+    persistent = plus(s.Pr[blk], edge(s.P)) + s.has_moe[blk] * lean.moonep_buffers
+    ws_r = np.maximum(s.ws[blk], max(float(lean.working_set[L]) if first else 0.0,
+                                     float(lean.working_set[L + 1]) if last else 0.0))
+    fixed_act = ws_r + s.buffers[blk]
+    if last:
+        fixed_act = fixed_act + lean.logits
+    busy = {res: plus(w[blk], edge(s.cf.time[res])) for res, w in s.work.items()}
+    others = [w for res, w in busy.items() if res not in ("nvlink", "nic")]
+    return _RankTerms(
+        persistent=persistent, fixed_act=fixed_act, mem_opt=plus(persistent + s.Or[blk], edge(s.opt)),
+        act=plus(s.Ar[blk], edge(lean.act)),
+        host_off=None if s.host_off is None or s.off is None else plus(s.host_off[blk],
+                                                                        edge(s.off.time["host_link"])),
+        busy=busy, unpacketed=functools.reduce(np.maximum, others) if others else np.full_like(persistent, -np.inf))
+
+
+def _rank_block(r: int, rows: slice, cols: slice, s: _Ranges) -> tuple[np.ndarray, np.ndarray]:
+    """Rank r's (work, memory) over the ranges [a, b) of its block (inf where the range is empty or does not fit):
+    every resource's layers + edges + its PP packets, the slowest; each in-flight option (its own count, or with
+    balancing the average, paying the excess over the network), the cheaper. The ranks without an edge share
+    their terms, computed once over every range."""
+    cf, lean, p = s.cf, s.lean, s.p
+    blk = (rows, cols)
+    if 0 < r < p - 1:
+        if s.inner is None:
+            s.inner = _rank_terms(r, (slice(None), slice(None)), s)
+        rt = s.inner.sliced(blk)
+    else:
+        rt = _rank_terms(r, blk, s)
+    # PP packets: the one in (from rank r - 1) and the one out (to rank r + 1), on that hop's link.
+    packet: dict[str, np.ndarray] = {}
+    if r > 0:
+        hop = r - 1
+        link = "nvlink" if cf.pp_on_nvlink[hop] else "nic"
+        packet[link] = s.packet_in[blk] * cf.pp_seconds_per_byte[hop]
+    if r < p - 1:
+        link = "nvlink" if cf.pp_on_nvlink[r] else "nic"
+        out = s.packet_out[blk] * cf.pp_seconds_per_byte[r]
+        packet[link] = packet[link] + out if link in packet else out
+    busy = {res: (rt.busy[res] + packet[res] if res in packet else rt.busy[res])
+            for res in ("nvlink", "nic") if res in rt.busy}
+    t_base = functools.reduce(np.maximum, busy.values(), rt.unpacketed)
+    n_own = max(sum(c) for c in lean.compositions[r])
+    options = [(n_own, t_base)]
+    if lean.balanced_inflight is not None and "balance_activations" in s.allowed:
+        avg = lean.balanced_inflight
+        t_bal = t_base
+        if avg < n_own:
+            # Balancing holds the average, paying the excess out and back on the network every microbatch.
+            moved = balance_moved_bytes(rt.act, n_own, avg)
+            res = lean.balance_resource
+            t_bal = np.maximum(t_base, busy.get(res, rt.busy[res]) + moved * lean.balance_seconds_per_byte)
+        # Forced (balancing on for every rank): this is the only option; otherwise a per-rank choice.
+        options = [(avg, t_bal)] if s.force else [*options, (avg, t_bal)]
+    t_r = mem_r = np.inf
+    for n, t_opt in options:
+        t_n, m_n = _dp_stage(n, t_opt, rt, s, blk)
+        t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
+    return t_r, mem_r
+
+
+def _dp_stage(n: float, t: np.ndarray, rt: _RankTerms, s: _Ranges, blk: tuple[slice, slice]
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Work and memory of one rank over the ranges of its block when it holds n in-flight microbatches: persistent
+    + n (saved + bank) + working set, buffers and logits, or the optimizer phase; with offload the resident
+    layers' saved set stays on the GPU and the rest goes to the host."""
+    valid, bank = _grid(s.L)[2][blk], s.bank[blk]
+    saved = n * (rt.act + bank)
+    mem_keep = np.maximum(rt.persistent + saved + rt.fixed_act, rt.mem_opt)
+    fits_keep = mem_keep <= s.cap
     mem = mem_keep
-    if off is not None and host_off is not None:
-        host = n * (Ar + edge(lean.act, r)) <= cluster.host_memory_bytes
-        resident = lean.shape.offload_resident_layers * range_max(lean.act)
-        mem_off = np.maximum(persistent + resident + n * bank + fixed_act, mem_opt)
-        fits_off = host & (mem_off <= cap)
-        t_off = np.maximum(t, host_off + edge(off.time["host_link"], r))
-        if force:  # offload on every rank: every rank pays its traffic
+    if s.resident is not None and rt.host_off is not None:
+        host = n * rt.act <= s.host_bytes
+        mem_off = np.maximum(rt.persistent + s.resident[blk] + n * bank + rt.fixed_act, rt.mem_opt)
+        fits_off = host & (mem_off <= s.cap)
+        t_off = np.maximum(t, rt.host_off)
+        if s.force:  # offload on every rank: every rank pays its traffic
             t, mem, fits = t_off, np.where(host, mem_off, np.inf), fits_off
         else:
             t = np.where(fits_keep, t, t_off)

@@ -224,7 +224,13 @@ def _allowed_on(job: Job) -> set[str]:
 def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLifecycle], model: ModelSpec,
                       cluster: ClusterSpec) -> list[ActMode]:
     """Drop activation modes another mode beats or ties on every per-layer time and memory coefficient
-    (for example fused SiTU, which saves memory at no priced time): they cannot be strictly better."""
+    (for example fused SiTU, which saves memory at no priced time): they cannot be strictly better. A tie goes to
+    the mode listed first. Kept per node: the bounds and the node's model ask for the same list."""
+    key = (job.model_dump_json(), f, tuple(modes), tuple(lcs), id(model), id(cluster))
+    hit = _UNDOMINATED.get(key)
+    if hit is not None and hit[1] is model and hit[2] is cluster:
+        return list(hit[0])
+
     def vec(md: ActMode) -> np.ndarray:
         parts = []
         for lc in lcs:
@@ -233,17 +239,23 @@ def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLi
             parts += [cf.time[r] for r in cf.time] + [cf.act, cf.working_set, off.time["host_link"]]
         return np.concatenate(parts)
 
-    vecs = {md: vec(md) for md in modes}
-    keep = []
-    for md in modes:
-        v = vecs[md]
-        beaten = any(
-            np.all(vecs[o] <= v) and (np.any(vecs[o] < v) or modes.index(o) < modes.index(md))
-            for o in modes if o is not md
-        )
-        if not beaten:
-            keep.append(md)
+    vecs = np.array([vec(md) for md in modes])
+    # [i, j]: mode j is at or below mode i everywhere, and below somewhere or listed first.
+    le = np.all(vecs[None, :, :] <= vecs[:, None, :], axis=2)
+    lt = np.any(vecs[None, :, :] < vecs[:, None, :], axis=2)
+    first = np.arange(len(modes))[None, :] < np.arange(len(modes))[:, None]
+    beats = le & (lt | first)
+    np.fill_diagonal(beats, False)
+    keep = [md for md, beaten in zip(modes, beats.any(axis=1), strict=True) if not beaten]
+    if len(_UNDOMINATED) > 4096:
+        _UNDOMINATED.clear()
+    _UNDOMINATED[key] = (tuple(keep), model, cluster)
     return keep
+
+
+_UNDOMINATED: dict[tuple, tuple[tuple[ActMode, ...], ModelSpec, ClusterSpec]] = {}
+"""undominated_modes by (job, frame, modes, lifecycles, model, cluster); the value keeps the specs alive so an
+identity is never reused while its entry exists."""
 
 
 def _memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,

@@ -9,9 +9,10 @@ solution hints of their frames. Nothing here is a cost: every number is evaluate
 
 from __future__ import annotations
 
+import bisect
 import math
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -44,8 +45,11 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
     shape (K, L), non-negative. Bisection on the threshold with a greedy fill: each chunk takes the longest
     prefix that fits, which is optimal because a shorter remainder never hurts. None when the cap cannot hold."""
     K, L = cost.shape
-    pre = np.concatenate([np.zeros((K, 1)), np.cumsum(cost, axis=1)], axis=1)
-    mpre = np.concatenate([np.zeros((K, 1)), np.cumsum(mem, axis=1)], axis=1) if mem is not None else None
+    pre_a = np.concatenate([np.zeros((K, 1)), np.cumsum(cost, axis=1)], axis=1)
+    # The fill runs on Python floats (the same doubles): a scalar bisect is far cheaper than a numpy call.
+    pre, fx = pre_a.tolist(), [float(x) for x in fixed]
+    mpre = np.concatenate([np.zeros((K, 1)), np.cumsum(mem, axis=1)], axis=1).tolist() if mem is not None else None
+    mfx = [float(x) for x in mem_fixed] if mem_fixed is not None else None
 
     def fill(limit: float) -> list[int] | None:
         start, out = 0, []
@@ -54,22 +58,22 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
             if j == K - 1:
                 end = L
             else:
-                room = limit - fixed[j] + pre[j, start]
-                end = int(np.searchsorted(pre[j], room, side="right")) - 1
-                if mpre is not None:
-                    mroom = mem_cap - mem_fixed[j] + mpre[j, start]
-                    end = min(end, int(np.searchsorted(mpre[j], mroom, side="right")) - 1)
+                room = limit - fx[j] + pre[j][start]
+                end = bisect.bisect_right(pre[j], room) - 1
+                if mpre is not None and mfx is not None:
+                    mroom = mem_cap - mfx[j] + mpre[j][start]
+                    end = min(end, bisect.bisect_right(mpre[j], mroom) - 1)
                 end = min(max(end, start + 1), last)
-            if fixed[j] + pre[j, end] - pre[j, start] > limit:
+            if fx[j] + pre[j][end] - pre[j][start] > limit:
                 return None
-            if mpre is not None and mem_fixed[j] + mpre[j, end] - mpre[j, start] > mem_cap:
+            if mpre is not None and mfx is not None and mfx[j] + mpre[j][end] - mpre[j][start] > mem_cap:
                 return None
             out.append(end - start)
             start = end
         return out
 
     lo = float(max(fixed.max(), 0.0))
-    hi = float(fixed.max() + pre[:, -1].max())
+    hi = float(fixed.max() + pre_a[:, -1].max())
     best = fill(hi)
     for _ in range(40):
         if hi - lo <= 1e-9 * max(hi, 1.0):
@@ -84,15 +88,31 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
 
 
 def candidate_splits(cf: Coefficients, cap: float) -> list[list[int]]:
+    """Every split of `iter_candidate_splits`, in its order."""
+    return list(iter_candidate_splits(cf, cap))
+
+
+def iter_candidate_splits(cf: Coefficients, cap: float) -> Iterator[list[int]]:
     """Work-balanced, work-balanced under a few memory lines, memory-balanced and even splits of the shape's
-    chunks (distinct). A chunk's bytes here are its layers' persistent bytes plus their saved bytes times the
-    chunk's peak in-flight count; the lines (a share of `cap`, per chunk of a rank) leave room for the rest."""
+    chunks (distinct), each computed when asked for (pricing stops at the first that fits). A chunk's bytes here
+    are its layers' persistent bytes plus their saved bytes times the chunk's peak in-flight count; the lines (a
+    share of `cap`, per chunk of a rank) leave room for the rest."""
     L, K, p = cf.n_layers, cf.shape.chunks, cf.shape.pp
     work = np.max([cf.time[res] for res in cf.time], axis=0)
     edge_work = np.zeros(K)
     edge_work[0] += work[L]
     edge_work[K - 1] += work[L + 1]
-    splits = [minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work)]
+    seen: list[list[int]] = []
+
+    def new(s: list[int] | None) -> bool:
+        if s is None or s in seen:
+            return False
+        seen.append(s)
+        return True
+
+    s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work)
+    if new(s):
+        yield s
     persistent = cf.master + cf.optimizer + cf.bf16_view + cf.grads + cf.grad_accum
     held = np.zeros(K)
     for j in range(K):
@@ -103,15 +123,15 @@ def candidate_splits(cf: Coefficients, cap: float) -> list[list[int]]:
     edge_mem[0] += persistent[L] + held[0] * cf.act[L]
     edge_mem[K - 1] += persistent[L + 1] + held[K - 1] * cf.act[L + 1]
     for share in (0.95, 0.9, 0.8):
-        splits.append(minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, mem, edge_mem,
-                                   share * cap / cf.shape.vp))
-    splits.append(minmax_split(mem, edge_mem))
-    splits.append([L // K + (1 if j < L % K else 0) for j in range(K)])
-    out: list[list[int]] = []
-    for s in splits:
-        if s is not None and s not in out:
-            out.append(s)
-    return out
+        s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, mem, edge_mem, share * cap / cf.shape.vp)
+        if new(s):
+            yield s
+    s = minmax_split(mem, edge_mem)
+    if new(s):
+        yield s
+    s = [L // K + (1 if j < L % K else 0) for j in range(K)]
+    if new(s):
+        yield s
 
 
 def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
@@ -154,7 +174,7 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
         nonlocal best
         mode = ActMode(rc, *(act[t] for t in ACT_TOGGLES))
         shape = frame_shape(job, f, mode, lc, **rank)
-        cand = splits if splits is not None else candidate_splits(coefficients(shape, model, cluster), cap)
+        cand = splits if splits is not None else iter_candidate_splits(coefficients(shape, model, cluster), cap)
         fitted = False
         for split in cand:
             if _time.monotonic() > deadline:

@@ -155,18 +155,25 @@ class FrameModel:
         return self.z[i][j]
 
     def _x_sum(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
-        """sum_i a[i] x[i][j] with x[i][j] = z[i][j] - z[i][j+1] (layers only)."""
-        terms: list = []
-        const = 0
-        for i in range(self.L):
-            if a[i] == 0:
-                continue
-            for zz, sign in ((self._z(i, j), 1), (self._z(i, j + 1), -1)):
-                if isinstance(zz, int):
-                    const += sign * int(a[i]) * zz
-                else:
-                    terms.append(sign * int(a[i]) * zz)
-        return sum(terms) + const if terms else const
+        """sum_i a[i] x[i][j] with x[i][j] = z[i][j] - z[i][j+1] (layers only): one weighted sum over the layers
+        with a[i] != 0, each contributing +a[i] z[i][j] then -a[i] z[i][j+1] (z[i][0] = 1 and z[i][K] = 0 are
+        constants)."""
+        coef = np.asarray(a[: self.L]).astype(np.int64)
+        nz = np.nonzero(coef)[0]
+        lo, hi = (1 if j > 0 else 0), (1 if j + 1 < self.K else 0)  # which of z[i][j], z[i][j+1] are variables
+        const = int(coef[nz].sum()) if j <= 0 else 0
+        if not len(nz) or lo + hi == 0:
+            return const
+        z = self.z
+        if lo and hi:
+            zs = [v for i in nz.tolist() for v in (z[i][j], z[i][j + 1])]
+            cs = np.stack([coef[nz], -coef[nz]], axis=1).ravel().tolist()
+        elif lo:
+            zs, cs = [z[i][j] for i in nz.tolist()], coef[nz].tolist()
+        else:
+            zs, cs = [z[i][j + 1] for i in nz.tolist()], (-coef[nz]).tolist()
+        expr = cp_model.LinearExpr.weighted_sum(zs, cs)
+        return expr + const if const else expr
 
     def _chunk(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
         """Chunk j's sum of a per-layer array, with the edges on the first and last chunks."""
