@@ -40,6 +40,7 @@ def _per_test_caches_for_mutmut_stats():
 
 def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
+               coefficients._layer_terms, coefficients._balanced_inflight,
                schedule.inflight_compositions):
         fn.cache_clear()
     structure._CACHE.clear()
