@@ -328,8 +328,24 @@ def quantized_gemm(block: Block, t: Tensor) -> bool:
 def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
     """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
     the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
+    return _coefficients(shape, *cache_key(model, cluster, rates))
+
+
+def cache_key(model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> tuple[str, str, str]:
+    """What a build reads besides the shape, as the caches key it: the model's, the cluster's and the rates' JSON
+    (the rates default to the shipped file named like the cluster, "" without one)."""
     rates = rates if rates is not None else rates_for(cluster)
-    return _coefficients(shape, _spec_json(model), _spec_json(cluster), _rates_json(rates))
+    return _spec_json(model), _spec_json(cluster), _rates_json(rates)
+
+
+def coefficients_of_key(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    """coefficients() for a cache_key: the same cached build."""
+    return _coefficients(shape, model_json, cluster_json, rates_json)
+
+
+def specs_of_key(cluster_json: str, rates_json: str) -> tuple[ClusterSpec, RatesSpec | None]:
+    """The cluster and the rates a cache_key names (parsed once per JSON)."""
+    return _cluster_of(cluster_json), _rates_from_json(rates_json) if rates_json else None
 
 
 _SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = {}
@@ -385,6 +401,8 @@ class _Static:
     q_params_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     moe_k: int = 0
     moe_experts: int = 0
+    closes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """AttnRes residual blocks closed by each layer (Coefficients.closes)."""
     gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
     """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
     routed 0/1, runs in the compute precision 0/1)."""
@@ -435,8 +453,19 @@ def _build_static(model_json: str) -> _Static:
         p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
         attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
-        head_active=sum(t.active_matrix_params for t in st.last[0].tensors),
+        head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
+
+
+def _closes(model: ModelSpec) -> np.ndarray:
+    """AttnRes residual blocks closed by each layer (0 on the edges): block of boundary b = b x sublayers //
+    block size."""
+    L, ar = model.num_layers, model.attn_res
+    if ar is None:
+        return np.zeros(L + 2)
+    b = np.arange(L + 1)
+    r_at = (b * ar.sublayers_per_layer) // ar.block_size
+    return np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
 
 
 @lru_cache(maxsize=512)
@@ -508,7 +537,7 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
     pl = _placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
     terms = _layer_terms(LayerShape.of(shape, pl), model_json, cluster_json, rates_json)
-    comps = tuple(inflight_compositions(shape.pp, shape.vp, shape.microbatches, r) for r in range(shape.pp))
+    comps = _compositions(shape.pp, shape.vp, shape.microbatches)
     balanced = _balanced_inflight(shape.pp, shape.vp, shape.microbatches) if tg.balance_activations else None
     gb = 1e9
     pp_spb = tuple(
@@ -537,13 +566,19 @@ _DICT_FIELDS = ("time", "update", "achievable", "update_achievable")
 
 
 @lru_cache(maxsize=256)
+def _compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Coefficients.compositions: each rank's in-flight chunk-microbatch vectors."""
+    return tuple(inflight_compositions(p, v, m, r) for r in range(p))
+
+
+@lru_cache(maxsize=256)
 def _balanced_inflight(p: int, v: int, m: int) -> float:
     return _build_balanced_inflight(p, v, m)
 
 
 def _build_balanced_inflight(p: int, v: int, m: int) -> float:
     """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
-    return float(np.mean([max(sum(c) for c in inflight_compositions(p, v, m, r)) for r in range(p)]))
+    return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
 
 
 @lru_cache(maxsize=8192)
@@ -633,13 +668,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     grad_streams = np.where(layer, 2 * stream, 0.0)
     working_set = recompute_ws + grad_transient + grad_streams
 
-    ar = model.attn_res
-    if ar is not None:
-        b = np.arange(L + 1)
-        r_at = (b * ar.sublayers_per_layer) // ar.block_size
-        closes = np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
-    else:
-        closes = np.zeros(n)
+    closes = sa.closes
     moe = sa.moe
 
     # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices (the matrices it owns: all of
