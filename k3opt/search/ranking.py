@@ -20,7 +20,7 @@ def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) ->
     return _ranked(shape, *cache_key(model, cluster))
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=2048)  # a miss costs one ranking_view over the cached coefficients
 def _ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
     cluster, rates = specs_of_key(cluster_json, rates_json)
     return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
@@ -35,7 +35,7 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coeffici
     return _work_floor(shape, *cache_key(model, cluster))
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=2048)
 def _work_floor(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
     return _build_work_floor(shape, model_json, cluster_json, rates_json)
 
