@@ -18,7 +18,6 @@ overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own st
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,8 +177,8 @@ def with_fields(cf: Coefficients, **fields: object) -> Coefficients:
     unknown = fields.keys() - cf.__dataclass_fields__.keys()
     if unknown:
         raise TypeError(f"Coefficients has no field {sorted(unknown)}")
-    out = copy.copy(cf)
-    out.__dict__.update(fields)
+    out = object.__new__(type(cf))
+    out.__dict__.update(cf.__dict__, **fields)
     return out
 
 

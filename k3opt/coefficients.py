@@ -855,8 +855,10 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
 def _read_only(terms: dict[str, object]) -> dict[str, object]:
     """Marks every array of a cached build read-only (also inside the per-resource dicts): shapes share them."""
     for v in terms.values():
-        for arr in (v.values() if isinstance(v, dict) else (v,)):
-            if isinstance(arr, np.ndarray):
+        if type(v) is np.ndarray:
+            v.flags.writeable = False
+        elif type(v) is dict:
+            for arr in v.values():
                 arr.flags.writeable = False
     return terms
 
