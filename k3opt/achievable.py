@@ -18,7 +18,7 @@ overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -167,8 +167,19 @@ def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None
     if rates is None or not cf.achievable:
         return cf
     ra = ranking_arrays(cf, rates, cluster)
-    return replace(cf, time=ra.time, update=ra.update, pp_seconds_per_byte=cf.pp_seconds_per_byte_achievable,
-                   update_hidden=ra.update_hidden, update_hidden_stages=ra.hidden_stages)
+    return with_fields(cf, time=ra.time, update=ra.update, pp_seconds_per_byte=cf.pp_seconds_per_byte_achievable,
+                       update_hidden=ra.update_hidden, update_hidden_stages=ra.hidden_stages)
+
+
+def with_fields(cf: Coefficients, **fields: object) -> Coefficients:
+    """dataclasses.replace for Coefficients (a shallow copy with some fields rebound), without re-running the
+    50-field __init__: the search makes one view per shape it prices."""
+    unknown = fields.keys() - cf.__dataclass_fields__.keys()
+    if unknown:
+        raise TypeError(f"Coefficients has no field {sorted(unknown)}")
+    out = object.__new__(type(cf))
+    out.__dict__.update(cf.__dict__, **fields)
+    return out
 
 
 def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates: RatesSpec,

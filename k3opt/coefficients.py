@@ -99,6 +99,52 @@ class Shape:
         return self.dp * self.microbatches * self.rows * self.context
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What the per-layer arrays of a Shape read: the shape without its pipeline schedule (gpus, pp, vp,
+    microbatches), which reaches them only through the members per NVLink domain of the EP, FSDP and CP groups.
+    The search's shapes that differ only in their schedule share one build of the arrays (the cache key)."""
+
+    tokens: int
+    context: int
+    document_length: int
+    cp: int
+    ep: int
+    expert_fsdp: int
+    dense_fsdp: int
+    recompute: Recompute
+    fsdp_lifecycle: FsdpLifecycle
+    toggles: Toggles
+    fp8_block_size: int
+    ce_chunk_tokens: int
+    dense_sharding: ShardingPolicy
+    expert_sharding: ShardingPolicy
+    optimizer_shard_granularity: ShardGranularity
+    grad_dtype: Dtype
+    optimizer_state_dtype: Dtype
+    precision: Precision
+    dispatcher: str | None
+    ep_local: int
+    """Members per NVLink domain (comm.Placement) of the EP, dense FSDP and expert FSDP groups; the CP groups'."""
+    dense_fsdp_local: int
+    expert_fsdp_local: int
+    cp_in_domain: bool
+
+    @classmethod
+    def of(cls, shape: Shape, pl: comm.Placement) -> LayerShape:
+        return cls(
+            tokens=shape.tokens, context=shape.context, document_length=shape.document_length, cp=shape.cp,
+            ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
+            fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles, fp8_block_size=shape.fp8_block_size,
+            ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,
+            expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
+            grad_dtype=shape.grad_dtype, optimizer_state_dtype=shape.optimizer_state_dtype,
+            precision=shape.precision, dispatcher=shape.dispatcher, ep_local=pl.ep_local,
+            dense_fsdp_local=pl.dense_fsdp_local, expert_fsdp_local=pl.expert_fsdp_local,
+            cp_in_domain=pl.cp_in_domain,
+        )
+
+
 RESOURCES = ("tensor", "hbm", "nvlink", "nic", "host_link")
 HIERARCHICAL_DISPATCHERS = ("hybridep", "deepep")
 """EP dispatchers that cross NVLink domains once per destination domain and forward inside it."""
@@ -282,8 +328,24 @@ def quantized_gemm(block: Block, t: Tensor) -> bool:
 def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
     """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
     the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
+    return _coefficients(shape, *cache_key(model, cluster, rates))
+
+
+def cache_key(model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> tuple[str, str, str]:
+    """What a build reads besides the shape, as the caches key it: the model's, the cluster's and the rates' JSON
+    (the rates default to the shipped file named like the cluster, "" without one)."""
     rates = rates if rates is not None else rates_for(cluster)
-    return _coefficients(shape, _spec_json(model), _spec_json(cluster), _rates_json(rates))
+    return _spec_json(model), _spec_json(cluster), _rates_json(rates)
+
+
+def coefficients_of_key(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    """coefficients() for a cache_key: the same cached build."""
+    return _coefficients(shape, model_json, cluster_json, rates_json)
+
+
+def specs_of_key(cluster_json: str, rates_json: str) -> tuple[ClusterSpec, RatesSpec | None]:
+    """The cluster and the rates a cache_key names (parsed once per JSON)."""
+    return _cluster_of(cluster_json), _rates_from_json(rates_json) if rates_json else None
 
 
 _SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = {}
@@ -339,6 +401,8 @@ class _Static:
     q_params_routed: np.ndarray = field(default_factory=lambda: np.zeros(0))
     moe_k: int = 0
     moe_experts: int = 0
+    closes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """AttnRes residual blocks closed by each layer (Coefficients.closes)."""
     gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
     """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
     routed 0/1, runs in the compute precision 0/1)."""
@@ -389,8 +453,19 @@ def _build_static(model_json: str) -> _Static:
         p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
         attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
-        head_active=sum(t.active_matrix_params for t in st.last[0].tensors),
+        head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
+
+
+def _closes(model: ModelSpec) -> np.ndarray:
+    """AttnRes residual blocks closed by each layer (0 on the edges): block of boundary b = b x sublayers //
+    block size."""
+    L, ar = model.num_layers, model.attn_res
+    if ar is None:
+        return np.zeros(L + 2)
+    b = np.arange(L + 1)
+    r_at = (b * ar.sublayers_per_layer) // ar.block_size
+    return np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
 
 
 @lru_cache(maxsize=512)
@@ -455,6 +530,66 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
 
 
 def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
+    """One shape's coefficients: the per-layer arrays of its LayerShape (one build for every shape that differs
+    only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
+    cluster = _cluster_of(cluster_json)
+    tg = shape.toggles
+    domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
+    pl = _placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
+    terms = _layer_terms(LayerShape.of(shape, pl), model_json, cluster_json, rates_json)
+    comps = _compositions(shape.pp, shape.vp, shape.microbatches)
+    balanced = _balanced_inflight(shape.pp, shape.vp, shape.microbatches) if tg.balance_activations else None
+    gb = 1e9
+    pp_spb = tuple(
+        1 / (cluster.nvlink_gbps * gb) if hop else 1 / (cluster.nic_gbps * gb) for hop in pl.pp_hop_in_domain
+    )
+    pp_spb_ach: tuple[float, ...] = ()
+    if rates_json:
+        rt = _rates_from_json(rates_json)
+        pp_spb_ach = tuple(
+            1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
+            else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
+    # Fresh dicts per shape: a caller that rebinds an entry must not reach the shared arrays of other shapes.
+    fresh = {k: dict(terms[k]) for k in _DICT_FIELDS}
+    return Coefficients(
+        shape=shape, **{**terms, **fresh}, compositions=comps, balanced_inflight=balanced, placement=pl,
+        slots=schedule_slots(shape.pp, shape.vp, shape.microbatches),
+        pp_seconds_per_byte=pp_spb, pp_on_nvlink=pl.pp_hop_in_domain,
+        balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
+        balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
+        pp_seconds_per_byte_achievable=pp_spb_ach,
+    )
+
+
+_DICT_FIELDS = ("time", "update", "achievable", "update_achievable")
+"""The Coefficients fields that hold per-resource dicts of arrays."""
+
+
+@lru_cache(maxsize=256)
+def _compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Coefficients.compositions: each rank's in-flight chunk-microbatch vectors."""
+    return tuple(inflight_compositions(p, v, m, r) for r in range(p))
+
+
+@lru_cache(maxsize=256)
+def _balanced_inflight(p: int, v: int, m: int) -> float:
+    return _build_balanced_inflight(p, v, m)
+
+
+def _build_balanced_inflight(p: int, v: int, m: int) -> float:
+    """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
+    return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
+
+
+@lru_cache(maxsize=8192)
+def _layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = "") -> dict[str, object]:
+    return _build_layer_terms(shape, model_json, cluster_json, rates_json)
+
+
+def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = "",
+                       ) -> dict[str, object]:
+    """The Coefficients fields of a LayerShape (every per-layer array and rank-level constant), read-only: the
+    cache hands the same arrays to every shape of the key."""
     model = _model_of(model_json)
     cluster = _cluster_of(cluster_json)
     sa = _static(model_json)
@@ -533,13 +668,7 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     grad_streams = np.where(layer, 2 * stream, 0.0)
     working_set = recompute_ws + grad_transient + grad_streams
 
-    ar = model.attn_res
-    if ar is not None:
-        b = np.arange(L + 1)
-        r_at = (b * ar.sublayers_per_layer) // ar.block_size
-        closes = np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
-    else:
-        closes = np.zeros(n)
+    closes = sa.closes
     moe = sa.moe
 
     # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices (the matrices it owns: all of
@@ -551,7 +680,7 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     # ---------------------------------------------------------------- per-microbatch work
     active, attn, scan = sa.active, sa.attn, sa.scan
     s_eff = min(shape.document_length, shape.context)
-    rc_factor = 4 / 3 if full else 1.0
+    rc_factor = recompute_flops_factor(full)
     fwd_bwd = T * (6 * active + attn * s_eff + scan)
     tensor_flops = np.where(layer, fwd_bwd * rc_factor, fwd_bwd)
     if tg.fused_cross_entropy:
@@ -581,8 +710,6 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     if tg.moe_backward_rewrite and model.moe is not None:
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
-    domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
-    pl = _placement(shape.gpus, shape.pp, shape.cp, e, fe, fd, domain)
     nvl = np.zeros(n)
     nic = np.zeros(n)
     ep_nvl, ep_nic = np.zeros(n), np.zeros(n)
@@ -593,16 +720,16 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         exch = comm.ep_exchanges(full, tg.dispatch_recompute)
         if tg.ep_dedup:
             remote = comm.ep_remote_copies_dedup(m.num_experts, m.experts_per_token, e)
-            cross = comm.ep_cross_domain_copies_dedup(m.num_experts, m.experts_per_token, e, pl.ep_local)
+            cross = comm.ep_cross_domain_copies_dedup(m.num_experts, m.experts_per_token, e, shape.ep_local)
         else:
             remote = comm.ep_remote_copies(m.experts_per_token, e)
-            cross = comm.ep_cross_domain_copies(m.experts_per_token, e, pl.ep_local)
+            cross = comm.ep_cross_domain_copies(m.experts_per_token, e, shape.ep_local)
         per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
-        if shape.dispatcher in HIERARCHICAL_DISPATCHERS and pl.ep_local < e:
+        if shape.dispatcher in HIERARCHICAL_DISPATCHERS and shape.ep_local < e:
             # DeepEP / HybridEP send a token once per destination NVLink domain over RDMA and forward it over
             # NVLink inside that domain (DeepEP README, internode kernels): NIC copies = (e/a - 1) x P(domain
             # hit), P from the domain's E a / e experts; the forwarded rank copies then ride NVLink.
-            a_ = pl.ep_local
+            a_ = shape.ep_local
             dom = (e // a_ - 1) * comm.ep_hit_probability(m.num_experts, m.experts_per_token, e // a_)
             nvl = nvl + moe * per_copy * remote
             nic = nic + moe * per_copy * dom
@@ -612,20 +739,20 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         ep_nvl, ep_nic = nvl.copy(), nic.copy()
         n_ag = comm.routing_map_allgathers_per_layer(full)
         rmap = comm.routing_map_bytes(T, m.num_experts)
-        nvl = nvl + moe * n_ag * rmap * (pl.ep_local - 1)
-        nic = nic + moe * n_ag * rmap * (e - pl.ep_local)
+        nvl = nvl + moe * n_ag * rmap * (shape.ep_local - 1)
+        nic = nic + moe * n_ag * rmap * (e - shape.ep_local)
         routing_map = float(e * rmap)
         ep_buffers = float(2 * T * m.experts_per_token * model.dispatch_width * BF16)
     if not accumulate:
         # Per-microbatch reduce-scatter of the gradients in the gradient dtype, g P (1 - 1/n), hierarchical; only
         # where the gradients are sharded (a whole gradient buffer accumulates and is reduced once per update).
-        a, b_ = _hier(gd * pn, g_fd, pl.dense_fsdp_local)
-        c, d_ = _hier(gd * p_routed / e, g_fe, pl.expert_fsdp_local)
+        a, b_ = _hier(gd * pn, g_fd, shape.dense_fsdp_local)
+        c, d_ = _hier(gd * p_routed / e, g_fe, shape.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
 
     cp_stall = np.zeros(n)
     if shape.cp > 1:
-        cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(model, shape, T, cluster, pl.cp_in_domain,
+        cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(model, shape, T, cluster, shape.cp_in_domain,
                                                             T * attn * s_eff, full)
         nvl, nic, working_set = nvl + cp_nvl, nic + cp_nic, working_set + cp_ws
 
@@ -653,14 +780,14 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
     # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
     # the whole model itself).
-    up_nvl, up_nic = _hier(2 * pn, opt_fd, pl.dense_fsdp_local)
-    a, b_ = _hier(2 * p_routed / e, opt_fe, pl.expert_fsdp_local)
+    up_nvl, up_nic = _hier(2 * pn, opt_fd, shape.dense_fsdp_local)
+    a, b_ = _hier(2 * p_routed / e, opt_fe, shape.expert_fsdp_local)
     up_nvl, up_nic = up_nvl + a, up_nic + b_
     # Gradient reduction once per update, per group: the FP32 accumulation buffer reduce-scattered (accumulate
     # lifecycle, sharded gradients); a whole gradient buffer reduce-scattered (optim: Megatron's distributed
     # optimizer) or all-reduced, twice the reduce-scatter's bytes (no_shard: DDP), in the gradient dtype.
-    for total, f, local, pol in ((pn, fd, pl.dense_fsdp_local, pol_d),
-                                 (p_routed / e, fe, pl.expert_fsdp_local, pol_e)):
+    for total, f, local, pol in ((pn, fd, shape.dense_fsdp_local, pol_d),
+                                 (p_routed / e, fe, shape.expert_fsdp_local, pol_e)):
         if pol in grads_sharded:
             a, b_ = _hier(4 * total, f, local) if accumulate else (0.0, 0.0)
         else:
@@ -669,8 +796,8 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         up_nvl, up_nic = up_nvl + a, up_nic + b_
     if tg.p2p_muon:
         # Pull the other shards of the matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group.
-        a, b_ = _hier(2 * pn / fd, fd, pl.dense_fsdp_local)
-        c, d_ = _hier(2 * p_routed / (e * fe), fe, pl.expert_fsdp_local)
+        a, b_ = _hier(2 * pn / fd, fd, shape.dense_fsdp_local)
+        c, d_ = _hier(2 * p_routed / (e * fe), fe, shape.expert_fsdp_local)
         up_nvl, up_nic = up_nvl + a + c, up_nic + b_ + d_
     up_host = FP32 * resident if zero2 else np.zeros(n)
     update = {
@@ -686,17 +813,8 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     logits_formula = (f"{v_tokens} tokens x vocab {model.vocab_size} x (2 B BF16 logits + 4 B FP32 softmax)"
                       + (" (one cross-entropy chunk)" if tg.fused_cross_entropy else ""))
 
-    comps = tuple(inflight_compositions(shape.pp, shape.vp, shape.microbatches, r) for r in range(shape.pp))
-    balanced = None
-    if tg.balance_activations:
-        balanced = float(np.mean([max(sum(c) for c in cr) for cr in comps]))
-
-    pp_spb = tuple(
-        1 / (cluster.nvlink_gbps * gb) if hop else 1 / (cluster.nic_gbps * gb) for hop in pl.pp_hop_in_domain
-    )
     achievable: dict[str, np.ndarray] = {}
     update_achievable: dict[str, np.ndarray] = {}
-    pp_spb_ach: tuple[float, ...] = ()
     if rates_json:
         rt = _rates_from_json(rates_json)
         # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
@@ -704,21 +822,20 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
         # its own traffic. Kernels on one stream run in sequence, so this time adds to the GEMM time.
         elementwise = 5 * saved * np.where(layer, rc_factor, 1.0) + (hbm - hbm_weights - 2 * (act + recompute_ws))
+        tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, shape.precision, full, s_eff,
+                                    tg.fused_cross_entropy)
         achievable, update_achievable = _achievable_time(
-            shape, cluster, rt, sa, T=T, layer=layer, rc_factor=rc_factor, s_eff=s_eff, head_active=sa.head_active,
-            hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
+            shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
+            ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
             ns_flops=ns_flops, up_hbm=up_hbm,
             up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
-        lat = collective_latency(shape, rt, pl, moe=moe, dense=pn > 0, routed=p_routed > 0,
+        lat = collective_latency(shape, rt, moe=moe, dense=pn > 0, routed=p_routed > 0,
                                  moe_model=model.moe is not None)
         for res in ("nvlink", "nic"):
             achievable[res] = achievable[res] + lat["microbatch"][res]
             update_achievable[res] = update_achievable[res] + lat["update"][res]
-        pp_spb_ach = tuple(
-            1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
-            else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
-    return Coefficients(
-        shape=shape, n_layers=L, tokens=T, hidden=d,
+    return _read_only(dict(
+        n_layers=L, tokens=T, hidden=d,
         master=master, grads=grads, optimizer=optimizer, bf16_view=bf16_view, moonep_slots=moonep_slots,
         grad_accum=grad_accum, chunk_grad_buffer=chunk_grad_buffer, host_grads=host_grads,
         act=act, working_set=working_set, recompute_ws=recompute_ws, grad_transient=grad_transient,
@@ -727,19 +844,26 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         time=time, update=update, tensor_flops=tensor_flops, model_flops_per_token=model_flops_per_token,
         stream_bytes=stream, ep_buffers=0.0 if tg.moonep else ep_buffers,
         moonep_buffers=ep_buffers if tg.moonep else 0.0, routing_map=routing_map,
-        logits=logits, logits_formula=logits_formula, compositions=comps, balanced_inflight=balanced,
-        placement=pl, slots=schedule_slots(shape.pp, shape.vp, shape.microbatches),
-        pp_seconds_per_byte=pp_spb, pp_on_nvlink=pl.pp_hop_in_domain,
-        balance_resource="nvlink" if pl.pipeline_in_domain else "nic",
-        balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
+        logits=logits, logits_formula=logits_formula,
         step_gather=step_gather, step_gather_with_ns=default_policy, model_json=model_json,
         gemm_flops=gemm_flops, quantized_weights=quantized_weights,
-        achievable=achievable, update_achievable=update_achievable, pp_seconds_per_byte_achievable=pp_spb_ach,
+        achievable=achievable, update_achievable=update_achievable,
         rates_name=_rates_from_json(rates_json).name if rates_json else "",
-    )
+    ))
 
 
-def collective_latency(shape: Shape, rt: RatesSpec, pl: comm.Placement, *, moe: np.ndarray, dense: np.ndarray,
+def _read_only(terms: dict[str, object]) -> dict[str, object]:
+    """Marks every array of a cached build read-only (also inside the per-resource dicts): shapes share them."""
+    for v in terms.values():
+        if type(v) is np.ndarray:
+            v.flags.writeable = False
+        elif type(v) is dict:
+            for arr in v.values():
+                arr.flags.writeable = False
+    return terms
+
+
+def collective_latency(shape: LayerShape, rt: RatesSpec, *, moe: np.ndarray, dense: np.ndarray,
                        routed: np.ndarray, moe_model: bool) -> dict[str, dict[str, np.ndarray]]:
     """Per-layer latency seconds of the NCCL collectives, per microbatch and per update, on the link each call
     crosses (the NIC when its group spans NVLink domains): calls x RatesSpec.ring_latency_s(group, per domain).
@@ -758,10 +882,10 @@ def collective_latency(shape: Shape, rt: RatesSpec, pl: comm.Placement, *, moe: 
 
     full = shape.recompute == Recompute.FULL
     if moe_model:
-        add("microbatch", moe * comm.routing_map_allgathers_per_layer(full), shape.ep, pl.ep_local)
+        add("microbatch", moe * comm.routing_map_allgathers_per_layer(full), shape.ep, shape.ep_local)
     accumulate = shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE
-    groups = ((dense.astype(float), shape.dense_fsdp, pl.dense_fsdp_local, shape.dense_sharding),
-              (routed.astype(float), shape.expert_fsdp, pl.expert_fsdp_local, shape.expert_sharding))
+    groups = ((dense.astype(float), shape.dense_fsdp, shape.dense_fsdp_local, shape.dense_sharding),
+              (routed.astype(float), shape.expert_fsdp, shape.expert_fsdp_local, shape.expert_sharding))
     for calls, group, local, pol in groups:
         # The same calls as the byte terms of each sharding policy: no all-gather where the group shards nothing;
         # sharded gradients reduced per microbatch (per update under accumulation); a whole gradient buffer once
@@ -775,26 +899,34 @@ def collective_latency(shape: Shape, rt: RatesSpec, pl: comm.Placement, *, moe: 
     return out
 
 
-def model_moe_tokens_factor(shape: Shape, sa: _Static) -> float:
+def model_moe_tokens_factor(ep: int, sa: _Static) -> float:
     """Tokens one routed expert's GEMM sees per token of the microbatch: k e / E (balanced, dropless)."""
-    return sa.moe_k * shape.ep / sa.moe_experts if sa.moe_experts else 1.0
+    return sa.moe_k * ep / sa.moe_experts if sa.moe_experts else 1.0
 
 
-def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Static, *, T: int, layer: np.ndarray,
-                     rc_factor: float, s_eff: int, head_active: int, hbm: np.ndarray, elementwise: np.ndarray,
-                     nvl: np.ndarray,
-                     nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
-                     up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`:
-    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction), attention and scan
-    FLOPs / (BF16 peak x attention forward / backward fraction), bytes / (link or HBM peak x fraction), EP
-    all-to-all bytes / the dispatcher's measured all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they
-    are exposed unless an overlap schedule is on (the step-time helper decides)."""
-    gb, tf = 1e9, 1e12
-    dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
-    rc = np.where(layer, rc_factor, 1.0)
-    p, bf = shape.precision, Precision.BF16
+def recompute_flops_factor(full: bool) -> float:
+    """A layer's training FLOPs over fwd + bwd (3 units): 4/3 under full recompute (one more forward), else 1."""
+    return 4 / 3 if full else 1.0
+
+
+@lru_cache(maxsize=1024)
+def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+                       full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
+    return _build_achievable_tensor(model_json, cluster_json, rates_json, T, ep, precision, full, s_eff,
+                                    fused_cross_entropy)
+
+
+def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int,
+                             precision: Precision, full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
+    """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
+    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its size factor),
+    attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""
+    cluster, rt, sa = _cluster_of(cluster_json), _rates_from_json(rates_json), _static(model_json)
+    tf = 1e12
+    n = len(sa.moe)
+    layer = np.arange(n) < n - 2
+    rc = np.where(layer, recompute_flops_factor(full), 1.0)
+    p, bf = precision, Precision.BF16
     lowp = p != bf
     bf16 = cluster.bf16_tflops * tf
     pk = cluster.dense_tflops(p) * tf
@@ -803,7 +935,7 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
     # dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3).
     g = sa.gemms
     idx, out, inp, act, is_routed, q = (g[:, j] for j in range(6))
-    moe = model_moe_tokens_factor(shape, sa)
+    moe = model_moe_tokens_factor(ep, sa)
     m_tokens = np.where(is_routed > 0, T * moe, T)
     flops = 6.0 * T * out * inp * act
     use_q = (q > 0) & lowp
@@ -811,14 +943,31 @@ def _achievable_time(shape: Shape, cluster: ClusterSpec, rt: RatesSpec, sa: _Sta
                     np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
     peak = np.where(use_q, pk, bf16)
     size = rt.size_factor(np.cbrt(m_tokens * out * inp))
-    tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=len(layer)) * rc
-    if shape.toggles.fused_cross_entropy:
-        tensor[-1] += 2 * T * head_active / (bf16 * rt.gemm("dense", bf))
+    tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=n) * rc
+    if fused_cross_entropy:
+        tensor[-1] += 2 * T * sa.head_active / (bf16 * rt.gemm("dense", bf))
     # Attention and scan FLOPs are 1 forward + 2 backward units (one more forward under full recompute, rc = 4/3):
     # the forward share runs at the forward kernels' rate, the backward share at the backward kernels'.
     core = T * (sa.attn * s_eff + sa.scan)
     tensor = tensor + core * (rc - 2 / 3) / (bf16 * rt.attention_core.value) \
         + core * (2 / 3) / (bf16 * rt.attention_backward())
+    tensor.flags.writeable = False
+    return tensor
+
+
+def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, tensor: np.ndarray,
+                     hbm: np.ndarray, elementwise: np.ndarray, nvl: np.ndarray,
+                     nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
+                     up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`: `tensor` from
+    _achievable_tensor, bytes / (link or HBM peak x fraction), EP all-to-all bytes / the dispatcher's measured
+    all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an overlap schedule is on
+    (the step-time helper decides)."""
+    gb, tf = 1e9, 1e12
+    dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
+    bf = Precision.BF16
+    bf16 = cluster.bf16_tflops * tf
     c_nvl = cluster.nvlink_gbps * gb * rt.collective_nvlink.value
     c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
     time = {

@@ -8,6 +8,7 @@ import pytest
 
 import k3opt
 from k3opt import coefficients, comm, schedule, structure
+from k3opt.search import ranking
 
 
 def _mutmut_phase() -> str:
@@ -40,6 +41,8 @@ def _per_test_caches_for_mutmut_stats():
 
 def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
+               coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
+               coefficients._achievable_tensor, ranking._ranked, ranking._work_floor,
                schedule.inflight_compositions, comm.members_at_offset):
         fn.cache_clear()
     structure._CACHE.clear()

@@ -8,24 +8,22 @@ unchanged; without one they are the peak roofline's. Memory arrays are the cost 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from functools import lru_cache
 
-from k3opt.achievable import ranking_view
-from k3opt.coefficients import Coefficients, Shape, coefficients
+from k3opt.achievable import ranking_view, with_fields
+from k3opt.coefficients import Coefficients, Shape, cache_key, coefficients_of_key, specs_of_key
 from k3opt.specs import ClusterSpec, ModelSpec
-
-_VIEWS: dict[int, tuple[Coefficients, Coefficients]] = {}
 
 
 def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
     """coefficients(shape, model, cluster) seen through ranking_view (cached like the coefficients)."""
-    cf = coefficients(shape, model, cluster)
-    hit = _VIEWS.get(id(cf))
-    if hit is None or hit[0] is not cf:
-        if len(_VIEWS) > 256:
-            _VIEWS.clear()
-        hit = _VIEWS[id(cf)] = (cf, ranking_view(cf, cluster))
-    return hit[1]
+    return _ranked(shape, *cache_key(model, cluster))
+
+
+@lru_cache(maxsize=2048)  # a miss costs one ranking_view over the cached coefficients
+def _ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    cluster, rates = specs_of_key(cluster_json, rates_json)
+    return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
 
 
 def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
@@ -34,8 +32,17 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coeffici
     elementwise traffic between the GEMMs, in either direction (fused SiTU and the MoE backward rewrite lower it);
     every other term of the view they leave or raise. Without a rates file: the roofline's coefficients, which the
     toggles only raise."""
-    view = ranked_coefficients(shape, model, cluster)
-    raw = coefficients(shape, model, cluster)
+    return _work_floor(shape, *cache_key(model, cluster))
+
+
+@lru_cache(maxsize=2048)
+def _work_floor(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    return _build_work_floor(shape, model_json, cluster_json, rates_json)
+
+
+def _build_work_floor(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    view = _ranked(shape, model_json, cluster_json, rates_json)
+    raw = coefficients_of_key(shape, model_json, cluster_json, rates_json)
     if view is raw:
         return view
     time = dict(view.time)
@@ -43,4 +50,4 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coeffici
         del time["vector"]  # the kernels as their own resource: a max term, dropped
     else:
         time["tensor"] = time["tensor"] - raw.achievable["vector"]
-    return replace(view, time=time)
+    return with_fields(view, time=time)
