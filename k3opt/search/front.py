@@ -48,7 +48,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.incumbents import candidate_splits
+from k3opt.search.incumbents import candidate_splits, toggle_sets
 from k3opt.search.node_model import FrameModel, _item
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import PlanItem
@@ -73,12 +73,10 @@ WALK_SHARE = 0.25
 """Share of the seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the front is
 walked through its own configurations while some of it is left; the other frames are priced under the front's
 configurations."""
-BINS = 12
-"""The seeding visits frames round-robin over this many bins of their peak bound (search/front._Visits)."""
 BUILD_GUESS_S = 1.0
 """Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
 seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
-LIBRARY = 6
+LIBRARY = 4
 """Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
 a frame where one adds to the front is then walked through its own configurations."""
 _LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
@@ -130,7 +128,7 @@ def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterS
 
 
 def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: float,
-               runtime: RuntimeSpec | None = None) -> list[PlanItem]:
+               runtime: RuntimeSpec | None = None, start: Layout | None = None) -> list[PlanItem]:
     """Fitting layouts of frame f along a greedy walk from its leanest configuration (the leanest recompute mode,
     every free memory toggle on), each priced by evaluate() on the heuristic splits. While that does not fit, the
     toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
@@ -138,7 +136,8 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
     that saves the most step time per byte added (one faster and no larger first), until none is faster. A
     change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
-    priced is returned. Stops at the monotonic `deadline`."""
+    priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
+    the walk starts from instead (it then only climbs)."""
     recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
     names = ACT_TOGGLES + RANK_TOGGLES
@@ -146,7 +145,7 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     required = frozenset(t for t in names if _choices(job, t) == [True])
     cap = allocated_capacity_bytes(job, f, model, cluster)
     out: list[PlanItem] = []
-    cur = _Config(recs[0], lcs[0], required | frozenset(free))
+    cur = _config_of(start) if start is not None else _Config(recs[0], lcs[0], required | frozenset(free))
     now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
     while now is not None and not now[2]:
         # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
@@ -199,12 +198,14 @@ def _config_of(layout: Layout) -> _Config:
 
 def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
                   deadline: float, runtime: RuntimeSpec | None = None) -> list[PlanItem]:
-    """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles), each on its
-    heuristic splits, priced by evaluate() until the monotonic `deadline`."""
+    """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
+    leanest last), each on its heuristic splits, priced by evaluate() until the monotonic `deadline`. The leanest
+    is priced first: when it does not fit, the others are not tried."""
     cap = allocated_capacity_bytes(job, f, model, cluster)
     out: list[PlanItem] = []
-    for c in configs:
-        if _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=True) is None:
+    for k, c in enumerate(configs[-1:] + configs[:-1]):
+        got = _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=True)
+        if got is None or (k == 0 and not got[2]):
             break
     return out
 
@@ -280,7 +281,7 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
                    and p.peak_bytes <= peak_cap for p in points)
 
     # 1. Seed: the ranked search's frames, then the frames the driver queued (with their estimates) and the
-    # frames next to any that adds to the front, spread along the peak axis (_Visits); each priced under the
+    # frames next to any that adds to the front, spread over the pipeline depths (_Visits); each priced under the
     # configurations on the front so far, and one that adds to the front walked (frame_walk) for its own
     # trade-off while the walks have taken less than WALK_SHARE of the seeding time.
     runtime = load_runtime(job.runtime) if job.runtime is not None else None
@@ -288,15 +289,19 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
     seed_end = started + SEED_SHARE * max(0.0, deadline - started)
     est = dict(estimates or {})
     first = list(dict.fromkeys(frame_of(it.layout) for it in sorted(points, key=lambda it: it.rank_time_s)))
-    visits = _Visits([facts.frame[f][1] for f in est if f in facts.frame])
+    visits = _Visits()
     for f, e in est.items():
-        if f in facts.frame:
-            visits.push(f, facts.frame[f][1], e)
+        visits.push(f, e)
     near: _Neighbours | None = None
     seen: set[Frame] = set()
     walked: set[Frame] = set()
     walking = 0.0
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
+    # activation-saving ones, every memory-saving one), fastest first: the first frame is priced under all.
+    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__, reverse=True)
+    families = [_Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
+                for rc in recs for act, rank in toggle_sets(job)]
     while _time.monotonic() < seed_end:
         f = first.pop(0) if first else visits.pop()
         if f is None:
@@ -305,23 +310,26 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
             continue
         seen.add(f)
         before = {id(p) for p in points}
-        library = _library(points, leanest)
-        found = price_configs(job, f, library, model, cluster, seed_end, runtime) if library else []
+        library = _library(points, leanest) if seen - {f} else families + _library(points, leanest)
+        found = price_configs(job, f, library, model, cluster, seed_end, runtime)
         points = _non_dominated(points + found)
         now = _time.monotonic()
         allowed = WALK_SHARE * (seed_end - started) - walking
-        if (not library or any(id(p) not in before for p in points)) and allowed > 0:
+        if any(id(p) not in before for p in points) and allowed > 0:
             walked.add(f)
-            found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime)
+            fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
+            found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime, fastest)
             points = _non_dominated(points + found)
             walking += _time.monotonic() - now
-        if found:
+        if not found:
+            visits.empty(f)
+        else:
             near = near or _Neighbours(frames)
             for g in near(f):
                 if g not in seen and g not in skip and g not in visits:
                     if g not in facts.frame:
                         facts.frame[g] = frame_lower_bound(job, g, model, cluster)
-                    visits.push(g, facts.frame[g][1], est.get(g) or frame_estimate(job, g, model, cluster))
+                    visits.push(g, est.get(g) or frame_estimate(job, g, model, cluster))
 
     # 2. Bound the frames the driver did not reach (the proof needs every frame's bound).
     complete = True
@@ -381,32 +389,38 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
 
 
 class _Visits:
-    """Frames to seed, binned by their worst-rank peak bound into BINS equal bins over the range first given;
-    `pop` returns the best estimate of the bin visited least, so the seeding spreads along the peak axis."""
+    """Frames to seed, grouped by pipeline depth and virtual stages (the per-rank share of the model state and
+    the activations in flight, the main memory levers); `pop` returns the best estimate of the group visited
+    least (a visit counting VP times: pricing an interleaved shape splits and replays VP times the chunks), so the
+    seeding spreads along the peak axis instead of spending itself on the many shapes of the pipeline that
+    estimates lowest."""
 
-    def __init__(self, peaks: list[float]) -> None:
-        self.lo = min(peaks, default=0.0)
-        self.width = max((max(peaks, default=0.0) - self.lo) / BINS, 1.0)
-        self.bins: dict[int, list[tuple[float, int, Frame]]] = {}
-        self.visits: dict[int, int] = {}
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, int], list[tuple[float, int, Frame]]] = {}
+        self.visits: dict[tuple[int, int], int] = {}
         self.queued: set[Frame] = set()
         self.order = itertools.count()
 
     def __contains__(self, f: Frame) -> bool:
         return f in self.queued
 
-    def push(self, f: Frame, peak: float, estimate: float) -> None:
-        b = min(max(int((peak - self.lo) // self.width), 0), BINS)
-        heapq.heappush(self.bins.setdefault(b, []), (estimate, next(self.order), f))
+    def push(self, f: Frame, estimate: float) -> None:
+        heapq.heappush(self.groups.setdefault((f.pp, f.vp), []), (estimate, next(self.order), f))
         self.queued.add(f)
 
     def pop(self) -> Frame | None:
-        live = [b for b, q in self.bins.items() if q]
+        live = [g for g, q in self.groups.items() if q]
         if not live:
             return None
-        b = min(live, key=lambda b: (self.visits.get(b, 0), self.bins[b][0]))
-        self.visits[b] = self.visits.get(b, 0) + 1
-        return heapq.heappop(self.bins[b])[2]
+        g = min(live, key=lambda g: (self.visits.get(g, 0), self.groups[g][0]))
+        self.visits[g] = self.visits.get(g, 0) + g[1]  # a visit costs about VP times a v = 1 one (chunks to split)
+        return heapq.heappop(self.groups[g])[2]
+
+    def empty(self, f: Frame) -> None:
+        """Frame f had no fitting layout: its group counts two more visits (shallow pipelines hold too much
+        state to fit at all, and the seeding should not keep returning to them)."""
+        g = (f.pp, f.vp)
+        self.visits[g] = self.visits.get(g, 0) + 2
 
 
 class _Neighbours:
