@@ -69,7 +69,7 @@ ranked search stops earlier when it proves its gap); the front has the rest."""
 SEED_SHARE = 0.75
 """Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
 every frame is seeded or dominated)."""
-WALK_SHARE = 0.25
+WALK_SHARE = 0.4
 """Share of the seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the front is
 walked through its own configurations while some of it is left; the other frames are priced under the front's
 configurations."""
@@ -134,7 +134,8 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
     search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the
     fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
-    that saves the most step time per byte added (one faster and no larger first), until none is faster. A
+    that saves the most step time per byte added (the first one faster and no larger at once), until none is
+    faster. A
     change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
     priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
     the walk starts from instead (it then only climbs)."""
@@ -165,9 +166,13 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     while _time.monotonic() < deadline:
         t, m, _ = now
         i = recs.index(cur.recompute)
-        moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in free if x in cur.on]
+        # Rank toggles first (each adds its own time: host traffic, rebalancing), then the recompute mode, the
+        # activation toggles and the lifecycle; a move that is faster and no larger is taken at once.
+        offs = cur.on - required
+        moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in RANK_TOGGLES if x in offs]
         if i + 1 < len(recs):
             moves.append((("recompute", recs[i + 1]), dataclasses.replace(cur, recompute=recs[i + 1])))
+        moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
         moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
         best = None
         for move, nb in moves:
@@ -184,6 +189,8 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
                 key = (math.inf, t - nt) if nm <= m else ((t - nt) / (nm - m), 0.0)
                 if best is None or key > best[0]:
                     best = (key, move, nb, got)
+                if nm <= m:
+                    break
         if best is None:
             break
         _, move, cur, now = best
