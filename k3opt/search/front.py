@@ -3,17 +3,22 @@
 search/ranking.py), the peak the ledger's worst-rank peak (`Evaluation.peak_bytes`, the live tensors the search
 caps per rank).
 
-Anytime, in two phases, within the time limit:
+Anytime, within the time limit (plan() gives the ranked search RANKED_SHARE of it first):
 
-1. Seed: per frame, a greedy walk through its configurations (recompute mode, FSDP lifecycle, toggles), each
-   priced by `evaluate()` on the heuristic splits of search/incumbents.py: from the leanest configuration, each
-   step takes the neighbour (one toggle flipped, recompute or lifecycle changed) that buys the most time per
-   byte, so the walk traces the frame's own time-for-memory curve. Every fitting layout priced is a candidate
-   point. Frames are visited best bound first, those already dominated by the points found skipped.
+1. Seed (SEED_SHARE of the front's time): frames are visited round-robin over (PP, VP) groups, each group by the
+   driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that adds to the
+   front queued too (`_Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
+   `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far on every
+   heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
+   search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
+   (`frame_walk`, WALK_SHARE of the seeding time in all): each step takes the change that buys the most time
+   per byte, so the walk finds the fast configurations the other frames are then priced under. Every fitting
+   layout priced is a candidate point.
 2. Prove: epsilon-constraint CP-SAT solves per frame, best bound first (minimize the step time, ties the lower
    peak, under peak <= epsilon; then lower epsilon by the step), skipping or stopping a frame once a point found
    dominates its bounds. When every frame is done the front is exact at the epsilon step (`complete`).
 
+The points are the non-dominated layouts found, kept at least one epsilon step apart in peak (fastest first).
 Each returned point carries `front_bound_s`: a proven lower bound on the ranked step time of every layout of its
 GPU count whose peak is at most the next faster point's peak minus the step (no cap for the fastest point) --
 the region the point stands for. It comes from the frame bounds (`frame_lower_bound`, reused from the driver)
@@ -301,7 +306,6 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         visits.push(f, e)
     near: _Neighbours | None = None
     seen: set[Frame] = set()
-    walked: set[Frame] = set()
     walking = 0.0
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
@@ -323,7 +327,6 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         now = _time.monotonic()
         allowed = WALK_SHARE * (seed_end - started) - walking
         if any(id(p) not in before for p in points) and allowed > 0:
-            walked.add(f)
             fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
             found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime, fastest)
             points = _non_dominated(points + found)
