@@ -71,7 +71,7 @@ from k3opt.specs import (
 RANKED_SHARE = 0.25
 """With the front requested, the share of the time limit the ranked search may use before the front starts (the
 ranked search stops earlier when it proves its gap); the front has the rest."""
-SEED_SHARE = 0.75
+SEED_SHARE = 0.85
 """Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
 every frame is seeded or dominated)."""
 WALK_SHARE = 0.4
