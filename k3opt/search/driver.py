@@ -14,7 +14,7 @@ from k3opt.errors import InfeasibleJobError
 from k3opt.evaluate import Evaluation
 from k3opt.search.bounds import frame_dp_bound, frame_estimate, frame_lower_bound, node_lower_bound, tight_node_bound
 from k3opt.search.frames import ActMode, Frame, allocated_capacity_bytes, enumerate_frames, frame_shape, lifecycles
-from k3opt.search.front import _pareto
+from k3opt.search.front import _pareto, ranked_time_limit
 from k3opt.search.incumbents import frame_incumbent, incumbents, visiting_order
 from k3opt.search.node_model import solve_frame
 from k3opt.search.result import Plan, PlanItem
@@ -81,6 +81,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
     InfeasibleJobError with the smallest reachable peak when nothing fits."""
     t0 = _time.monotonic()
+    total_limit = time_limit
+    if pareto:
+        time_limit = ranked_time_limit(time_limit)  # the Pareto front has the rest (search/front.py)
     model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
     cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
     frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
@@ -119,10 +122,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
         for f in _most_sharded_first(frames):
-            if ctrl_c.flag:
+            if ctrl_c.flag or (pareto and best_of and _time.monotonic() - t0 > time_limit):
                 if not best_of:
                     raise KeyboardInterrupt
-                unbounded = True  # Ctrl-C while bounding: the shapes not bounded yet leave the bound at 0
+                # Ctrl-C (or, with the front, the ranked share of the time) while bounding: the shapes not
+                # bounded yet leave the bound at 0.
+                unbounded = True
                 break
             group = over.setdefault((f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding,
                                      f.expert_sharding, f.grad_dtype, f.precision), [])
@@ -303,9 +308,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     k = ranked[min(top, len(ranked)) - 1].rank_time_s
     done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
     status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
-    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, time_limit, workers,
-                                          lower_bounds=lbs, over_line=over_line)
-                       if pareto and not interrupted else (ranked[:1] if interrupted else [], False))
+    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
+                                          lower_bounds=lbs, over_line=over_line, estimates=estimates)
+                       if pareto and not ctrl_c.flag and (unbounded or not interrupted)
+                       else (ranked[:1] if interrupted else [], False))
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)

@@ -1,121 +1,513 @@
-"""The Pareto front over (tokens/s per GPU, GPUs, worst-rank peak) by epsilon-constraint solves; tokens/s per GPU
-at the ranked step time (achievable when the cluster has rates, search/ranking.py)."""
+"""The Pareto front over (ranked step time, worst-rank peak), and over GPU count when a job lists several
+(tokens/s per GPU, GPUs, peak); the step time is the ranked one (achievable when the cluster has rates,
+search/ranking.py), the peak the ledger's worst-rank peak (`Evaluation.peak_bytes`, the live tensors the search
+caps per rank).
+
+Anytime, within the time limit (plan() gives the ranked search RANKED_SHARE of it first):
+
+1. Seed (SEED_SHARE of the front's time): frames are visited round-robin over (PP, VP) groups, each group by the
+   driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that adds to the
+   front queued too (`_Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
+   `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far on every
+   heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
+   search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
+   (`frame_walk`, WALK_SHARE of the seeding time in all): each step takes the change that buys the most time
+   per byte, so the walk finds the fast configurations the other frames are then priced under. Every fitting
+   layout priced is a candidate point.
+2. Prove: epsilon-constraint CP-SAT solves per frame, best bound first (minimize the step time, ties the lower
+   peak, under peak <= epsilon; then lower epsilon by the step), skipping or stopping a frame once a point found
+   dominates its bounds. When every frame is done the front is exact at the epsilon step (`complete`).
+
+The points are the non-dominated layouts found, kept at least one epsilon step apart in peak (fastest first).
+Each returned point carries `front_bound_s`: a proven lower bound on the ranked step time of every layout of its
+GPU count whose peak is at most the next faster point's peak minus the step (no cap for the fastest point) --
+the region the point stands for. It comes from the frame bounds (`frame_lower_bound`, reused from the driver)
+and the CP-SAT solves; its gap `(t - bound) / t` is 0 where the point is proven.
+"""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import heapq
+import itertools
 import math
 import time as _time
 from collections.abc import Iterable
 
-from k3opt.search.bounds import frame_lower_bound
+from k3opt.evaluate import evaluate
+from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.search.bounds import frame_estimate, frame_lower_bound
 from k3opt.search.frames import (
+    ACT_TOGGLES,
+    RANK_TOGGLES,
+    ActMode,
     Frame,
+    _choices,
     act_modes,
     allocated_capacity_bytes,
     enumerate_frames,
     frame_of,
+    frame_shape,
+    layout_of,
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.incumbents import candidate_splits, toggle_sets
 from k3opt.search.node_model import FrameModel, _item
+from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import PlanItem
 from k3opt.specs import (
     GIB,
     MIB,
     ClusterSpec,
+    FsdpLifecycle,
     Job,
     Layout,
     ModelSpec,
+    Recompute,
 )
+
+RANKED_SHARE = 0.25
+"""With the front requested, the share of the time limit the ranked search may use before the front starts (the
+ranked search stops earlier when it proves its gap); the front has the rest."""
+SEED_SHARE = 0.85
+"""Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
+every frame is seeded or dominated)."""
+WALK_SHARE = 0.4
+"""Share of the seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the front is
+walked through its own configurations while some of it is left; the other frames are priced under the front's
+configurations."""
+BUILD_GUESS_S = 1.0
+"""Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
+seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
+LIBRARY = 4
+"""Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
+a frame where one adds to the front is then walked through its own configurations."""
+_LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
+"""Recompute modes from the least saved memory to the most."""
+
+
+def ranked_time_limit(time_limit: float) -> float:
+    """The ranked search's share of a `plan(..., pareto=True)` time limit (RANKED_SHARE)."""
+    return RANKED_SHARE * time_limit
+
+
+# ------------------------------------------------------------------------------------- seeding
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    recompute: Recompute
+    lifecycle: FsdpLifecycle
+    on: frozenset[str]
+    """Toggles (activation and rank) switched on."""
+
+
+def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
+           cap: int, deadline: float, out: list[PlanItem], every_split: bool = False) -> tuple[float, int, bool] | None:
+    """(ranked step s, peak bytes, fits) of configuration cfg of frame f on its heuristic splits (most
+    work-balanced first, search/incumbents.candidate_splits): the fastest split that fits, else the leanest
+    priced. Pricing stops at the first split that fits unless `every_split` (the leaner splits of a fitting
+    configuration are points of the front too, at the cost of their evaluate() calls only). Every fitting
+    evaluation is appended to `out`. None when the deadline passed before any split was priced."""
+    mode = ActMode(cfg.recompute, *(t in cfg.on for t in ACT_TOGGLES))
+    shape = frame_shape(job, f, mode, cfg.lifecycle, **{t: t in cfg.on for t in RANK_TOGGLES})
+    splits = ([list(job.search.split)] if job.search.split is not None
+              else candidate_splits(ranked_coefficients(shape, model, cluster), cap))
+    fast: tuple[float, int, bool] | None = None
+    lean: tuple[float, int, bool] | None = None
+    for split in splits:
+        if _time.monotonic() > deadline:
+            break
+        ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster, runtime=runtime)
+        got = (ev.step.rank_time_s, ev.peak_bytes, ev.fits)
+        if ev.fits:
+            out.append(PlanItem(ev.layout, ev))
+            fast = got if fast is None or got < fast else fast
+            if not every_split:
+                break
+        elif lean is None or got[1] < lean[1]:
+            lean = got
+    return fast or lean
+
+
+def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: float,
+               runtime: RuntimeSpec | None = None, start: Layout | None = None) -> list[PlanItem]:
+    """Fitting layouts of frame f along a greedy walk from its leanest configuration (the leanest recompute mode,
+    every free memory toggle on), each priced by evaluate() on the heuristic splits. While that does not fit, the
+    toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
+    search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the
+    fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
+    that saves the most step time per byte added (the first one faster and no larger at once), until none is
+    faster. A
+    change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
+    priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
+    the walk starts from instead (it then only climbs)."""
+    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    lcs = lifecycles(job)
+    names = ACT_TOGGLES + RANK_TOGGLES
+    free = [t for t in names if _choices(job, t) == [False, True]]
+    required = frozenset(t for t in names if _choices(job, t) == [True])
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    out: list[PlanItem] = []
+    cur = _config_of(start) if start is not None else _Config(recs[0], lcs[0], required | frozenset(free))
+    now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
+    while now is not None and not now[2]:
+        # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
+        # policy that does not shard gradients): switch off the one that lowers the peak most, while one does.
+        best = None
+        for x in sorted(cur.on - required):
+            got = _price(job, f, dataclasses.replace(cur, on=cur.on - {x}), model, cluster, runtime, cap, deadline,
+                         out)
+            if got is not None and got[1] < now[1] and (best is None or got[1] < best[1][1]):
+                best = (x, got)
+        if best is None:
+            return out
+        cur, now = dataclasses.replace(cur, on=cur.on - {best[0]}), best[1]
+    if now is None:
+        return out
+    tried: set[tuple] = set()
+    while _time.monotonic() < deadline:
+        t, m, _ = now
+        i = recs.index(cur.recompute)
+        # Rank toggles first (each adds its own time: host traffic, rebalancing), then the recompute mode, the
+        # activation toggles and the lifecycle; a move that is faster and no larger is taken at once.
+        offs = cur.on - required
+        moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in RANK_TOGGLES if x in offs]
+        if i + 1 < len(recs):
+            moves.append((("recompute", recs[i + 1]), dataclasses.replace(cur, recompute=recs[i + 1])))
+        moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
+        moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
+        best = None
+        for move, nb in moves:
+            if move in tried:
+                continue
+            got = _price(job, f, nb, model, cluster, runtime, cap, deadline, out)
+            if got is None:
+                break
+            nt, nm, nfits = got
+            if not nfits:
+                tried.add(move)
+                continue
+            if nt < t:
+                key = (math.inf, t - nt) if nm <= m else ((t - nt) / (nm - m), 0.0)
+                if best is None or key > best[0]:
+                    best = (key, move, nb, got)
+                if nm <= m:
+                    break
+        if best is None:
+            break
+        _, move, cur, now = best
+        tried.add(move)
+    return out
+
+
+def _config_of(layout: Layout) -> _Config:
+    return _Config(layout.recompute, layout.fsdp_lifecycle,
+                   frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)))
+
+
+def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
+                  deadline: float, runtime: RuntimeSpec | None = None) -> list[PlanItem]:
+    """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
+    leanest last), each on its heuristic splits, priced by evaluate() until the monotonic `deadline`. The leanest
+    is priced first: when it does not fit, the others are not tried."""
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    out: list[PlanItem] = []
+    for k, c in enumerate(configs[-1:] + configs[:-1]):
+        got = _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=True)
+        if got is None or (k == 0 and not got[2]):
+            break
+    return out
+
+
+def _library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[_Config]:
+    """The distinct configurations of the front's points, each followed by its variant under the `leanest`
+    recompute mode (what a frame with more activation bytes needs), at most `most`, spread over the front from
+    fastest to leanest."""
+    configs: list[_Config] = []
+    for it in sorted(front, key=lambda it: it.rank_time_s):
+        c = _config_of(it.layout)
+        configs += [c, dataclasses.replace(c, recompute=leanest)]
+    configs = list(dict.fromkeys(configs))
+    if len(configs) <= most:
+        return configs
+    return [configs[round(i * (len(configs) - 1) / (most - 1))] for i in range(most)]
+
+
+# ------------------------------------------------------------------------------------- the front
+
+
+class _Facts:
+    """What is proven per frame: its bounds (step time, peak) and, from CP-SAT solves under a peak cap,
+    'every layout of the frame with peak <= cap takes at least bound s'."""
+
+    def __init__(self) -> None:
+        self.frame: dict[Frame, tuple[float, float]] = {}
+        self.capped: dict[Frame, list[tuple[float, float]]] = {}
+
+    def add(self, f: Frame, cap_bytes: float, bound_s: float) -> None:
+        self.capped.setdefault(f, []).append((cap_bytes, bound_s))
+
+    def bound(self, f: Frame, cap_bytes: float) -> float:
+        """Least ranked step time of a layout of f with peak <= cap_bytes (inf when none can exist)."""
+        t_lb, m_lb = self.frame[f]
+        if m_lb > cap_bytes:
+            return math.inf
+        return max([t_lb] + [b for c, b in self.capped.get(f, []) if c >= cap_bytes])
 
 
 def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
             ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
-            lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None
-            ) -> tuple[list[PlanItem], bool]:
-    """Non-dominated (step time, worst-rank peak) layouts by epsilon-constraint solves per frame: minimize the
-    step time (ties: the lower peak) under peak <= epsilon, then lower epsilon by the step. A frame is skipped,
-    or its loop stopped, once a point found dominates its bounds (every further layout of it is dominated).
-    Returns the front and whether it is complete (False when the time limit cut it short). `lower_bounds`: the
-    frame_lower_bound of frames already bounded (by the driver), not computed again; `over_line`: frames whose
-    peak bound the driver showed over HBM minus the reserve (over every budget: skipped, as a bound would skip
-    them)."""
-    points: list[PlanItem] = list(ranked)
-    if _time.monotonic() - t0 > time_limit:
-        return _non_dominated(points), False  # no time left to bound the frames, let alone solve one
-    step_mib = max(1, int(round(step_gib * GIB / MIB)))
-    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
-    known = lower_bounds or {}
-    frames = [f for f in frames if f not in (over_line or set())]
-    unsorted = []
-    for i, f in enumerate(frames):
-        if i % 64 == 0 and _time.monotonic() - t0 > time_limit:
-            return _non_dominated(points), False
-        unsorted.append((*(known[f] if f in known else frame_lower_bound(job, f, model, cluster)), f))
-    bounds = sorted(unsorted)
-    complete = True
+            lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
+            estimates: dict[Frame, float] | None = None) -> tuple[list[PlanItem], bool]:
+    """The front (see the module docstring) from the ranked search's layouts (`ranked`, `best_of`), by the
+    monotonic deadline t0 + time_limit. Returns its points, fastest first per GPU count, each with its
+    `front_bound_s`, and whether it is complete (exact at the step; False when the time limit cut it short).
+    `lower_bounds`: the frame_lower_bound of frames already bounded (by the driver), not computed again;
+    `over_line`: frames whose peak bound the driver showed over HBM minus the reserve (no layout of theirs
+    fits: left out, as a bound would leave them); `estimates`: the driver's frame_estimate of the frames it
+    queued, the order the seeding visits them in."""
+    deadline = t0 + time_limit
+    step = max(1, int(round(step_gib * GIB / MIB))) * MIB
+    points: list[PlanItem] = list(ranked) + [it for it in best_of.values() if it not in ranked]
+    facts = _Facts()
+    skip = over_line or set()
+    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster) if f not in skip]
+    facts.frame.update((f, b) for f, b in (lower_bounds or {}).items() if f not in skip)
+    line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))  # no allocated budget exceeds it
+
+    def fits_bound(f: Frame) -> bool:
+        """The frame's peak bound is under its budget (True while it is not bounded)."""
+        if f not in facts.frame:
+            return True
+        m_lb = facts.frame[f][1]
+        return m_lb <= line and m_lb <= allocated_capacity_bytes(job, f, model, cluster)
 
     def dominated(f: Frame, t_lb: float, peak_cap: float) -> bool:
         """Some point found has at least the frame's best possible tokens/s per GPU, no more GPUs, and a
         peak no higher than peak_cap (with one GPU count: a step time no longer than the frame's bound)."""
-        tps_ub = job_tokens(f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
+        tps_ub = _tokens(job, f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
         return any(p.evaluation.step.rank_tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
                    and p.peak_bytes <= peak_cap for p in points)
 
-    def job_tokens(f: Frame) -> int:
-        return f.gpus // (f.pp * f.cp) * f.microbatches * job.rows * job.context
-
-    for t_lb, m_lb, f in bounds:
-        if m_lb > allocated_capacity_bytes(job, f, model, cluster) or dominated(f, t_lb, m_lb):
+    # 1. Seed: the ranked search's frames, then the frames the driver queued (with their estimates) and the
+    # frames next to any that adds to the front, spread over the pipeline depths (_Visits); each priced under the
+    # configurations on the front so far, and one that adds to the front walked (frame_walk) for its own
+    # trade-off while the walks have taken less than WALK_SHARE of the seeding time.
+    runtime = load_runtime(job.runtime) if job.runtime is not None else None
+    started = _time.monotonic()
+    seed_end = started + SEED_SHARE * max(0.0, deadline - started)
+    est = dict(estimates or {})
+    first = list(dict.fromkeys(frame_of(it.layout) for it in sorted(points, key=lambda it: it.rank_time_s)))
+    visits = _Visits()
+    for f, e in est.items():
+        visits.push(f, e)
+    near: _Neighbours | None = None
+    seen: set[Frame] = set()
+    walking = 0.0
+    leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
+    # activation-saving ones, every memory-saving one), fastest first: the first frame is priced under all.
+    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__, reverse=True)
+    families = [_Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
+                for rc in recs for act, rank in toggle_sets(job)]
+    while _time.monotonic() < seed_end:
+        f = first.pop(0) if first else visits.pop()
+        if f is None:
+            break
+        if f in seen or f in skip or not fits_bound(f) or (f in facts.frame and dominated(f, *facts.frame[f])):
             continue
-        if _time.monotonic() - t0 > time_limit:
+        seen.add(f)
+        before = {id(p) for p in points}
+        library = _library(points, leanest) if seen - {f} else families + _library(points, leanest)
+        found = price_configs(job, f, library, model, cluster, seed_end, runtime)
+        points = _non_dominated(points + found)
+        now = _time.monotonic()
+        allowed = WALK_SHARE * (seed_end - started) - walking
+        if any(id(p) not in before for p in points) and allowed > 0:
+            fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
+            found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime, fastest)
+            points = _non_dominated(points + found)
+            walking += _time.monotonic() - now
+        if not found:
+            visits.empty(f)
+        else:
+            near = near or _Neighbours(frames)
+            for g in near(f):
+                if g not in seen and g not in skip and g not in visits:
+                    if g not in facts.frame:
+                        facts.frame[g] = frame_lower_bound(job, g, model, cluster)
+                    visits.push(g, est.get(g) or frame_estimate(job, g, model, cluster))
+
+    # 2. Bound the frames the driver did not reach (the proof needs every frame's bound).
+    complete = True
+    for i, f in enumerate(frames):
+        if f not in facts.frame:
+            if i % 16 == 0 and _time.monotonic() > deadline:
+                complete = False
+                break
+            facts.frame[f] = frame_lower_bound(job, f, model, cluster)
+
+    # 3. Prove: epsilon-constraint solves, frames best bound first.
+    build_s = BUILD_GUESS_S
+    queue2 = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(facts.frame.items())) if complete else []
+    for t_lb, m_lb, _, f in queue2:
+        if dominated(f, t_lb, m_lb):
+            continue
+        if _time.monotonic() > deadline:
             complete = False
             break
-        have = best_of.get(f)
-        cap = have.peak_bytes // MIB - step_mib if have else None
+        if not fits_bound(f):
+            facts.add(f, math.inf, math.inf)  # its peak bound is over its budget: no layout of it fits
+            continue
+        cap: int | None = None
         # Each solve lowers the cap, so every later layout of the frame is no faster than the last one found
         # (t_seen) and holds at least the frame's peak bound: a point at least as fast with a peak no higher than
         # that bound dominates them all. (A point under the cap but above the bound does not.)
-        t_seen = max(t_lb, have.step_time_s) if have else t_lb
+        t_seen = t_lb
         fm: FrameModel | None = None
+        hint = _fastest_of(points, f)
         while True:
-            if cap is not None and (cap * MIB < m_lb or dominated(f, t_seen, m_lb)):
+            if cap is not None and (cap < m_lb or dominated(f, t_seen, m_lb)):
                 break
-            remaining = time_limit - (_time.monotonic() - t0)
-            if remaining <= 0:
-                complete = False
+            remaining = deadline - _time.monotonic()
+            if remaining <= 0 or (fm is None and remaining < 2 * build_s):
+                complete = False  # no time to build the frame's model and search it
                 break
             if fm is None:
+                started = _time.monotonic()
                 modes = undominated_modes(job, f, act_modes(job), lifecycles(job), model, cluster)
                 fm = FrameModel(job, f, model, cluster, modes=modes)
-            res = fm.solve(remaining, workers, peak_cap_mib=cap)
-            if res.status == "FEASIBLE" or res.status == "UNKNOWN":
+                if hint is not None:
+                    fm.add_layout_hint(hint)
+                build_s = max(build_s, _time.monotonic() - started)
+                remaining = deadline - _time.monotonic()
+            res = fm.solve(remaining, workers, peak_cap_mib=None if cap is None else cap // MIB)
+            if res.status in ("FEASIBLE", "UNKNOWN"):
                 complete = False
+            facts.add(f, math.inf if cap is None else cap,
+                      math.inf if res.status == "INFEASIBLE" else max(t_lb, res.bound_step_s))
             item = _item(job, f, fm, res, model, cluster)
             if item is None:
                 break
             points.append(item)
-            cap = item.peak_bytes // MIB - step_mib
-            t_seen = max(t_seen, item.step_time_s)
-    return _non_dominated(points), complete
+            cap = item.peak_bytes // MIB * MIB - step
+            t_seen = max(t_seen, item.rank_time_s)
+    return _with_bounds(_thin(_non_dominated(points), step), facts, step), complete
 
 
-def _frame_of(layout: Layout) -> Frame:
-    return frame_of(layout)
+class _Visits:
+    """Frames to seed, grouped by pipeline depth and virtual stages (the per-rank share of the model state and
+    the activations in flight, the main memory levers); `pop` returns the best estimate of the group visited
+    least (a visit counting VP times: pricing an interleaved shape splits and replays VP times the chunks), so the
+    seeding spreads along the peak axis instead of spending itself on the many shapes of the pipeline that
+    estimates lowest."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, int], list[tuple[float, int, Frame]]] = {}
+        self.visits: dict[tuple[int, int], int] = {}
+        self.queued: set[Frame] = set()
+        self.order = itertools.count()
+
+    def __contains__(self, f: Frame) -> bool:
+        return f in self.queued
+
+    def push(self, f: Frame, estimate: float) -> None:
+        heapq.heappush(self.groups.setdefault((f.pp, f.vp), []), (estimate, next(self.order), f))
+        self.queued.add(f)
+
+    def pop(self) -> Frame | None:
+        live = [g for g, q in self.groups.items() if q]
+        if not live:
+            return None
+        g = min(live, key=lambda g: (self.visits.get(g, 0), self.groups[g][0]))
+        self.visits[g] = self.visits.get(g, 0) + g[1]  # a visit costs about VP times a v = 1 one (chunks to split)
+        return heapq.heappop(self.groups[g])[2]
+
+    def empty(self, f: Frame) -> None:
+        """Frame f had no fitting layout: its group counts two more visits (shallow pipelines hold too much
+        state to fit at all, and the seeding should not keep returning to them)."""
+        g = (f.pp, f.vp)
+        self.visits[g] = self.visits.get(g, 0) + 2
+
+
+class _Neighbours:
+    """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
+    the gradient dtype or the precision (the microbatch count follows from them)."""
+
+    _KEYS = 9
+
+    def __init__(self, frames: list[Frame]) -> None:
+        self.index: dict[tuple, list[Frame]] = {}
+        for f in frames:
+            for k in range(self._KEYS):
+                self.index.setdefault(self._key(f, k), []).append(f)
+
+    @staticmethod
+    def _key(f: Frame, k: int) -> tuple:
+        c = [f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, (f.dense_sharding, f.expert_sharding),
+             f.grad_dtype, f.precision]
+        c[k] = None
+        return (f.gpus, k, *c)
+
+    def __call__(self, f: Frame) -> list[Frame]:
+        return [g for k in range(self._KEYS) for g in self.index.get(self._key(f, k), []) if g != f]
+
+
+def _tokens(job: Job, f: Frame) -> int:
+    return f.gpus // (f.pp * f.cp) * f.microbatches * job.rows * job.context
+
+
+def _fastest_of(points: Iterable[PlanItem], f: Frame) -> Layout | None:
+    mine = [p for p in points if frame_of(p.layout) == f]
+    return min(mine, key=lambda p: (p.rank_time_s, p.peak_bytes)).layout if mine else None
 
 
 def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
-    """Layouts no other beats on tokens/s per GPU, GPU count and worst-rank peak at once (one of them strictly).
-    With one GPU count and fixed tokens per update this is the (step time, peak) front."""
-    items = sorted(items, key=lambda it: (-it.evaluation.step.rank_tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes))
-
+    """Layouts no other beats on tokens/s per GPU, GPU count and worst-rank peak at once (one of them strictly),
+    one per distinct criterion. With one GPU count and fixed tokens per update this is the (step time, peak)
+    front."""
     def crit(it: PlanItem) -> tuple[float, int, int]:
         return (-it.evaluation.step.rank_tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes)
 
     front: list[PlanItem] = []
-    for it in items:
+    for it in sorted(items, key=crit):
         c = crit(it)
-        if not any(all(a <= b for a, b in zip(crit(o), c, strict=True)) and crit(o) != c for o in front) \
-                and all(crit(o) != c for o in front):
+        if not any(all(a <= b for a, b in zip(crit(o), c, strict=True)) for o in front):
             front.append(it)
     return sorted(front, key=lambda it: (it.layout.gpus, it.rank_time_s))
+
+
+def _thin(front: list[PlanItem], step: int) -> list[PlanItem]:
+    """Per GPU count, fastest first: a point is kept when its peak is at least `step` under the last kept one's,
+    the points the epsilon-constraint solves would stop at."""
+    out: list[PlanItem] = []
+    for _, its in itertools.groupby(front, key=lambda it: it.layout.gpus):
+        last = math.inf
+        for it in its:
+            if it.peak_bytes <= last - step:
+                out.append(it)
+                last = it.peak_bytes
+    return out
+
+
+def _with_bounds(front: list[PlanItem], facts: _Facts, step: int) -> list[PlanItem]:
+    """Each point with its proven bound: the least step time any frame of its GPU count can reach under the cap
+    the point stands for (no cap for the fastest; else the next faster point's peak minus the step)."""
+    out: list[PlanItem] = []
+    for g, its in itertools.groupby(front, key=lambda it: it.layout.gpus):
+        # Frames with only their bound: the least time bound among those whose peak bound is under a cap is a
+        # prefix minimum over the frames sorted by peak bound.
+        plain = sorted((m, t) for f, (t, m) in facts.frame.items() if f.gpus == g and f not in facts.capped)
+        peaks = [m for m, _ in plain]
+        least = list(itertools.accumulate((t for _, t in plain), min))
+        solved = [f for f in facts.capped if f.gpus == g]
+        cap = math.inf
+        for it in its:
+            k = bisect.bisect_right(peaks, cap)
+            bound = min([least[k - 1] if k else math.inf] + [facts.bound(f, cap) for f in solved])
+            out.append(dataclasses.replace(it, front_bound_s=min(bound, it.rank_time_s)))
+            cap = it.peak_bytes // MIB * MIB - step
+    return out

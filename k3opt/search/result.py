@@ -15,6 +15,9 @@ from k3opt.specs import (
 class PlanItem:
     layout: Layout
     evaluation: Evaluation
+    front_bound_s: float | None = None
+    """On a Pareto point: a proven lower bound on the ranked step time of every layout of its GPU count in the
+    peak range the point stands for (search/front.py); None elsewhere."""
 
     @property
     def step_time_s(self) -> float:
@@ -28,6 +31,13 @@ class PlanItem:
     @property
     def peak_bytes(self) -> int:
         return self.evaluation.peak_bytes
+
+    @property
+    def front_gap(self) -> float | None:
+        """(ranked step - front_bound_s) / ranked step: 0 where the Pareto point is proven; None off the front."""
+        if self.front_bound_s is None:
+            return None
+        return max(0.0, (self.rank_time_s - self.front_bound_s) / self.rank_time_s)
 
 
 @dataclass
