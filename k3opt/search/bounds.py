@@ -157,7 +157,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     for rc in recs:
         required = ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES))
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
-        cheap = [coefficients(frame_shape(job, f, required, lc), model, cluster) for lc in lcs]
+        # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
+        cheap = [work_floor(frame_shape(job, f, required, lc), model, cluster) for lc in lcs]
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
         update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
         slots = cheap[0].slots
