@@ -66,3 +66,4 @@ def test_an_expert_group_sharding_nothing_all_reduces_once_per_update():
     assert mb["nvlink"][5] == pytest.approx(EP8, rel=1e-12, abs=0)
     assert mb["nic"][5] == pytest.approx(DENSE16, rel=1e-12, abs=0)
     assert up["nic"][5] == pytest.approx(DENSE16 + 2 * EXPERT2, rel=1e-12, abs=0)
+
