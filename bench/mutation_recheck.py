@@ -3,6 +3,7 @@ with MUTANT_UNDER_TEST set, `pytest -x` inside mutants/), and record the verdict
 
     python bench/mutation_recheck.py --tests tests/test_x.py [--tests ...] NAME...   # or --survivors
     python bench/mutation_summary.py                                                 # counts the re-checks
+    python bench/mutation_recheck.py --out mutants/confirm.json --tests ... NAME...  # verdicts kept apart
 
 A full `mutmut run NAME...` re-runs every selected test that calls the mutated function (half a minute per
 surviving mutant here) and, after the test selection in pyproject.toml changes, first drops every stored verdict;
@@ -81,8 +82,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tests", action="append", required=True)
     ap.add_argument("--survivors", action="store_true", help="every mutant mutmut recorded as survived")
+    ap.add_argument("--out", help="verdict file (default mutants/recheck.json, the one mutation_summary.py reads); "
+                    "another file keeps checks that are not survivor re-checks (e.g. confirming a timeout) apart")
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()
+    if a.out:
+        global RECHECK
+        RECHECK = Path(a.out).resolve()
     names = survivors() if a.survivors else a.names
     run(names, a.tests)
 
