@@ -160,3 +160,14 @@ def test_qwen3_head_edge_hbm_bytes(qwen_mxfp8):
     saved = 2 * 2048 + 4 + 2048 * QB
     assert qwen_mxfp8.achievable["vector"][qwen_mxfp8.last] * HBM * HBM_FRAC == pytest.approx(
         5 * T * saved, rel=1e-12, abs=0)
+
+
+def test_accumulated_gradients_stream_the_whole_fp32_buffer():
+    """Accumulate lifecycle: the FP32 gradient accumulation buffer is the whole view, read and written each
+    microbatch: weight side 10 x view + 8 x view (not the resident shard)."""
+    lay = k3opt.make_layout(gpus=32, pp=2, ep=EP, dense_fsdp=FSDP, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8,
+                            fsdp_lifecycle="accumulate")
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"),
+                      rates=load_rates("b200"))
+    assert cf.achievable["hbm"][5] * HBM * HBM_FRAC == pytest.approx(18 * VIEW, rel=1e-12, abs=0)
