@@ -11,8 +11,6 @@ from k3opt.errors import LayoutError
 from k3opt.evaluate import memory_comparisons
 from k3opt.specs import Measured
 
-GIB = 2**30
-
 
 @pytest.fixture(scope="module")
 def eager_proxy() -> k3opt.Evaluation:
