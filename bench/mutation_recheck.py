@@ -34,7 +34,7 @@ def survivors() -> list[str]:
 
 
 def run(names: list[str], tests: list[str]) -> dict[str, str]:
-    for t in tests:  # mutmut copies tests/ once; new test files must be copied in
+    for t in {t.split("::")[0] for t in tests}:  # mutmut copies tests/ once; new test files must be copied in
         shutil.copy2(ROOT / t, MUTANTS / t)
     os.chdir(MUTANTS)
     sys.path.insert(0, str(MUTANTS))
@@ -80,7 +80,8 @@ def _save(new: dict[str, str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tests", action="append", required=True)
+    ap.add_argument("--tests", action="append", required=True,
+                    help="a test file or node id (file::test; the cheapest discriminating test first saves time)")
     ap.add_argument("--survivors", action="store_true", help="every mutant mutmut recorded as survived")
     ap.add_argument("--out", help="verdict file (default mutants/recheck.json, the one mutation_summary.py reads); "
                     "another file keeps checks that are not survivor re-checks (e.g. confirming a timeout) apart")
