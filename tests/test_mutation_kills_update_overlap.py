@@ -16,8 +16,8 @@ LAYOUT = dict(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8
               recompute="full", domain_gpus_used=8)
 
 
-def _step(overlap: float):
-    lay = k3opt.make_layout(**LAYOUT)
+def _step(overlap: float, **fields):
+    lay = k3opt.make_layout(**{**LAYOUT, **fields})
     r = load_rates("b200")
     rates = r.model_copy(update={"overlap": r.overlap.model_copy(update={"dp_overlap_microbatches": overlap})})
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
@@ -35,13 +35,15 @@ def test_a_window_of_no_microbatch_exposes_all_update_communication():
     assert bare.step_time_s - hidden.step_time_s == pytest.approx(bare.update_comm_exposed_s, rel=1e-9)
 
 
-def test_evaluate_reports_the_achievable_steps_parts():
+@pytest.mark.parametrize("ep_overlap", [False, True])
+def test_evaluate_reports_the_achievable_steps_parts(ep_overlap):
     """evaluate()'s step carries the parts of the achievable step at the shipped rates (one stage-microbatch
-    window): stage, update, its exposed communication, the unpaired all-to-all; step = slots x stage + update +
-    unpaired, slots = M + p - 1 = 9 for 1F1B."""
-    lay = k3opt.make_layout(**LAYOUT)
+    window): stage, update, its exposed communication, the unpaired all-to-all (not zero under an EP overlap
+    schedule); step = slots x stage + update + unpaired, slots = M + p - 1 = 9 for 1F1B."""
+    lay = k3opt.make_layout(**LAYOUT, ep_overlap=ep_overlap)
     st = k3opt.evaluate(lay, model="qwen3-30b-a3b", cluster="b200").step
-    ach = _step(1.0)
+    ach = _step(1.0, ep_overlap=ep_overlap)
+    assert (ach.unpaired_ep_s > 0) == ep_overlap
     assert (st.achievable_stage_time_s, st.achievable_update_time_s, st.achievable_update_comm_exposed_s,
             st.achievable_unpaired_ep_s) == (ach.stage_time_s, ach.update_time_s, ach.update_comm_exposed_s,
                                              ach.unpaired_ep_s)
