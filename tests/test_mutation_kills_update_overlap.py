@@ -35,15 +35,18 @@ def test_a_window_of_no_microbatch_exposes_all_update_communication():
     assert bare.step_time_s - hidden.step_time_s == pytest.approx(bare.update_comm_exposed_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("ep_overlap", [False, True])
-def test_evaluate_reports_the_achievable_steps_parts(ep_overlap):
+@pytest.mark.parametrize("fields", [{}, {"ep_overlap": True},
+                                    {"dense_sharding": "no_shard", "context": 128, "domain_gpus_used": 1}])
+def test_evaluate_reports_the_achievable_steps_parts(fields):
     """evaluate()'s step carries the parts of the achievable step at the shipped rates (one stage-microbatch
-    window): stage, update, its exposed communication, the unpaired all-to-all (not zero under an EP overlap
-    schedule); step = slots x stage + update + unpaired, slots = M + p - 1 = 9 for 1F1B."""
-    lay = k3opt.make_layout(**LAYOUT, ep_overlap=ep_overlap)
+    window): stage, update, its exposed communication (not zero when a DDP all-reduce over the NIC outlasts a
+    128-token stage-microbatch), the unpaired all-to-all (not zero under an EP overlap schedule); step = slots x
+    stage + update + unpaired, slots = M + p - 1 = 9 for 1F1B."""
+    lay = k3opt.make_layout(**{**LAYOUT, **fields})
     st = k3opt.evaluate(lay, model="qwen3-30b-a3b", cluster="b200").step
-    ach = _step(1.0, ep_overlap=ep_overlap)
-    assert (ach.unpaired_ep_s > 0) == ep_overlap
+    ach = _step(1.0, **fields)
+    assert (ach.unpaired_ep_s > 0) == ("ep_overlap" in fields)
+    assert (ach.update_comm_exposed_s > 0) == ("dense_sharding" in fields)
     assert (st.achievable_stage_time_s, st.achievable_update_time_s, st.achievable_update_comm_exposed_s,
             st.achievable_unpaired_ep_s) == (ach.stage_time_s, ach.update_time_s, ach.update_comm_exposed_s,
                                              ach.unpaired_ep_s)
