@@ -67,3 +67,11 @@ def test_an_expert_group_sharding_nothing_all_reduces_once_per_update():
     assert mb["nic"][5] == pytest.approx(DENSE16, rel=1e-12, abs=0)
     assert up["nic"][5] == pytest.approx(DENSE16 + 2 * EXPERT2, rel=1e-12, abs=0)
 
+
+
+def test_an_expert_group_on_the_distributed_optimizer_reduces_its_whole_buffer_once():
+    """expert_sharding = optim: the expert gradients stay whole, so no reduce-scatter per microbatch; per update
+    the parameter all-gather and one reduce-scatter of the whole buffer (one ring pass)."""
+    mb, up = _delta(expert_sharding="optim")
+    assert mb["nic"][5] == pytest.approx(DENSE16, rel=1e-12, abs=0)
+    assert up["nic"][5] == pytest.approx(DENSE16 + 2 * EXPERT2, rel=1e-12, abs=0)
