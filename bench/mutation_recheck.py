@@ -3,6 +3,7 @@ with MUTANT_UNDER_TEST set, `pytest -x` inside mutants/), and record the verdict
 
     python bench/mutation_recheck.py --tests tests/test_x.py [--tests ...] NAME...   # or --survivors
     python bench/mutation_summary.py                                                 # counts the re-checks
+    python bench/mutation_recheck.py --out mutants/confirm.json --tests ... NAME...  # verdicts kept apart
 
 A full `mutmut run NAME...` re-runs every selected test that calls the mutated function (half a minute per
 surviving mutant here) and, after the test selection in pyproject.toml changes, first drops every stored verdict;
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -32,8 +35,8 @@ def survivors() -> list[str]:
     return names
 
 
-def run(names: list[str], tests: list[str]) -> dict[str, str]:
-    for t in tests:  # mutmut copies tests/ once; new test files must be copied in
+def run(names: list[str], tests: list[str], cpu_limit: int = 300) -> dict[str, str]:
+    for t in {t.split("::")[0] for t in tests}:  # mutmut copies tests/ once; new test files must be copied in
         shutil.copy2(ROOT / t, MUTANTS / t)
     os.chdir(MUTANTS)
     sys.path.insert(0, str(MUTANTS))
@@ -53,6 +56,9 @@ def run(names: list[str], tests: list[str]) -> dict[str, str]:
     for name in names:
         pid = os.fork()
         if pid == 0:
+            # A mutant that loops forever (a loop counter reset) ends on a CPU-time limit, not wall time, so a
+            # loaded machine does not turn a slow survivor into a timeout.
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, cpu_limit + 10))
             os.environ["MUTANT_UNDER_TEST"] = name
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
@@ -61,7 +67,8 @@ def run(names: list[str], tests: list[str]) -> dict[str, str]:
             os._exit(int(rc))
         _, status = os.waitpid(pid, 0)
         rc = os.waitstatus_to_exitcode(status)
-        out[name] = "survived" if rc == 0 else "killed" if rc == 1 else f"error {rc}"
+        out[name] = ("survived" if rc == 0 else "killed" if rc == 1
+                     else "timeout" if rc in (-signal.SIGXCPU, -signal.SIGKILL) else f"error {rc}")
         print(out[name], name, flush=True)
         _save({name: out[name]})  # after every mutant: a stopped re-check keeps what it found
     return out
@@ -79,12 +86,20 @@ def _save(new: dict[str, str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tests", action="append", required=True)
+    ap.add_argument("--tests", action="append", required=True,
+                    help="a test file or node id (file::test; the cheapest discriminating test first saves time)")
     ap.add_argument("--survivors", action="store_true", help="every mutant mutmut recorded as survived")
+    ap.add_argument("--out", help="verdict file (default mutants/recheck.json, the one mutation_summary.py reads); "
+                    "another file keeps checks that are not survivor re-checks (e.g. confirming a timeout) apart")
+    ap.add_argument("--cpu-limit", type=int, default=300, help="CPU seconds per mutant before it counts as a "
+                    "timeout (killed, as mutmut counts one)")
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()
+    if a.out:
+        global RECHECK
+        RECHECK = Path(a.out).resolve()
     names = survivors() if a.survivors else a.names
-    run(names, a.tests)
+    run(names, a.tests, a.cpu_limit)
 
 
 if __name__ == "__main__":

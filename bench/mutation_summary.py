@@ -33,12 +33,12 @@ def main() -> None:
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         c = Counter(STATUS.get(v, "suspicious") for v in codes.values())
         c["re-check kills"] = sum(1 for k, v in codes.items() if STATUS.get(v) == "survived"
-                                  and recheck.get(k) == "killed")
+                                  and recheck.get(k) in ("killed", "timeout"))
         total.update(c)
         rows.append((mod, c))
         not_killed += [(k, STATUS.get(v, "suspicious")) for k, v in codes.items()
                        if STATUS.get(v, "suspicious") not in ("killed", "timeout", "not checked")
-                       and recheck.get(k) != "killed"]
+                       and recheck.get(k) not in ("killed", "timeout")]
     print("| module | mutants | checked | killed | timeout | survived | no tests | not checked | score "
           "| re-check kills | score after re-check |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

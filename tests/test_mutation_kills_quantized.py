@@ -1,0 +1,173 @@
+"""The low-precision GEMMs and the HBM traffic around them, each figure derived from the published configs'
+shapes: which matrices Transformer Engine runs in the compute precision (K3, DeepSeek-V3 with its MTP module),
+the quantized GEMM FLOPs and cached weight copies on the MTP edge, and one Qwen3-30B-A3B MXFP8 layer's HBM bytes
+split into the weight side (streamed inside the GEMMs) and the memory-bound kernels between them (the activation
+bytes and the quantize traffic)."""
+
+from __future__ import annotations
+
+import pytest
+
+import k3opt
+from k3opt.coefficients import Shape, coefficients, quantized_gemm
+from k3opt.rates import load_rates
+from k3opt.specs import Precision
+from k3opt.structure import structure_of
+
+# MXFP8: 1 byte per element plus one E8M0 scale per 32 elements (OCP MX spec): 1 + 1/32 B.
+QB = 1 + 1 / 32
+# constraints/clusters/b200.toml: HBM 8,000 GB/s; constraints/rates/b200.toml: HBM measured fraction 0.74.
+HBM, HBM_FRAC = 8000e9, 0.74
+
+
+def _quantized_names(blocks) -> list[str]:
+    return [t.name for b in blocks for t in b.tensors if quantized_gemm(b, t)]
+
+
+def test_k3_layer_quantizes_its_decoder_projections_only():
+    """K3 layer 0 (KDA + dense FFN): every linear projection of the decoder with an active copy per token runs in
+    the compute precision, beta_proj included (an AdamW matrix, still a GEMM); the Attention-Residual projections
+    [1, d] have no active copy (a per-block weighted sum, not a token GEMM) and stay out; so do the embedding (a
+    lookup), the vision tower and projector (image tokens are not priced per text token) and the LM head."""
+    st = structure_of(k3opt.load_model("kimi-k3"))
+    assert _quantized_names(st.layers[0]) == [
+        "kda.q_proj", "kda.k_proj", "kda.v_proj", "kda.g_proj", "kda.o_proj", "kda.f_a_proj", "kda.f_b_proj",
+        "kda.beta_proj", "ffn.gate_proj", "ffn.up_proj", "ffn.down_proj"]
+    vectors = st.layers[0][2]
+    assert [t.name for t in vectors.tensors if t.is_matrix] == ["attn_res.mlp_proj"]  # [1, 7168], 0 active
+    assert _quantized_names([vectors]) == []
+    assert _quantized_names(st.first) == [] and _quantized_names(st.last) == []
+
+
+def test_deepseek_mtp_module_quantizes_all_but_the_router_and_the_shared_head():
+    """DeepSeek-V3's MTP module on the last edge: eh_proj, the MLA projections, the routed and shared experts run
+    in the compute precision; the router and the second pass through the shared output head stay BF16."""
+    st = structure_of(k3opt.load_model("deepseek-v3"))
+    mtp = [b for b in st.last if b.name.startswith("mtp0.")]
+    assert _quantized_names(mtp) == [
+        "mtp.eh_proj", "mla.q_a_proj", "mla.q_b_proj", "mla.kv_a_proj", "mla.kv_b_proj", "mla.o_proj",
+        "moe.experts.w1", "moe.experts.w3", "moe.experts.w2", "moe.shared_gate", "moe.shared_up",
+        "moe.shared_down"]
+    head = [b for b in st.last if b.kind == "head"]
+    assert _quantized_names(head) == []
+
+
+@pytest.fixture(scope="module")
+def deepseek_mxfp8():
+    lay = k3opt.make_layout(gpus=8, pp=1, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=1, context=4096,
+                            split=[61], recompute="full", precision="mxfp8")
+    return coefficients(Shape.of(lay), k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72"))
+
+
+def test_mtp_edge_quantized_gemm_flops_and_weight_copies(deepseek_mxfp8):
+    """deepseek-ai/DeepSeek-V3 config.json, d = 7168, T = 4,096 tokens. Quantized active matrix parameters of the
+    MTP module: eh_proj 7168 x 14336 = 102,760,448; MLA q_a 1536 x 7168 = 11,010,048, q_b 24576 x 1536 =
+    37,748,736, kv_a 576 x 7168 = 4,128,768, kv_b 32768 x 512 = 16,777,216, o 7168 x 16384 = 117,440,512
+    (187,105,280); shared expert 3 x 2048 x 7168 = 44,040,192; 8 routed experts x 3 x 2048 x 7168 = 352,321,536.
+    The edge is not recomputed: 6 T x 686,227,456 FLOPs. A decoder layer (60: MLA + MoE) under full recompute:
+    6 T x 583,467,008 x 4/3. Cached MXFP8 weight copies (row- and column-wise): 2 x (1 + 1/32) B x (the
+    module's 333,905,920 non-routed weights + its 256 x 3 x 2048 x 7168 routed weights / EP 8)."""
+    cf = deepseek_mxfp8
+    T = 4096
+    mla = 11_010_048 + 37_748_736 + 4_128_768 + 16_777_216 + 117_440_512  # 187,105,280
+    shared, routed_active = 3 * 2048 * 7168, 8 * 3 * 2048 * 7168
+    mtp_active = 7168 * 14336 + mla + shared + routed_active
+    assert cf.gemm_flops[cf.last] == pytest.approx(6 * T * mtp_active, rel=1e-12, abs=0)
+    assert cf.gemm_flops[60] == pytest.approx(6 * T * (mla + shared + routed_active) * 4 / 3, rel=1e-12, abs=0)
+    assert cf.gemm_flops[cf.first] == 0.0  # the embedding is a lookup
+    nonrouted = 7168 * 14336 + mla + shared  # 333,905,920
+    q_view = nonrouted + 256 * 3 * 2048 * 7168 / 8
+    assert cf.quantized_weights[cf.last] == pytest.approx(2 * QB * q_view, rel=1e-12, abs=0)
+
+
+def test_k3_layer_weight_copies_leave_the_attention_residual_projections_out():
+    """K3 layer 0 in MXFP8: KDA q, k, v, g [12288, 7168] and o [7168, 12288] (5 x 88,080,384), f_a [128, 7168]
+    917,504, f_b [12288, 128] 1,572,864, beta [96, 7168] 688,128; dense FFN 3 x 33792 x 7168 = 726,663,168; no
+    routed weights. Cached copies: 2 x (1 + 1/32) B each."""
+    lay = k3opt.load_layout("k3-gb200-512-reference").model_copy(update={"precision": Precision.MXFP8})
+    cf = coefficients(Shape.of(lay), k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72"))
+    weights = 5 * 12288 * 7168 + 128 * 7168 + 12288 * 128 + 96 * 7168 + 3 * 33792 * 7168  # 1,170,243,584
+    assert cf.quantized_weights[0] == pytest.approx(2 * QB * weights, rel=1e-12, abs=0)
+
+
+# ------------------------------------------------------------------ one Qwen3-30B-A3B layer in MXFP8 on B200
+T = 4096
+# Qwen/Qwen3-30B-A3B config.json: d 2048, q 32 x 128 = 4096, kv 4 x 128 = 512, 128 experts [768, 2048], top 8.
+DENSE = 2 * 4096 * 2048 + 2 * 512 * 2048 + 2 * 128 + 128 * 2048 + 2 * 2048  # q, o; k, v; q/k norms; router; norms
+ROUTED = 128 * 3 * 768 * 2048
+EP, FSDP = 16, 16
+VIEW = DENSE + ROUTED / EP                   # BF16 view elements: D + E / e
+RESIDENT = DENSE / FSDP + ROUTED / EP        # optim_grads_params: D / f_d + E / (e f_e), f_e = 1
+# Quantized GEMM operands per token, active copies x (in + out): q, k, v, o, then 8 experts x (w1, w3, w2).
+Q_ELEMENTS = (4096 + 2048) + 2 * (512 + 2048) + (2048 + 4096) + 8 * 3 * (768 + 2048)
+# Saved bytes per token (items pinned by name in test_mutation_kills_gqa.py and the MoE block), GEMM inputs at
+# 1 + 1/32 B: attention: norm input 2 x 2048, rstd 4, norm output 2048 QB, q 2 x 4096, k, v 2 x 512 each,
+# attention output 4096 QB, LSE 32 x 4, q / k before their norms 2 x 4096, 2 x 512; MoE: norm input 2 x 2048,
+# rstd 4, norm output 2048 QB, router scores 128 x 4, top-k weights 8 x 4, indices 8 x 8, dispatched inputs
+# 8 x 2048 QB, SwiGLU input 8 x 2 x 768 x 2, activation output 8 x 768 QB, expert outputs 8 x 2048 x 2.
+SAVED_PER_TOKEN = (2 * 2048 + 4 + 2048 * QB + 2 * 4096 + 2 * 2 * 512 + 4096 * QB + 32 * 4 + 2 * 4096 + 2 * 512
+                   + 2 * 2048 + 4 + 2048 * QB + 128 * 4 + 8 * 4 + 8 * 8 + 8 * 2048 * QB + 8 * 2 * 768 * 2
+                   + 8 * 768 * QB + 8 * 2048 * 2)
+
+
+@pytest.fixture(scope="module")
+def qwen_mxfp8():
+    lay = k3opt.make_layout(gpus=32, pp=2, ep=EP, dense_fsdp=FSDP, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8)
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    return coefficients(Shape.of(lay), model, cluster, rates=load_rates("b200"))
+
+
+def test_qwen3_layer_saved_bytes_in_mxfp8(qwen_mxfp8):
+    """Full recompute: the layer's whole saved set (117,416 B per token) is its recompute working set; it keeps one
+    BF16 [T, d] input."""
+    assert qwen_mxfp8.recompute_ws[5] == pytest.approx(T * SAVED_PER_TOKEN, rel=1e-12, abs=0)
+    assert qwen_mxfp8.act[5] == T * 2048 * 2
+
+
+def test_qwen3_layer_weight_side_hbm_bytes(qwen_mxfp8):
+    """Weight-side HBM bytes per microbatch: the BF16 view read once per pass (forward, recomputed forward, dgrad,
+    wgrad: 4 under full recompute), the BF16 gradient written (1 x 2 B), the FP32 gradient shard read and written
+    (2 x 4 B x resident elements, per-microbatch lifecycle): 10 x view + 8 x resident, at HBM x 0.74."""
+    weights = 4 * 2 * VIEW + 2 * VIEW + 2 * 4 * RESIDENT  # 880,456,320
+    assert qwen_mxfp8.achievable["hbm"][5] * HBM * HBM_FRAC == pytest.approx(weights, rel=1e-12, abs=0)
+
+
+def test_qwen3_layer_memory_bound_kernel_bytes(qwen_mxfp8):
+    """Memory-bound kernels between the GEMMs: 5 x the saved bytes (x 4/3 recomputed forward) plus the quantize
+    traffic, every operand X and dY read in BF16 and written row- and column-wise: T x 84,992 x (2 + 2 QB)."""
+    quantize = T * Q_ELEMENTS * (2 + 2 * QB)
+    kernels = 5 * T * SAVED_PER_TOKEN * 4 / 3 + quantize
+    assert qwen_mxfp8.achievable["vector"][5] * HBM * HBM_FRAC == pytest.approx(kernels, rel=1e-12, abs=0)
+
+
+def test_qwen3_layer_peak_roofline_hbm_bytes(qwen_mxfp8):
+    """The peak roofline's HBM bytes: weight side + saved activations written and read (the kept input and the
+    recomputed set) + the quantize traffic, at the HBM peak."""
+    weights = 4 * 2 * VIEW + 2 * VIEW + 2 * 4 * RESIDENT
+    activations = 2 * (T * 2048 * 2 + T * SAVED_PER_TOKEN)
+    quantize = T * Q_ELEMENTS * (2 + 2 * QB)
+    assert qwen_mxfp8.time["hbm"][5] * HBM == pytest.approx(weights + activations + quantize, rel=1e-12, abs=0)
+
+
+def test_qwen3_head_edge_hbm_bytes(qwen_mxfp8):
+    """The last edge (final norm 2048 + untied LM head 151936 x 2048, dense AdamW): weight side 10 x view + 8 x
+    view / 16; no quantized GEMM (the head stays BF16); saved: norm input 2 x 2048, rstd 4, output 2048 QB
+    (stored as the low-precision GEMM input), not recomputed at the edge: kernels 5 x T x saved."""
+    view = 2048 + 151936 * 2048
+    weights = 10 * 2 * view / 2 + 8 * view / FSDP  # 4 passes + gradient write, 2 B each; FP32 shard r/w
+    assert qwen_mxfp8.achievable["hbm"][qwen_mxfp8.last] * HBM * HBM_FRAC == pytest.approx(weights, rel=1e-12, abs=0)
+    saved = 2 * 2048 + 4 + 2048 * QB
+    assert qwen_mxfp8.achievable["vector"][qwen_mxfp8.last] * HBM * HBM_FRAC == pytest.approx(
+        5 * T * saved, rel=1e-12, abs=0)
+
+
+def test_accumulated_gradients_stream_the_whole_fp32_buffer():
+    """Accumulate lifecycle: the FP32 gradient accumulation buffer is the whole view, read and written each
+    microbatch: weight side 10 x view + 8 x view (not the resident shard)."""
+    lay = k3opt.make_layout(gpus=32, pp=2, ep=EP, dense_fsdp=FSDP, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8,
+                            fsdp_lifecycle="accumulate")
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"),
+                      rates=load_rates("b200"))
+    assert cf.achievable["hbm"][5] * HBM * HBM_FRAC == pytest.approx(18 * VIEW, rel=1e-12, abs=0)
