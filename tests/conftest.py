@@ -43,10 +43,12 @@ def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
                coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
                coefficients._achievable_tensor, ranking._ranked, ranking._work_floor,
-               schedule.inflight_compositions, comm.members_at_offset):
+               schedule.inflight_compositions, comm.members_at_offset, coefficients._model_of,
+               coefficients._cluster_of, coefficients._rates_from_json):
         fn.cache_clear()
     structure._CACHE.clear()
     coefficients._RATES_JSON.clear()
+    coefficients._SPEC_JSON.clear()
 
 
 @pytest.fixture(scope=shared_scope)
