@@ -25,7 +25,7 @@ import numpy as np
 from k3opt import comm
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.rates import RatesSpec, rates_for
-from k3opt.schedule import ep_overlap_unpaired
+from k3opt.schedule import chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.specs import ClusterSpec, Recompute
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
@@ -55,6 +55,10 @@ class AchievableStep:
     """The update's communication beyond what hides under `dp_overlap_microbatches` stage-microbatches."""
     unpaired_ep_s: float = 0.0
     """Under an EP overlap schedule: the exposed all-to-all of the microbatches run without a partner."""
+    schedule_step_time_s: float = 0.0
+    """The pipeline priced by its schedule at the achievable rates: the replayed makespan
+    (`schedule.replay_makespan`) over each chunk's share of its rank's achievable stage time
+    (`schedule.chunk_times`), plus the update and the unpaired all-to-all."""
 
 
 def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
@@ -210,10 +214,15 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     comm_exposed = max(0.0, update_comm - hidden)
     update = update_compute + comm_exposed
     unpaired = unpaired_ep_s(cf, split, rates, cluster)
+    work = np.array([max(float(arr[_chunk_indices(split, j, cf.n_layers)].sum()) for arr in ra.time.values())
+                     for j in range(sh.chunks)])
+    fwd, bwd = chunk_times(work, [st[0] for st in stages], sh.pp, sh.recompute == Recompute.FULL)
+    replayed = replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd)
     return AchievableStep(
         step_time_s=cf.slots * stage + update + unpaired, stage_time_s=stage, slowest_rank=slowest,
         binding=binding, exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
         update_comm_exposed_s=comm_exposed, unpaired_ep_s=unpaired,
+        schedule_step_time_s=replayed + update + unpaired,
     )
 
 

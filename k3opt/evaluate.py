@@ -18,7 +18,7 @@ from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_byt
 from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.runtime import RuntimeSpec, load_runtime
-from k3opt.schedule import BACKWARD_OVER_FORWARD, bubble_fraction, bubble_overhead, replay_makespan
+from k3opt.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
 from k3opt.sharding import owned_per_rank, whole_params
 from k3opt.specs import (
     GIB,
@@ -175,6 +175,8 @@ class StepTime:
     schedule_step_time_s: float = 0.0
     """The pipeline priced by its schedule: the makespan of Megatron's 1F1B / interleaved order over each chunk's
     forward and backward times (`schedule.replay_makespan`), plus the exposed update. Equal chunks: step_time_s."""
+    achievable_schedule_step_time_s: float | None = None
+    """The same replay at the achievable rates (AchievableStep.schedule_step_time_s)."""
     components: dict[str, float] = field(default_factory=dict)
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
     `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
@@ -183,14 +185,21 @@ class StepTime:
     @property
     def rank_time_s(self) -> float:
         """The step time plans rank by: the achievable one when the cluster has a rates file, else the peak
-        roofline."""
+        roofline. Both are the step formula, (M + (p - 1) / v) x the slowest rank + update; the replayed schedule
+        at the same rates is beside it (ranked_schedule_time_s)."""
         return self.step_time_s if self.achievable_step_time_s is None else self.achievable_step_time_s
+
+    @property
+    def ranked_schedule_time_s(self) -> float:
+        """The replayed pipeline schedule at the rates of rank_time_s (achievable_schedule_step_time_s with a rates
+        file, else schedule_step_time_s). Equal chunks: rank_time_s; uneven interleaved chunks replay longer."""
+        a = self.achievable_schedule_step_time_s
+        return self.schedule_step_time_s if a is None else a
 
     @property
     def rank_tokens_per_s_per_gpu(self) -> float:
         """Tokens/s per GPU at rank_time_s."""
-        a = self.achievable_tokens_per_s_per_gpu
-        return self.tokens_per_s_per_gpu if a is None else a
+        return self.tokens_per_update / self.rank_time_s / (self.tokens_per_s / self.tokens_per_s_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -628,6 +637,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
         achievable_update_comm_exposed_s=ach.update_comm_exposed_s, achievable_stage_time_s=ach.stage_time_s,
         achievable_update_time_s=ach.update_time_s, achievable_unpaired_ep_s=ach.unpaired_ep_s,
+        achievable_schedule_step_time_s=ach.schedule_step_time_s,
     )
 
 
@@ -668,20 +678,12 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
 
 
 def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of every global chunk per microbatch: rank r's time per microbatch shared among
-    its chunks by each chunk's busiest-resource work, then split forward : backward = 1 : BACKWARD_OVER_FORWARD
-    (one more forward under full recompute; SC21 section 3.5)."""
+    """(forward, backward) seconds of every global chunk per microbatch at peak rates (`schedule.chunk_times`:
+    each rank's stage time shared among its chunks by their busiest-resource work)."""
     k = layout.pp * layout.vp
     bounds = chunk_bounds(layout.split)
     work = np.array([max(_chunk_sum(cf.time[res], cf, j, k, bounds) for res in RESOURCES) for j in range(k)])
-    total = np.zeros(k)
-    for j in range(k):
-        r = j % layout.pp
-        mine = work[r::layout.pp]
-        share = work[j] / mine.sum() if mine.sum() > 0 else 1.0 / len(mine)
-        total[j] = ranks[r].stage_time_s * share
-    beta = BACKWARD_OVER_FORWARD + (1.0 if layout.recompute == Recompute.FULL else 0.0)
-    return total / (1 + beta), total * beta / (1 + beta)
+    return chunk_times(work, [r.stage_time_s for r in ranks], layout.pp, layout.recompute == Recompute.FULL)
 
 
 def schedule_makespan_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> float:

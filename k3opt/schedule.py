@@ -127,6 +127,21 @@ def ep_overlap_unpaired(p: int, v: int, m: int, r: int) -> tuple[list[int], list
     return [k for k, _ in fwd[:w]], [k for k, _ in bwd[v * m - w:]]
 
 
+def chunk_times(work: np.ndarray, stage_times: list[float] | np.ndarray, p: int, full_recompute: bool
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per microbatch of every global chunk j (rank j mod p): rank r's stage time
+    shared among its chunks by each chunk's busiest-resource work `work[j]`, then split forward : backward =
+    1 : BACKWARD_OVER_FORWARD (one more forward under full recompute; SC21 section 3.5)."""
+    k = len(work)
+    total = np.zeros(k)
+    for j in range(k):
+        mine = work[j % p::p]
+        share = work[j] / mine.sum() if mine.sum() > 0 else 1.0 / len(mine)
+        total[j] = stage_times[j % p] * share
+    beta = BACKWARD_OVER_FORWARD + (1.0 if full_recompute else 0.0)
+    return total / (1 + beta), total * beta / (1 + beta)
+
+
 def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
                     hop_s: np.ndarray | float = 0.0) -> float:
     """Makespan of one step's pipeline: the latest end of `replay_ops`. Equal chunks with M a multiple of p give
