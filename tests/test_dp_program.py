@@ -1,7 +1,7 @@
 """The stage dynamic program of the v = 1 bounds (search/bounds.py) against brute force: on a six-layer model with
 every searchable toggle allowed, its (work, memory) min-max over contiguous splits, computed rank by rank on the
 boundaries each rank can hold, equals the min over every split of the max of the per-rank cost tables evaluated
-over every range; and the min-max split heuristic's fill matches a one-threshold-at-a-time reference."""
+over every range. (The min-max split heuristic is checked against every split in test_search.py.)"""
 
 from __future__ import annotations
 
@@ -80,62 +80,3 @@ def test_stage_program_equals_brute_force_over_splits(space, force):
                     # Then a cap at the median split's peak, so that memory rules out some splits and not others.
                     caps.append(int(sorted(peaks)[len(peaks) // 2]))
     assert checked >= 12 and mixed >= 2  # memory rules out some splits of a node and not others
-
-
-def _reference_minmax(cost, fixed, mem=None, mem_fixed=None, mem_cap=math.inf):
-    """The bisection of `incumbents.minmax_split` on numpy scalars, one threshold at a time."""
-    K, L = cost.shape
-    pre = np.concatenate([np.zeros((K, 1)), np.cumsum(cost, axis=1)], axis=1)
-    mpre = np.concatenate([np.zeros((K, 1)), np.cumsum(mem, axis=1)], axis=1) if mem is not None else None
-
-    def fill(limit):
-        start, out = 0, []
-        for j in range(K):
-            last = L - (K - j - 1)
-            if j == K - 1:
-                end = L
-            else:
-                end = int(np.searchsorted(pre[j], limit - fixed[j] + pre[j, start], side="right")) - 1
-                if mpre is not None:
-                    mroom = mem_cap - mem_fixed[j] + mpre[j, start]
-                    end = min(end, int(np.searchsorted(mpre[j], mroom, side="right")) - 1)
-                end = min(max(end, start + 1), last)
-            if fixed[j] + pre[j, end] - pre[j, start] > limit:
-                return None
-            if mpre is not None and mem_fixed[j] + mpre[j, end] - mpre[j, start] > mem_cap:
-                return None
-            out.append(end - start)
-            start = end
-        return out
-
-    lo, hi = float(max(fixed.max(), 0.0)), float(fixed.max() + pre[:, -1].max())
-    best = fill(hi)
-    for _ in range(40):
-        if hi - lo <= 1e-9 * max(hi, 1.0):
-            break
-        mid = 0.5 * (lo + hi)
-        got = fill(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    return best
-
-
-def test_minmax_split_matches_the_numpy_reference():
-    from k3opt.search.incumbents import minmax_split
-
-    rng = np.random.default_rng(11)
-    capped = 0
-    for _ in range(300):
-        K = int(rng.integers(1, 9))
-        L = int(rng.integers(K, 40))
-        cost = rng.uniform(0.0, 5.0, (K, L)) * (rng.random((K, L)) > 0.1)
-        fixed = rng.uniform(0.0, 3.0, K) * (rng.random(K) > 0.5)
-        args = [cost, fixed]
-        if rng.random() < 0.5:
-            mem, mem_fixed = rng.uniform(0.0, 2.0, (K, L)), rng.uniform(0.0, 2.0, K)
-            args += [mem, mem_fixed, float(mem.sum(axis=1).max() * rng.uniform(0.05, 1.2))]
-            capped += 1
-        assert minmax_split(*args) == _reference_minmax(*args)
-    assert capped > 50

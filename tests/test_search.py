@@ -361,6 +361,25 @@ def test_minmax_split_equals_enumeration():
             for s in _splits(layers, chunks))
         assert sum(got) == layers and min(got) >= 1
         assert worst == pytest.approx(best, rel=1e-6)
+    # With a memory cap every chunk must hold: the optimum over the splits that fit, None when none does.
+    # The caps: (7, 3) and (9, 4) leave 5 of 15 and 15 of 56 splits and raise the optimum; (8, 3) leaves none.
+    for layers, chunks, cap in ((7, 3, 4.0), (9, 4, 4.5), (8, 3, 2.0), (6, 2, 9.0)):
+        cost = rng.uniform(0.1, 5.0, size=(chunks, layers))
+        fixed = rng.uniform(0.0, 2.0, size=chunks)
+        mem = rng.uniform(0.2, 2.0, size=(chunks, layers))
+        mem_fixed = rng.uniform(0.0, 1.0, size=chunks)
+        fitting = [s for s in _splits(layers, chunks)
+                   if all(mem_fixed[j] + mem[j, sum(s[:j]):sum(s[:j + 1])].sum() <= cap for j in range(chunks))]
+        got = minmax_split(cost, fixed, mem, mem_fixed, cap)
+        if not fitting:
+            assert got is None
+            continue
+        best = min(max(fixed[j] + cost[j, sum(s[:j]):sum(s[:j + 1])].sum() for j in range(chunks)) for s in fitting)
+        assert got is not None and sum(got) == layers and min(got) >= 1
+        b = np.concatenate([[0], np.cumsum(got)])
+        assert all(mem_fixed[j] + mem[j, b[j]:b[j + 1]].sum() <= cap for j in range(chunks))
+        worst = max(fixed[j] + cost[j, b[j]:b[j + 1]].sum() for j in range(chunks))
+        assert worst == pytest.approx(best, rel=1e-6)
 
 
 def test_interrupt_returns_the_best_so_far(job, tiny, slow):
