@@ -183,18 +183,26 @@ class StepTime:
     `exposed_update`; these three sum to step_time_s."""
 
     @property
-    def rank_time_s(self) -> float:
-        """The step time plans rank by: the achievable one when the cluster has a rates file, else the peak
-        roofline. Both are the step formula, (M + (p - 1) / v) x the slowest rank + update; the replayed schedule
-        at the same rates is beside it (ranked_schedule_time_s)."""
+    def formula_time_s(self) -> float:
+        """The step formula at the ranking's rates, (M + (p - 1) / v) x the slowest rank + update:
+        achievable_step_time_s with a rates file, else step_time_s. The search's model computes it; its bounds are
+        lower bounds of it."""
         return self.step_time_s if self.achievable_step_time_s is None else self.achievable_step_time_s
 
     @property
     def ranked_schedule_time_s(self) -> float:
-        """The replayed pipeline schedule at the rates of rank_time_s (achievable_schedule_step_time_s with a rates
-        file, else schedule_step_time_s). Equal chunks: rank_time_s; uneven interleaved chunks replay longer."""
+        """The replayed pipeline schedule at the ranking's rates (achievable_schedule_step_time_s with a rates file,
+        else schedule_step_time_s). Equal chunks: within the formula; uneven interleaved chunks replay longer."""
         a = self.achievable_schedule_step_time_s
         return self.schedule_step_time_s if a is None else a
+
+    @property
+    def rank_time_s(self) -> float:
+        """The step time plans rank by: the larger of the step formula (formula_time_s) and the replayed schedule
+        at the same rates (ranked_schedule_time_s). The formula holds for equal chunks and never under-prices a
+        v = 1 split; uneven interleaved chunks replay longer, and ranking by the larger prices them by their
+        schedule. Every search bound, a lower bound of the formula, stays a lower bound of it."""
+        return max(self.formula_time_s, self.ranked_schedule_time_s)
 
     @property
     def rank_tokens_per_s_per_gpu(self) -> float:

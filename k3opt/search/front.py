@@ -392,6 +392,8 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
             item = _item(job, f, fm, res, model, cluster)
             if item is None:
                 break
+            if item.rank_time_s > item.evaluation.step.formula_time_s * (1 + 1e-9):
+                complete = False  # the solve proved the step formula; this layout ranks by its longer replay
             points.append(item)
             cap = item.peak_bytes // MIB * MIB - step
             t_seen = max(t_seen, item.rank_time_s)
