@@ -286,8 +286,9 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines.append("")
     lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
                  "FSDP degrees, M), each with its best split, recompute mode and toggles. Ranked by achievable_s "
-                 "(roofline plus bubble at the cluster's achievable rates; step_s, the peak roofline, is the "
-                 "optimistic bound beside it; without a rates file the ranking is by step_s); tokens/s, MFU% and "
+                 "(roofline plus bubble at the cluster's achievable rates, or the pipeline schedule replayed at "
+                 "those rates where that is longer; step_s, the peak roofline, is the optimistic bound beside it; "
+                 "without a rates file the ranking is at peak rates); tokens/s, MFU% and "
                  "binds are at the ranked time. Ties in step time go to the lower worst-rank peak. "
                  "live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
                  "allocator slack and memory outside the allocator (the job's runtime); headroom = HBM - reserve - "
