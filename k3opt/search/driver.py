@@ -9,14 +9,23 @@ import signal
 import time as _time
 from collections.abc import Callable
 
-from k3opt.coefficients import coefficients
+from k3opt.coefficients import Shape, coefficients
 from k3opt.errors import InfeasibleJobError
-from k3opt.evaluate import Evaluation
+from k3opt.evaluate import Evaluation, evaluate
 from k3opt.search.bounds import frame_dp_bound, frame_estimate, frame_lower_bound, node_lower_bound, tight_node_bound
-from k3opt.search.frames import ActMode, Frame, allocated_capacity_bytes, enumerate_frames, frame_shape, lifecycles
+from k3opt.search.frames import (
+    ActMode,
+    Frame,
+    allocated_capacity_bytes,
+    enumerate_frames,
+    frame_shape,
+    layout_of,
+    lifecycles,
+)
 from k3opt.search.front import _pareto, ranked_time_limit
-from k3opt.search.incumbents import frame_incumbent, incumbents, visiting_order
+from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, visiting_order
 from k3opt.search.node_model import solve_frame
+from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import Plan, PlanItem
 from k3opt.specs import (
     GIB,
@@ -265,6 +274,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                     hint=(hint or mine).layout if (hint or mine) is not None else None)
             solved += 1
             dive = None
+            if item is not None and res.shape is not None:
+                item = _rebalanced(job, f, res.shape, item, model, cluster)
             size = {"variables": max(size.get("variables", 0), res.variables),
                     "constraints": max(size.get("constraints", 0), res.constraints)}
             if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
@@ -328,6 +339,22 @@ class _Caps(dict):
         job, model, cluster = self._args
         self[f] = allocated_capacity_bytes(job, f, model, cluster)
         return self[f]
+
+
+def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
+                ) -> PlanItem:
+    """The node's layout, or a better one of the same configuration: when its replayed schedule ranks it above the
+    step formula the node model minimized (uneven interleaved chunks), the heuristic splits of that configuration
+    (search/incumbents.candidate_splits: work-balanced, memory-balanced, even) are priced with evaluate() too."""
+    if item.rank_time_s <= item.evaluation.step.formula_time_s * (1 + 1e-9):
+        return item
+    best = item
+    for split in candidate_splits(ranked_coefficients(shape, model, cluster),
+                                  allocated_capacity_bytes(job, f, model, cluster)):
+        ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
+        if ev.fits and _key(ev) < _key(best.evaluation):
+            best = PlanItem(ev.layout, ev)
+    return best
 
 
 def _most_sharded_first(frames: list[Frame]) -> list[Frame]:
