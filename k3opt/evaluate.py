@@ -207,7 +207,7 @@ class StepTime:
     @property
     def rank_tokens_per_s_per_gpu(self) -> float:
         """Tokens/s per GPU at rank_time_s."""
-        return self.tokens_per_update / self.rank_time_s / (self.tokens_per_s / self.tokens_per_s_per_gpu)
+        return self.tokens_per_s_per_gpu * self.step_time_s / self.rank_time_s  # tokens/s scale as 1 / step time
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,8 @@ def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
 
 
 SCHEDULE_GAP_SHOWN = 0.02
-"""Relative excess of the replayed schedule over the step formula above which a plan row gets a GAP line."""
+"""Relative excess of the replayed schedule over the step formula above which the plan says that a row ranks by its
+replay: a display threshold only; a row with a smaller excess ranks by its replay too, without the line."""
 
 
 def schedule_gap_lines(items: list) -> list[str]:
