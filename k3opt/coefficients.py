@@ -248,14 +248,16 @@ def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
     the dispatched copies; the MoE backward rewrite drops the expert outputs (seed 001); FP8 stores GEMM
     inputs in 1 byte plus one FP32 scale per `fp8_block` elements. A low compute precision saves each GEMM
     input as the quantized copy the wgrad GEMM reads (Transformer Engine keeps the column-wise usage,
-    TransformerEngine PR #1596): b + 1/block bytes per element."""
+    TransformerEngine PR #1596): b + 1/block bytes per element; a GEMM that stays BF16 (router, output layer)
+    keeps the BF16 input besides (or instead of) that copy. FP8 storage (the toggle) compresses every GEMM input."""
     total = recomputable = fp8 = 0.0
     for s in block.saved:
         if not _kept(s, toggles):
             continue
         b = float(s.bytes_per_token)
         if precision != Precision.BF16 and s.gemm_input:
-            b = s.values_per_token * quantized_bytes_per_element(precision)
+            b = s.values_per_token * (quantized_bytes_per_element(precision) * s.quantized_reader
+                                      + BF16 * s.bf16_reader)
         elif toggles.fp8_activations and s.gemm_input:
             b = s.values_per_token * (1 + FP32 / fp8_block)
             fp8 += s.values_per_token

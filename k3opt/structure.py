@@ -49,7 +49,9 @@ class Tensor:
 class Saved:
     """A tensor autograd keeps for backward, per token. `gemm_input`: a GEMM input (FP8-storable);
     `recomputable`: the output of an element-wise or short-conv op that selective recompute replays;
-    `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output)."""
+    `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output). Of a GEMM input, `bf16_reader`:
+    also read by a GEMM that stays BF16 (the router, the output layer), whose backward keeps the BF16 tensor;
+    `quantized_reader`: read by a GEMM that runs in the compute precision (which keeps its own quantized copy)."""
 
     name: str
     values_per_token: int
@@ -57,6 +59,8 @@ class Saved:
     gemm_input: bool = False
     recomputable: bool = False
     role: str = ""
+    bf16_reader: bool = False
+    quantized_reader: bool = True
 
     @property
     def bytes_per_token(self) -> int:
@@ -143,12 +147,14 @@ class Structure:
         return f"{self.attention_kind(i)}+{'dense' if self.is_dense(i) else 'moe'}"
 
     # -- blocks ---------------------------------------------------------------------------------
-    def _norm_saved(self, prefix: str) -> tuple[Saved, ...]:
+    def _norm_saved(self, prefix: str, bf16_reader: bool = False, quantized_reader: bool = True
+                    ) -> tuple[Saved, ...]:
         d = self.model.hidden_size
         return (
             Saved(f"{prefix}_norm_input", d, BF16),
             Saved(f"{prefix}_norm_rstd", 1, FP32),
-            Saved(f"{prefix}_norm_output", d, BF16, gemm_input=True, recomputable=True),
+            Saved(f"{prefix}_norm_output", d, BF16, gemm_input=True, recomputable=True,
+                  bf16_reader=bf16_reader, quantized_reader=quantized_reader),
         )
 
     def _attn_res_saved(self, prefix: str) -> tuple[Saved, ...]:
@@ -300,8 +306,10 @@ class Structure:
         for name, shape in (("w1", (f, w)), ("w3", (f, w)), ("w2", (w, f))):
             t.append(Tensor(f"moe.experts.{name}", shape, self._opt(f"moe.experts.{name}"),
                             count=m.num_experts, routed=True, active_per_token=k))
+        # The router (BF16) reads the norm output; a GEMM in the compute precision reads it only through the
+        # latent down-projection or the shared experts (the routed experts read the dispatched copies).
         saved = [
-            *self._norm_saved("mlp"),
+            *self._norm_saved("mlp", bf16_reader=True, quantized_reader=m.latent_size is not None or bool(s)),
             *self._attn_res_saved("mlp"),
             Saved("moe_router_scores", m.num_experts, FP32),
             Saved("moe_topk_weights", k, FP32),
@@ -355,7 +363,7 @@ class Structure:
             t += [_v("attn_res.output_norm", d), _v("attn_res.output_proj", 1, d)]
         if not self.model.tie_word_embeddings:
             t.append(Tensor("lm_head", (v, d), "adamw", active_per_token=1))
-        return Block("lm_head", "head", tuple(t), self._norm_saved("final"))
+        return Block("lm_head", "head", tuple(t), self._norm_saved("final", bf16_reader=True, quantized_reader=False))
 
     def _mtp(self) -> list[Block]:
         """DeepSeek-V3 MTP modules on the last stage: enorm, hnorm, eh_proj [d, 2d], one decoder layer of
@@ -374,7 +382,7 @@ class Structure:
                 Tensor("mtp.shared_head", (v, d), "adamw", count=0, active_per_token=1),
             )
             saved = (Saved(f"mtp{j}_norm_outputs", 2 * d, BF16, gemm_input=True),
-                     *self._norm_saved(f"mtp{j}_final"))
+                     *self._norm_saved(f"mtp{j}_final", bf16_reader=True, quantized_reader=False))
             blocks.append(Block(f"mtp{j}.proj", "mtp", t, saved))
             blocks += [replace(b, name=f"mtp{j}.{b.name.split('.', 1)[1]}") for b in self._layer(last)]
         return blocks
