@@ -11,7 +11,9 @@ the GEMMs' stream, one after another, so their time adds to the tensor-core time
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
 an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts of one layer's all-to-all run concurrently
 (max per layer), the layers one after another (sum). Overlapped, it
-still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest. Data-parallel
+still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest; with the rates
+file's `ep_overlap_stages`, each exchange hides only under the compute Megatron's combined 1F1B pairs it with, and
+the excess adds to the compute path (ep_overlap_stage_exposed). Data-parallel
 communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
 overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
 """

@@ -830,8 +830,8 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
         elementwise = elementwise + loss_kernel_bytes(model, rt, T)
         tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, shape.precision, full, s_eff,
                                     tg.fused_cross_entropy)
-        moe_compute = expert_compute_seconds(model_json, cluster, rt, T, e, shape.precision, full, act_toggles,
-                                             shape.fp8_block_size)
+        moe_compute = _expert_compute(model_json, cluster_json, rates_json, T, e, shape.precision, full, act_toggles,
+                                      shape.fp8_block_size)
         achievable, update_achievable = _achievable_time(
             shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
             ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
@@ -1029,6 +1029,15 @@ def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarra
     if rt.loss_bytes_per_logit is not None:
         heads = 1 + (model.mtp.num_layers if model.mtp is not None else 0)
         out[-1] = heads * tokens * model.vocab_size * rt.loss_bytes_per_logit.value
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+                    full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
+    out = expert_compute_seconds(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
+                                 precision, full, toggles, fp8_block)
+    out.flags.writeable = False
     return out
 
 
