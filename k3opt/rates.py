@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from k3opt.errors import SpecError
 from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
@@ -55,7 +55,7 @@ class OverlapRules(_Strict):
     """Pipeline send/recv runs on its own stream beside compute."""
     vector_serial_with_tensor: bool = True
     """Memory-bound kernels run on the GEMMs' compute stream, in sequence with them."""
-    ep_overlap_stages: bool = False
+    ep_overlap_stages: StrictBool = False
     """Under an EP overlap schedule, each all-to-all hides only under the compute it is paired with in Megatron's
     combined 1F1B layer schedule (k3opt.achievable.ep_overlap_stage_exposed), not under the whole layer; off: it
     hides under the whole stage (a lower bound)."""

@@ -11,6 +11,7 @@ import pytest
 import k3opt
 from k3opt.achievable import achievable_for, ep_overlap_stage_exposed, ranking_arrays
 from k3opt.coefficients import Shape, coefficients
+from k3opt.errors import SpecError
 from k3opt.rates import load_rates
 
 # constraints/clusters/b200.toml and constraints/rates/b200.toml
@@ -122,3 +123,21 @@ def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_th
     cf_p = _coefficients(plain, "qwen3-30b-a3b", "b200")
     assert achievable_for(cf_p, plain.split, cluster, on).stage_time_s == pytest.approx(
         achievable_for(cf_p, plain.split, cluster, off).stage_time_s, rel=1e-12)
+
+
+def test_bad_loss_rate_and_overlap_rule_are_one_clear_error(tmp_path):
+    """A loss rate without its source, or of zero bytes, and a non-boolean stage rule are rejected by the loader
+    with the key named (SpecError; the CLI prints it as one line and exits 2)."""
+    text = (k3opt.specs.preset_dir("rates") / "b200.toml").read_text()
+    start = text.index("[loss_bytes_per_logit]")
+    end = text.index("\n[", start + 1)
+    cases = {
+        "no source": text[:start] + '[loss_bytes_per_logit]\nvalue = 22.0\nunit = "B"\nkind = "derived"\n' + text[end:],
+        "zero bytes": text.replace("value = 22.0", "value = 0.0"),
+        "stage rule": text.replace("ep_overlap_stages = true", 'ep_overlap_stages = "yes"'),
+    }
+    for name, body in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.toml"
+        bad.write_text(body)
+        with pytest.raises(SpecError, match="loss_bytes_per_logit|ep_overlap_stages"):
+            load_rates(str(bad))
