@@ -11,7 +11,9 @@ the GEMMs' stream, one after another, so their time adds to the tensor-core time
 The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critical path unless the layout turns
 an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts of one layer's all-to-all run concurrently
 (max per layer), the layers one after another (sum). Overlapped, it
-still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest. Data-parallel
+still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest; with the rates
+file's `ep_overlap_stages`, each exchange hides only under the compute Megatron's combined 1F1B pairs it with, and
+the excess adds to the compute path (ep_overlap_stage_exposed). Data-parallel
 communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
 overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
 """
@@ -149,14 +151,49 @@ def ranking_arrays(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | No
     else:
         # Overlapped: the all-to-all hides under compute but holds its SMs meanwhile, so the compute it overlaps
         # runs on the rest: + share x all-to-all time (the measured bandwidth's SM budget).
-        time = dict(over, tensor=over["tensor"] + _sm_share(cf, rates, cluster) * ep,
-                    ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
+        share = _sm_share(cf, rates, cluster)
+        tensor = over["tensor"] + share * ep
+        if rates.overlap.ep_overlap_stages and cf.moe_compute_achievable.size:
+            # Each exchange hides only under the compute it is paired with (the compute stream's path).
+            comp = a["tensor"] + a["vector"]
+            tensor = tensor + ep_overlap_stage_exposed(comp - cf.moe_compute_achievable, cf.moe_compute_achievable,
+                                                       ep, share, _exchanges(cf))
+        time = dict(over, tensor=tensor, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
         exposed = np.zeros_like(ep)
     update = {res: (arr if res in UPDATE_COMPUTE else np.zeros_like(arr))
               for res, arr in cf.update_achievable.items()}
     hidden = {res: cf.update_achievable[res] for res in UPDATE_COMM}
     return RankingArrays(time=time, update=update, exposed=exposed, update_hidden=hidden,
                          hidden_stages=rates.overlap.dp_overlap_microbatches)
+
+
+def _exchanges(cf: Coefficients) -> int:
+    """All-to-all payload exchanges per MoE layer per microbatch of the layout (comm.ep_exchanges)."""
+    sh = cf.shape
+    return comm.ep_exchanges(sh.recompute == Recompute.FULL, sh.toggles.dispatch_recompute)
+
+
+def ep_overlap_stage_exposed(pre: np.ndarray, mlp: np.ndarray, ep: np.ndarray, share: float,
+                             exchanges: int) -> np.ndarray:
+    """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its paired compute, as
+    Megatron's combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i)
+    (NVIDIA/Megatron-LM megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
+
+        comm stream:  combine bwd     | dispatch fwd, dispatch bwd | -       | combine fwd
+        comp stream:  pre-dispatch fwd| mlp bwd                    | mlp fwd | pre-dispatch bwd
+
+    Each stage lasts max(compute + share x comm, comm) (the all-to-all holds `share` of the SMs, as priced on the
+    whole stage already), so beyond that priced part it adds max(0, (1 - share) comm - compute):
+
+        exposed = max(0, (1-s) c - pre/3) + max(0, (1-s)(x-2) c - 2 mlp/3) + max(0, (1-s) c - 2 pre/3)
+
+    with c = ep / x the seconds of one of the layer's x exchanges (x = 4: dispatch and combine, forward and
+    backward; a replayed dispatch rides with the backward dispatch), `pre` and `mlp` the layer's pre-dispatch
+    and routed-expert compute per microbatch (forward 1/3, backward 2/3 of each: 2 and 4 of the 6 FLOPs per
+    weight per token). The paired layers are taken alike (one layer's shapes on both sides)."""
+    c = (1 - share) * ep / exchanges
+    return (np.maximum(0.0, c - pre / 3) + np.maximum(0.0, (exchanges - 2) * c - 2 * mlp / 3)
+            + np.maximum(0.0, c - 2 * pre / 3))
 
 
 def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:

@@ -8,7 +8,7 @@ arrays. All values are float64 bytes, FLOPs or seconds per GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -226,6 +226,10 @@ class Coefficients:
     update_achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     pp_seconds_per_byte_achievable: tuple[float, ...] = ()
     rates_name: str = ""
+    moe_compute_achievable: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Per layer, seconds per microbatch of the routed-expert part of its compute at the achievable rates
+    (expert_compute_seconds; the rest of `achievable` tensor + vector is the pre-dispatch part); empty without
+    rates. The EP overlap schedule pairs each all-to-all with one of the two parts (achievable.py)."""
     update_hidden: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     """Per-update seconds that hide under `update_hidden_stages` stage-microbatches of compute; only what exceeds
     that window adds to the step (empty in the cost model's own coefficients: the roofline exposes the whole update;
@@ -817,6 +821,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
 
     achievable: dict[str, np.ndarray] = {}
     update_achievable: dict[str, np.ndarray] = {}
+    moe_compute = np.zeros(n)
     if rates_json:
         rt = _rates_from_json(rates_json)
         # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
@@ -824,8 +829,11 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
         # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
         # its own traffic. Kernels on one stream run in sequence, so this time adds to the GEMM time.
         elementwise = 5 * saved * np.where(layer, rc_factor, 1.0) + (hbm - hbm_weights - 2 * (act + recompute_ws))
+        elementwise = elementwise + loss_kernel_bytes(model, rt, T)
         tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, shape.precision, full, s_eff,
                                     tg.fused_cross_entropy)
+        moe_compute = _expert_compute(model_json, cluster_json, rates_json, T, e, shape.precision, full, act_toggles,
+                                      shape.fp8_block_size)
         achievable, update_achievable = _achievable_time(
             shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
             ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
@@ -851,6 +859,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
         gemm_flops=gemm_flops, quantized_weights=quantized_weights,
         achievable=achievable, update_achievable=update_achievable,
         rates_name=_rates_from_json(rates_json).name if rates_json else "",
+        moe_compute_achievable=moe_compute if rates_json else np.zeros(0),
     ))
 
 
@@ -911,6 +920,30 @@ def recompute_flops_factor(full: bool) -> float:
     return 4 / 3 if full else 1.0
 
 
+def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
+                      precision: Precision) -> np.ndarray:
+    """Seconds per microbatch of each row of `sa.gemms` (fwd + bwd, no recompute) at the achievable rates.
+    Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
+    Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
+    dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3)."""
+    tf = 1e12
+    p, bf = precision, Precision.BF16
+    lowp = p != bf
+    bf16 = cluster.bf16_tflops * tf
+    pk = cluster.dense_tflops(p) * tf
+    g = sa.gemms
+    _, out, inp, act, is_routed, q = (g[:, j] for j in range(6))
+    moe = model_moe_tokens_factor(ep, sa)
+    m_tokens = np.where(is_routed > 0, T * moe, T)
+    flops = 6.0 * T * out * inp * act
+    use_q = (q > 0) & lowp
+    frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
+                    np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
+    peak = np.where(use_q, pk, bf16)
+    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
+    return flops / (peak * frac * size)
+
+
 @lru_cache(maxsize=1024)
 def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
                        full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
@@ -928,24 +961,11 @@ def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str
     n = len(sa.moe)
     layer = np.arange(n) < n - 2
     rc = np.where(layer, recompute_flops_factor(full), 1.0)
-    p, bf = precision, Precision.BF16
-    lowp = p != bf
+    bf = Precision.BF16
     bf16 = cluster.bf16_tflops * tf
-    pk = cluster.dense_tflops(p) * tf
-    # Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
-    # Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
-    # dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3).
     g = sa.gemms
-    idx, out, inp, act, is_routed, q = (g[:, j] for j in range(6))
-    moe = model_moe_tokens_factor(ep, sa)
-    m_tokens = np.where(is_routed > 0, T * moe, T)
-    flops = 6.0 * T * out * inp * act
-    use_q = (q > 0) & lowp
-    frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
-                    np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
-    peak = np.where(use_q, pk, bf16)
-    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
-    tensor = np.bincount(idx.astype(int), weights=flops / (peak * frac * size), minlength=n) * rc
+    tensor = np.bincount(g[:, 0].astype(int), weights=_gemm_row_seconds(sa, cluster, rt, T, ep, precision),
+                         minlength=n) * rc
     if fused_cross_entropy:
         tensor[-1] += 2 * T * sa.head_active / (bf16 * rt.gemm("dense", bf))
     # Attention and scan FLOPs are 1 forward + 2 backward units (one more forward under full recompute, rc = 4/3):
@@ -990,3 +1010,58 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
         "host_link": up_host / (cluster.host_link_gbps * gb),
     }
     return time, update
+
+
+# ---------------------------------------------------------------- achievable: loss kernels and the MoE expert part
+# Two per-layer terms of the achievable roofline kept apart from the rest: the cross-entropy kernels' HBM traffic
+# on the last edge, and the routed-expert share of each layer's compute that the EP overlap schedule pairs with
+# the all-to-all (k3opt.achievable.ep_overlap_stage_exposed).
+
+
+ROUTED_SAVED = ("moe_dispatched", "moe_expert")
+"""Name prefixes of the MoE block's saved tensors that belong to the routed experts (structure.py: the router,
+the norms and the shared expert run in Megatron's pre-dispatch node)."""
+
+
+def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarray:
+    """HBM bytes per microbatch of the cross-entropy kernels, on the last edge (length L + 2): one loss per output
+    head (the LM head and each MTP module), T x vocab logits x the rates file's `loss_bytes_per_logit`; zeros
+    when the rates file does not name that figure."""
+    out = np.zeros(model.num_layers + 2)
+    if rt.loss_bytes_per_logit is not None:
+        heads = 1 + (model.mtp.num_layers if model.mtp is not None else 0)
+        out[-1] = heads * tokens * model.vocab_size * rt.loss_bytes_per_logit.value
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+                    full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
+    out = expert_compute_seconds(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
+                                 precision, full, toggles, fp8_block)
+    out.flags.writeable = False
+    return out
+
+
+def expert_compute_seconds(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
+                           precision: Precision, full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
+    """Per layer, seconds per microbatch of the compute Megatron's combined 1F1B schedule runs as the `mlp` node
+    (NVIDIA/Megatron-LM megatron/core/models/gpt/fine_grained_callables.py: the routed experts; attention, the
+    router and the shared experts run in the pre-dispatch node): the routed GEMMs at the achievable rates
+    (_gemm_row_seconds) plus their memory-bound kernels, 5 x the routed experts' saved bytes (the dispatched
+    inputs, the expert activations and outputs; ROUTED_SAVED) at the achievable HBM rate, the same count as the
+    `vector` resource."""
+    sa = _static(model_json)
+    n = len(sa.moe)
+    g = sa.gemms
+    rc = np.where(np.arange(n) < n - 2, recompute_flops_factor(full), 1.0)
+    routed = g[:, 4] > 0
+    gemm = np.bincount(g[:, 0].astype(int), weights=_gemm_row_seconds(sa, cluster, rt, T, ep, precision) * routed,
+                       minlength=n)
+    st = structure_of(_model_of(model_json))
+    blocks: list[list[Block]] = [*st.layers, st.first, st.last]
+    routed_blocks = [[replace(b, saved=tuple(x for x in b.saved if x.name.startswith(ROUTED_SAVED)))
+                      for b in bl if b.kind == "moe"] for bl in blocks]
+    moe_saved = np.array([sum(saved_per_token(b, toggles, fp8_block, precision)[0] for b in bl)
+                          for bl in routed_blocks]) * T
+    return (gemm + 5 * moe_saved / (cluster.hbm_gbps * 1e9 * rt.hbm.value)) * rc

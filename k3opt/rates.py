@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from k3opt.errors import SpecError
 from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
@@ -55,6 +55,10 @@ class OverlapRules(_Strict):
     """Pipeline send/recv runs on its own stream beside compute."""
     vector_serial_with_tensor: bool = True
     """Memory-bound kernels run on the GEMMs' compute stream, in sequence with them."""
+    ep_overlap_stages: StrictBool = False
+    """Under an EP overlap schedule, each all-to-all hides only under the compute it is paired with in Megatron's
+    combined 1F1B layer schedule (k3opt.achievable.ep_overlap_stage_exposed), not under the whole layer; off: it
+    hides under the whole stage (a lower bound)."""
     source: str = Field(min_length=1)
 
 
@@ -108,6 +112,9 @@ class RatesSpec(_Strict):
     """Latency of one ring step between two GPUs of an NVLink domain, microseconds."""
     collective_hop_latency_nic_us: Rate | None = None
     """Latency of one ring step across NVLink domains (the network), microseconds."""
+    loss_bytes_per_logit: Rate | None = None
+    """HBM bytes the cross-entropy kernels move per logit element per microbatch (forward and backward, after
+    the LM-head GEMM that writes the logits); absent: the loss kernels are unpriced."""
 
     def ring_latency_s(self, n: int, a: int) -> float:
         """Seconds of latency of one ring all-gather or reduce-scatter over n ranks, a of them per NVLink domain,
@@ -162,7 +169,8 @@ class RatesSpec(_Strict):
             out[key] = getattr(self, key)
         if self.attention_core_backward is not None:
             out["attention_core_backward"] = self.attention_core_backward
-        for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us"):
+        for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us",
+                    "loss_bytes_per_logit"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         for d, r in self.a2a_nvlink_gbps.items():
