@@ -5,6 +5,7 @@ units of 100 ns, rounded up per layer; the tie-break on the worst-rank peak in M
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from ortools.sat.python import cp_model
 from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
+from k3opt.search import replay_bound
 from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -43,6 +45,7 @@ from k3opt.specs import (
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
+SAMPLE_SPLITS = 24       # sample splits whose replay paths seed an interleaved node's bound (replay_bound)
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -454,7 +457,14 @@ class FrameModel:
                 for u in rk["hidden"].values():
                     m.add(den * exposed >= den * u - num * stage)
         slots_v = f.vp * f.microbatches + f.pp - 1  # v * (M + (p - 1)/v)
-        self.step_units = slots_v * stage + f.vp * (update + exposed)
+        # The pipeline term: the step formula's slots x stage, and (v > 1) the replayed schedule's linear lower
+        # bounds (search/replay_bound.py), so the objective is max(formula, replay bound) + update.
+        self.pipe = m.new_int_var(0, slots_v * self.time_ub, "pipe")
+        m.add(self.pipe >= slots_v * stage)
+        self.paths: set[bytes] = set()
+        if f.vp > 1:
+            self._replay_terms()
+        self.step_units = self.pipe + f.vp * (update + exposed)
         self.peak_mib = peak_mib
         self.stage, self.update = stage, update
         # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
@@ -464,6 +474,139 @@ class FrameModel:
         self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
         self.obj_scale = (self.tie_max + 1) * self.toggle_scale
         m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
+
+    # -- replayed schedule: linear lower bound (search/replay_bound.py) ---------------------------
+    def _replay_terms(self) -> None:
+        """Per rank r its stage time tr_r (>= every resource's time: exact at a layout), an exact upper bound
+        U_r >= the replay's W_r = sum over r's chunks of the chunk's busiest-resource work and >= tr_r, and per
+        chunk j a lower bound cl_j of its replayed time c_j = t_r w_j / W_r (schedule.chunk_times):
+
+            c_j >= w_j + min(0, t_r - W_r) >= e_j + t_r - U_r,  e_j any resource's chunk sum (<= w_j)
+
+        (t_r <= W_r: c_j - w_j - t_r + W_r = (W_r - w_j)(W_r - t_r) / W_r >= 0; t_r >= W_r: c_j >= w_j; then
+        W_r <= U_r and t_r <= U_r). U_r is the rank's sum of per-layer maxima over resources and modes plus every
+        rank-level term (PP packets, the toggles' extra traffic) that the resources' times add, each exact, so
+        the solver cannot loosen the bound by inflating it. Then the paths of `replay_bound` bound the makespan."""
+        m, K, p, L = self.m, self.K, self.f.pp, self.L
+        c0, tv = self.c0, self.tv
+        # Per group of modes with one recompute mode and lifecycle (the activation toggles change the arrays
+        # less): the per-layer least of each resource (for e_j) and the per-layer greatest over resources (for
+        # U_r), the latter for each state of the two toggles that add host-link traffic per layer (activation
+        # offload, ZeRO-2 host gradients), exact per state rather than max + delta.
+        groups: dict[tuple[Recompute, FsdpLifecycle], list[ActMode]] = {}
+        for md, lc in self.base:
+            groups.setdefault((md.recompute, lc), []).append(md)
+        rcs = sorted({md.recompute for md in self.modes}, key=lambda x: x.value)
+        rc_lit = {}
+        for rc in rcs:
+            if len(rcs) == 1:
+                rc_lit[rc] = []
+            else:
+                b_ = m.new_bool_var(f"rc_{rc.value}")
+                m.add(b_ == sum(v for md, v in self.mv.items() if md.recompute == rc))
+                rc_lit[rc] = [b_]
+        lits = {g: rc_lit[g[0]] + ([self.lv[g[1]]] if len(self.lcs) > 1 else []) for g in groups}
+        lo, keep, hi = {}, {}, {}
+        for g, mds in groups.items():
+            cfs = [self.base[(md, g[1])] for md in mds]
+            lo[g] = {res: np.min([np.floor(np.asarray(cf.time[res]) / TIME_UNIT + 1e-9) for cf in cfs], axis=0
+                                 ).astype(np.int64) for res in c0.time}
+            keep[g] = []
+            for res, arr in sorted(lo[g].items(), key=lambda kv: -int(kv[1].sum())):
+                if arr.any() and not any(np.all(arr <= lo[g][k]) for k in keep[g]):
+                    keep[g].append(res)  # a resource no kept one dominates layer by layer
+            for o_on, z_on in itertools.product((False, True), repeat=2):
+                rows = []
+                for md, cf in zip(mds, cfs, strict=True):
+                    for res in cf.time:
+                        arr = np.asarray(cf.time[res], dtype=float)
+                        if res == "host_link" and o_on:
+                            arr = arr + np.maximum(self.offload[md].time[res] - self.base[(md, self.lcs[0])].time[res],
+                                                   0)
+                        if res == "host_link" and z_on:
+                            arr = arr + np.maximum(self.z2.time[res] - c0.time[res], 0)
+                        rows.append(self._t(arr))
+                hi[(g, o_on, z_on)] = np.max(rows, axis=0)
+        ub = self.time_ub * 4
+        fce = max(0, _tq(self.fce.time["tensor"][L + 1] - c0.time["tensor"][L + 1]))
+        self.tr, self.ur, self.cl = [], [], []
+        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
+        for r, rk in enumerate(self.ranks):
+            mine = list(range(r, K, p))
+            t = m.new_int_var(0, self.time_ub, f"tr_r{r}")
+            for x in rk["times"].values():
+                m.add(t >= x)
+            u = m.new_int_var(0, ub, f"u_layers_r{r}")
+            for (g, o_on, z_on), arr in hi.items():
+                m.add(u == self._rank_sum(arr, r)).only_enforce_if(
+                    [*lits[g], off if o_on else ~off, zz if z_on else ~zz])
+            if (K - 1) in mine and fce:
+                u = u + fce * tv["fused_cross_entropy"]
+            for j in mine:  # PP packets, on whichever link carries them
+                if j > 0:
+                    u = u + _tq(c0.pp_seconds_per_byte[(r - 1) % p] * c0.stream_bytes) * (1 + self._closes_before(j))
+                if j < K - 1:
+                    u = u + _tq(c0.pp_seconds_per_byte[r] * c0.stream_bytes) * (1 + self._closes_before(j + 1))
+            if self.bal.balanced_inflight is not None and max(sum(c) for c in c0.compositions[r]) > \
+                    self.bal.balanced_inflight:
+                n_peak = max(sum(c) for c in c0.compositions[r])
+                spb = self.bal.balance_seconds_per_byte
+                coef = np.max([_ceil(balance_moved_bytes(self.base[(md, self.lcs[0])].act, n_peak,
+                                                         self.bal.balanced_inflight) * spb, TIME_UNIT)
+                               for md in self.modes], axis=0)
+                y = m.new_int_var(0, ub, f"u_bal_r{r}")
+                m.add(y == self._rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
+                m.add(y == 0).only_enforce_if(~tv["balance_activations"])
+                u = u + y
+            self.tr.append(t)
+            self.ur.append(u)
+        self.cl = [m.new_int_var(0, self.time_ub, f"cl_{j}") for j in range(K)]
+        for j in range(K):
+            r = j % p
+            for g in groups:
+                for res in keep[g]:
+                    m.add(self.cl[j] >= self._chunk(lo[g][res], j) + self.tr[r] - self.ur[r]).only_enforce_if(lits[g])
+        full = [md.recompute == Recompute.FULL for md in self.modes]
+        self.betas = replay_bound.betas(full)
+        layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
+        self.layer_work = layer_work
+        paths = replay_bound.classic_paths(p, self.f.vp, self.f.microbatches)
+        paths += replay_bound.split_paths(p, self.f.vp, self.f.microbatches, layer_work,
+                                          replay_bound.sample_splits(L, K, SAMPLE_SPLITS), self.betas[0])
+        self.add_replay_paths(paths)
+
+    def add_replay_paths(self, paths: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Lower bounds of the replayed makespan, one per path (replay_bound): with a_j the path's integer
+        coefficients (SCALE x), per rank r the part a_min,r x t_r + sum_j (a_j - a_min,r) cl_j (its chunks' times
+        sum to t_r exactly, each at least cl_j). Returns how many were new."""
+        if self.f.vp == 1:
+            return 0
+        p, v = self.f.pp, self.f.vp
+        rows = [replay_bound.path_coefficients(nf, nb, self.betas) for nf, nb in paths]
+        new = 0
+        for a in rows:
+            key = a.tobytes()
+            if key in self.paths:
+                continue
+            self.paths.add(key)
+            new += 1
+            expr = 0
+            for r in range(p):
+                ar = a[r::p]
+                amin = int(ar.min())
+                if amin:
+                    expr = expr + amin * self.tr[r]
+                for k, x in enumerate(ar.tolist()):
+                    if x > amin:
+                        expr = expr + (x - amin) * self.cl[k * p + r]
+            self.m.add(replay_bound.SCALE * self.pipe >= v * expr)
+        return new
+
+    def add_split_paths(self, splits: list[list[int]]) -> None:
+        """The replay's longest paths at these splits (e.g. a hint's), over the node's per-layer work."""
+        if self.f.vp > 1:
+            self.add_replay_paths(replay_bound.split_paths(self.f.pp, self.f.vp, self.f.microbatches,
+                                                           self.layer_work, splits, self.betas[0]))
 
     def add_stage_bound(self, stage_lb_s: float, split: list[int] | None) -> None:
         """A valid lower bound on the stage time (from the node's dynamic program) and its split as a hint."""
@@ -475,6 +618,7 @@ class FrameModel:
             for j in range(1, self.K):
                 for i in range(self.L):
                     self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
+            self.add_split_paths([list(split)])
 
     def add_step_bound(self, step_lb_s: float) -> None:
         """A valid lower bound on the step time (the node's linear relaxation), as a cut on the objective: the
@@ -488,6 +632,7 @@ class FrameModel:
         if len(layout.split) != self.K or self.fixed_split is not None:
             return
         self.m.clear_hints()
+        self.add_split_paths([list(layout.split)])
         bounds = np.cumsum(layout.split)
         for j in range(1, self.K):
             for i in range(self.L):
@@ -602,10 +747,10 @@ def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
     f = fm.f
     solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
     slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
-    ranked = ev.step.formula_time_s  # the model's objective; the ranked time may be the replay, above it
+    ranked = ev.step.formula_time_s  # the model's objective is at least the formula, at most the ranked time
     # The ranking view leaves out the unpaired microbatches of an EP overlap schedule (no search sets ep_overlap).
     below = ev.step.achievable_unpaired_ep_s
-    upper = ranked + slack if res.status == "OPTIMAL" else float("inf")
+    upper = ev.step.rank_time_s + slack if res.status == "OPTIMAL" else float("inf")
     if not (ranked - below - 1e-9 <= solver_step <= upper):
         raise RuntimeError(
             f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ranked:.6f} s"
