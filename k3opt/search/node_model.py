@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from ortools.sat.python import cp_model
 from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
+from k3opt.schedule import chunk_times, critical_path
 from k3opt.search import replay_bound
 from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_lower_bound
 from k3opt.search.frames import (
@@ -477,18 +479,22 @@ class FrameModel:
 
     # -- replayed schedule: linear lower bound (search/replay_bound.py) ---------------------------
     def _replay_terms(self) -> None:
-        """Per rank r its stage time tr_r (>= every resource's time: exact at a layout), an exact upper bound
-        U_r >= the replay's W_r = sum over r's chunks of the chunk's busiest-resource work and >= tr_r, and per
-        chunk j a lower bound cl_j of its replayed time c_j = t_r w_j / W_r (schedule.chunk_times):
+        """Per rank r its stage time tr_r (>= every resource's time: exact at a layout); an exact upper bound U_r
+        of the replay's W_r = sum over r's chunks of the chunk's busiest-resource work (schedule.chunk_times'
+        `work`): the rank's sum of per-layer maxima over resources and modes, per state of the toggles that change
+        per-layer time; T_r, one resource's per-layer sum over the rank (<= t_r, <= U_r); and per chunk j a lower
+        bound cl_j of its replayed time c_j = t_r w_j / W_r:
 
-            c_j >= w_j + min(0, t_r - W_r) >= e_j + t_r - U_r,  e_j any resource's chunk sum (<= w_j)
+            c_j >= w_j + min(0, t_r - W_r) >= e_j + min(0, T_r - U_r) = e_j + T_r - U_r,  e_j <= w_j
 
-        (t_r <= W_r: c_j - w_j - t_r + W_r = (W_r - w_j)(W_r - t_r) / W_r >= 0; t_r >= W_r: c_j >= w_j; then
-        W_r <= U_r and t_r <= U_r). U_r is the rank's sum of per-layer maxima over resources and modes plus every
-        rank-level term (PP packets, the toggles' extra traffic) that the resources' times add, each exact, so
-        the solver cannot loosen the bound by inflating it. Then the paths of `replay_bound` bound the makespan."""
+        (t_r <= W_r: c_j - w_j - t_r + W_r = (W_r - w_j)(W_r - t_r) / W_r >= 0; t_r >= W_r: c_j >= w_j; the
+        middle term grows with t_r and falls with W_r). PP packets and rank-level traffic are in t_r but not in
+        W_r, so they stay out of both T_r and U_r. U_r is exact (equalities under the mode and toggle literals),
+        so the solver cannot loosen the bound by inflating it. Then the paths of `replay_bound` bound the
+        makespan (add_replay_paths)."""
         m, K, p, L = self.m, self.K, self.f.pp, self.L
         c0, tv = self.c0, self.tv
+        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
         # Per group of modes with one recompute mode and lifecycle (the activation toggles change the arrays
         # less): the per-layer least of each resource (for e_j) and the per-layer greatest over resources (for
         # U_r), the latter for each state of the two toggles that add host-link traffic per layer (activation
@@ -511,10 +517,28 @@ class FrameModel:
             cfs = [self.base[(md, g[1])] for md in mds]
             lo[g] = {res: np.min([np.floor(np.asarray(cf.time[res]) / TIME_UNIT + 1e-9) for cf in cfs], axis=0
                                  ).astype(np.int64) for res in c0.time}
-            keep[g] = []
+            kept: list[str] = []
             for res, arr in sorted(lo[g].items(), key=lambda kv: -int(kv[1].sum())):
-                if arr.any() and not any(np.all(arr <= lo[g][k]) for k in keep[g]):
-                    keep[g].append(res)  # a resource no kept one dominates layer by layer
+                if arr.any() and not any(np.all(arr <= lo[g][k]) for k in kept):
+                    kept.append(res)  # a resource no kept one dominates layer by layer
+            keep[g] = [(lo[g][res], lits[g]) for res in kept]
+            if "host_link" in c0.time:
+                # The host link under offload / ZeRO-2 host gradients, each state under its literals.
+                for o_on, z_on in ((True, False), (False, True), (True, True)):
+                    if (o_on and True not in _choices(self.job, "activation_offload")) or (
+                            z_on and True not in _choices(self.job, "pipeline_zero2_host_grads")):
+                        continue
+                    rows = []
+                    for md, cf in zip(mds, cfs, strict=True):
+                        arr = np.asarray(cf.time["host_link"], dtype=float)
+                        if o_on:
+                            arr = arr + self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time[
+                                "host_link"]
+                        if z_on:
+                            arr = arr + self.z2.time["host_link"] - c0.time["host_link"]
+                        rows.append(np.floor(arr / TIME_UNIT + 1e-9))
+                    keep[g].append((np.maximum(np.min(rows, axis=0), 0).astype(np.int64),
+                                    [*lits[g], off if o_on else ~off, zz if z_on else ~zz]))
             for o_on, z_on in itertools.product((False, True), repeat=2):
                 rows = []
                 for md, cf in zip(mds, cfs, strict=True):
@@ -530,7 +554,6 @@ class FrameModel:
         ub = self.time_ub * 4
         fce = max(0, _tq(self.fce.time["tensor"][L + 1] - c0.time["tensor"][L + 1]))
         self.tr, self.ur, self.cl = [], [], []
-        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
         for r, rk in enumerate(self.ranks):
             mine = list(range(r, K, p))
             t = m.new_int_var(0, self.time_ub, f"tr_r{r}")
@@ -542,30 +565,20 @@ class FrameModel:
                     [*lits[g], off if o_on else ~off, zz if z_on else ~zz])
             if (K - 1) in mine and fce:
                 u = u + fce * tv["fused_cross_entropy"]
-            for j in mine:  # PP packets, on whichever link carries them
-                if j > 0:
-                    u = u + _tq(c0.pp_seconds_per_byte[(r - 1) % p] * c0.stream_bytes) * (1 + self._closes_before(j))
-                if j < K - 1:
-                    u = u + _tq(c0.pp_seconds_per_byte[r] * c0.stream_bytes) * (1 + self._closes_before(j + 1))
-            if self.bal.balanced_inflight is not None and max(sum(c) for c in c0.compositions[r]) > \
-                    self.bal.balanced_inflight:
-                n_peak = max(sum(c) for c in c0.compositions[r])
-                spb = self.bal.balance_seconds_per_byte
-                coef = np.max([_ceil(balance_moved_bytes(self.base[(md, self.lcs[0])].act, n_peak,
-                                                         self.bal.balanced_inflight) * spb, TIME_UNIT)
-                               for md in self.modes], axis=0)
-                y = m.new_int_var(0, ub, f"u_bal_r{r}")
-                m.add(y == self._rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
-                m.add(y == 0).only_enforce_if(~tv["balance_activations"])
-                u = u + y
             self.tr.append(t)
             self.ur.append(u)
+        # T_r: the largest of the rank's sums of one resource's per-layer least, in the state the literals pick
+        # (<= t_r, <= U_r); bounded below only, the direction the solver wants to push it.
         self.cl = [m.new_int_var(0, self.time_ub, f"cl_{j}") for j in range(K)]
-        for j in range(K):
-            r = j % p
+        for r in range(p):
+            low = m.new_int_var(0, self.time_ub, f"T_r{r}")
             for g in groups:
-                for res in keep[g]:
-                    m.add(self.cl[j] >= self._chunk(lo[g][res], j) + self.tr[r] - self.ur[r]).only_enforce_if(lits[g])
+                for arr, lit in keep[g]:
+                    m.add(low >= self._rank_sum(arr, r)).only_enforce_if(lit)
+            for j in range(r, K, p):
+                for g in groups:
+                    for arr, lit in keep[g]:
+                        m.add(self.cl[j] >= self._chunk(arr, j) + low - self.ur[r]).only_enforce_if(lit)
         full = [md.recompute == Recompute.FULL for md in self.modes]
         self.betas = replay_bound.betas(full)
         layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
@@ -725,8 +738,80 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
         fm.add_step_bound(_LP_BOUNDS.get(key, 0.0))
     if hint is not None:
         fm.add_layout_hint(hint)
-    res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
-    return res, _item(job, f, fm, res, model, cluster)
+    if f.vp == 1:
+        res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
+        return res, _item(job, f, fm, res, model, cluster)
+    return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, peak_cap_mib,
+                                   relative_gap, (job.model_dump_json(), f, recompute, lifecycle))
+
+
+_NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+"""Replay paths found at a node's solutions, kept for its next solve (a node cut by its slice is solved again)."""
+MIN_CUT_SLICE_S = 0.5
+"""Least time left for another solve after adding a replay path; less and the node returns FEASIBLE."""
+
+
+def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec, cluster: ClusterSpec,
+                            time_limit: float, workers: int, presolve: bool, peak_cap_mib: int | None,
+                            relative_gap: float, key: tuple) -> tuple[FrameResult, PlanItem | None]:
+    """Interleaved nodes: solve; when the solution's ranked time (its replay) is above the model's objective by
+    more than the gap, add the replay's longest path at that solution as a cut (replay_bound), hint the solution,
+    keep the proven bound (a lower bound of the tightened model too) and solve again, while time is left. The
+    bound stays valid throughout; the node is OPTIMAL only when the last solution's ranked time is within the gap
+    of its objective or no new path can be added, else FEASIBLE (cut by its time), so the driver solves it again
+    with the paths found so far."""
+    fm.add_replay_paths(_NODE_PATHS.get(key, []))
+    deadline = time.monotonic() + time_limit
+    best: tuple[FrameResult, PlanItem | None] | None = None
+    bound = 0
+    timed_out = False
+    while True:
+        res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, peak_cap_mib, relative_gap)
+        item = _item(job, f, fm, res, model, cluster)
+        bound = max(bound, res.bound or 0)
+        if best is None or (item is not None and (best[1] is None or item.rank_time_s < best[1].rank_time_s)):
+            best = (res, item)
+        if item is None or res.status != "OPTIMAL" or res.objective is None:
+            break
+        objective_s = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
+        if item.rank_time_s <= objective_s * (1 + relative_gap) + 1e-9:
+            break  # the model prices its solution at its ranked time (within the gap): the proof holds for it
+        path = _solution_path(fm, res, model, cluster)
+        if not fm.add_replay_paths([path]):
+            break  # the longest path is in already: the rest is the per-chunk bounds' slack
+        _NODE_PATHS.setdefault(key, []).append(path)
+        if deadline - time.monotonic() < MIN_CUT_SLICE_S:
+            timed_out = True  # the gap to the ranked time is open: solve again, with this path
+            break
+        fm.add_layout_hint(item.layout)
+        fm.m.add(fm.step_units >= bound // fm.obj_scale)
+    res, item = best
+    res.bound = max(res.bound or 0, bound)
+    res.bound_step_s = (res.bound // fm.obj_scale) * TIME_UNIT / f.vp
+    if timed_out:
+        res.status = "FEASIBLE"
+    return res, item
+
+
+def _solution_path(fm: FrameModel, res: FrameResult, model: ModelSpec, cluster: ClusterSpec
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The replay's longest path at a solution, over its chunks' busiest-resource work in the ranked view (each
+    rank's stage taken as its resources' largest sum): which path is longest, not its length, is what the cut
+    needs, and any path gives a valid cut."""
+    assert res.shape is not None and res.split is not None
+    cf = coefficients(res.shape, model, cluster)
+    edges = np.concatenate([[0], np.cumsum(res.split)]).astype(int)
+    k, p = fm.K, fm.f.pp
+
+    def chunk(a: np.ndarray, j: int) -> float:
+        return float(a[edges[j]:edges[j + 1]].sum() + (a[fm.L] if j == 0 else 0.0)
+                     + (a[fm.L + 1] if j == k - 1 else 0.0))
+
+    sums = {res_: np.array([chunk(np.asarray(a), j) for j in range(k)]) for res_, a in cf.time.items()}
+    work = np.max(list(sums.values()), axis=0)
+    stages = [max(float(v[r::p].sum()) for v in sums.values()) for r in range(p)]
+    fwd, bwd = chunk_times(work, stages, p, res.shape.recompute == Recompute.FULL)
+    return critical_path(p, fm.f.vp, fm.f.microbatches, fwd, bwd)
 
 
 def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec,
