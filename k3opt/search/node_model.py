@@ -595,7 +595,7 @@ class FrameModel:
         if self.f.vp == 1:
             return 0
         p, v = self.f.pp, self.f.vp
-        rows = [replay_bound.path_coefficients(nf, nb, self.betas) for nf, nb in paths]
+        rows = replay_bound.undominated([replay_bound.path_coefficients(nf, nb, self.betas) for nf, nb in paths])
         new = 0
         for a in rows:
             key = a.tobytes()
@@ -757,9 +757,9 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     """Interleaved nodes: solve; when the solution's ranked time (its replay) is above the model's objective by
     more than the gap, add the replay's longest path at that solution as a cut (replay_bound), hint the solution,
     keep the proven bound (a lower bound of the tightened model too) and solve again, while time is left. The
-    bound stays valid throughout; the node is OPTIMAL only when the last solution's ranked time is within the gap
-    of its objective or no new path can be added, else FEASIBLE (cut by its time), so the driver solves it again
-    with the paths found so far."""
+    bound stays valid throughout. A path found at a solution the slice cut (FEASIBLE) is kept for the node's next
+    solve (_NODE_PATHS); a node that proved its model but has no time left for the new path's solve returns
+    FEASIBLE, so the driver solves it again with the paths found so far."""
     fm.add_replay_paths(_NODE_PATHS.get(key, []))
     deadline = time.monotonic() + time_limit
     best: tuple[FrameResult, PlanItem | None] | None = None
@@ -771,7 +771,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
         bound = max(bound, res.bound or 0)
         if best is None or (item is not None and (best[1] is None or item.rank_time_s < best[1].rank_time_s)):
             best = (res, item)
-        if item is None or res.status != "OPTIMAL" or res.objective is None:
+        if item is None or res.objective is None:
             break
         objective_s = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
         if item.rank_time_s <= objective_s * (1 + relative_gap) + 1e-9:
@@ -779,7 +779,9 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
         path = _solution_path(fm, res, model, cluster)
         if not fm.add_replay_paths([path]):
             break  # the longest path is in already: the rest is the per-chunk bounds' slack
-        _NODE_PATHS.setdefault(key, []).append(path)
+        _NODE_PATHS.setdefault(key, []).append(path)  # kept for the next solve of a node cut by its slice
+        if res.status != "OPTIMAL":
+            break
         if deadline - time.monotonic() < MIN_CUT_SLICE_S:
             timed_out = True  # the gap to the ranked time is open: solve again, with this path
             break

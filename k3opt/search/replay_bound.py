@@ -134,3 +134,14 @@ def unique_paths(paths: Iterable[tuple[np.ndarray, np.ndarray]]) -> list[tuple[n
             seen.add(key)
             out.append((nf, nb))
     return out
+
+
+def undominated(rows: list[np.ndarray]) -> list[np.ndarray]:
+    """The coefficient rows no other row matches or exceeds in every chunk (with c >= 0 those bound no higher);
+    of equal rows, the first."""
+    if not rows:
+        return []
+    a = np.unique(np.stack(rows), axis=0)
+    ge = (a[:, None, :] >= a[None, :, :]).all(axis=2)  # ge[i, k]: row i >= row k everywhere
+    np.fill_diagonal(ge, False)
+    return [a[k] for k in range(len(a)) if not ge[:, k].any()]
