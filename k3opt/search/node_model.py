@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
-from k3opt.schedule import chunk_times, critical_path
+from k3opt.schedule import chunk_times, critical_path, pipeline_order
 from k3opt.search import replay_bound
 from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_lower_bound
 from k3opt.search.frames import (
@@ -48,6 +48,10 @@ MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
 SAMPLE_SPLITS = 24       # sample splits whose replay paths seed an interleaved node's bound (replay_bound)
+MAX_DAG_OPS = 512
+"""v > 1 nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the per-chunk
+bounds (_replay_dag). On K3 PP8 VP4 M64 (4,096 operations) the start-time variables made a fixed-split solve ten
+times slower (1 s to 11 s) and did not raise the node's bound in 60 s; there the path cuts alone are used."""
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -583,10 +587,45 @@ class FrameModel:
         self.betas = replay_bound.betas(full)
         layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
         self.layer_work = layer_work
+        if 2 * p * self.f.vp * self.f.microbatches <= MAX_DAG_OPS:
+            self._replay_dag()
         paths = replay_bound.classic_paths(p, self.f.vp, self.f.microbatches)
         paths += replay_bound.split_paths(p, self.f.vp, self.f.microbatches, layer_work,
                                           replay_bound.sample_splits(L, K, SAMPLE_SPLITS), self.betas[0])
         self.add_replay_paths(paths)
+
+    def _replay_dag(self) -> None:
+        """The replay itself over the per-chunk bounds: a start time per operation (rank order and microbatch
+        chain as precedences, as schedule.replay_ops runs them), forward SCALE / (1 + beta) cl_j and backward
+        SCALE beta / (1 + beta) cl_j long (the least over the node's betas), the pipeline term at least the last
+        end of every rank. The least start times meeting the precedences are the replay's, so the smallest
+        makespan the solver can pick is the replay at durations cl_j <= c_j: a lower bound of the true replay for
+        every split, exact up to the per-chunk bounds, and linear (its LP relaxation sees fractional splits)."""
+        m, p, v, mb_n = self.m, self.f.pp, self.f.vp, self.f.microbatches
+        k_all = p * v
+        fc = min(int(round(replay_bound.SCALE / (1 + b))) for b in self.betas)
+        bc = min(int(round(replay_bound.SCALE * b / (1 + b))) for b in self.betas)
+        horizon = replay_bound.SCALE * (v * mb_n + p) * self.time_ub
+        start: dict[tuple[bool, int, int], cp_model.IntVar] = {}
+
+        def end(key: tuple[bool, int, int]) -> cp_model.LinearExprT:
+            return start[key] + (fc if key[0] else bc) * self.cl[key[1]]
+
+        for r in range(p):
+            last = None
+            for is_f, k, mb in pipeline_order(p, v, mb_n, r):
+                key = (is_f, k * p + r, mb)
+                start[key] = m.new_int_var(0, horizon, f"s{'fb'[not is_f]}{key[1]}_{mb}")
+                if last is not None:
+                    m.add(start[key] >= end(last))
+                last = key
+            assert last is not None
+            m.add(replay_bound.SCALE * self.pipe >= v * end(last))
+        for (is_f, g, mb), var in start.items():
+            if is_f and g > 0:
+                m.add(var >= end((True, g - 1, mb)))
+            elif not is_f:
+                m.add(var >= end((True, g, mb) if g == k_all - 1 else (False, g + 1, mb)))
 
     def add_replay_paths(self, paths: list[tuple[np.ndarray, np.ndarray]]) -> int:
         """Lower bounds of the replayed makespan, one per path (replay_bound): with a_j the path's integer
