@@ -198,3 +198,34 @@ def replay_ops(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.nda
 def _global_order(p: int, v: int, m: int, r: int) -> tuple[tuple[bool, int, int], ...]:
     """pipeline_order with the global chunk index g = k p + r in place of the local k."""
     return tuple((f, k * p + r, mb) for f, k, mb in pipeline_order(p, v, m, r))
+
+
+def critical_path(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(forward count, backward count) per global chunk of the operations on a longest path of `replay_ops`.
+
+    The replay runs every rank's fixed order as early as its dependencies allow, so its makespan is the longest
+    path through the operations (edges: the previous operation on the same rank, the microbatch's previous
+    chunk); for ANY chunk times f', b', sum_g nF[g] f'[g] + nB[g] b'[g] is the length of that same path, hence a
+    lower bound of the makespan at f', b' (hop time left out, which only lowers it)."""
+    k_all = p * v
+    ops = replay_ops(p, v, m, forward_s, backward_s)
+    at = {(f, g, mb): n for n, (_, f, g, mb, _, _) in enumerate(ops)}
+    prev: list[int | None] = []
+    last: dict[int, int] = {}
+    for n, op in enumerate(ops):
+        prev.append(last.get(op[0]))
+        last[op[0]] = n
+    n: int | None = max(range(len(ops)), key=lambda i: ops[i][5])
+    nf, nb = np.zeros(k_all, dtype=np.int64), np.zeros(k_all, dtype=np.int64)
+    while n is not None:
+        _, is_f, g, mb, begin, _ = ops[n]
+        (nf if is_f else nb)[g] += 1
+        before = prev[n]
+        if before is not None and ops[before][5] == begin:
+            n = before  # the rank was busy until this operation could start
+        elif is_f:
+            n = at[(True, g - 1, mb)] if g > 0 else None
+        else:
+            n = at[(True, g, mb)] if g == k_all - 1 else at[(False, g + 1, mb)]
+    return nf, nb

@@ -5,7 +5,9 @@ units of 100 ns, rounded up per layer; the tie-break on the worst-rank peak in M
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +16,8 @@ from ortools.sat.python import cp_model
 from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
+from k3opt.schedule import chunk_times, critical_path, pipeline_order
+from k3opt.search import replay_bound
 from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -43,6 +47,11 @@ from k3opt.specs import (
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
+SAMPLE_SPLITS = 24       # sample splits whose replay paths seed an interleaved node's bound (replay_bound)
+MAX_DAG_OPS = 512
+"""v > 1 nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the per-chunk
+bounds (_replay_dag). On K3 PP8 VP4 M64 (4,096 operations) the start-time variables made a fixed-split solve ten
+times slower (1 s to 11 s) and did not raise the node's bound in 60 s; there the path cuts alone are used."""
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -454,7 +463,14 @@ class FrameModel:
                 for u in rk["hidden"].values():
                     m.add(den * exposed >= den * u - num * stage)
         slots_v = f.vp * f.microbatches + f.pp - 1  # v * (M + (p - 1)/v)
-        self.step_units = slots_v * stage + f.vp * (update + exposed)
+        # The pipeline term: the step formula's slots x stage, and (v > 1) the replayed schedule's linear lower
+        # bounds (search/replay_bound.py), so the objective is max(formula, replay bound) + update.
+        self.pipe = m.new_int_var(0, slots_v * self.time_ub, "pipe")
+        m.add(self.pipe >= slots_v * stage)
+        self.paths: set[bytes] = set()
+        if f.vp > 1:
+            self._replay_terms()
+        self.step_units = self.pipe + f.vp * (update + exposed)
         self.peak_mib = peak_mib
         self.stage, self.update = stage, update
         # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
@@ -464,6 +480,185 @@ class FrameModel:
         self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
         self.obj_scale = (self.tie_max + 1) * self.toggle_scale
         m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
+
+    # -- replayed schedule: linear lower bound (search/replay_bound.py) ---------------------------
+    def _replay_terms(self) -> None:
+        """Per rank r its stage time tr_r (>= every resource's time: exact at a layout); an exact upper bound U_r
+        of the replay's W_r = sum over r's chunks of the chunk's busiest-resource work (schedule.chunk_times'
+        `work`): the rank's sum of per-layer maxima over resources and modes, per state of the toggles that change
+        per-layer time; T_r, one resource's per-layer sum over the rank (<= t_r, <= U_r); and per chunk j a lower
+        bound cl_j of its replayed time c_j = t_r w_j / W_r:
+
+            c_j >= w_j + min(0, t_r - W_r) >= e_j + min(0, T_r - U_r) = e_j + T_r - U_r,  e_j <= w_j
+
+        (t_r <= W_r: c_j - w_j - t_r + W_r = (W_r - w_j)(W_r - t_r) / W_r >= 0; t_r >= W_r: c_j >= w_j; the
+        middle term grows with t_r and falls with W_r). PP packets and rank-level traffic are in t_r but not in
+        W_r, so they stay out of both T_r and U_r. U_r is exact (equalities under the mode and toggle literals),
+        so the solver cannot loosen the bound by inflating it. Then the paths of `replay_bound` bound the
+        makespan (add_replay_paths)."""
+        m, K, p, L = self.m, self.K, self.f.pp, self.L
+        c0, tv = self.c0, self.tv
+        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
+        # Per group of modes with one recompute mode and lifecycle (the activation toggles change the arrays
+        # less): the per-layer least of each resource (for e_j) and the per-layer greatest over resources (for
+        # U_r), the latter for each state of the two toggles that add host-link traffic per layer (activation
+        # offload, ZeRO-2 host gradients), exact per state rather than max + delta.
+        groups: dict[tuple[Recompute, FsdpLifecycle], list[ActMode]] = {}
+        for md, lc in self.base:
+            groups.setdefault((md.recompute, lc), []).append(md)
+        rcs = sorted({md.recompute for md in self.modes}, key=lambda x: x.value)
+        rc_lit = {}
+        for rc in rcs:
+            if len(rcs) == 1:
+                rc_lit[rc] = []
+            else:
+                b_ = m.new_bool_var(f"rc_{rc.value}")
+                m.add(b_ == sum(v for md, v in self.mv.items() if md.recompute == rc))
+                rc_lit[rc] = [b_]
+        lits = {g: rc_lit[g[0]] + ([self.lv[g[1]]] if len(self.lcs) > 1 else []) for g in groups}
+        lo, keep, hi = {}, {}, {}
+        for g, mds in groups.items():
+            cfs = [self.base[(md, g[1])] for md in mds]
+            lo[g] = {res: np.min([np.floor(np.asarray(cf.time[res]) / TIME_UNIT + 1e-9) for cf in cfs], axis=0
+                                 ).astype(np.int64) for res in c0.time}
+            kept: list[str] = []
+            for res, arr in sorted(lo[g].items(), key=lambda kv: -int(kv[1].sum())):
+                if arr.any() and not any(np.all(arr <= lo[g][k]) for k in kept):
+                    kept.append(res)  # a resource no kept one dominates layer by layer
+            keep[g] = [(lo[g][res], lits[g]) for res in kept]
+            if "host_link" in c0.time:
+                # The host link under offload / ZeRO-2 host gradients, each state under its literals.
+                for o_on, z_on in ((True, False), (False, True), (True, True)):
+                    if (o_on and True not in _choices(self.job, "activation_offload")) or (
+                            z_on and True not in _choices(self.job, "pipeline_zero2_host_grads")):
+                        continue
+                    rows = []
+                    for md, cf in zip(mds, cfs, strict=True):
+                        arr = np.asarray(cf.time["host_link"], dtype=float)
+                        if o_on:
+                            arr = arr + self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time[
+                                "host_link"]
+                        if z_on:
+                            arr = arr + self.z2.time["host_link"] - c0.time["host_link"]
+                        rows.append(np.floor(arr / TIME_UNIT + 1e-9))
+                    keep[g].append((np.maximum(np.min(rows, axis=0), 0).astype(np.int64),
+                                    [*lits[g], off if o_on else ~off, zz if z_on else ~zz]))
+            for o_on, z_on in itertools.product((False, True), repeat=2):
+                rows = []
+                for md, cf in zip(mds, cfs, strict=True):
+                    for res in cf.time:
+                        arr = np.asarray(cf.time[res], dtype=float)
+                        if res == "host_link" and o_on:
+                            arr = arr + np.maximum(self.offload[md].time[res] - self.base[(md, self.lcs[0])].time[res],
+                                                   0)
+                        if res == "host_link" and z_on:
+                            arr = arr + np.maximum(self.z2.time[res] - c0.time[res], 0)
+                        rows.append(self._t(arr))
+                hi[(g, o_on, z_on)] = np.max(rows, axis=0)
+        ub = self.time_ub * 4
+        fce = max(0, _tq(self.fce.time["tensor"][L + 1] - c0.time["tensor"][L + 1]))
+        self.tr, self.ur, self.cl = [], [], []
+        for r, rk in enumerate(self.ranks):
+            mine = list(range(r, K, p))
+            t = m.new_int_var(0, self.time_ub, f"tr_r{r}")
+            for x in rk["times"].values():
+                m.add(t >= x)
+            u = m.new_int_var(0, ub, f"u_layers_r{r}")
+            for (g, o_on, z_on), arr in hi.items():
+                m.add(u == self._rank_sum(arr, r)).only_enforce_if(
+                    [*lits[g], off if o_on else ~off, zz if z_on else ~zz])
+            if (K - 1) in mine and fce:
+                u = u + fce * tv["fused_cross_entropy"]
+            self.tr.append(t)
+            self.ur.append(u)
+        # T_r: the largest of the rank's sums of one resource's per-layer least, in the state the literals pick
+        # (<= t_r, <= U_r); bounded below only, the direction the solver wants to push it.
+        self.cl = [m.new_int_var(0, self.time_ub, f"cl_{j}") for j in range(K)]
+        for r in range(p):
+            low = m.new_int_var(0, self.time_ub, f"T_r{r}")
+            for g in groups:
+                for arr, lit in keep[g]:
+                    m.add(low >= self._rank_sum(arr, r)).only_enforce_if(lit)
+            for j in range(r, K, p):
+                for g in groups:
+                    for arr, lit in keep[g]:
+                        m.add(self.cl[j] >= self._chunk(arr, j) + low - self.ur[r]).only_enforce_if(lit)
+        full = [md.recompute == Recompute.FULL for md in self.modes]
+        self.betas = replay_bound.betas(full)
+        layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
+        self.layer_work = layer_work
+        if 2 * p * self.f.vp * self.f.microbatches <= MAX_DAG_OPS:
+            self._replay_dag()
+        paths = replay_bound.classic_paths(p, self.f.vp, self.f.microbatches)
+        paths += replay_bound.split_paths(p, self.f.vp, self.f.microbatches, layer_work,
+                                          replay_bound.sample_splits(L, K, SAMPLE_SPLITS), self.betas[0])
+        self.add_replay_paths(paths)
+
+    def _replay_dag(self) -> None:
+        """The replay itself over the per-chunk bounds: a start time per operation (rank order and microbatch
+        chain as precedences, as schedule.replay_ops runs them), forward SCALE / (1 + beta) cl_j and backward
+        SCALE beta / (1 + beta) cl_j long (the least over the node's betas), the pipeline term at least the last
+        end of every rank. The least start times meeting the precedences are the replay's, so the smallest
+        makespan the solver can pick is the replay at durations cl_j <= c_j: a lower bound of the true replay for
+        every split, exact up to the per-chunk bounds, and linear (its LP relaxation sees fractional splits)."""
+        m, p, v, mb_n = self.m, self.f.pp, self.f.vp, self.f.microbatches
+        k_all = p * v
+        fc = min(int(round(replay_bound.SCALE / (1 + b))) for b in self.betas)
+        bc = min(int(round(replay_bound.SCALE * b / (1 + b))) for b in self.betas)
+        horizon = replay_bound.SCALE * (v * mb_n + p) * self.time_ub
+        start: dict[tuple[bool, int, int], cp_model.IntVar] = {}
+
+        def end(key: tuple[bool, int, int]) -> cp_model.LinearExprT:
+            return start[key] + (fc if key[0] else bc) * self.cl[key[1]]
+
+        for r in range(p):
+            last = None
+            for is_f, k, mb in pipeline_order(p, v, mb_n, r):
+                key = (is_f, k * p + r, mb)
+                start[key] = m.new_int_var(0, horizon, f"s{'fb'[not is_f]}{key[1]}_{mb}")
+                if last is not None:
+                    m.add(start[key] >= end(last))
+                last = key
+            assert last is not None
+            m.add(replay_bound.SCALE * self.pipe >= v * end(last))
+        for (is_f, g, mb), var in start.items():
+            if is_f and g > 0:
+                m.add(var >= end((True, g - 1, mb)))
+            elif not is_f:
+                m.add(var >= end((True, g, mb) if g == k_all - 1 else (False, g + 1, mb)))
+
+    def add_replay_paths(self, paths: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        """Lower bounds of the replayed makespan, one per path (replay_bound): with a_j the path's integer
+        coefficients (SCALE x), per rank r the part a_min,r x t_r + sum_j (a_j - a_min,r) cl_j (its chunks' times
+        sum to t_r exactly, each at least cl_j). Returns how many were new."""
+        if self.f.vp == 1:
+            return 0
+        p, v = self.f.pp, self.f.vp
+        rows = replay_bound.undominated([replay_bound.path_coefficients(nf, nb, self.betas) for nf, nb in paths])
+        new = 0
+        for a in rows:
+            key = a.tobytes()
+            if key in self.paths:
+                continue
+            self.paths.add(key)
+            new += 1
+            expr = 0
+            for r in range(p):
+                ar = a[r::p]
+                amin = int(ar.min())
+                if amin:
+                    expr = expr + amin * self.tr[r]
+                for k, x in enumerate(ar.tolist()):
+                    if x > amin:
+                        expr = expr + (x - amin) * self.cl[k * p + r]
+            self.m.add(replay_bound.SCALE * self.pipe >= v * expr)
+        return new
+
+    def add_split_paths(self, splits: list[list[int]]) -> None:
+        """The replay's longest paths at these splits (e.g. a hint's), over the node's per-layer work."""
+        if self.f.vp > 1:
+            self.add_replay_paths(replay_bound.split_paths(self.f.pp, self.f.vp, self.f.microbatches,
+                                                           self.layer_work, splits, self.betas[0]))
 
     def add_stage_bound(self, stage_lb_s: float, split: list[int] | None) -> None:
         """A valid lower bound on the stage time (from the node's dynamic program) and its split as a hint."""
@@ -475,6 +670,7 @@ class FrameModel:
             for j in range(1, self.K):
                 for i in range(self.L):
                     self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
+            self.add_split_paths([list(split)])
 
     def add_step_bound(self, step_lb_s: float) -> None:
         """A valid lower bound on the step time (the node's linear relaxation), as a cut on the objective: the
@@ -488,6 +684,7 @@ class FrameModel:
         if len(layout.split) != self.K or self.fixed_split is not None:
             return
         self.m.clear_hints()
+        self.add_split_paths([list(layout.split)])
         bounds = np.cumsum(layout.split)
         for j in range(1, self.K):
             for i in range(self.L):
@@ -580,8 +777,82 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
         fm.add_step_bound(_LP_BOUNDS.get(key, 0.0))
     if hint is not None:
         fm.add_layout_hint(hint)
-    res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
-    return res, _item(job, f, fm, res, model, cluster)
+    if f.vp == 1:
+        res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
+        return res, _item(job, f, fm, res, model, cluster)
+    return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, peak_cap_mib,
+                                   relative_gap, (job.model_dump_json(), f, recompute, lifecycle))
+
+
+_NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+"""Replay paths found at a node's solutions, kept for its next solve (a node cut by its slice is solved again)."""
+MIN_CUT_SLICE_S = 0.5
+"""Least time left for another solve after adding a replay path; less and the node returns FEASIBLE."""
+
+
+def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec, cluster: ClusterSpec,
+                            time_limit: float, workers: int, presolve: bool, peak_cap_mib: int | None,
+                            relative_gap: float, key: tuple) -> tuple[FrameResult, PlanItem | None]:
+    """Interleaved nodes: solve; when the solution's ranked time (its replay) is above the model's objective by
+    more than the gap, add the replay's longest path at that solution as a cut (replay_bound), hint the solution,
+    keep the proven bound (a lower bound of the tightened model too) and solve again, while time is left. The
+    bound stays valid throughout. A path found at a solution the slice cut (FEASIBLE) is kept for the node's next
+    solve (_NODE_PATHS); a node that proved its model but has no time left for the new path's solve returns
+    FEASIBLE, so the driver solves it again with the paths found so far."""
+    fm.add_replay_paths(_NODE_PATHS.get(key, []))
+    deadline = time.monotonic() + time_limit
+    best: tuple[FrameResult, PlanItem | None] | None = None
+    bound = 0
+    timed_out = False
+    while True:
+        res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, peak_cap_mib, relative_gap)
+        item = _item(job, f, fm, res, model, cluster)
+        bound = max(bound, res.bound or 0)
+        if best is None or (item is not None and (best[1] is None or item.rank_time_s < best[1].rank_time_s)):
+            best = (res, item)
+        if item is None or res.objective is None:
+            break
+        objective_s = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
+        if item.rank_time_s <= objective_s * (1 + relative_gap) + 1e-9:
+            break  # the model prices its solution at its ranked time (within the gap): the proof holds for it
+        path = _solution_path(fm, res, model, cluster)
+        if not fm.add_replay_paths([path]):
+            break  # the longest path is in already: the rest is the per-chunk bounds' slack
+        _NODE_PATHS.setdefault(key, []).append(path)  # kept for the next solve of a node cut by its slice
+        if res.status != "OPTIMAL":
+            break
+        if deadline - time.monotonic() < MIN_CUT_SLICE_S:
+            timed_out = True  # the gap to the ranked time is open: solve again, with this path
+            break
+        fm.add_layout_hint(item.layout)
+        fm.m.add(fm.step_units >= bound // fm.obj_scale)
+    res, item = best
+    res.bound = max(res.bound or 0, bound)
+    res.bound_step_s = (res.bound // fm.obj_scale) * TIME_UNIT / f.vp
+    if timed_out:
+        res.status = "FEASIBLE"
+    return res, item
+
+
+def _solution_path(fm: FrameModel, res: FrameResult, model: ModelSpec, cluster: ClusterSpec
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The replay's longest path at a solution, over its chunks' busiest-resource work in the ranked view (each
+    rank's stage taken as its resources' largest sum): which path is longest, not its length, is what the cut
+    needs, and any path gives a valid cut."""
+    assert res.shape is not None and res.split is not None
+    cf = coefficients(res.shape, model, cluster)
+    edges = np.concatenate([[0], np.cumsum(res.split)]).astype(int)
+    k, p = fm.K, fm.f.pp
+
+    def chunk(a: np.ndarray, j: int) -> float:
+        return float(a[edges[j]:edges[j + 1]].sum() + (a[fm.L] if j == 0 else 0.0)
+                     + (a[fm.L + 1] if j == k - 1 else 0.0))
+
+    sums = {res_: np.array([chunk(np.asarray(a), j) for j in range(k)]) for res_, a in cf.time.items()}
+    work = np.max(list(sums.values()), axis=0)
+    stages = [max(float(v[r::p].sum()) for v in sums.values()) for r in range(p)]
+    fwd, bwd = chunk_times(work, stages, p, res.shape.recompute == Recompute.FULL)
+    return critical_path(p, fm.f.vp, fm.f.microbatches, fwd, bwd)
 
 
 def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec,
@@ -602,10 +873,10 @@ def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
     f = fm.f
     solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
     slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
-    ranked = ev.step.formula_time_s  # the model's objective; the ranked time may be the replay, above it
+    ranked = ev.step.formula_time_s  # the model's objective is at least the formula, at most the ranked time
     # The ranking view leaves out the unpaired microbatches of an EP overlap schedule (no search sets ep_overlap).
     below = ev.step.achievable_unpaired_ep_s
-    upper = ranked + slack if res.status == "OPTIMAL" else float("inf")
+    upper = ev.step.rank_time_s + slack if res.status == "OPTIMAL" else float("inf")
     if not (ranked - below - 1e-9 <= solver_step <= upper):
         raise RuntimeError(
             f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ranked:.6f} s"
