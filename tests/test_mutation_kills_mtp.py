@@ -28,3 +28,13 @@ def test_mtp_block_repeats_the_last_layer_of_a_hybrid_model():
     st = structure_of(k3opt.ModelSpec.model_validate(data))
     assert [(b.name, b.kind) for b in st.last if b.name.startswith("mtp")] == [
         ("mtp0.proj", "mtp"), ("mtp0.mla", "mla"), ("mtp0.moe", "moe"), ("mtp0.vectors", "vectors")]
+
+
+def test_the_mtp_projection_follows_adamw_matrices_by_name():
+    """A model listing mtp.eh_proj in [optimizer] adamw_matrices keeps that matrix under AdamW (8 B of FP32 moments
+    per element instead of Muon's 4 B momentum); the other MTP matrices stay as they were."""
+    data = k3opt.load_model("deepseek-v3").model_dump()
+    data.update(name="deepseek-v3-adamw-eh", optimizer={"adamw_matrices": ["mtp.eh_proj"]})
+    st = structure_of(k3opt.ModelSpec.model_validate(data))
+    (proj,) = [b for b in st.last if b.kind == "mtp"]
+    assert {t.name: t.optimizer for t in proj.tensors}["mtp.eh_proj"] == "adamw"
