@@ -22,6 +22,22 @@ def test_deepseek_v3_mtp_module_tensors():
     ]
 
 
+def test_deepseek_v3_mtp_module_per_token():
+    """Per token: eh_proj and the shared head each run once (one active copy; the norms none), and autograd keeps
+    the two normed inputs concatenated ([2d] BF16, eh_proj's input) and the module's final RMSNorm (input [d],
+    reciprocal RMS, output [d]: the head's input)."""
+    st = structure_of(k3opt.load_model("deepseek-v3"))
+    (proj,) = [b for b in st.last if b.kind == "mtp"]
+    assert [t.active_per_token for t in proj.tensors] == [0, 0, 1, 0, 1]
+    assert [(s.name, s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable, s.role)
+            for s in proj.saved] == [
+        ("mtp0_norm_outputs", 2 * 7168, 2, True, False, ""),
+        ("mtp0_final_norm_input", 7168, 2, False, False, ""),
+        ("mtp0_final_norm_rstd", 1, 4, False, False, ""),
+        ("mtp0_final_norm_output", 7168, 2, True, True, ""),
+    ]
+
+
 def test_mtp_block_repeats_the_last_layer_of_a_hybrid_model():
     data = k3opt.load_model("kimi-k3-4layer-proxy").model_dump()
     data.update(name="k3-proxy-mtp", mtp={"num_layers": 1})
