@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
-          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
+          -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked",
+          -9: "timeout"}  # -9: SIGKILL at the hard CPU limit, one second after SIGXCPU (mutmut prints "segfault")
 MODULES = ("structure", "coefficients", "evaluate", "schedule", "comm")
 
 

@@ -39,6 +39,15 @@ def _per_test_caches_for_mutmut_stats():
     yield
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A module-scoped fixture is a cache too: while mutmut records which test calls which function, it would be
+    built inside the first test of its module only, and mutmut would then run a mutant of the functions it calls
+    against that one test. Tear every fixture down after each test of the stats run, so each test builds its own."""
+    if _mutmut_phase() == "stats":
+        item.session._setupstate.teardown_exact(None)
+
+
 def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
                coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
