@@ -6,6 +6,7 @@ recompute with FP8 activations, fused SiTU, the MoE backward rewrite and activat
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -134,3 +135,22 @@ def test_work_floor_is_below_every_mode(frame: dict, k3_specs) -> None:
     plain = ranked_coefficients(frame_shape(job, f, off, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     raw = coefficients(frame_shape(job, f, off, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     assert whole.time["tensor"].sum() > (plain.time["tensor"] - raw.achievable["vector"]).sum()
+
+
+def test_seeding_finds_the_interleaved_k3_layout(k3_specs) -> None:
+    """The plan's seeding (search/incumbents.seed, the front's walks): over PP8 VP1 (whose fixed heuristic
+    families fit nothing) and PP8 VP3 of the frame above, it walks VP1 to selective recompute with offload and
+    prices VP3 under that configuration, reaching the VP3 layout the Pareto front finds (its step from
+    evaluate() here)."""
+    from k3opt.search.incumbents import frame_incumbent, seed
+
+    job, model, cluster = k3_specs
+    target = k3opt.evaluate(_layout(3, [3] + [4] * 22 + [2]), model=model, cluster=cluster)
+    assert target.fits
+    f1 = frame_of(_layout(1, _even(1)))
+    f3 = frame_of(target.layout)
+    assert frame_incumbent(job, f1, model, cluster) is None
+    out = seed(job, [f1, f3], model, cluster, {}, math.inf, walk_first=False)
+    assert out[f1].evaluation.fits and out[f3].evaluation.fits
+    assert out[f3].rank_time_s <= target.step.rank_time_s + 1e-9
+    assert out[f3].layout.recompute == Recompute.SELECTIVE and out[f3].layout.toggles.activation_offload

@@ -23,7 +23,7 @@ from k3opt.search.frames import (
     lifecycles,
 )
 from k3opt.search.front import _pareto, ranked_time_limit
-from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, visiting_order
+from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, seed, visiting_order
 from k3opt.search.node_model import solve_frame
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import Plan, PlanItem
@@ -72,6 +72,10 @@ class _CtrlC:
         if self._prev is not None:
             signal.signal(signal.SIGINT, self._prev)
 
+SEED_SHARE = 0.15
+"""Share of the time limit the seeding (search/incumbents.seed) may price frames under the fastest configurations
+before the CP-SAT solves: evaluate() finds fast layouts of many frames for the time one node's model takes."""
+
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
@@ -117,6 +121,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
     # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
     unbounded = False
+    walked: set[Frame] = set()
+    """Frames the seeding walked through their configurations (search/incumbents.seed)."""
     lbs: dict[Frame, tuple[float, float]] = {}
     """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
     estimates: dict[Frame, float] = {}
@@ -127,6 +133,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         quick = visiting_order([((False, -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f) for f in frames])
         best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
                                   stop=lambda: ctrl_c.flag))
+        # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
+        # their configurations, so the first answer is the best heuristic one.
+        best_of.update(seed(job, [], model, cluster, best_of, t0 + 2 * budget, stop=lambda: ctrl_c.flag,
+                            walked=walked))
         if best_of:
             first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
@@ -187,6 +197,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
         best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        # Then the frames by estimate under the fastest configurations found (and walked when faster), those
+        # whose bound is under the fastest so far.
+        best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
+                            _time.monotonic() + max(budget, SEED_SHARE * time_limit),
+                            stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0]))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:
