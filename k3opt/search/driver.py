@@ -133,11 +133,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         quick = visiting_order([((False, -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f) for f in frames])
         best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
                                   stop=lambda: ctrl_c.flag))
+        if best_of:
+            first_layout_s = _time.monotonic() - t0
         # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
-        # their configurations, so the first answer is the best heuristic one.
+        # their configurations.
         best_of.update(seed(job, [], model, cluster, best_of, t0 + 2 * budget, stop=lambda: ctrl_c.flag,
                             walked=walked))
-        if best_of:
+        if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
         for f in _most_sharded_first(frames):
@@ -237,6 +239,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 ones = [j for j in ones if heap[j][3] == dive] or ones
                 if ones:
                     pick, diving = min(ones, key=lambda j: heap[j]), True
+            elif heap[0][6] > 0:
+                # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
+                # frame and node under the gap line has had its bounds and one slice, the least bound first; an
+                # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
+                fresh = [j for j, e in enumerate(heap) if e[6] == 0 and not closed(e[0], e[1])]
+                if fresh:
+                    pick = min(fresh, key=lambda j: heap[j])
             last_pick = (diving, now)
             if pick:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]

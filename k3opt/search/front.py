@@ -50,6 +50,7 @@ from k3opt.search.incumbents import (  # the configuration walks, one home for t
     _LEAN,
     _Config,
     _library,
+    _Neighbours,
     frame_walk,
     price_configs,
     toggle_sets,
@@ -281,29 +282,6 @@ class _Visits:
         state to fit at all, and the seeding should not keep returning to them)."""
         g = (f.pp, f.vp)
         self.visits[g] = self.visits.get(g, 0) + 2
-
-
-class _Neighbours:
-    """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
-    the gradient dtype or the precision (the microbatch count follows from them)."""
-
-    _KEYS = 9
-
-    def __init__(self, frames: list[Frame]) -> None:
-        self.index: dict[tuple, list[Frame]] = {}
-        for f in frames:
-            for k in range(self._KEYS):
-                self.index.setdefault(self._key(f, k), []).append(f)
-
-    @staticmethod
-    def _key(f: Frame, k: int) -> tuple:
-        c = [f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, (f.dense_sharding, f.expert_sharding),
-             f.grad_dtype, f.precision]
-        c[k] = None
-        return (f.gpus, k, *c)
-
-    def __call__(self, f: Frame) -> list[Frame]:
-        return [g for k in range(self._KEYS) for g in self.index.get(self._key(f, k), []) if g != f]
 
 
 def _tokens(job: Job, f: Frame) -> int:

@@ -326,6 +326,11 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
         moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in RANK_TOGGLES if x in offs]
         if i + 1 < len(recs):
             moves.append((("recompute", recs[i + 1]), dataclasses.replace(cur, recompute=recs[i + 1])))
+            # With a rank toggle off at once: some hold more on some ranks (host gradient buffers, balancing), and
+            # the richer recompute mode may fit only without one.
+            moves += [(("recompute", recs[i + 1], "off", x), dataclasses.replace(cur, recompute=recs[i + 1],
+                                                                             on=cur.on - {x}))
+                      for x in RANK_TOGGLES if x in offs]
         moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
         moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
         best = None
@@ -432,11 +437,19 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
     started = _time.monotonic()
     walking = 0.0
-    for f in ordered:
+    queue = list(ordered)
+    pos = {f: i for i, f in enumerate(queue)}
+    near = _Neighbours(queue)
+    first: list[Frame] = []
+    """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
+    visited: set[Frame] = set()
+    while first or queue:
+        f = first.pop(0) if first else queue.pop(0)
         if over():
             break
-        if f in walked:
+        if f in walked or f in visited:
             continue
+        visited.add(f)
         top = fastest()
         if top and lower is not None and lower(f) >= top[0].rank_time_s:
             continue
@@ -450,15 +463,18 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
                                                 for it in top[:2] for lc in lcs) if c != lean] + [lean]
             items = price_configs(job, f, library, model, cluster, deadline, runtime, every_split=False)
             keep(items)
-        # Walked (from its fastest layout priced, else from its leanest configuration) while the walks have taken
+        # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
+        # walks have taken
         # less than WALK_SHARE of the time so far: a walk finds the frame's own fast configurations, which the
         # next frames are then priced under.
         now = _time.monotonic()
         if walking <= WALK_SHARE * (now - started):
             walked.add(f)
-            start = min(items, key=lambda it: it.rank_time_s).layout if items else None
-            keep(frame_walk(job, f, model, cluster, deadline, runtime, start=start))
+            keep(frame_walk(job, f, model, cluster, deadline, runtime))
             walking += _time.monotonic() - now
+        new = fastest()
+        if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
+            first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
     return out
 
 
@@ -469,3 +485,26 @@ WALK_SHARE = 0.5
 @functools.lru_cache(maxsize=16)
 def _runtime(name: str) -> RuntimeSpec:
     return load_runtime(name)
+
+
+class _Neighbours:
+    """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
+    the gradient dtype or the precision (the microbatch count follows from them)."""
+
+    _KEYS = 9
+
+    def __init__(self, frames: list[Frame]) -> None:
+        self.index: dict[tuple, list[Frame]] = {}
+        for f in frames:
+            for k in range(self._KEYS):
+                self.index.setdefault(self._key(f, k), []).append(f)
+
+    @staticmethod
+    def _key(f: Frame, k: int) -> tuple:
+        c = [f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, (f.dense_sharding, f.expert_sharding),
+             f.grad_dtype, f.precision]
+        c[k] = None
+        return (f.gpus, k, *c)
+
+    def __call__(self, f: Frame) -> list[Frame]:
+        return [g for k in range(self._KEYS) for g in self.index.get(self._key(f, k), []) if g != f]
