@@ -76,6 +76,10 @@ SEED_SHARE = 0.15
 """Share of the time limit the seeding (search/incumbents.seed) may price frames under the fastest configurations
 before the CP-SAT solves: evaluate() finds fast layouts of many frames for the time one node's model takes."""
 
+SEED_MIN_S = 4.0
+"""Seconds the seeding may take at least (within 30% of the limit): the walks that find the fast configurations
+take a second or two each."""
+
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
@@ -202,7 +206,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those
         # whose bound is under the fastest so far.
         best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
-                            _time.monotonic() + max(budget, SEED_SHARE * time_limit),
+                            _time.monotonic() + min(max(SEED_MIN_S, SEED_SHARE * time_limit),
+                                                    0.3 * time_limit),
                             stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0]))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
