@@ -27,8 +27,8 @@ from k3opt.search.frames import (
     undominated_modes,
 )
 from k3opt.search.lp_bound import interleaved_lp_bound, needs_offload
+from k3opt.search.ranking import coarse_work_floor, work_floor  # work floors over the activation toggles
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
-from k3opt.search.ranking import work_floor  # a work floor over the activation toggles
 from k3opt.specs import (
     ClusterSpec,
     FsdpLifecycle,
@@ -44,11 +44,14 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     """(step-time bound s, worst-rank peak bound bytes) over every mode and split of frame f.
 
     Time: the slowest rank carries at least the mean tensor-core work, and recompute 'none' without the
-    chunked cross-entropy is the least work; the update is at least the mean Newton-Schulz time.
+    chunked cross-entropy is the least work but for the memory-bound kernels, which the activation toggles lower
+    (`coarse_work_floor`: those at their least over every mode; a frame the search reaches is tightened with
+    `frame_dp_bound`); the update is at least the mean Newton-Schulz time.
     Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
     host under pipeline ZeRO-2), which no toggle removes."""
     base = ActMode(Recompute.NONE, False, False, False, False)
-    cf = work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
+    free = tuple(t for t in ACT_TOGGLES if True in _choices(job, t))
+    cf = coarse_work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster, free=free)
     p = f.pp
     stage = float(cf.time["tensor"].sum()) / p
     update = float(cf.update["tensor"].sum()) / p
@@ -57,6 +60,15 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     if "pipeline_zero2_host_grads" not in _allowed_on(job):
         persistent += float(cf.grads.sum())
     return t_lb, persistent / p
+
+
+def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+           recs: tuple[Recompute, ...] | None = None, lcs: tuple[FsdpLifecycle, ...] | None = None) -> Coefficients:
+    """`work_floor` of frame f under recompute rc and lifecycle lc (or the least over `recs` x `lcs`): the
+    activation toggles the job leaves free range over both settings, the ones it requires stay on."""
+    free = tuple(t for t in ACT_TOGGLES if _choices(job, t) == [False, True])
+    required = ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES))
+    return work_floor(frame_shape(job, f, required, lc), model, cluster, free=free, recomputes=recs, lifecycles=lcs)
 
 
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
@@ -84,8 +96,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     rank's work on every resource; the stage must fit persistent + in-flight saved bytes, or the optimizer phase,
     under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
     allowed = _allowed_on(job)
-    cf = work_floor(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
-                                lc), model, cluster)
+    cf = _floor(job, f, rc, lc, model, cluster)
     lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
     lcf = _memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
@@ -113,8 +124,8 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
 
 def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
     """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
-    recompute mode and lifecycle (no toggles) and the least saved and working-set bytes of any (all toggles
-    allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0)."""
+    recompute mode, lifecycle and free activation toggle (`work_floor`) and the least saved and working-set bytes
+    of any (all toggles allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0)."""
     if job.search.split is not None:
         return 0.0, 0.0
     if f.vp != 1:
@@ -122,14 +133,11 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     allowed = _allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
-    cheap = [work_floor(frame_shape(job, f, ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES)),
-                                    lc), model, cluster) for rc in recs for lc in lcs]
+    cf = _floor(job, f, recs[0], lcs[0], model, cluster, recs=tuple(recs), lcs=tuple(lcs))
+    update = cf.update
     lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
             for rc in recs for lc in lcs]
-    time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
-    update = {res: np.min([c.update[res] for c in cheap], axis=0) for res in cheap[0].update}
     mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
-    cf = replace(cheap[0], time=time, update=update)
     lcf = replace(lean[0], **mins)
     off = None
     if "activation_offload" in allowed:
@@ -155,10 +163,9 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     cap = allocated_capacity_bytes(job, f, model, cluster)
     best = math.inf
     for rc in recs:
-        required = ActMode(rc, *(t in job.search.require_toggles for t in ACT_TOGGLES))
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
         # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
-        cheap = [work_floor(frame_shape(job, f, required, lc), model, cluster) for lc in lcs]
+        cheap = [_floor(job, f, rc, lc, model, cluster) for lc in lcs]
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
         update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
         slots = cheap[0].slots

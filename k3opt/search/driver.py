@@ -23,7 +23,7 @@ from k3opt.search.frames import (
     lifecycles,
 )
 from k3opt.search.front import _pareto, ranked_time_limit
-from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, visiting_order
+from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, seed, visiting_order
 from k3opt.search.node_model import solve_frame
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import Plan, PlanItem
@@ -72,6 +72,14 @@ class _CtrlC:
         if self._prev is not None:
             signal.signal(signal.SIGINT, self._prev)
 
+SEED_SHARE = 0.15
+"""Share of the time limit the seeding (search/incumbents.seed) may price frames under the fastest configurations
+before the CP-SAT solves: evaluate() finds fast layouts of many frames for the time one node's model takes."""
+
+SEED_MIN_S = 4.0
+"""Seconds the seeding may take at least (within 30% of the limit): the walks that find the fast configurations
+take a second or two each."""
+
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
@@ -117,6 +125,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
     # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
     unbounded = False
+    walked: set[Frame] = set()
+    """Frames the seeding walked through their configurations (search/incumbents.seed)."""
     lbs: dict[Frame, tuple[float, float]] = {}
     """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
     estimates: dict[Frame, float] = {}
@@ -128,6 +138,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         best_of.update(incumbents(job, quick, model, cluster, top, budget / 2, t0 + budget,
                                   stop=lambda: ctrl_c.flag))
         if best_of:
+            first_layout_s = _time.monotonic() - t0
+        # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
+        # their configurations.
+        best_of.update(seed(job, [], model, cluster, best_of, t0 + 2 * budget, stop=lambda: ctrl_c.flag,
+                            walked=walked))
+        if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
         for f in _most_sharded_first(frames):
@@ -187,6 +203,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
         best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        # Then the frames by estimate under the fastest configurations found (and walked when faster), those
+        # whose bound is under the fastest so far.
+        best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
+                            _time.monotonic() + min(max(SEED_MIN_S, SEED_SHARE * time_limit),
+                                                    0.3 * time_limit),
+                            stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0]))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:
@@ -222,6 +244,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 ones = [j for j in ones if heap[j][3] == dive] or ones
                 if ones:
                     pick, diving = min(ones, key=lambda j: heap[j]), True
+            elif heap[0][6] > 0:
+                # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
+                # frame and node under the gap line has had its bounds and one slice, the least bound first; an
+                # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
+                fresh = [j for j, e in enumerate(heap) if e[6] == 0 and not closed(e[0], e[1])]
+                if fresh:
+                    pick = min(fresh, key=lambda j: heap[j])
             last_pick = (diving, now)
             if pick:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]

@@ -35,33 +35,32 @@ import math
 import time as _time
 from collections.abc import Iterable
 
-from k3opt.evaluate import evaluate
-from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.runtime import load_runtime
 from k3opt.search.bounds import frame_estimate, frame_lower_bound
 from k3opt.search.frames import (
-    ACT_TOGGLES,
-    RANK_TOGGLES,
-    ActMode,
     Frame,
-    _choices,
     act_modes,
     allocated_capacity_bytes,
     enumerate_frames,
     frame_of,
-    frame_shape,
-    layout_of,
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.incumbents import candidate_splits, toggle_sets
+from k3opt.search.incumbents import (  # the configuration walks, one home for the plan's and the front's seeding
+    _LEAN,
+    _Config,
+    _library,
+    _Neighbours,
+    frame_walk,
+    price_configs,
+    toggle_sets,
+)
 from k3opt.search.node_model import FrameModel, _item
-from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import PlanItem
 from k3opt.specs import (
     GIB,
     MIB,
     ClusterSpec,
-    FsdpLifecycle,
     Job,
     Layout,
     ModelSpec,
@@ -81,159 +80,9 @@ configurations."""
 BUILD_GUESS_S = 1.0
 """Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
 seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
-LIBRARY = 4
-"""Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
-a frame where one adds to the front is then walked through its own configurations."""
-_LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
-"""Recompute modes from the least saved memory to the most."""
-
-
 def ranked_time_limit(time_limit: float) -> float:
     """The ranked search's share of a `plan(..., pareto=True)` time limit (RANKED_SHARE)."""
     return RANKED_SHARE * time_limit
-
-
-# ------------------------------------------------------------------------------------- seeding
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    recompute: Recompute
-    lifecycle: FsdpLifecycle
-    on: frozenset[str]
-    """Toggles (activation and rank) switched on."""
-
-
-def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
-           cap: int, deadline: float, out: list[PlanItem], every_split: bool = False) -> tuple[float, int, bool] | None:
-    """(ranked step s, peak bytes, fits) of configuration cfg of frame f on its heuristic splits (most
-    work-balanced first, search/incumbents.candidate_splits): the fastest split that fits, else the leanest
-    priced. Pricing stops at the first split that fits unless `every_split` (the leaner splits of a fitting
-    configuration are points of the front too, at the cost of their evaluate() calls only). Every fitting
-    evaluation is appended to `out`. None when the deadline passed before any split was priced."""
-    mode = ActMode(cfg.recompute, *(t in cfg.on for t in ACT_TOGGLES))
-    shape = frame_shape(job, f, mode, cfg.lifecycle, **{t: t in cfg.on for t in RANK_TOGGLES})
-    splits = ([list(job.search.split)] if job.search.split is not None
-              else candidate_splits(ranked_coefficients(shape, model, cluster), cap))
-    fast: tuple[float, int, bool] | None = None
-    lean: tuple[float, int, bool] | None = None
-    for split in splits:
-        if _time.monotonic() > deadline:
-            break
-        ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster, runtime=runtime)
-        got = (ev.step.rank_time_s, ev.peak_bytes, ev.fits)
-        if ev.fits:
-            out.append(PlanItem(ev.layout, ev))
-            fast = got if fast is None or got < fast else fast
-            if not every_split:
-                break
-        elif lean is None or got[1] < lean[1]:
-            lean = got
-    return fast or lean
-
-
-def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: float,
-               runtime: RuntimeSpec | None = None, start: Layout | None = None) -> list[PlanItem]:
-    """Fitting layouts of frame f along a greedy walk from its leanest configuration (the leanest recompute mode,
-    every free memory toggle on), each priced by evaluate() on the heuristic splits. While that does not fit, the
-    toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
-    search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the
-    fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
-    that saves the most step time per byte added (the first one faster and no larger at once), until none is
-    faster. A
-    change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
-    priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
-    the walk starts from instead (it then only climbs)."""
-    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
-    lcs = lifecycles(job)
-    names = ACT_TOGGLES + RANK_TOGGLES
-    free = [t for t in names if _choices(job, t) == [False, True]]
-    required = frozenset(t for t in names if _choices(job, t) == [True])
-    cap = allocated_capacity_bytes(job, f, model, cluster)
-    out: list[PlanItem] = []
-    cur = _config_of(start) if start is not None else _Config(recs[0], lcs[0], required | frozenset(free))
-    now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
-    while now is not None and not now[2]:
-        # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
-        # policy that does not shard gradients): switch off the one that lowers the peak most, while one does.
-        best = None
-        for x in sorted(cur.on - required):
-            got = _price(job, f, dataclasses.replace(cur, on=cur.on - {x}), model, cluster, runtime, cap, deadline,
-                         out)
-            if got is not None and got[1] < now[1] and (best is None or got[1] < best[1][1]):
-                best = (x, got)
-        if best is None:
-            return out
-        cur, now = dataclasses.replace(cur, on=cur.on - {best[0]}), best[1]
-    if now is None:
-        return out
-    tried: set[tuple] = set()
-    while _time.monotonic() < deadline:
-        t, m, _ = now
-        i = recs.index(cur.recompute)
-        # Rank toggles first (each adds its own time: host traffic, rebalancing), then the recompute mode, the
-        # activation toggles and the lifecycle; a move that is faster and no larger is taken at once.
-        offs = cur.on - required
-        moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in RANK_TOGGLES if x in offs]
-        if i + 1 < len(recs):
-            moves.append((("recompute", recs[i + 1]), dataclasses.replace(cur, recompute=recs[i + 1])))
-        moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
-        moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
-        best = None
-        for move, nb in moves:
-            if move in tried:
-                continue
-            got = _price(job, f, nb, model, cluster, runtime, cap, deadline, out)
-            if got is None:
-                break
-            nt, nm, nfits = got
-            if not nfits:
-                tried.add(move)
-                continue
-            if nt < t:
-                key = (math.inf, t - nt) if nm <= m else ((t - nt) / (nm - m), 0.0)
-                if best is None or key > best[0]:
-                    best = (key, move, nb, got)
-                if nm <= m:
-                    break
-        if best is None:
-            break
-        _, move, cur, now = best
-        tried.add(move)
-    return out
-
-
-def _config_of(layout: Layout) -> _Config:
-    return _Config(layout.recompute, layout.fsdp_lifecycle,
-                   frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)))
-
-
-def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
-                  deadline: float, runtime: RuntimeSpec | None = None) -> list[PlanItem]:
-    """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
-    leanest last), each on its heuristic splits, priced by evaluate() until the monotonic `deadline`. The leanest
-    is priced first: when it does not fit, the others are not tried."""
-    cap = allocated_capacity_bytes(job, f, model, cluster)
-    out: list[PlanItem] = []
-    for k, c in enumerate(configs[-1:] + configs[:-1]):
-        got = _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=True)
-        if got is None or (k == 0 and not got[2]):
-            break
-    return out
-
-
-def _library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[_Config]:
-    """The distinct configurations of the front's points, each followed by its variant under the `leanest`
-    recompute mode (what a frame with more activation bytes needs), at most `most`, spread over the front from
-    fastest to leanest."""
-    configs: list[_Config] = []
-    for it in sorted(front, key=lambda it: it.rank_time_s):
-        c = _config_of(it.layout)
-        configs += [c, dataclasses.replace(c, recompute=leanest)]
-    configs = list(dict.fromkeys(configs))
-    if len(configs) <= most:
-        return configs
-    return [configs[round(i * (len(configs) - 1) / (most - 1))] for i in range(most)]
 
 
 # ------------------------------------------------------------------------------------- the front
@@ -433,29 +282,6 @@ class _Visits:
         state to fit at all, and the seeding should not keep returning to them)."""
         g = (f.pp, f.vp)
         self.visits[g] = self.visits.get(g, 0) + 2
-
-
-class _Neighbours:
-    """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
-    the gradient dtype or the precision (the microbatch count follows from them)."""
-
-    _KEYS = 9
-
-    def __init__(self, frames: list[Frame]) -> None:
-        self.index: dict[tuple, list[Frame]] = {}
-        for f in frames:
-            for k in range(self._KEYS):
-                self.index.setdefault(self._key(f, k), []).append(f)
-
-    @staticmethod
-    def _key(f: Frame, k: int) -> tuple:
-        c = [f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, (f.dense_sharding, f.expert_sharding),
-             f.grad_dtype, f.precision]
-        c[k] = None
-        return (f.gpus, k, *c)
-
-    def __call__(self, f: Frame) -> list[Frame]:
-        return [g for k in range(self._KEYS) for g in self.index.get(self._key(f, k), []) if g != f]
 
 
 def _tokens(job: Job, f: Frame) -> int:

@@ -10,6 +10,8 @@ solution hints of their frames. Nothing here is a cost: every number is evaluate
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 import time as _time
 from collections.abc import Callable, Iterator
@@ -18,6 +20,7 @@ import numpy as np
 
 from k3opt.coefficients import Coefficients
 from k3opt.evaluate import evaluate
+from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
@@ -25,13 +28,21 @@ from k3opt.search.frames import (
     Frame,
     _choices,
     allocated_capacity_bytes,
+    frame_of,
     frame_shape,
     layout_of,
     lifecycles,
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
-from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
+from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
+
+LIBRARY = 4
+"""Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
+a frame where one adds to the front is then walked through its own configurations."""
+_LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
+"""Recompute modes from the least saved memory to the most."""
+
 
 MEMORY_TOGGLES = ("activation_offload", "pipeline_zero2_host_grads", "p2p_muon", "fused_cross_entropy",
                   "balance_activations")
@@ -229,3 +240,271 @@ def incumbents(job: Job, ordered: list[tuple[tuple[bool, float], Frame]], model:
         if item is not None:
             found[f] = item
     return found
+
+
+# ------------------------------------------------------------------------------------- configuration walks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    recompute: Recompute
+    lifecycle: FsdpLifecycle
+    on: frozenset[str]
+    """Toggles (activation and rank) switched on."""
+
+
+def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
+           cap: int, deadline: float, out: list[PlanItem], every_split: bool = False) -> tuple[float, int, bool] | None:
+    """(ranked step s, peak bytes, fits) of configuration cfg of frame f on its heuristic splits (most
+    work-balanced first, search/incumbents.candidate_splits): the fastest split that fits, else the leanest
+    priced. Pricing stops at the first split that fits unless `every_split` (the leaner splits of a fitting
+    configuration are points of the front too, at the cost of their evaluate() calls only). Every fitting
+    evaluation is appended to `out`. None when the deadline passed before any split was priced."""
+    mode = ActMode(cfg.recompute, *(t in cfg.on for t in ACT_TOGGLES))
+    shape = frame_shape(job, f, mode, cfg.lifecycle, **{t: t in cfg.on for t in RANK_TOGGLES})
+    splits = ([list(job.search.split)] if job.search.split is not None
+              else candidate_splits(coefficients(shape, model, cluster), cap))
+    fast: tuple[float, int, bool] | None = None
+    lean: tuple[float, int, bool] | None = None
+    for split in splits:
+        if _time.monotonic() > deadline:
+            break
+        ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster, runtime=runtime)
+        got = (ev.step.rank_time_s, ev.peak_bytes, ev.fits)
+        if ev.fits:
+            out.append(PlanItem(ev.layout, ev))
+            fast = got if fast is None or got < fast else fast
+            if not every_split:
+                break
+        elif lean is None or got[1] < lean[1]:
+            lean = got
+    return fast or lean
+
+
+def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: float,
+               runtime: RuntimeSpec | None = None, start: Layout | None = None) -> list[PlanItem]:
+    """Fitting layouts of frame f along a greedy walk from its leanest configuration (the leanest recompute mode,
+    every free memory toggle on), each priced by evaluate() on the heuristic splits. While that does not fit, the
+    toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
+    search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the
+    fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
+    that saves the most step time per byte added (the first one faster and no larger at once), until none is
+    faster. A
+    change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
+    priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
+    the walk starts from instead (it then only climbs)."""
+    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    lcs = lifecycles(job)
+    names = ACT_TOGGLES + RANK_TOGGLES
+    free = [t for t in names if _choices(job, t) == [False, True]]
+    required = frozenset(t for t in names if _choices(job, t) == [True])
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    out: list[PlanItem] = []
+    cur = _config_of(start) if start is not None else _Config(recs[0], lcs[0], required | frozenset(free))
+    now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
+    while now is not None and not now[2]:
+        # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
+        # policy that does not shard gradients): switch off the one that lowers the peak most, while one does.
+        best = None
+        for x in sorted(cur.on - required):
+            got = _price(job, f, dataclasses.replace(cur, on=cur.on - {x}), model, cluster, runtime, cap, deadline,
+                         out)
+            if got is not None and got[1] < now[1] and (best is None or got[1] < best[1][1]):
+                best = (x, got)
+        if best is None:
+            return out
+        cur, now = dataclasses.replace(cur, on=cur.on - {best[0]}), best[1]
+    if now is None:
+        return out
+    tried: set[tuple] = set()
+    while _time.monotonic() < deadline:
+        t, m, _ = now
+        i = recs.index(cur.recompute)
+        # Rank toggles first (each adds its own time: host traffic, rebalancing), then the recompute mode, the
+        # activation toggles and the lifecycle; a move that is faster and no larger is taken at once.
+        offs = cur.on - required
+        moves = [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in RANK_TOGGLES if x in offs]
+        if i + 1 < len(recs):
+            moves.append((("recompute", recs[i + 1]), dataclasses.replace(cur, recompute=recs[i + 1])))
+            # With a rank toggle off at once: some hold more on some ranks (host gradient buffers, balancing), and
+            # the richer recompute mode may fit only without one.
+            moves += [(("recompute", recs[i + 1], "off", x), dataclasses.replace(cur, recompute=recs[i + 1],
+                                                                             on=cur.on - {x}))
+                      for x in RANK_TOGGLES if x in offs]
+        moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
+        moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
+        best = None
+        for move, nb in moves:
+            if move in tried:
+                continue
+            got = _price(job, f, nb, model, cluster, runtime, cap, deadline, out)
+            if got is None:
+                break
+            nt, nm, nfits = got
+            if not nfits:
+                tried.add(move)
+                continue
+            if nt < t:
+                key = (math.inf, t - nt) if nm <= m else ((t - nt) / (nm - m), 0.0)
+                if best is None or key > best[0]:
+                    best = (key, move, nb, got)
+                if nm <= m:
+                    break
+        if best is None:
+            break
+        _, move, cur, now = best
+        tried.add(move)
+    return out
+
+
+def _config_of(layout: Layout) -> _Config:
+    return _Config(layout.recompute, layout.fsdp_lifecycle,
+                   frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)))
+
+
+def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
+                  deadline: float, runtime: RuntimeSpec | None = None, every_split: bool = True) -> list[PlanItem]:
+    """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
+    leanest last), each on its heuristic splits (all, or up to the first that fits), priced by evaluate() until the
+    monotonic `deadline`. The leanest is priced first: when it does not fit, the others are not tried."""
+    cap = allocated_capacity_bytes(job, f, model, cluster)
+    out: list[PlanItem] = []
+    for k, c in enumerate(configs[-1:] + configs[:-1]):
+        got = _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=every_split)
+        if got is None or (k == 0 and not got[2]):
+            break
+    return out
+
+
+def _library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[_Config]:
+    """The distinct configurations of the front's points, each followed by its variant under the `leanest`
+    recompute mode (what a frame with more activation bytes needs), at most `most`, spread over the front from
+    fastest to leanest."""
+    configs: list[_Config] = []
+    for it in sorted(front, key=lambda it: it.rank_time_s):
+        c = _config_of(it.layout)
+        configs += [c, dataclasses.replace(c, recompute=leanest)]
+    configs = list(dict.fromkeys(configs))
+    if len(configs) <= most:
+        return configs
+    return [configs[round(i * (len(configs) - 1) / (most - 1))] for i in range(most)]
+
+
+WALKED = 3
+"""Frames of the fastest layouts so far that `seed` walks through their configurations before pricing others."""
+
+
+def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
+         deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
+         walk_first: bool = True, lower: Callable[[Frame], float] | None = None) -> dict[Frame, PlanItem]:
+    """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
+    frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
+    (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
+    toggle kept on its own); then each frame of `ordered` is priced under the fastest configurations so far and
+    their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far. Returns
+    the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number is
+    evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
+    `walk_first`: False skips the first walks (`ordered` only); `lower`: a lower bound on a frame's ranked step
+    time, to skip the frames that cannot beat the fastest so far."""
+    walked = walked if walked is not None else set()
+    leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    lcs = lifecycles(job)
+    runtime = _runtime(job.runtime) if job.runtime is not None else None
+    out: dict[Frame, PlanItem] = {}
+
+    def best(f: Frame) -> PlanItem | None:
+        return out.get(f) or found.get(f)
+
+    def keep(items: list[PlanItem]) -> None:
+        for it in items:
+            f = frame_of(it.layout)
+            mine = best(f)
+            if mine is None or (it.rank_time_s, it.peak_bytes) < (mine.rank_time_s, mine.peak_bytes):
+                out[f] = it
+
+    def fastest() -> list[PlanItem]:
+        return sorted({**found, **out}.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
+
+    def over() -> bool:
+        return _time.monotonic() >= deadline or (stop is not None and stop())
+
+    for it in fastest()[:WALKED] if walk_first else []:
+        f = frame_of(it.layout)
+        if over():
+            return out
+        if f not in walked:
+            walked.add(f)
+            keep(frame_walk(job, f, model, cluster, deadline, runtime))
+    started = _time.monotonic()
+    walking = 0.0
+    queue = list(ordered)
+    pos = {f: i for i, f in enumerate(queue)}
+    near = _Neighbours(queue)
+    first: list[Frame] = []
+    """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
+    visited: set[Frame] = set()
+    while first or queue:
+        f = first.pop(0) if first else queue.pop(0)
+        if over():
+            break
+        if f in walked or f in visited:
+            continue
+        visited.add(f)
+        top = fastest()
+        if top and lower is not None and lower(f) >= top[0].rank_time_s:
+            continue
+        items: list[PlanItem] = []
+        if top:
+            # The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits
+            # one frame may not fit another), then the fastest under the leanest recompute mode, priced first:
+            # when it does not fit, the others are not tried.
+            lean = dataclasses.replace(_config_of(top[0].layout), recompute=leanest)
+            library = [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
+                                                for it in top[:2] for lc in lcs) if c != lean] + [lean]
+            items = price_configs(job, f, library, model, cluster, deadline, runtime, every_split=False)
+            keep(items)
+        # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
+        # walks have taken
+        # less than WALK_SHARE of the time so far: a walk finds the frame's own fast configurations, which the
+        # next frames are then priced under.
+        now = _time.monotonic()
+        if walking <= WALK_SHARE * (now - started):
+            walked.add(f)
+            keep(frame_walk(job, f, model, cluster, deadline, runtime))
+            walking += _time.monotonic() - now
+        new = fastest()
+        if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
+            first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
+    return out
+
+
+WALK_SHARE = 0.5
+"""Share of `seed`'s time the walks may take (each costs a few dozen evaluate() calls)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _runtime(name: str) -> RuntimeSpec:
+    return load_runtime(name)
+
+
+class _Neighbours:
+    """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
+    the gradient dtype or the precision (the microbatch count follows from them)."""
+
+    _KEYS = 9
+
+    def __init__(self, frames: list[Frame]) -> None:
+        self.index: dict[tuple, list[Frame]] = {}
+        for f in frames:
+            for k in range(self._KEYS):
+                self.index.setdefault(self._key(f, k), []).append(f)
+
+    @staticmethod
+    def _key(f: Frame, k: int) -> tuple:
+        c = [f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, (f.dense_sharding, f.expert_sharding),
+             f.grad_dtype, f.precision]
+        c[k] = None
+        return (f.gpus, k, *c)
+
+    def __call__(self, f: Frame) -> list[Frame]:
+        return [g for k in range(self._KEYS) for g in self.index.get(self._key(f, k), []) if g != f]

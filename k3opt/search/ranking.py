@@ -8,11 +8,15 @@ unchanged; without one they are the peak roofline's. Memory arrays are the cost 
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from functools import lru_cache
 
+import numpy as np
+
 from k3opt.achievable import ranking_view, with_fields
-from k3opt.coefficients import Coefficients, Shape, cache_key, coefficients_of_key, specs_of_key
-from k3opt.specs import ClusterSpec, ModelSpec
+from k3opt.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
+from k3opt.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
 
 
 def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
@@ -26,28 +30,163 @@ def _ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -
     return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
 
 
-def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
-    """The ranked view with the memory-bound kernels' time taken out of `tensor`: a per-layer work floor for every
-    activation mode of the shape's recompute mode. The activation toggles change the saved set, and with it the
-    elementwise traffic between the GEMMs, in either direction (fused SiTU and the MoE backward rewrite lower it);
-    every other term of the view they leave or raise. Without a rates file: the roofline's coefficients, which the
-    toggles only raise."""
-    return _work_floor(shape, *cache_key(model, cluster))
+FLOOR_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
+"""The activation toggles (search/frames.ACT_TOGGLES) a work floor ranges over by default."""
+
+
+def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec, free: tuple[str, ...] = FLOOR_TOGGLES,
+               recomputes: tuple[Recompute, ...] | None = None,
+               lifecycles: tuple[FsdpLifecycle, ...] | None = None) -> Coefficients:
+    """The ranked view of `shape` with every per-layer `time` and `update` array (each resource) at or below its
+    value under every activation mode a layout of the shape may take: every combination of the toggles in `free`
+    (the others as in `shape`), under each recompute mode of `recomputes` and lifecycle of `lifecycles` (default:
+    the shape's own). A layout's ranked stage is the max over resources of per-rank sums of its mode's arrays,
+    each at or above these, so every bound built from the floor (sums per rank, then the max over resources, as
+    the step formula takes them) stays below it. Memory arrays and the schedule's terms are the shape's.
+
+    With a rates file: the achievable arrays (k3opt.achievable) of the shape with the free toggles off, least over
+    the recompute modes and lifecycles, except the memory-bound kernels (`vector`), which the activation toggles
+    lower (fused SiTU, the MoE backward rewrite, FP8 storage shrink the saved set they stream): those at their
+    least over the toggle combinations (`_least_vector`); every other achievable array the free activation
+    toggles leave or raise (the dispatch recompute adds all-to-all traffic). The floor is then seen through
+    ranking_view, which only sums, scales and takes maxima of those arrays, so it stays below each mode's view.
+    Without one, or with the saved set moved over a link (ACT_TRAFFIC): the elementwise least of every
+    combination's arrays (there the toggles lower the activation HBM or link traffic).
+    tests/test_bounds_below_k3_layouts.py checks the floor against every mode."""
+    recs = tuple(recomputes) if recomputes is not None else (shape.recompute,)
+    lcs = tuple(lifecycles) if lifecycles is not None else (shape.fsdp_lifecycle,)
+    return _work_floor(shape, tuple(free), recs, lcs, *cache_key(model, cluster))
+
+
+@lru_cache(maxsize=4096)
+def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...], lcs: tuple[FsdpLifecycle, ...],
+                model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+    view = _ranked(shape, model_json, cluster_json, rates_json)
+    off = shape.toggles.model_copy(update={t: False for t in free})
+    shapes = [replace(shape, recompute=rc, fsdp_lifecycle=lc, toggles=off) for rc in recs for lc in lcs]
+    raws = [coefficients_of_key(sh, model_json, cluster_json, rates_json) for sh in shapes]
+    if not raws[0].achievable or any(getattr(shape.toggles, t) for t in ACT_TRAFFIC):
+        parts = [_least_arrays(sh, free, model_json, cluster_json, rates_json) for sh in shapes]
+        time = {res: np.minimum.reduce([t[res] for t, _ in parts]) for res in parts[0][0]}
+        update = {res: np.minimum.reduce([u[res] for _, u in parts]) for res in parts[0][1]}
+        return with_fields(view, time=time, update=update)
+    cluster, rates = specs_of_key(cluster_json, rates_json)
+    vector_only = tuple(t for t in free if t in VECTOR_ONLY)
+    others = tuple(t for t in free if t not in VECTOR_ONLY)
+    time: dict[str, np.ndarray] = {}
+    update: dict[str, np.ndarray] = {}
+    # Per setting of the free toggles that reach other arrays too (the dispatch recompute: the all-to-all), the
+    # least of the rest over the recompute modes and lifecycles, with the least vector time of the others' modes.
+    for flags in itertools.product((False, True), repeat=len(others)):
+        set_ = off.model_copy(update=dict(zip(others, flags, strict=True)))
+        mode_raws = [coefficients_of_key(replace(sh, toggles=set_), model_json, cluster_json, rates_json)
+                     for sh in shapes]
+        ach = {res: np.minimum.reduce([r.achievable[res] for r in mode_raws]) for res in mode_raws[0].achievable}
+        ach["vector"] = np.minimum.reduce([_least_vector(replace(sh, toggles=set_), vector_only, model_json,
+                                                         cluster_json, rates_json) for sh in shapes])
+        upd = {res: np.minimum.reduce([r.update_achievable[res] for r in mode_raws])
+               for res in mode_raws[0].update_achievable}
+        fv = ranking_view(with_fields(mode_raws[0], achievable=ach, update_achievable=upd), cluster, rates)
+        for dst, src in ((time, fv.time), (update, fv.update)):
+            for res, arr in src.items():
+                dst[res] = np.minimum(dst[res], arr) if res in dst else arr
+    return with_fields(view, time=time, update=update)
+
+
+ACT_TRAFFIC = ("activation_offload", "balance_activations")
+"""Rank toggles that move the saved set over a link: with one on, the activation toggles lower that link's time too,
+and the floor is the elementwise least of every combination's arrays."""
+VECTOR_ONLY = ("fp8_activations", "fused_situ", "moe_backward_rewrite")
+"""Activation toggles whose only effect on a time array without offload is the memory-bound kernels' traffic (the
+saved set they shrink is streamed there); the dispatch recompute also replays the all-to-all."""
+
+
+VECTOR_MARGIN = 1e-9
+"""Relative margin under `_least_vector`: its shape's vector time differs from another shape's of the same key by
+the rounding of the HBM sums it is the difference of (~1e-16 of the weight traffic)."""
+
+
+@lru_cache(maxsize=1024)
+def _least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
+                  rates_json: str) -> np.ndarray:
+    """Per layer, the least achievable memory-bound kernel (`vector`) time over every combination of the `free`
+    toggles (the shape's others kept), less VECTOR_MARGIN. Those kernels stream the saved set, the FP8 quantize
+    traffic and the MoE rewrite's extra read (k3opt.coefficients): they read the local tokens, the activation
+    toggles, the recompute mode, the precision and the FP8 block, never the parallel degrees, the sharding or the
+    schedule; so one shape per such key is built, on one GPU group of the CP degree (`_vector_shape`)."""
+    key = _vector_shape(shape)
+    if key != shape:
+        return _least_vector(key, free, model_json, cluster_json, rates_json)
+    vecs = [coefficients_of_key(replace(shape, toggles=shape.toggles.model_copy(
+        update=dict(zip(free, flags, strict=True)))), model_json, cluster_json, rates_json).achievable["vector"]
+        for flags in itertools.product((False, True), repeat=len(free))]
+    out = np.minimum.reduce(vecs) * (1 - VECTOR_MARGIN)
+    out.setflags(write=False)
+    return out
+
+
+def _vector_shape(shape: Shape) -> Shape:
+    """The shape `_least_vector` builds for `shape`: its tokens, activation toggles, recompute mode, precision and
+    FP8 block on CP GPUs (no pipeline, EP or FSDP), the rest at the defaults."""
+    act = {t: getattr(shape.toggles, t) for t in ("fp8_activations", "fused_situ", "moe_backward_rewrite",
+                                                  "dispatch_recompute")}
+    return Shape(gpus=shape.cp, pp=1, vp=1, cp=shape.cp, ep=1, expert_fsdp=1, dense_fsdp=1, microbatches=1,
+                 rows=shape.rows, context=shape.context, document_length=shape.document_length,
+                 recompute=shape.recompute, fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,
+                 toggles=type(shape.toggles)(**act), fp8_block_size=shape.fp8_block_size, precision=shape.precision)
+
+
+def coarse_work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec,
+                      free: tuple[str, ...] = FLOOR_TOGGLES) -> Coefficients:
+    """A cheaper, looser floor than `work_floor` from the shape's own ranked view: its memory-bound kernels' time
+    replaced by their least over every recompute mode and combination of the `free` toggles (`_least_vector`,
+    shared by every shape of the same tokens), every other term as the shape's (the activation toggles leave or
+    raise them; a frame bound passes recompute 'none' without toggles, the least of them). The frame bounds of
+    every shape use it; the search tightens a frame with `work_floor` when it reaches it."""
+    return _coarse_work_floor(shape, tuple(free), *cache_key(model, cluster))
 
 
 @lru_cache(maxsize=2048)
-def _work_floor(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
-    return _build_work_floor(shape, model_json, cluster_json, rates_json)
-
-
-def _build_work_floor(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+def _coarse_work_floor(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
+                       rates_json: str) -> Coefficients:
     view = _ranked(shape, model_json, cluster_json, rates_json)
     raw = coefficients_of_key(shape, model_json, cluster_json, rates_json)
     if view is raw:
         return view
+    least = np.minimum.reduce([_least_vector(replace(shape, recompute=rc), free, model_json, cluster_json,
+                                             rates_json) for rc in Recompute])
     time = dict(view.time)
     if "vector" in time:
-        del time["vector"]  # the kernels as their own resource: a max term, dropped
+        time["vector"] = least  # the kernels as their own resource
     else:
-        time["tensor"] = time["tensor"] - raw.achievable["vector"]
+        time["tensor"] = time["tensor"] - raw.achievable["vector"] + least
     return with_fields(view, time=time)
+
+
+_LEAST: dict = type("_LeastCache", (dict,), {"cache_clear": dict.clear})()
+"""`_least_arrays` by what its arrays read; `cache_clear()` empties it like the functools caches."""
+
+
+def _least_arrays(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str, rates_json: str
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Elementwise least `time` and `update` arrays of the ranked views over every combination of the `free`
+    toggles (work_floor) under the shape's recompute mode and lifecycle. The ranked per-layer arrays read the
+    LayerShape (the per-layer build's key: no pipeline schedule) and the EP overlap flag only, so the shapes that
+    differ in their schedule share one computation."""
+    base = replace(shape, toggles=shape.toggles.model_copy(update={t: False for t in free}))
+    placement = coefficients_of_key(shape, model_json, cluster_json, rates_json).placement
+    key = (LayerShape.of(base, placement), shape.ep_overlap, free, model_json, cluster_json, rates_json)
+    hit = _LEAST.get(key)
+    if hit is not None:
+        return hit
+    views = [_ranked(replace(shape, toggles=shape.toggles.model_copy(update=dict(zip(free, flags, strict=True)))),
+                     model_json, cluster_json, rates_json)
+             for flags in itertools.product((False, True), repeat=len(free))]
+    time = {res: np.minimum.reduce([v.time[res] for v in views]) for res in views[0].time}
+    update = {res: np.minimum.reduce([v.update[res] for v in views]) for res in views[0].update}
+    for arr in (*time.values(), *update.values()):
+        arr.setflags(write=False)
+    if len(_LEAST) > 8192:
+        _LEAST.clear()
+    _LEAST[key] = (time, update)
+    return time, update
