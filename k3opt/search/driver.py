@@ -18,6 +18,7 @@ from k3opt.search.frames import (
     Frame,
     allocated_capacity_bytes,
     enumerate_frames,
+    frame_of,
     frame_shape,
     layout_of,
     lifecycles,
@@ -341,6 +342,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
                 "raise --time-limit")
         raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
+    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
+                                          lower_bounds=lbs, over_line=over_line, estimates=estimates)
+                       if pareto and not ctrl_c.flag and (unbounded or not interrupted)
+                       else (ranked[:1] if interrupted else [], False))
+    ranked = _with_front(ranked, front)
     top_items = ranked[:top]
     best_t = top_items[0].rank_time_s
     bound = min(bound, best_t)
@@ -348,13 +354,21 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     k = ranked[min(top, len(ranked)) - 1].rank_time_s
     done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
     status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
-    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
-                                          lower_bounds=lbs, over_line=over_line, estimates=estimates)
-                       if pareto and not ctrl_c.flag and (unbounded or not interrupted)
-                       else (ranked[:1] if interrupted else [], False))
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+
+
+def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]:
+    """The ranked layouts with the front's points in them: the front searches on after the ranked share of the
+    time and may find a faster layout of a frame (or of a frame the ranked search never solved). One per frame,
+    best first; the search's bound stays a lower bound of every layout, so the gap is taken after this."""
+    best: dict[Frame, PlanItem] = {}
+    for it in [*ranked, *(PlanItem(p.layout, p.evaluation) for p in front if p.evaluation.fits)]:
+        f = frame_of(it.layout)
+        if f not in best or _key(it.evaluation) < _key(best[f].evaluation):
+            best[f] = it
+    return sorted(best.values(), key=lambda it: _key(it.evaluation))
 
 
 class _Caps(dict):
