@@ -79,3 +79,23 @@ def reference() -> k3opt.Layout:
 @pytest.fixture(scope=shared_scope)
 def reference_eval(reference, model, cluster) -> k3opt.Evaluation:
     return k3opt.evaluate(reference, model=model, cluster=cluster)
+
+
+INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
+
+
+def interleaved_small_job() -> k3opt.Job:
+    """PP2 VP2 on the small model (tests/data/tiny-moe.toml on slow-cluster.toml, 8 GPUs), no / full recompute,
+    four activation toggles free: the interleaved job the search and replay-bound tests enumerate."""
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    allowed = INTERLEAVED_TOGGLES
+    return k3opt.Job.model_validate({
+        "model": str(data / "tiny-moe.toml"), "cluster": str(data / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+

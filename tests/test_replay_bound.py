@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import interleaved_small_job
 from ortools.sat.python import cp_model
 
 import k3opt
@@ -116,14 +117,7 @@ def test_node_bound_below_the_ranked_time_small_model():
     where the replay exceeds the formula the objective rises above it on some split."""
     tiny = k3opt.load_model(DATA / "tiny-moe.toml")
     slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
-    allowed = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
-    job = k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
-    })
+    job = interleaved_small_job()
     f = enumerate_frames(job, tiny, 8)[0]
     fm = FrameModel(job, f, tiny, slow)
     lc = FsdpLifecycle.PER_MICROBATCH
@@ -193,14 +187,7 @@ def test_interleaved_plan_is_optimal_against_enumeration():
     over every frame, recompute mode, toggle set and split, priced by evaluate()."""
     tiny = k3opt.load_model(DATA / "tiny-moe.toml")
     slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
-    allowed = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
-    job = k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
-    })
+    job = interleaved_small_job()
     lc = FsdpLifecycle.PER_MICROBATCH
     best = None
     for f in enumerate_frames(job, tiny, 8):

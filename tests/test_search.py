@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import INTERLEAVED_TOGGLES, interleaved_small_job
 
 import k3opt
 from k3opt.cli import main
@@ -332,14 +333,8 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
     """v = 2 on p = 2 (each rank sums two non-contiguous chunks; PP packets cross the wrap-around hop): against
     enumeration through evaluate(), the plan's bound is valid, its best is at least the formula optimum's layout,
     and OPTIMAL only when it is the enumerated best (ranked by the larger of formula and replayed schedule)."""
-    allowed = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
-    job = k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
-    })
+    allowed = INTERLEAVED_TOGGLES
+    job = interleaved_small_job()
     frames = enumerate_frames(job, tiny, 8)
     assert len(frames) == 2  # the two default dense sharding policies
     best = None
