@@ -8,7 +8,7 @@ import pytest
 
 import k3opt
 from k3opt import coefficients, comm, schedule, structure
-from k3opt.search import ranking
+from k3opt.search import node_model, ranking
 
 
 def _mutmut_phase() -> str:
@@ -59,6 +59,7 @@ def _clear_caches() -> None:
     structure._CACHE.clear()
     coefficients._RATES_JSON.clear()
     coefficients._SPEC_JSON.clear()
+    node_model._NODE_PATHS.clear()
 
 
 @pytest.fixture(scope=shared_scope)

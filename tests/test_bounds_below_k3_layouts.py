@@ -154,3 +154,26 @@ def test_seeding_finds_the_interleaved_k3_layout(k3_specs) -> None:
     assert out[f1].evaluation.fits and out[f3].evaluation.fits
     assert out[f3].rank_time_s <= target.step.rank_time_s + 1e-9
     assert out[f3].layout.recompute == Recompute.SELECTIVE and out[f3].layout.toggles.activation_offload
+
+
+def test_work_floor_is_below_every_mode_under_an_ep_overlap_schedule() -> None:
+    """With the EP overlap schedule each all-to-all is exposed by max(0, exchange - its paired compute), which
+    shrinks as the compute grows: Qwen3-30B-A3B on 32 B200 (EP32 over four 8-GPU nodes, DeepEP across the
+    400 Gb/s NICs, where the exchange outlasts its partner), every recompute mode and activation-toggle set."""
+    from dataclasses import replace
+
+    from k3opt.coefficients import Shape
+
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    lay = k3opt.make_layout(gpus=32, pp=1, ep=32, dense_fsdp=32, expert_fsdp=1, microbatches=4, context=4096,
+                            split=[48], recompute="none", precision="bf16", ep_overlap=True)
+    base = replace(Shape.of(lay), toggles=lay.toggles.model_copy(update={t: False for t in ACT_TOGGLES}))
+    assert base.ep_overlap
+    floor = work_floor(base, model, cluster, recomputes=tuple(Recompute))
+    for rc in Recompute:
+        for flags in itertools.product([False, True], repeat=len(ACT_TOGGLES)):
+            sh = replace(base, recompute=rc, toggles=base.toggles.model_copy(
+                update=dict(zip(ACT_TOGGLES, flags, strict=True))))
+            view = ranked_coefficients(sh, model, cluster)
+            for res in view.time:
+                assert (floor.time[res] <= view.time[res]).all(), (rc, flags, res)

@@ -203,3 +203,42 @@ def test_interleaved_plan_is_optimal_against_enumeration():
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(best, rel=1e-9)
     assert best * (1 - 1e-6) <= plan.bound <= best + 1e-9
+
+
+def test_a_node_is_optimal_only_when_its_last_solve_proved_it(monkeypatch):
+    """The replay-cut loop: solve 1 is OPTIMAL but its layout replays above the objective, so a path is added and
+    the node is solved again; solve 2 is cut by the time (FEASIBLE) and finds nothing faster. The node is then
+    FEASIBLE (the driver solves it again), not OPTIMAL with solve 1's status."""
+    from types import SimpleNamespace
+
+    from k3opt.search import node_model
+    from k3opt.search.frames import Frame
+    from k3opt.search.node_model import FrameResult
+
+    f = Frame(pp=2, vp=2, cp=1, ep=1, expert_fsdp=1, dense_fsdp=1, microbatches=4, gpus=2)
+    results = iter([FrameResult(f, "OPTIMAL", objective=200, bound=200),
+                    FrameResult(f, "FEASIBLE", objective=210, bound=204)])
+
+    class FakeModel:
+        obj_scale = 1
+        step_units = 0
+        m = SimpleNamespace(add=lambda _c: None)
+
+        def solve(self, *_a, **_k):
+            return next(results)
+
+        def add_replay_paths(self, paths):
+            return len(paths)
+
+        def add_layout_hint(self, _layout):
+            pass
+
+    # Ranked (replayed) times well above the objectives: 200 units = 200 x 1e-7 / v s, so 1 s is far above.
+    ranked = iter([1.0, 1.5])
+    monkeypatch.setattr(node_model, "_item", lambda *_a: SimpleNamespace(rank_time_s=next(ranked), layout=None))
+    monkeypatch.setattr(node_model, "_solution_path", lambda *_a: (np.zeros(1), np.zeros(1)))
+    monkeypatch.setattr(node_model, "_NODE_PATHS", {})
+    res, _item = node_model._solve_with_replay_cuts(None, f, FakeModel(), None, None, 60.0, 2, True, None, 0.01,
+                                                     ("key",))
+    assert res.status == "FEASIBLE"
+    assert res.bound == 204  # the better proven bound of the two solves is kept

@@ -603,8 +603,9 @@ class FrameModel:
         every split, exact up to the per-chunk bounds, and linear (its LP relaxation sees fractional splits)."""
         m, p, v, mb_n = self.m, self.f.pp, self.f.vp, self.f.microbatches
         k_all = p * v
-        fc = min(int(round(replay_bound.SCALE / (1 + b))) for b in self.betas)
-        bc = min(int(round(replay_bound.SCALE * b / (1 + b))) for b in self.betas)
+        # Floored like replay_bound.path_coefficients: a duration rounded up would no longer bound the replay.
+        fc = min(math.floor(replay_bound.SCALE / (1 + b) + 1e-9) for b in self.betas)
+        bc = min(math.floor(replay_bound.SCALE * b / (1 + b) + 1e-9) for b in self.betas)
         horizon = replay_bound.SCALE * (v * mb_n + p) * self.time_ub
         start: dict[tuple[bool, int, int], cp_model.IntVar] = {}
 
@@ -806,6 +807,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     timed_out = False
     while True:
         res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, peak_cap_mib, relative_gap)
+        last_status = res.status
         item = _item(job, f, fm, res, model, cluster)
         bound = max(bound, res.bound or 0)
         if best is None or (item is not None and (best[1] is None or item.rank_time_s < best[1].rank_time_s)):
@@ -829,7 +831,8 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     res, item = best
     res.bound = max(res.bound or 0, bound)
     res.bound_step_s = (res.bound // fm.obj_scale) * TIME_UNIT / f.vp
-    if timed_out:
+    if timed_out or (res.status == "OPTIMAL" and last_status != "OPTIMAL"):
+        # A later solve cut by the slice has not proven the tightened model: the driver solves the node again.
         res.status = "FEASIBLE"
     return res, item
 

@@ -65,7 +65,9 @@ def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...]
     off = shape.toggles.model_copy(update={t: False for t in free})
     shapes = [replace(shape, recompute=rc, fsdp_lifecycle=lc, toggles=off) for rc in recs for lc in lcs]
     raws = [coefficients_of_key(sh, model_json, cluster_json, rates_json) for sh in shapes]
-    if not raws[0].achievable or any(getattr(shape.toggles, t) for t in ACT_TRAFFIC):
+    # An EP overlap schedule exposes max(0, exchange - paired compute): not monotone in the per-resource parts
+    # the fast path takes minima of, so such a shape takes the elementwise least of every mode's view.
+    if not raws[0].achievable or shape.ep_overlap or any(getattr(shape.toggles, t) for t in ACT_TRAFFIC):
         parts = [_least_arrays(sh, free, model_json, cluster_json, rates_json) for sh in shapes]
         time = {res: np.minimum.reduce([t[res] for t, _ in parts]) for res in parts[0][0]}
         update = {res: np.minimum.reduce([u[res] for _, u in parts]) for res in parts[0][1]}
