@@ -27,7 +27,7 @@ import numpy as np
 from k3opt import comm
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.rates import RatesSpec, rates_for
-from k3opt.schedule import chunk_times, ep_overlap_unpaired, replay_makespan
+from k3opt.schedule import BACKWARD_OVER_FORWARD, chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.specs import ClusterSpec, Recompute
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
@@ -156,8 +156,9 @@ def ranking_arrays(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | No
         if rates.overlap.ep_overlap_stages and cf.moe_compute_achievable.size:
             # Each exchange hides only under the compute it is paired with (the compute stream's path).
             comp = a["tensor"] + a["vector"]
+            beta = BACKWARD_OVER_FORWARD + (1.0 if cf.shape.recompute == Recompute.FULL else 0.0)
             tensor = tensor + ep_overlap_stage_exposed(comp - cf.moe_compute_achievable, cf.moe_compute_achievable,
-                                                       ep, share, _exchanges(cf))
+                                                       ep, share, _exchanges(cf), beta)
         time = dict(over, tensor=tensor, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
         exposed = np.zeros_like(ep)
     update = {res: (arr if res in UPDATE_COMPUTE else np.zeros_like(arr))
@@ -174,7 +175,7 @@ def _exchanges(cf: Coefficients) -> int:
 
 
 def ep_overlap_stage_exposed(pre: np.ndarray, mlp: np.ndarray, ep: np.ndarray, share: float,
-                             exchanges: int) -> np.ndarray:
+                             exchanges: int, beta: float = BACKWARD_OVER_FORWARD) -> np.ndarray:
     """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its paired compute, as
     Megatron's combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i)
     (NVIDIA/Megatron-LM megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
@@ -185,15 +186,17 @@ def ep_overlap_stage_exposed(pre: np.ndarray, mlp: np.ndarray, ep: np.ndarray, s
     Each stage lasts max(compute + share x comm, comm) (the all-to-all holds `share` of the SMs, as priced on the
     whole stage already), so beyond that priced part it adds max(0, (1 - share) comm - compute):
 
-        exposed = max(0, (1-s) c - pre/3) + max(0, (1-s)(x-2) c - 2 mlp/3) + max(0, (1-s) c - 2 pre/3)
+        exposed = max(0, (1-s) c - f pre) + max(0, (1-s)(x-2) c - (1-f) mlp) + max(0, (1-s) c - (1-f) pre)
 
     with c = ep / x the seconds of one of the layer's x exchanges (x = 4: dispatch and combine, forward and
     backward; a replayed dispatch rides with the backward dispatch), `pre` and `mlp` the layer's pre-dispatch
-    and routed-expert compute per microbatch (forward 1/3, backward 2/3 of each: 2 and 4 of the 6 FLOPs per
-    weight per token). The paired layers are taken alike (one layer's shapes on both sides)."""
+    and routed-expert compute per microbatch, split forward f = 1 / (1 + beta) and backward as the replayed
+    schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more forward under full
+    recompute, whose recomputed forward runs in the backward stage). The paired layers are taken alike."""
     c = (1 - share) * ep / exchanges
-    return (np.maximum(0.0, c - pre / 3) + np.maximum(0.0, (exchanges - 2) * c - 2 * mlp / 3)
-            + np.maximum(0.0, c - 2 * pre / 3))
+    fwd = 1.0 / (1.0 + beta)
+    return (np.maximum(0.0, c - fwd * pre) + np.maximum(0.0, (exchanges - 2) * c - (1 - fwd) * mlp)
+            + np.maximum(0.0, c - (1 - fwd) * pre))
 
 
 def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:

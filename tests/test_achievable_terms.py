@@ -89,6 +89,32 @@ def test_stage_exposure_by_hand():
     assert ep_overlap_stage_exposed(pre, mlp, np.array([16.0]), 0.0, 5)[0] == pytest.approx(11.0)
 
 
+def test_stage_exposure_under_full_recompute_by_hand():
+    """Full recompute puts the recomputed forward in the backward stage: forward 1/4, backward 3/4 of each part
+    (schedule.chunk_times' 1 : BACKWARD_OVER_FORWARD + 1). pre = mlp = 4 ms, c = 4 ms, 4 exchanges: combine bwd
+    4 - 1 = 3; dispatch 8 - 3 = 5; combine fwd 4 - 3 = 1: 9 ms (9.33 ms with the 1/3 : 2/3 split of no recompute).
+    The achievable stage of a full-recompute layout passes that split."""
+    pre, mlp = np.array([4.0]), np.array([4.0])
+    assert ep_overlap_stage_exposed(pre, mlp, np.array([16.0]), 0.0, 4, beta=3.0)[0] == pytest.approx(9.0)
+    assert ep_overlap_stage_exposed(pre, mlp, np.array([16.0]), 0.0, 4)[0] == pytest.approx(28 / 3)
+    import k3opt.achievable as achievable
+
+    seen: list[float] = []
+    real = achievable.ep_overlap_stage_exposed
+
+    def spy(*args):
+        seen.append(args[5])
+        return real(*args)
+
+    lay = _qwen30b(gpus=32, ep=32, dense_fsdp=32, domain_gpus_used=8, ep_overlap=True, dispatcher="hybridep",
+                   recompute="full")
+    cf = _coefficients(lay, "qwen3-30b-a3b", "b200")
+    import unittest.mock
+
+    with unittest.mock.patch.object(achievable, "ep_overlap_stage_exposed", spy):
+        ranking_arrays(cf, load_rates("b200"), k3opt.load_cluster("b200"))
+    assert seen == [3.0]
+
 def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_the_all_to_all_is_long():
     """Qwen3-30B-A3B at EP32 over four 8-GPU B200 domains: the all-to-all crosses the 50 GB/s NIC and outlasts
     the compute paired with it, so the overlap schedule's stage exposure adds to the achievable stage (switched
