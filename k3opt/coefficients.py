@@ -8,7 +8,7 @@ arrays. All values are float64 bytes, FLOPs or seconds per GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -230,6 +230,9 @@ class Coefficients:
     """Per layer, seconds per microbatch of the routed-expert part of its compute at the achievable rates
     (expert_compute_seconds; the rest of `achievable` tensor + vector is the pre-dispatch part); empty without
     rates. The EP overlap schedule pairs each all-to-all with one of the two parts (achievable.py)."""
+    moe_vector_achievable: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """The memory-bound kernels' share of `moe_compute_achievable` (the rest is its tensor-core time); part of the
+    `vector` resource, as the routed GEMMs' time is part of `tensor`."""
     update_hidden: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     """Per-update seconds that hide under `update_hidden_stages` stage-microbatches of compute; only what exceeds
     that window adds to the step (empty in the cost model's own coefficients: the roofline exposes the whole update;
@@ -246,17 +249,18 @@ class Coefficients:
 
 
 def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
-                    precision: Precision = Precision.BF16) -> tuple[float, float, float]:
+                    precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[float, float, float]:
     """(all saved bytes, recomputable bytes, FP8-stored bytes) per token of one block after the toggles:
     fused SiTU swaps six FP32 [R, H] copies for the BF16 [R, 2H] input (seed 004); dispatch recompute drops
     the dispatched copies; the MoE backward rewrite drops the expert outputs (seed 001); FP8 stores GEMM
     inputs in 1 byte plus one FP32 scale per `fp8_block` elements. A low compute precision saves each GEMM
     input as the quantized copy the wgrad GEMM reads (Transformer Engine keeps the column-wise usage,
     TransformerEngine PR #1596): b + 1/block bytes per element; a GEMM that stays BF16 (router, output layer)
-    keeps the BF16 input besides (or instead of) that copy. FP8 storage (the toggle) compresses every GEMM input."""
+    keeps the BF16 input besides (or instead of) that copy. FP8 storage (the toggle) compresses every GEMM input.
+    `routed`: only the routed experts' saved tensors (True), only the others (False), or all (None)."""
     total = recomputable = fp8 = 0.0
     for s in block.saved:
-        if not _kept(s, toggles):
+        if not _kept(s, toggles) or (routed is not None and s.routed != routed):
             continue
         b = float(s.bytes_per_token)
         if precision != Precision.BF16 and s.gemm_input:
@@ -269,6 +273,29 @@ def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
         if s.recomputable:
             recomputable += b
     return total, recomputable, fp8
+
+
+MEMORY_BOUND_FORWARD_PASSES = 2
+"""HBM passes of the memory-bound kernels between the GEMMs over each saved tensor in forward: its producer
+writes it, its consumer reads it."""
+MEMORY_BOUND_BACKWARD_PASSES = 3
+"""The same in backward: read again as a saved input, and met by a gradient of its size (written, then read)."""
+
+
+def memory_bound_kernel_bytes(saved: np.ndarray, full: bool) -> np.ndarray:
+    """HBM bytes per microbatch of the memory-bound kernels (norms, activations, permutes, residual adds) over the
+    saved tensors of each layer and edge (`saved`: bytes, length L + 2): (forward + backward passes) x bytes, 5 x,
+    times the recompute factor on the decoder layers (recompute_flops_factor; the edges are not checkpointed)."""
+    rc = np.where(np.arange(len(saved)) < len(saved) - 2, recompute_flops_factor(full), 1.0)
+    return (MEMORY_BOUND_FORWARD_PASSES + MEMORY_BOUND_BACKWARD_PASSES) * saved * rc
+
+
+def memory_bound_forward_share(full: bool) -> float:
+    """Share of a decoder layer's memory-bound kernel traffic (memory_bound_kernel_bytes) its forward stage runs:
+    forward passes / (all passes x recompute factor), 2/5; under full recompute the replayed forward runs in the
+    backward stage, 2/5 x 3/4 = 3/10."""
+    return MEMORY_BOUND_FORWARD_PASSES / (
+        (MEMORY_BOUND_FORWARD_PASSES + MEMORY_BOUND_BACKWARD_PASSES) * recompute_flops_factor(full))
 
 
 def _kept(s: Saved, t: Toggles) -> bool:
@@ -476,19 +503,20 @@ def _closes(model: ModelSpec) -> np.ndarray:
 
 @lru_cache(maxsize=512)
 def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
-           precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
-    return _build_saved(model_json, tokens, toggles, fp8_block, precision)
+           precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
+    return _build_saved(model_json, tokens, toggles, fp8_block, precision, routed)
 
 
 def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
-                 precision: Precision = Precision.BF16) -> tuple[np.ndarray, ...]:
-    """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge."""
+                 precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
+    """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge (`routed`: as in
+    saved_per_token)."""
     st = structure_of(_model_of(model_json))
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     out = np.zeros((3, len(blocks)))
     for i, bl in enumerate(blocks):
         for b in bl:
-            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block, precision)) * tokens
+            out[:, i] += np.array(saved_per_token(b, toggles, fp8_block, precision, routed)) * tokens
     return out[0], out[1], out[2]
 
 
@@ -821,19 +849,18 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
 
     achievable: dict[str, np.ndarray] = {}
     update_achievable: dict[str, np.ndarray] = {}
-    moe_compute = np.zeros(n)
+    moe_compute = moe_vector = np.zeros(n)
     if rates_json:
         rt = _rates_from_json(rates_json)
-        # Memory-bound kernels between the GEMMs (norms, activations, permutes, residual adds, quantize): every
-        # intermediate tensor is written by its producer and read by its consumer in forward, read again as a
-        # saved input and met by a gradient of its size (written, read) in backward: 5 x its bytes; quantize adds
-        # its own traffic. Kernels on one stream run in sequence, so this time adds to the GEMM time.
-        elementwise = 5 * saved * np.where(layer, rc_factor, 1.0) + (hbm - hbm_weights - 2 * (act + recompute_ws))
+        # Memory-bound kernels between the GEMMs (memory_bound_kernel_bytes); quantize adds its own traffic.
+        # Kernels on one stream run in sequence, so this time adds to the GEMM time.
+        elementwise = memory_bound_kernel_bytes(saved, full) + (hbm - hbm_weights - 2 * (act + recompute_ws))
         elementwise = elementwise + loss_kernel_bytes(model, rt, T)
         tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, shape.precision, full, s_eff,
                                     tg.fused_cross_entropy)
-        moe_compute = _expert_compute(model_json, cluster_json, rates_json, T, e, shape.precision, full, act_toggles,
-                                      shape.fp8_block_size)
+        moe_gemm, moe_vector = _expert_compute(model_json, cluster_json, rates_json, T, e, shape.precision, full,
+                                               act_toggles, shape.fp8_block_size)
+        moe_compute = moe_gemm + moe_vector
         achievable, update_achievable = _achievable_time(
             shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
             ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
@@ -860,6 +887,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
         achievable=achievable, update_achievable=update_achievable,
         rates_name=_rates_from_json(rates_json).name if rates_json else "",
         moe_compute_achievable=moe_compute if rates_json else np.zeros(0),
+        moe_vector_achievable=moe_vector if rates_json else np.zeros(0),
     ))
 
 
@@ -977,6 +1005,11 @@ def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str
     return tensor
 
 
+def achievable_hbm_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSpec) -> np.ndarray:
+    """Seconds to stream `nbytes` through HBM at the achievable rate: bytes / (HBM peak x the rates' HBM fraction)."""
+    return nbytes / (cluster.hbm_gbps * 1e9 * rt.hbm.value)
+
+
 def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, tensor: np.ndarray,
                      hbm: np.ndarray, elementwise: np.ndarray, nvl: np.ndarray,
                      nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
@@ -994,8 +1027,8 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     c_nic = cluster.nic_gbps * gb * rt.collective_nic.value
     time = {
         "tensor": tensor,
-        "hbm": hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
-        "vector": elementwise / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "hbm": achievable_hbm_seconds(hbm, cluster, rt),
+        "vector": achievable_hbm_seconds(elementwise, cluster, rt),
         "nvlink": (nvl - ep_nvl) / c_nvl,
         "nic": (nic - ep_nic) / c_nic,
         "host_link": host / (cluster.host_link_gbps * gb),
@@ -1018,11 +1051,6 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
 # the all-to-all (k3opt.achievable.ep_overlap_stage_exposed).
 
 
-ROUTED_SAVED = ("moe_dispatched", "moe_expert")
-"""Name prefixes of the MoE block's saved tensors that belong to the routed experts (structure.py: the router,
-the norms and the shared expert run in Megatron's pre-dispatch node)."""
-
-
 def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarray:
     """HBM bytes per microbatch of the cross-entropy kernels, on the last edge (length L + 2): one loss per output
     head (the LM head and each MTP module), T x vocab logits x the rates file's `loss_bytes_per_logit`; zeros
@@ -1036,32 +1064,37 @@ def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarra
 
 @lru_cache(maxsize=1024)
 def _expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
-                    full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
-    out = expert_compute_seconds(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
-                                 precision, full, toggles, fp8_block)
-    out.flags.writeable = False
+                    full: bool, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, np.ndarray]:
+    out = expert_compute_parts(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
+                               precision, full, toggles, fp8_block)
+    for part in out:
+        part.flags.writeable = False
     return out
 
 
-def expert_compute_seconds(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
-                           precision: Precision, full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
-    """Per layer, seconds per microbatch of the compute Megatron's combined 1F1B schedule runs as the `mlp` node
-    (NVIDIA/Megatron-LM megatron/core/models/gpt/fine_grained_callables.py: the routed experts; attention, the
-    router and the shared experts run in the pre-dispatch node): the routed GEMMs at the achievable rates
-    (_gemm_row_seconds) plus their memory-bound kernels, 5 x the routed experts' saved bytes (the dispatched
-    inputs, the expert activations and outputs; ROUTED_SAVED) at the achievable HBM rate, the same count as the
-    `vector` resource."""
+def expert_compute_parts(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
+                         precision: Precision, full: bool, toggles: Toggles, fp8_block: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, (tensor-core, memory-bound) seconds per microbatch of the compute Megatron's combined 1F1B schedule
+    runs as the `mlp` node (NVIDIA/Megatron-LM megatron/core/models/gpt/fine_grained_callables.py: the routed
+    experts; attention, the router and the shared experts run in the pre-dispatch node): the routed GEMMs at the
+    achievable rates (_gemm_row_seconds) x the recompute factor, and the memory-bound kernels over the routed
+    experts' saved tensors (Saved.routed: the dispatched inputs, the expert activations and outputs;
+    memory_bound_kernel_bytes, as in the `vector` resource) at the achievable HBM rate."""
     sa = _static(model_json)
     n = len(sa.moe)
     g = sa.gemms
     rc = np.where(np.arange(n) < n - 2, recompute_flops_factor(full), 1.0)
     routed = g[:, 4] > 0
     gemm = np.bincount(g[:, 0].astype(int), weights=_gemm_row_seconds(sa, cluster, rt, T, ep, precision) * routed,
-                       minlength=n)
-    st = structure_of(_model_of(model_json))
-    blocks: list[list[Block]] = [*st.layers, st.first, st.last]
-    routed_blocks = [[replace(b, saved=tuple(x for x in b.saved if x.name.startswith(ROUTED_SAVED)))
-                      for b in bl if b.kind == "moe"] for bl in blocks]
-    moe_saved = np.array([sum(saved_per_token(b, toggles, fp8_block, precision)[0] for b in bl)
-                          for bl in routed_blocks]) * T
-    return (gemm + 5 * moe_saved / (cluster.hbm_gbps * 1e9 * rt.hbm.value)) * rc
+                       minlength=n) * rc
+    routed_saved = _saved(model_json, T, toggles, fp8_block, precision, routed=True)[0]
+    return gemm, achievable_hbm_seconds(memory_bound_kernel_bytes(routed_saved, full), cluster, rt)
+
+
+def expert_compute_seconds(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
+                           precision: Precision, full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
+    """Per layer, seconds per microbatch of the routed experts' compute (`mlp` node): the sum of
+    expert_compute_parts."""
+    gemm, vector = expert_compute_parts(model_json, cluster, rt, T, ep, precision, full, toggles, fp8_block)
+    return gemm + vector

@@ -51,7 +51,9 @@ class Saved:
     `recomputable`: the output of an element-wise or short-conv op that selective recompute replays;
     `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output). Of a GEMM input, `bf16_reader`:
     also read by a GEMM that stays BF16 (the router, the output layer), whose backward keeps the BF16 tensor;
-    `quantized_reader`: read by a GEMM that runs in the compute precision (which keeps its own quantized copy)."""
+    `quantized_reader`: read by a GEMM that runs in the compute precision (which keeps its own quantized copy).
+    `routed`: saved by the routed experts (the dispatched inputs, the expert activations and outputs), the part of
+    the MoE block Megatron's combined 1F1B schedule runs as its `mlp` node."""
 
     name: str
     values_per_token: int
@@ -61,6 +63,7 @@ class Saved:
     role: str = ""
     bf16_reader: bool = False
     quantized_reader: bool = True
+    routed: bool = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -263,13 +266,13 @@ class Structure:
         attn = 3 * a.num_heads * (2 * a.head_dim)
         return Block(f"layer{i}.gqa", "gqa", tuple(t), tuple(saved), attention_flops_per_token_per_doc_token=attn)
 
-    def _situ(self, prefix: str, rows_per_token: int, width: int) -> tuple[Saved, ...]:
+    def _situ(self, prefix: str, rows_per_token: int, width: int, routed: bool = False) -> tuple[Saved, ...]:
         if self.model.ffn_activation == "swiglu":
-            return (Saved(f"{prefix}_swiglu_input", 2 * rows_per_token * width, BF16),)
+            return (Saved(f"{prefix}_swiglu_input", 2 * rows_per_token * width, BF16, routed=routed),)
         # Seed 004: naive SiTU-GLU autograd keeps 6 FP32 [R, H]; the fused op keeps the BF16 [R, 2H] input.
         return (
-            Saved(f"{prefix}_situ_fp32_copies", 6 * rows_per_token * width, FP32, role="situ_naive"),
-            Saved(f"{prefix}_situ_input", 2 * rows_per_token * width, BF16, role="situ_fused"),
+            Saved(f"{prefix}_situ_fp32_copies", 6 * rows_per_token * width, FP32, role="situ_naive", routed=routed),
+            Saved(f"{prefix}_situ_input", 2 * rows_per_token * width, BF16, role="situ_fused", routed=routed),
         )
 
     def _dense_ffn(self, i: int) -> Block:
@@ -319,10 +322,10 @@ class Structure:
             saved += [Saved("moe_latent_down_output", w, BF16),
                       Saved("moe_latent_norm_output", w, BF16, recomputable=True)]
         saved += [
-            Saved("moe_dispatched_inputs", k * w, BF16, gemm_input=True, role="dispatch_copy"),
-            *self._situ("moe_expert", k, f),
-            Saved("moe_expert_act_output", k * f, BF16, gemm_input=True, recomputable=True),
-            Saved("moe_expert_outputs", k * w, BF16, role="expert_output"),
+            Saved("moe_dispatched_inputs", k * w, BF16, gemm_input=True, role="dispatch_copy", routed=True),
+            *self._situ("moe_expert", k, f, routed=True),
+            Saved("moe_expert_act_output", k * f, BF16, gemm_input=True, recomputable=True, routed=True),
+            Saved("moe_expert_outputs", k * w, BF16, role="expert_output", routed=True),
         ]
         if m.latent_size is not None:
             saved.append(Saved("moe_combined_latent", w, BF16, gemm_input=True))
