@@ -1051,14 +1051,28 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
 # the all-to-all (k3opt.achievable.ep_overlap_stage_exposed).
 
 
+# NVIDIA/TransformerEngine@d0067d0da6cb01811b8072a7d304f0e00344ce2b transformer_engine/common/triton/cross_entropy.py,
+# the fused cross entropy Megatron runs with cross_entropy_fusion_impl = 'te' (the Megatron-Bridge perf recipes'
+# default, src/megatron/bridge/perf_recipes/_common.py@067f987d). The logits' write by the LM-head GEMM and its
+# backward GEMMs' reads are GEMM traffic, not counted here.
+TE_CROSS_ENTROPY_BYTES_PER_LOGIT = (
+    BF16            # online_softmax_kernel reads the BF16 logits
+    + BF16 + FP32   # cross_entropy_kernel reads them again and writes the FP32 gradient
+    + FP32 + FP32   # backward element_mul_kernel scales it in place (Megatron passes a per-token loss,
+                    # megatron/core/models/common/language_module/language_module.py@d98e8a64: grad_output is not 1)
+    + FP32 + BF16   # autograd casts the FP32 gradient to the BF16 logits' dtype for the LM-head backward
+)
+"""HBM bytes TransformerEngine's fused cross entropy moves per logit element per microbatch: 22 B."""
+
+
 def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarray:
     """HBM bytes per microbatch of the cross-entropy kernels, on the last edge (length L + 2): one loss per output
-    head (the LM head and each MTP module), T x vocab logits x the rates file's `loss_bytes_per_logit`; zeros
-    when the rates file does not name that figure."""
+    head (the LM head and each MTP module), T x vocab logits x TE_CROSS_ENTROPY_BYTES_PER_LOGIT when the rates
+    file's `[loss_kernels]` names TransformerEngine's fused cross entropy; zeros otherwise (unpriced)."""
     out = np.zeros(model.num_layers + 2)
-    if rt.loss_bytes_per_logit is not None:
+    if rt.loss_kernels is not None and rt.loss_kernels.te_fused_cross_entropy:
         heads = 1 + (model.mtp.num_layers if model.mtp is not None else 0)
-        out[-1] = heads * tokens * model.vocab_size * rt.loss_bytes_per_logit.value
+        out[-1] = heads * tokens * model.vocab_size * TE_CROSS_ENTROPY_BYTES_PER_LOGIT
     return out
 
 

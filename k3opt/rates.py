@@ -17,8 +17,9 @@ The cost model turns the rates into achievable ceilings (an empirical roofline) 
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, StrictBool, model_validator
@@ -59,6 +60,15 @@ class OverlapRules(_Strict):
     """Under an EP overlap schedule, each all-to-all hides only under the compute it is paired with in Megatron's
     combined 1F1B layer schedule (k3opt.achievable.ep_overlap_stage_exposed), not under the whole layer; off: it
     hides under the whole stage (a lower bound)."""
+    source: str = Field(min_length=1)
+
+
+class LossKernels(_Strict):
+    """Which cross-entropy kernels run after the LM-head GEMM; the achievable step prices their HBM traffic from
+    the tensors' dtypes (k3opt.coefficients.loss_kernel_bytes)."""
+
+    te_fused_cross_entropy: StrictBool
+    """TransformerEngine's fused cross entropy (Megatron's cross_entropy_fusion_impl = 'te'); false: unpriced."""
     source: str = Field(min_length=1)
 
 
@@ -112,9 +122,35 @@ class RatesSpec(_Strict):
     """Latency of one ring step between two GPUs of an NVLink domain, microseconds."""
     collective_hop_latency_nic_us: Rate | None = None
     """Latency of one ring step across NVLink domains (the network), microseconds."""
-    loss_bytes_per_logit: Rate | None = None
-    """HBM bytes the cross-entropy kernels move per logit element per microbatch (forward and backward, after
-    the LM-head GEMM that writes the logits); absent: the loss kernels are unpriced."""
+    loss_kernels: LossKernels | None = None
+    """The cross-entropy kernels the runs use (absent: the loss kernels are unpriced)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_loss_bytes(cls, data: Any) -> Any:  # noqa: ANN401 - the raw TOML table
+        """`loss_bytes_per_logit` (a hand-summed byte count) is retired: its one value, TransformerEngine's 22 B,
+        is now derived from dtypes. A file naming that value loads as `[loss_kernels] te_fused_cross_entropy =
+        true` with a FutureWarning; any other value is one clear error (the model cannot price it)."""
+        if not isinstance(data, dict) or "loss_bytes_per_logit" not in data:
+            return data
+        from k3opt.coefficients import TE_CROSS_ENTROPY_BYTES_PER_LOGIT
+
+        old = data["loss_bytes_per_logit"]
+        value = old.get("value") if isinstance(old, dict) else old
+        fix = ("replace the [loss_bytes_per_logit] table with [loss_kernels] te_fused_cross_entropy = true (or false) "
+               "and its source")
+        if "loss_kernels" in data:
+            raise ValueError(f"loss_bytes_per_logit is retired and [loss_kernels] is given too; {fix}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or value != TE_CROSS_ENTROPY_BYTES_PER_LOGIT:
+            raise ValueError(f"loss_bytes_per_logit = {value!r} is no longer read: the loss kernels' bytes are "
+                             f"derived from their dtypes ({TE_CROSS_ENTROPY_BYTES_PER_LOGIT} B per logit for "
+                             f"TransformerEngine's fused cross entropy); {fix}")
+        warnings.warn(f"rates {data.get('name', '')}: loss_bytes_per_logit is deprecated and read as [loss_kernels] "
+                      f"te_fused_cross_entropy = true; {fix}", FutureWarning, stacklevel=2)
+        source = old.get("source") if isinstance(old, dict) else None
+        kernels = {"te_fused_cross_entropy": True, "source": source or "loss_bytes_per_logit (retired field)"}
+        return {**{k: v for k, v in data.items() if k != "loss_bytes_per_logit"}, "loss_kernels": kernels}
 
     def ring_latency_s(self, n: int, a: int) -> float:
         """Seconds of latency of one ring all-gather or reduce-scatter over n ranks, a of them per NVLink domain,
@@ -169,8 +205,7 @@ class RatesSpec(_Strict):
             out[key] = getattr(self, key)
         if self.attention_core_backward is not None:
             out["attention_core_backward"] = self.attention_core_backward
-        for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us",
-                    "loss_bytes_per_logit"):
+        for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         for d, r in self.a2a_nvlink_gbps.items():

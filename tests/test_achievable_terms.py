@@ -1,5 +1,5 @@
 """Achievable-step terms priced from the software the public runs use: the cross-entropy kernels' HBM traffic
-(TransformerEngine's fused cross entropy, `loss_bytes_per_logit` of the rates file) and the EP overlap schedule
+(TransformerEngine's fused cross entropy, `[loss_kernels]` of the rates file) and the EP overlap schedule
 that hides each all-to-all only under the compute Megatron's combined 1F1B pairs it with (`ep_overlap_stages`).
 Expected values are derived from the configs' shapes and the named rates in the comments."""
 
@@ -39,7 +39,7 @@ def test_loss_kernels_move_22_bytes_per_logit_on_the_last_edge():
     move 4,096 x 151,936 x 22 B = 13,691,256,832 B, at 8 TB/s x 0.74 = 2.3127 ms, on the last edge only."""
     lay = _qwen30b()
     with_loss = _coefficients(lay, "qwen3-30b-a3b", "b200")
-    without = _coefficients(lay, "qwen3-30b-a3b", "b200", loss_bytes_per_logit=None)
+    without = _coefficients(lay, "qwen3-30b-a3b", "b200", loss_kernels=None)
     delta = with_loss.achievable["vector"] - without.achievable["vector"]
     assert delta[with_loss.last] == pytest.approx(13_691_256_832 / (HBM * HBM_FRAC), rel=1e-12)
     assert delta[with_loss.last] == pytest.approx(2.3127e-3, rel=1e-4)
@@ -52,7 +52,7 @@ def test_each_mtp_module_adds_one_more_loss():
     lay = k3opt.make_layout(gpus=64, pp=2, vp=1, ep=32, dense_fsdp=32, expert_fsdp=1, microbatches=8, context=4096,
                             split=[31, 30], recompute="none", precision="mxfp8")
     with_loss = _coefficients(lay, "deepseek-v3", "b200")
-    without = _coefficients(lay, "deepseek-v3", "b200", loss_bytes_per_logit=None)
+    without = _coefficients(lay, "deepseek-v3", "b200", loss_kernels=None)
     delta = with_loss.achievable["vector"][with_loss.last] - without.achievable["vector"][with_loss.last]
     assert delta == pytest.approx(23_299_358_720 / (HBM * HBM_FRAC), rel=1e-12)
 
@@ -151,21 +151,21 @@ def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_th
         achievable_for(cf_p, plain.split, cluster, off).stage_time_s, rel=1e-12)
 
 
-def test_bad_loss_rate_and_overlap_rule_are_one_clear_error(tmp_path):
-    """A loss rate without its source, or of zero bytes, and a non-boolean stage rule are rejected by the loader
-    with the key named (SpecError; the CLI prints it as one line and exits 2)."""
+def test_bad_loss_switch_and_overlap_rule_are_one_clear_error(tmp_path):
+    """A loss-kernel switch without its source or not a boolean, and a non-boolean stage rule are rejected by the
+    loader with the key named (SpecError; the CLI prints it as one line and exits 2)."""
     text = (k3opt.specs.preset_dir("rates") / "b200.toml").read_text()
-    start = text.index("[loss_bytes_per_logit]")
+    start = text.index("[loss_kernels]")
     end = text.index("\n[", start + 1)
     cases = {
-        "no source": text[:start] + '[loss_bytes_per_logit]\nvalue = 22.0\nunit = "B"\nkind = "derived"\n' + text[end:],
-        "zero bytes": text.replace("value = 22.0", "value = 0.0"),
+        "no source": text[:start] + "[loss_kernels]\nte_fused_cross_entropy = true\n" + text[end:],
+        "not a switch": text.replace("te_fused_cross_entropy = true", "te_fused_cross_entropy = 22"),
         "stage rule": text.replace("ep_overlap_stages = true", 'ep_overlap_stages = "yes"'),
     }
     for name, body in cases.items():
         bad = tmp_path / f"{name.replace(' ', '_')}.toml"
         bad.write_text(body)
-        with pytest.raises(SpecError, match="loss_bytes_per_logit|ep_overlap_stages"):
+        with pytest.raises(SpecError, match="loss_kernels|ep_overlap_stages"):
             load_rates(str(bad))
 
 

@@ -155,8 +155,8 @@ def test_qwen3_head_edge_hbm_bytes(qwen_mxfp8):
     """The last edge (final norm 2048 + untied LM head 151936 x 2048, dense AdamW): weight side 10 x view + 8 x
     view / 16; no quantized GEMM (the head stays BF16); saved: norm input 2 x 2048, rstd 4, output 2 x 2048
     (the BF16 head's wgrad reads it in BF16), not recomputed at the edge: kernels 5 x T x saved; plus the
-    cross-entropy kernels of the one output head, T x vocab 151,936 x 22 B (loss_bytes_per_logit of the rates
-    file: TransformerEngine's fused cross entropy)."""
+    cross-entropy kernels of the one output head, T x vocab 151,936 x 22 B (TransformerEngine's fused cross
+    entropy, on in the rates file's [loss_kernels]: 2 + (2 + 4) + (4 + 4) + (4 + 2) B)."""
     view = 2048 + 151936 * 2048
     weights = 10 * 2 * view / 2 + 8 * view / FSDP  # 4 passes + gradient write, 2 B each; FP32 shard r/w
     assert qwen_mxfp8.achievable["hbm"][qwen_mxfp8.last] * HBM * HBM_FRAC == pytest.approx(weights, rel=1e-12, abs=0)
