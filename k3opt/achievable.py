@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3opt import comm
-from k3opt.coefficients import Coefficients, balance_moved_bytes
+from k3opt.coefficients import Coefficients, balance_moved_bytes, memory_bound_forward_share
 from k3opt.rates import RatesSpec, rates_for
 from k3opt.schedule import BACKWARD_OVER_FORWARD, chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.specs import ClusterSpec, Recompute
@@ -155,10 +155,12 @@ def ranking_arrays(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | No
         tensor = over["tensor"] + share * ep
         if rates.overlap.ep_overlap_stages and cf.moe_compute_achievable.size:
             # Each exchange hides only under the compute it is paired with (the compute stream's path).
-            comp = a["tensor"] + a["vector"]
-            beta = BACKWARD_OVER_FORWARD + (1.0 if cf.shape.recompute == Recompute.FULL else 0.0)
-            tensor = tensor + ep_overlap_stage_exposed(comp - cf.moe_compute_achievable, cf.moe_compute_achievable,
-                                                       ep, share, _exchanges(cf), beta)
+            full = cf.shape.recompute == Recompute.FULL
+            mlp_vector = cf.moe_vector_achievable
+            mlp_tensor = cf.moe_compute_achievable - mlp_vector
+            pre_fwd, pre_bwd = forward_backward(a["tensor"] - mlp_tensor, a["vector"] - mlp_vector, full)
+            _, mlp_bwd = forward_backward(mlp_tensor, mlp_vector, full)
+            tensor = tensor + ep_overlap_stage_exposed(pre_fwd, pre_bwd, mlp_bwd, ep, share, _exchanges(cf))
         time = dict(over, tensor=tensor, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
         exposed = np.zeros_like(ep)
     update = {res: (arr if res in UPDATE_COMPUTE else np.zeros_like(arr))
@@ -174,8 +176,19 @@ def _exchanges(cf: Coefficients) -> int:
     return comm.ep_exchanges(sh.recompute == Recompute.FULL, sh.toggles.dispatch_recompute)
 
 
-def ep_overlap_stage_exposed(pre: np.ndarray, mlp: np.ndarray, ep: np.ndarray, share: float,
-                             exchanges: int, beta: float = BACKWARD_OVER_FORWARD) -> np.ndarray:
+def forward_backward(tensor: np.ndarray, vector: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of compute-stream work, each part split by its own ratio: tensor-core time
+    1 : beta as the replayed schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more
+    forward under full recompute, whose replay runs in the backward stage), memory-bound kernel time by the share
+    of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5)."""
+    f_tensor = 1.0 / (1.0 + BACKWARD_OVER_FORWARD + (1.0 if full else 0.0))
+    f_vector = memory_bound_forward_share(full)
+    fwd = f_tensor * tensor + f_vector * vector
+    return fwd, (1.0 - f_tensor) * tensor + (1.0 - f_vector) * vector
+
+
+def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_bwd: np.ndarray, ep: np.ndarray,
+                             share: float, exchanges: int) -> np.ndarray:
     """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its paired compute, as
     Megatron's combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i)
     (NVIDIA/Megatron-LM megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
@@ -186,17 +199,14 @@ def ep_overlap_stage_exposed(pre: np.ndarray, mlp: np.ndarray, ep: np.ndarray, s
     Each stage lasts max(compute + share x comm, comm) (the all-to-all holds `share` of the SMs, as priced on the
     whole stage already), so beyond that priced part it adds max(0, (1 - share) comm - compute):
 
-        exposed = max(0, (1-s) c - f pre) + max(0, (1-s)(x-2) c - (1-f) mlp) + max(0, (1-s) c - (1-f) pre)
+        exposed = max(0, (1-s) c - pre_fwd) + max(0, (1-s)(x-2) c - mlp_bwd) + max(0, (1-s) c - pre_bwd)
 
     with c = ep / x the seconds of one of the layer's x exchanges (x = 4: dispatch and combine, forward and
-    backward; a replayed dispatch rides with the backward dispatch), `pre` and `mlp` the layer's pre-dispatch
-    and routed-expert compute per microbatch, split forward f = 1 / (1 + beta) and backward as the replayed
-    schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more forward under full
-    recompute, whose recomputed forward runs in the backward stage). The paired layers are taken alike."""
+    backward; a replayed dispatch rides with the backward dispatch), and the layer's pre-dispatch and routed-expert
+    compute per microbatch split forward / backward by forward_backward. The paired layers are taken alike."""
     c = (1 - share) * ep / exchanges
-    fwd = 1.0 / (1.0 + beta)
-    return (np.maximum(0.0, c - fwd * pre) + np.maximum(0.0, (exchanges - 2) * c - (1 - fwd) * mlp)
-            + np.maximum(0.0, c - (1 - fwd) * pre))
+    return (np.maximum(0.0, c - pre_fwd) + np.maximum(0.0, (exchanges - 2) * c - mlp_bwd)
+            + np.maximum(0.0, c - pre_bwd))
 
 
 def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
