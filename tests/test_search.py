@@ -556,6 +556,10 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
         if best is not None:
             assert lp <= best + 1e-9, (rc, lc, lp, best)
             assert mean <= best + 1e-9, (rc, lc, mean, best)
+            # Tight to within 6% of the enumerated optimum (4.142 of 4.362 s without full recompute): each
+            # variant's own work and bytes, the replay and whole layers. Mixing the least work of one toggle
+            # setting with the least bytes of another gave 3.976 s, 8.9% under it.
+            assert lp >= 0.94 * best, (rc, lc, lp, best)
         forced = needs_offload(job, f, _memory_view(job, f, ActMode(rc, True, False, False, False), lc, tiny, slow),
                                cap)
         assert not (forced and without_offload), (rc, lc)

@@ -26,7 +26,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.lp_bound import interleaved_lp_bound, needs_offload
+from k3opt.search.lp_bound import granular_stage, interleaved_lp_bound, needs_offload
 from k3opt.search.ranking import coarse_work_floor, work_floor  # work floors over the activation toggles
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
@@ -176,6 +176,11 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
         update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
         slots = cheap[0].slots
+        if slots * stage + update >= best:
+            continue
+        # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors.
+        stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
+                                          cheap[0].n_layers, f.pp, f.vp))
         if slots * stage + update >= best:
             continue
         if "activation_offload" in allowed and rc != Recompute.FULL:
