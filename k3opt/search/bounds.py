@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from k3opt.coefficients import Coefficients, balance_moved_bytes
+from k3opt.coefficients import Coefficients, balance_moved_bytes, cache_key
 from k3opt.schedule import schedule_slots
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -26,7 +26,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.lp_bound import interleaved_lp_bound, needs_offload
+from k3opt.search.lp_bound import granular_stage, interleaved_lp_bound, needs_offload
 from k3opt.search.ranking import coarse_work_floor, work_floor  # work floors over the activation toggles
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
@@ -81,6 +81,13 @@ def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     return schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
 
 
+def node_key(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec
+             ) -> tuple:
+    """What a node's kept bounds, hints and paths are keyed by: the job, the specs it was priced with (one job
+    may be planned against other model or cluster objects than the files it names), the frame and the node."""
+    return (job.model_dump_json(), *cache_key(model, cluster), f, rc, lc)
+
+
 _DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
 _LP_BOUNDS: dict[tuple, float] = {}
 """Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
@@ -107,7 +114,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
             if "activation_offload" in allowed else None
         stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
-        _DP_HINTS[(job.model_dump_json(), f, rc, lc)] = (stage, split)
+        _DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
         return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
     if "activation_offload" in allowed:
@@ -171,6 +178,11 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         slots = cheap[0].slots
         if slots * stage + update >= best:
             continue
+        # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors.
+        stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
+                                          cheap[0].n_layers, f.pp, f.vp))
+        if slots * stage + update >= best:
+            continue
         if "activation_offload" in allowed and rc != Recompute.FULL:
             # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
             # bound valid and saves a linear program per shape.) The memory test only matters when the offload's
@@ -201,7 +213,7 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         return 0.0
     if f.vp != 1:
         lp = interleaved_lp_bound(job, f, rc, lc, model, cluster)
-        _LP_BOUNDS[(job.model_dump_json(), f, rc, lc)] = lp
+        _LP_BOUNDS[node_key(job, f, rc, lc, model, cluster)] = lp
         return lp
     allowed = _allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)

@@ -2,21 +2,27 @@
 
 The exact node model assigns each layer to one chunk (contiguous chunks, chunk j on rank j mod p). Here a layer
 may be split fractionally over the chunks and contiguity is dropped; everything else that the relaxation keeps is
-a relaxation of the exact term, so the LP optimum is a lower bound on every layout of the node:
+a relaxation of the exact term, so the LP optimum is a lower bound on every layout of the node. One program per
+variant: an activation mode of the node (the node model picks one for every layer) and a setting of the rank
+toggles that trade work for bytes (offload, balancing, ZeRO-2 host gradients, P2P Muon, the chunked cross
+entropy: global decisions), each with that variant's own work and bytes; the bound is the least over variants.
+(Taking the least work of one variant with the least bytes of another made a K3 PP4 VP4 node look like it fit
+at the mean load, 18.12 s, when every fitting layout needs full-recompute-like savings: 20.7 s.)
 
-- time: each rank's per-microbatch work on every resource is the sum of its layers' work (the cheapest mode per
-  layer: the activation toggles only add work), the first-chunk edge on rank 0, the last-chunk edge on rank p - 1;
-  PP packets are dropped. The update is the same sum of per-layer update work. Objective: the step,
-  (M + (p - 1)/v) x the slowest rank + the slowest rank's update (`schedule_slots`, as in the node model).
+- time: each rank's per-microbatch work on every resource is the sum of its layers' work, the first-chunk edge on
+  rank 0, the last-chunk edge on rank p - 1; PP packets are dropped. The update is the same sum of per-layer update
+  work. The replayed schedule (`StepTime.rank_time_s` ranks by the larger of the step formula and the replay):
+  each chunk's replayed time is bounded below as in the node model (`_replay_terms`) and every replay path of
+  `replay_bound` bounds the makespan. Objective: max((M + (p - 1)/v) x the slowest rank, replay) + the slowest
+  rank's update (`schedule_slots`, as in the node model).
 - memory: every rank's activation phase for every in-flight composition it passes through (persistent bytes of
   its layers + count x saved bytes of each chunk's layers + the smallest working set + the packets and expert
-  buffers every such rank must hold) and its optimizer phase, under the allocated budget, with the leanest mode's
-  bytes per layer; the AttnRes bank is dropped. Offload and balancing are global switches (every rank or none),
-  so the bound is the least over the allowed (offload, balancing) variants: offload moves the saved bytes to host
-  memory (which must hold them) and pays the offload's host-link work; balancing scales the in-flight counts to
-  the balanced average and pays the moved bytes on its network.
+  buffers every such rank must hold) and its optimizer phase, under the allocated budget; the AttnRes bank is
+  dropped. Offload moves the saved bytes to host memory (which must hold them); balancing scales the in-flight
+  counts to the balanced average and pays the moved bytes on its network.
 - granularity: every chunk holds at least one layer, and some rank holds at least ceil(L / p) layers, so the
-  slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource.
+  slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource. Over the least of every
+  variant's work, `granular_stage` deals whole layers to ranks (some rank of PP8 holds 12 of 93 layers).
 
 Layers whose coefficients are all equal are aggregated into one variable per chunk (exact for the LP), which
 keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver)."""
@@ -24,6 +30,7 @@ keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -31,6 +38,7 @@ import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 from k3opt.coefficients import Coefficients, balance_moved_bytes
+from k3opt.search import replay_bound
 from k3opt.search.frames import (
     ActMode,
     Frame,
@@ -39,8 +47,9 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     frame_shape,
+    undominated_modes,
 )
-from k3opt.search.ranking import work_floor as coefficients  # ranked view's work floor (search/ranking.py)
+from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
 from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 
 FEAS_TOL = 1e-6
@@ -53,7 +62,6 @@ class _Arrays:
 
     time: dict[str, np.ndarray]
     update: dict[str, np.ndarray]
-    off_host: np.ndarray
     persistent: np.ndarray
     opt: np.ndarray
     act: np.ndarray
@@ -61,102 +69,187 @@ class _Arrays:
     nsws_min: float
     logits: float
     ep_min: float
+    hi: np.ndarray
+    """Per layer, at or above its busiest-resource work under every setting this stands for (the replay's U_r)."""
 
 
-def _relaxed(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+VARIANT_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
+                   "fused_cross_entropy")
+"""Rank toggles that trade work for bytes: each is a global decision (every rank or none), so the bound is the
+least over their settings, each with its own work and bytes (never the work of one setting with the bytes of
+another)."""
+
+
+def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[str, bool], model: ModelSpec,
              cluster: ClusterSpec) -> tuple[_Arrays, Coefficients]:
+    """The arrays of one activation mode `md` (the node model picks one mode for every layer) under one setting
+    of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep two FP32 buffers of the
+    largest chunk's gradient, at least 2 / v of the rank's chunk gradients; P2P Muon gathers a resident matrix
+    (2 x resident) rather than the BF16 view; MoonEP (searched only when required) its buffers."""
     allowed = _allowed_on(job)
-    modes = [md for md in act_modes(job) if md.recompute == rc]
-    # The first mode has only the required activation toggles on (the least work), the last every allowed one
-    # (the fewest saved and working-set bytes): the toggles trade work for bytes, except that saving fewer bytes
-    # also moves fewer over HBM, so the HBM row is dropped (a dropped row keeps the relaxation valid).
-    cfs = [coefficients(frame_shape(job, f, md, lc), model, cluster) for md in (modes[0], modes[-1])]
-    c0, lean = cfs
-
-    def tg(**kw: bool) -> Coefficients:
-        return coefficients(frame_shape(job, f, modes[0], lc, **kw), model, cluster)
-
-    time = {res: (np.zeros_like(c0.time[res]) if res == "hbm" else c0.time[res]) for res in c0.time}
-    if "fused_cross_entropy" in allowed:
-        fce = tg(fused_cross_entropy=True)
-        for res in time:
-            time[res] = np.minimum(time[res], fce.time[res] - c0.time[res] + time[res])
-        logits = min(c0.logits, fce.logits)
-    else:
-        logits = c0.logits
-    # Update: base, P2P Muon, and each with ZeRO-2 host gradients' extra (the node model's four cases).
-    upd_cases = [c0.update]
-    if "p2p_muon" in allowed:
-        upd_cases.append(tg(p2p_muon=True).update)
-    if "pipeline_zero2_host_grads" in allowed:
-        z2 = tg(pipeline_zero2_host_grads=True)
-        upd_cases += [{res: u[res] + z2.update[res] - c0.update[res] for res in u} for u in list(upd_cases)]
-    update = {res: np.min([u[res] for u in upd_cases], axis=0) for res in c0.update}
-    if "activation_offload" in allowed:
-        # Offload moves the saved bytes: the leanest mode moves the fewest.
-        off_host = coefficients(frame_shape(job, f, modes[-1], lc, activation_offload=True), model,
-                                cluster).time["host_link"]
-    else:
-        off_host = time["host_link"]
-    grads = c0.grads
-    if "pipeline_zero2_host_grads" in allowed:
-        # Two FP32 buffers of the largest chunk's gradient: at least 2 / v of the rank's chunk gradients.
-        grads = np.minimum(grads, 2 * c0.chunk_grad_buffer / f.vp)
-    accum = np.minimum(c0.grad_accum, lean.grad_accum)
-    persistent = c0.master + c0.optimizer + c0.bf16_view + accum + grads
-    opt = 2 * c0.view_params
-    if "p2p_muon" in allowed:
-        opt = np.minimum(opt, 2 * c0.resident_params)
-    act = np.minimum(c0.act, lean.act)
-    ws = np.minimum(c0.working_set, lean.working_set)
+    c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
+    grads = 2 * c0.chunk_grad_buffer / f.vp if toggles.get("pipeline_zero2_host_grads") else c0.grads
+    persistent = c0.master + c0.optimizer + c0.bf16_view + c0.grad_accum + grads
+    opt = 2 * c0.resident_params if toggles.get("p2p_muon") else 2 * c0.view_params
     L = c0.n_layers
     ep = c0.ep_buffers
     if "moonep" in allowed:
-        ep = min(ep, tg(moonep=True).moonep_buffers)
-    arrays = _Arrays(time=time, update=update, off_host=off_host, persistent=persistent, opt=opt, act=act,
-                     ws_min=float(ws[:L].min()), nsws_min=float(c0.ns_working_set[:L].min()), logits=float(logits),
-                     ep_min=float(ep))
+        ep = min(ep, ranked(frame_shape(job, f, md, lc, **toggles, moonep=True), model, cluster).moonep_buffers)
+    arrays = _Arrays(time=dict(c0.time), update=dict(c0.update), persistent=persistent, opt=opt, act=c0.act,
+                     ws_min=float(c0.working_set[:L].min()), nsws_min=float(c0.ns_working_set[:L].min()),
+                     logits=float(c0.logits), ep_min=float(ep),
+                     hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0))
     return arrays, c0
 
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                          cluster: ClusterSpec) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
-    relaxed layout fits the memory. See the module docstring for what is relaxed."""
-    a, c0 = _relaxed(job, f, rc, lc, model, cluster)
+    relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
+    undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
+    and bytes: a variant whose mean load is at or above the least so far is not solved."""
     allowed = _allowed_on(job)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
-    offs = [False, True] if "activation_offload" in allowed else [False]
-    if "activation_offload" in job.search.require_toggles:
-        offs = [True]
-    # Balancing's in-flight average, moved bytes' network and rate (the balanced shape's; no other array changes).
-    bc = coefficients(frame_shape(job, f, ActMode(rc, False, False, False, False), lc, balance_activations=True),
-                      model, cluster)
-    bals = [False]
-    if bc.balanced_inflight is not None and True in _choices(job, "balance_activations"):
-        bals = [True] if False not in _choices(job, "balance_activations") else [False, True]
+    modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
+    names = [t for t in VARIANT_TOGGLES if t in allowed]
+    settings = [dict(zip(names, flags, strict=True))
+                for flags in itertools.product(*(_choices(job, t) for t in names))]
+    variants = []
+    for md in modes:
+        for tg in settings:
+            a, c0 = _relaxed(job, f, md, lc, tg, model, cluster)
+            stage = max(float(t.sum()) for t in a.time.values()) / f.pp
+            upd = max(float(u.sum()) for u in a.update.values()) / f.pp
+            variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
     best = math.inf
-    for off in offs:
-        for bal in bals:
-            best = min(best, _solve(f, a, c0, bc, cap, cluster.host_memory_bytes, off, bal))
+    # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first variant's.
+    paths = _paths(f, variants[0][5], rc == Recompute.FULL)
+    # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
+    # gradients, P2P Muon, fused cross entropy) form a group; the group's merged arrays (the least of each) relax
+    # every member, so one program per group decides whether any member can go below the least so far.
+    groups: dict[tuple, list] = {}
+    for v in variants:
+        tg = v[3]
+        groups.setdefault((v[2], tg.get("activation_offload", False), tg.get("balance_activations", False)),
+                          []).append(v)
+    for (_md, off, bal), members in sorted(groups.items(), key=lambda kv: min(m[:2] for m in kv[1])):
+        members.sort(key=lambda x: x[:2])
+        if members[0][0] * (1 - 1e-9) >= best or (bal and members[0][5].balanced_inflight is None):
+            continue
+        c0 = members[0][5]
+        if len(members) > 1:
+            merged = _merge([m[4] for m in members])
+            if _solve(f, merged, c0, cap, cluster.host_memory_bytes, off, bal, paths) >= best:
+                continue
+        for floor, _, _md2, _tg, a, c in members:
+            if floor * (1 - 1e-9) >= best:
+                break
+            best = min(best, _solve(f, a, c, cap, cluster.host_memory_bytes, off, bal, paths))
+    if math.isfinite(best):
+        # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
+        merged = _merge([v[4] for v in variants])
+        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp)
+        update = max(float(u.sum()) for u in merged.update.values()) / f.pp
+        best = max(best, variants[0][5].slots * stage + update)
     return best
 
 
-def _solve(f: Frame, a: _Arrays, c0: Coefficients, bc: Coefficients, cap: float, host_cap: float, off: bool,
-           bal: bool) -> float:
+MAX_GRANULAR_STATES = 4096
+"""Largest state space (layer counts of every kind but the most numerous) `granular_stage` runs its program over;
+above it the bound is skipped (0)."""
+
+
+def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float:
+    """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
+    layers can be dealt to the p ranks, each holding at least v (one per chunk), with every resource's sum over a
+    rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S. Chunks and
+    memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
+    kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
+    93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625."""
+    arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
+    kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
+    main = int(np.argmax(counts))
+    others = [t for t in range(len(counts)) if t != main]
+    dims = tuple(int(counts[t]) + 1 for t in others)
+    if math.prod(dims) > MAX_GRANULAR_STATES:
+        return 0.0
+    grid = np.indices(dims).reshape(len(dims), -1).T if dims else np.zeros((1, 0), dtype=int)  # patterns
+    base = grid @ kinds[others] if others else np.zeros((1, arrs.shape[1]))
+    n_base = grid.sum(axis=1)
+    w = kinds[main]
+    n_main = int(counts[main])
+    edges = [(arrs[L] if r == 0 else 0.0) + (arrs[L + 1] if r == p - 1 else 0.0) for r in range(p)]
+
+    def feasible(S: float) -> bool:
+        val = np.full(dims, -1, dtype=np.int64)
+        val[(0,) * len(dims)] = 0
+        for r in range(p):
+            room = S - base - edges[r]  # (patterns, resources)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
+            cmax = np.minimum(per.min(axis=1), n_main)
+            ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(v - n_base, 0))
+            new = np.full(dims, -1, dtype=np.int64)
+            for g in np.flatnonzero(ok):
+                pat = grid[g]
+                src = tuple(slice(0, d - int(k)) for d, k in zip(dims, pat, strict=True))
+                dst = tuple(slice(int(k), d) for d, k in zip(dims, pat, strict=True))
+                cand = np.where(val[src] >= 0, val[src] + int(cmax[g]), -1)
+                new[dst] = np.maximum(new[dst], cand)
+            val = new
+        return bool(val[tuple(d - 1 for d in dims)] >= n_main)
+
+    lo = max(float((arrs[:L].sum(axis=0) + arrs[L] + arrs[L + 1]).max()) / p, 0.0)
+    hi = float(arrs.sum(axis=0).max())
+    if not feasible(hi):
+        return math.inf
+    if feasible(lo):
+        return lo
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return lo * (1 - 1e-9)
+
+
+def _merge(arrays: list[_Arrays]) -> _Arrays:
+    """The least of every array and figure over `arrays` (a relaxation of each)."""
+    first = arrays[0]
+    return _Arrays(
+        time={res: np.min([a.time[res] for a in arrays], axis=0) for res in first.time},
+        update={res: np.min([a.update[res] for a in arrays], axis=0) for res in first.update},
+        **{k: np.min([getattr(a, k) for a in arrays], axis=0) for k in ("persistent", "opt", "act")},
+        **{k: min(getattr(a, k) for a in arrays) for k in ("ws_min", "nsws_min", "logits", "ep_min")},
+        hi=np.max([a.hi for a in arrays], axis=0),
+    )
+
+
+def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
+           paths: np.ndarray) -> float:
     L, p, v = c0.n_layers, f.pp, f.vp
+    K = p * v
     res_names = list(a.time)
-    time = {res: (a.off_host if (off and res == "host_link") else a.time[res]) for res in res_names}
+    time = a.time
+    bc = c0
+    umax = a.hi
     # Per-layer columns used by the LP; layers with equal columns form one kind.
     cols = [time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
-    cols += [a.persistent[:L], a.opt[:L], a.act[:L]]
+    cols += [umax[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
     kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
     nk, n_res = len(kinds), len(res_names)
     kt, ku = kinds[:, :n_res], kinds[:, n_res:n_res + len(a.update)]
-    kp, kopt, kact = kinds[:, -3], kinds[:, -2], kinds[:, -1]
-    # Columns: x[r, k, t] (layers of kind t in rank r's k-th chunk) at (r * v + k) * nk + t, then S, U.
+    kmax, kp, kopt, kact = kinds[:, -4], kinds[:, -3], kinds[:, -2], kinds[:, -1]
+    # Columns: x[r, k, t] (layers of kind t in rank r's k-th chunk) at (r * v + k) * nk + t, then S, U; then the
+    # replay's terms: T[r] per rank, cl[g] per global chunk g = k p + r, the replay bound R and Z = max(slots S, R).
     n = p * v * nk
     S_col, U_col = n, n + 1
+    T0, CL0 = n + 2, n + 2 + p
+    R_col, Z_col = CL0 + K, CL0 + K + 1
+    ncol = Z_col + 1
 
     def col(r: int, k: int) -> slice:
         return slice((r * v + k) * nk, (r * v + k + 1) * nk)
@@ -168,7 +261,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, bc: Coefficients, cap: float,
     rhs: list[float] = []
 
     def le(coef_by_chunk: list[np.ndarray], r: int, bound: float, extra: dict[int, float] | None = None) -> None:
-        row = np.zeros(n + 2)
+        row = np.zeros(ncol)
         for k in range(v):
             row[col(r, k)] = coef_by_chunk[k]
         for c, val in (extra or {}).items():
@@ -215,27 +308,89 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, bc: Coefficients, cap: float,
     # Granularity: some rank holds at least ceil(L / p) whole layers.
     need = -(-L // p)
     for res in res_names:
-        row = np.zeros(n + 2)
+        row = np.zeros(ncol)
         row[S_col] = -1.0
         rows.append(row)
         rhs.append(-float(np.sort(time[res][:L])[:need].sum()) * (1 - FEAS_TOL))
+    # The replayed schedule (the node model's _replay_terms, relaxed): rank r's stage t_r >= T[r] >= each
+    # resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the
+    # sum of r's per-layer maxima over resources (`work_hi`); chunk g's replayed time c_g = t_r w_g / W_r >=
+    # w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum e_g <= w_g; every replay path
+    # (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is max(slots S, R).
+    for r in range(p):
+        for ri, res in enumerate(res_names):
+            le([kt[:, ri]] * v, r, -edge(time[res], r), {T0 + r: -1.0})
+        u_r = edge(umax, r)
+        for k in range(v):
+            g = k * p + r
+            first, last = g == 0, g == K - 1
+            for ri, res in enumerate(res_names):
+                row = np.zeros(ncol)
+                row[col(r, k)] += kt[:, ri]
+                for k2 in range(v):
+                    row[col(r, k2)] -= kmax
+                row[T0 + r] = 1.0
+                row[CL0 + g] = -1.0
+                e_g = (float(time[res][L]) if first else 0.0) + (float(time[res][L + 1]) if last else 0.0)
+                rows.append(row)
+                rhs.append(u_r - e_g)
+    for a_g in paths:
+        row = np.zeros(ncol)
+        row[CL0:CL0 + K] = a_g / replay_bound.SCALE
+        row[R_col] = -1.0
+        rows.append(row)
+        rhs.append(0.0)
+    slots = f.microbatches + (p - 1) / v
+    for extra in ({S_col: slots, Z_col: -1.0}, {R_col: 1.0, Z_col: -1.0}):
+        row = np.zeros(ncol)
+        for c, val in extra.items():
+            row[c] = val
+        rows.append(row)
+        rhs.append(0.0)
     a_ub = np.array(rows)
     # Equalities: each kind's layers all placed; each chunk holds at least one layer (as -sum <= -1).
-    a_eq = np.zeros((nk, n + 2))
-    chunk_rows = np.zeros((p * v, n + 2))
+    a_eq = np.zeros((nk, ncol))
+    chunk_rows = np.zeros((p * v, ncol))
     for r in range(p):
         for k in range(v):
             a_eq[:, col(r, k)] = np.eye(nk)
             chunk_rows[r * v + k, col(r, k)] = -1.0
     a_ub = np.vstack([a_ub, chunk_rows])
     b_ub = np.concatenate([rhs, -np.ones(p * v)])
-    upper = np.concatenate([np.tile(counts.astype(float), p * v), [np.inf, np.inf]])
-    cost = np.zeros(n + 2)
-    cost[S_col] = f.microbatches + (p - 1) / v
+    upper = np.concatenate([np.tile(counts.astype(float), p * v), np.full(ncol - n, np.inf)])
+    cost = np.zeros(ncol)
+    cost[Z_col] = 1.0
     cost[U_col] = 1.0
     value = _glop(cost, a_ub, b_ub, a_eq, counts.astype(float), upper)
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
     return value * (1 - FEAS_TOL) if math.isfinite(value) else value
+
+
+SAMPLE_SPLITS = 24
+"""Sample splits whose replay paths join the classic ones (replay_bound.sample_splits), as in the node model."""
+
+
+def _paths(f: Frame, c0: Coefficients, full: bool) -> np.ndarray:
+    """The undominated replay-path coefficient rows (replay_bound: SCALE a_g per global chunk g) of the frame's
+    schedule: the classic paths and the longest paths at sample splits over equal per-layer weights (any
+    nonnegative weights give valid paths; equal ones let every frame of one schedule share them)."""
+    return _paths_of(f.pp, f.vp, f.microbatches, c0.n_layers, full)
+
+
+@functools.lru_cache(maxsize=256)
+def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
+    beta = replay_bound.betas([full])
+    paths = _classic(p, v, m) + replay_bound.split_paths(p, v, m, np.ones(L),
+                                                         replay_bound.sample_splits(L, p * v, SAMPLE_SPLITS), beta[0])
+    out = np.array(replay_bound.undominated([replay_bound.path_coefficients(nf, nb, beta) for nf, nb in paths]),
+                   dtype=float)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _classic(p: int, v: int, m: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    return replay_bound.classic_paths(p, v, m)
 
 
 def _undominated(comps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
@@ -267,13 +422,15 @@ def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
         var.upper_bound = float(u) if math.isfinite(u) else math.inf
         var.objective_coefficient = float(c)
     for mat, b_vec, equal in ((a_ub, b_ub, False), (a_eq, b_eq, True)):
+        rows_nz, cols_nz = np.nonzero(mat)
+        starts = np.searchsorted(rows_nz, np.arange(mat.shape[0] + 1)).tolist()
+        cols_l, vals_l, b_l = cols_nz.tolist(), mat[rows_nz, cols_nz].astype(float).tolist(), b_vec.tolist()
         for i in range(mat.shape[0]):
             row = proto.constraint.add()
-            row.lower_bound = float(b_vec[i]) if equal else -math.inf
-            row.upper_bound = float(b_vec[i])
-            nz = np.flatnonzero(mat[i])
-            row.var_index.extend(nz.tolist())
-            row.coefficient.extend(mat[i, nz].astype(float).tolist())
+            row.lower_bound = float(b_l[i]) if equal else -math.inf
+            row.upper_bound = float(b_l[i])
+            row.var_index.extend(cols_l[starts[i]:starts[i + 1]])
+            row.coefficient.extend(vals_l[starts[i]:starts[i + 1]])
     proto.maximize = False
     error = solver.LoadModelFromProto(proto)
     if error:

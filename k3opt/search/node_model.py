@@ -18,7 +18,7 @@ from k3opt.errors import LayoutError
 from k3opt.evaluate import Evaluation, evaluate
 from k3opt.schedule import chunk_times, critical_path, pipeline_order
 from k3opt.search import replay_bound
-from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_lower_bound
+from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_key, node_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
@@ -770,7 +770,7 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
     modes = undominated_modes(job, f, modes, lcs, model, cluster)
     fm = FrameModel(job, f, model, cluster, modes=modes, lcs=lcs)
     if recompute is not None and lifecycle is not None:
-        key = (job.model_dump_json(), f, recompute, lifecycle)
+        key = node_key(job, f, recompute, lifecycle, model, cluster)
         if key not in _DP_HINTS:
             node_lower_bound(job, f, recompute, lifecycle, model, cluster)
         stage_lb, split = _DP_HINTS.get(key, (0.0, None))
@@ -782,7 +782,7 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
         res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
         return res, _item(job, f, fm, res, model, cluster)
     return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, peak_cap_mib,
-                                   relative_gap, (job.model_dump_json(), f, recompute, lifecycle))
+                                   relative_gap, node_key(job, f, recompute, lifecycle, model, cluster))
 
 
 _NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}

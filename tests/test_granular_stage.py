@@ -1,0 +1,69 @@
+"""`lp_bound.granular_stage`: the least slowest-rank stage when ranks hold whole layers, against enumeration of every
+way to deal the layers' counts to the ranks, and the textbook case of equal layers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from k3opt.search.lp_bound import granular_stage
+
+
+def _compositions(n: int, parts: int):
+    """Every way to write n as an ordered sum of `parts` nonnegative integers."""
+    for cuts in itertools.combinations(range(n + parts - 1), parts - 1):
+        edges = (-1, *cuts, n + parts - 1)
+        yield [edges[i + 1] - edges[i] - 1 for i in range(parts)]
+
+
+def _enumerated(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float:
+    """min over integer counts n[r][kind] (each rank >= v layers) of max over ranks and resources of the rank's
+    load: the kinds' counts dealt to the ranks in every possible way."""
+    arrs = np.stack([time[r] for r in time], axis=1)
+    kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
+    zero = np.zeros(arrs.shape[1])
+    edges = [(arrs[L] if r == 0 else zero) + (arrs[L + 1] if r == p - 1 else zero) for r in range(p)]
+    best = np.inf
+    for deal in itertools.product(*(list(_compositions(int(c), p)) for c in counts)):
+        n = np.array(deal).T  # (p, kinds)
+        if (n.sum(axis=1) < v).any():
+            continue
+        loads = n @ kinds + np.array(edges)
+        best = min(best, float(loads.max()))
+    return best
+
+
+def test_equal_layers_deal_ceil_layers_to_the_slowest_rank():
+    # 93 equal layers of 1 ms over 8 ranks, no edges: some rank holds ceil(93 / 8) = 12 layers, 12 ms (the mean
+    # load is 11.625 ms).
+    L = 93
+    t = {"tensor": np.concatenate([np.full(L, 1e-3), [0.0, 0.0]])}
+    assert granular_stage(t, L, 8, 3) == pytest.approx(12e-3, rel=1e-6)
+    assert granular_stage(t, L, 8, 3) <= 12e-3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_equals_enumeration_on_small_mixed_stacks(seed: int):
+    rng = np.random.default_rng(seed)
+    L, p, v = 7, 3, 2
+    # Two kinds of layer with two resources each (a compute-heavy and a traffic-heavy kind), heavy edges.
+    kind_a, kind_b = rng.uniform(1, 3, 2), rng.uniform(1, 3, 2)[::-1]
+    pattern = rng.permutation([0] * 4 + [1] * 3)
+    per_layer = np.array([kind_a if k == 0 else kind_b for k in pattern])
+    edges = rng.uniform(0, 4, (2, 2))
+    arrs = np.vstack([per_layer, edges])
+    time = {"tensor": arrs[:, 0], "nvlink": arrs[:, 1]}
+    want = _enumerated(time, L, p, v)
+    got = granular_stage(time, L, p, v)
+    assert got <= want
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_each_rank_holds_one_layer_per_chunk():
+    # 6 equal layers, 3 ranks of v = 2 chunks: every rank holds 2 layers even when the edges of ranks 0 and 2
+    # (5 ms each) would rather leave them empty; the slowest rank is an edge rank with its 2 layers, 5 + 2 = 7 ms.
+    L = 6
+    t = {"tensor": np.array([1.0] * L + [5.0, 5.0]) * 1e-3}
+    assert granular_stage(t, L, 3, 2) == pytest.approx(7e-3, rel=1e-6)
