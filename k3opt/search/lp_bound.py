@@ -180,24 +180,33 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
     n_main = int(counts[main])
     edges = [(arrs[L] if r == 0 else 0.0) + (arrs[L + 1] if r == p - 1 else 0.0) for r in range(p)]
 
+    # Every (state, pattern) pair with the pattern inside the state, as flat indices: a rank moves the program from
+    # state s - P to s by taking pattern P (and as many of the main kind as fit beside it).
+    states = np.indices(dims).reshape(len(dims), -1).T if dims else np.zeros((1, 0), dtype=int)
+    inside = (states[:, None, :] >= grid[None, :, :]).all(axis=2)  # (states, patterns)
+    dst, pat = np.nonzero(inside)
+    src = np.ravel_multi_index(tuple((states[dst] - grid[pat]).T), dims) if dims else np.zeros_like(dst)
+    full = int(np.ravel_multi_index(tuple(d - 1 for d in dims), dims)) if dims else 0
+
+    def capacity(S: float, r: int) -> np.ndarray:
+        """Per pattern, the most layers of the main kind rank r can add within S (-1: the pattern does not fit)."""
+        room = S - base - edges[r]  # (patterns, resources)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
+        cmax = np.minimum(per.min(axis=1), n_main)
+        ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(v - n_base, 0))
+        return np.where(ok, cmax, -1).astype(np.int64)
+
     def feasible(S: float) -> bool:
-        val = np.full(dims, -1, dtype=np.int64)
-        val[(0,) * len(dims)] = 0
+        val = np.full(len(states), -1, dtype=np.int64)
+        val[0] = 0
+        middle = capacity(S, 1) if p > 2 else None
         for r in range(p):
-            room = S - base - edges[r]  # (patterns, resources)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
-            cmax = np.minimum(per.min(axis=1), n_main)
-            ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(v - n_base, 0))
-            new = np.full(dims, -1, dtype=np.int64)
-            for g in np.flatnonzero(ok):
-                pat = grid[g]
-                src = tuple(slice(0, d - int(k)) for d, k in zip(dims, pat, strict=True))
-                dst = tuple(slice(int(k), d) for d, k in zip(dims, pat, strict=True))
-                cand = np.where(val[src] >= 0, val[src] + int(cmax[g]), -1)
-                new[dst] = np.maximum(new[dst], cand)
-            val = new
-        return bool(val[tuple(d - 1 for d in dims)] >= n_main)
+            cap = middle if (middle is not None and 0 < r < p - 1) else capacity(S, r)
+            cand = np.where((val[src] >= 0) & (cap[pat] >= 0), val[src] + cap[pat], -1)
+            val = np.full(len(states), -1, dtype=np.int64)
+            np.maximum.at(val, dst, cand)
+        return bool(val[full] >= n_main)
 
     lo = max(float((arrs[:L].sum(axis=0) + arrs[L] + arrs[L + 1]).max()) / p, 0.0)
     hi = float(arrs.sum(axis=0).max())
@@ -211,7 +220,7 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-7 * hi:
+        if hi - lo <= 1e-6 * hi:
             break
     return lo * (1 - 1e-9)
 
