@@ -10,11 +10,11 @@ entropy: global decisions), each with that variant's own work and bytes; the bou
 at the mean load, 18.12 s, when every fitting layout needs full-recompute-like savings: 20.7 s.)
 
 - time: each rank's per-microbatch work on every resource is the sum of its layers' work, the first-chunk edge on
-  rank 0, the last-chunk edge on rank p - 1; PP packets are dropped. The update is the same sum of per-layer update
-  work. The replayed schedule (`StepTime.rank_time_s` ranks by the larger of the step formula and the replay):
-  each chunk's replayed time is bounded below as in the node model (`_replay_terms`) and every replay path of
-  `replay_bound` bounds the makespan. Objective: max((M + (p - 1)/v) x the slowest rank, replay) + the slowest
-  rank's update (`schedule_slots`, as in the node model).
+  rank 0, the last-chunk edge on rank p - 1, and a floor on its PP packets (`_packet_floor`). The update is the
+  same sum of per-layer update work. The replayed schedule (`StepTime.rank_time_s` ranks by the larger of the step
+  formula and the replay): each chunk's replayed time is bounded below as in the node model (`_replay_terms`) and
+  every replay path of `replay_bound` bounds the makespan. Objective: max((M + (p - 1)/v) x the slowest rank,
+  replay) + the slowest rank's update (`schedule_slots`, as in the node model).
 - memory: every rank's activation phase for every in-flight composition it passes through (persistent bytes of
   its layers + count x saved bytes of each chunk's layers + the smallest working set + the packets and expert
   buffers every such rank must hold) and its optimizer phase, under the allocated budget; the AttnRes bank is
@@ -286,6 +286,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     must_moe = bool(moe.any()) and v > int((~moe).sum())
     ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
     room = cap * (1 + FEAS_TOL)
+    pk = _packet_floor(c0, p, v, L)
     for r in range(p):
         n_peak = max(sum(c) for c in c0.compositions[r])
         moved = 0.0
@@ -294,6 +295,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
         for ri, res in enumerate(res_names):
             per = kt[:, ri] + (moved * kact if res == bc.balance_resource else 0.0)
             e = edge(time[res], r) + (moved * edge(a.act, r) if res == bc.balance_resource else 0.0)
+            e += pk[r].get(res, 0.0)
             if per.any() or e:
                 le([per] * v, r, -e, {S_col: -1.0})
         for ui, res in enumerate(a.update):
@@ -328,7 +330,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     # (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is max(slots S, R).
     for r in range(p):
         for ri, res in enumerate(res_names):
-            le([kt[:, ri]] * v, r, -edge(time[res], r), {T0 + r: -1.0})
+            le([kt[:, ri]] * v, r, -edge(time[res], r) - pk[r].get(res, 0.0), {T0 + r: -1.0})
         u_r = edge(umax, r)
         for k in range(v):
             g = k * p + r
@@ -400,6 +402,29 @@ def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _classic(p: int, v: int, m: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return replay_bound.classic_paths(p, v, m)
+
+
+def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:
+    """Per rank, a floor on its PP packets' seconds per microbatch on each link (achievable._rank_sums prices them:
+    (1 + AttnRes streams open at the boundary) x stream_bytes, in and out of every chunk but the model's ends).
+    The boundary before global chunk g lies at layer g or deeper (every chunk holds a layer), and the open streams
+    only grow with depth, so each boundary carries at least its shallowest possible packet."""
+    out: list[dict[str, float]] = [{} for _ in range(p)]
+    if p == 1:
+        return out
+    closes_cum = np.concatenate([[0.0], np.cumsum(c0.closes[:L])])
+    k = p * v
+    for r in range(p):
+        for g in range(r, k, p):
+            if g > 0:
+                hop = (r - 1) % p
+                res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
+                out[r][res] = out[r].get(res, 0.0) + (1 + closes_cum[g]) * c0.stream_bytes * c0.pp_seconds_per_byte[hop]
+            if g < k - 1:
+                res = "nvlink" if c0.pp_on_nvlink[r] else "nic"
+                out[r][res] = out[r].get(res, 0.0) + (
+                    (1 + closes_cum[g + 1]) * c0.stream_bytes * c0.pp_seconds_per_byte[r])
+    return out
 
 
 def _undominated(comps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:

@@ -1,0 +1,57 @@
+"""The interleaved bound's floor on a rank's PP packets (lp_bound._packet_floor) against the packets the cost model
+prices at real splits (achievable._rank_sums): never above them, and equal where every boundary sits as shallow
+as it can (every chunk one layer but the last), on K3 PP4 VP4, whose AttnRes streams make deeper packets larger."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.achievable import _rank_sums
+from k3opt.search.frames import ActMode, Frame, frame_shape
+from k3opt.search.lp_bound import _packet_floor
+from k3opt.search.ranking import ranked_coefficients
+from k3opt.specs import FsdpLifecycle, Recompute
+
+
+@pytest.fixture(scope="module")
+def k3_pp4_vp4():
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    job = k3opt.Job.model_validate({"model": "kimi-k3", "cluster": "gb200-nvl72", "gpus": 512, "context": 4096,
+                                    "rows": 1, "tokens_per_update": 16777216, "reserve_gib": 4,
+                                    "domain_gpus_used": 64})
+    f = Frame(pp=4, vp=4, cp=1, ep=64, expert_fsdp=2, dense_fsdp=64, microbatches=32, gpus=512, domain_gpus_used=64)
+    shape = frame_shape(job, f, ActMode(Recompute.SELECTIVE, False, False, False, False), FsdpLifecycle.PER_MICROBATCH)
+    return ranked_coefficients(shape, model, cluster)
+
+
+def _packets(cf, split, r):
+    """Rank r's packet seconds per link: its priced rank sums less its layers' own sums."""
+    with_packets = _rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r)
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    k, p, L = len(split), cf.shape.pp, cf.n_layers
+    idx = [i for j in range(r, k, p) for i in range(edges[j], edges[j + 1])]
+    idx += ([L] if r == 0 else []) + ([L + 1] if r == p - 1 else [])
+    return {res: with_packets[res] - float(cf.time[res][idx].sum()) for res in cf.time}
+
+
+def test_packet_floor_is_exact_at_the_shallowest_boundaries_and_below_elsewhere(k3_pp4_vp4):
+    cf = k3_pp4_vp4
+    p, v, L = 4, 4, cf.n_layers
+    floor = _packet_floor(cf, p, v, L)
+    assert any(floor[r].get("nic", 0) > 0 for r in range(p))  # PP hops cross NVLink domains here
+    shallow = [1] * (p * v - 1) + [L - p * v + 1]
+    rng = np.random.default_rng(3)
+    others = [[6] * 15 + [3], *(list(np.bincount(rng.integers(0, 16, L - 16), minlength=16) + 1) for _ in range(4))]
+    for r in range(p):
+        got = _packets(cf, shallow, r)
+        for res in ("nvlink", "nic"):
+            assert floor[r].get(res, 0.0) == pytest.approx(got[res], rel=1e-9, abs=1e-12)
+        for split in others:
+            priced = _packets(cf, split, r)
+            for res in ("nvlink", "nic"):
+                assert floor[r].get(res, 0.0) <= priced[res] * (1 + 1e-9) + 1e-12
+    # AttnRes: a deep boundary carries more streams than a shallow one, so the floor is strictly under the even split
+    even = _packets(cf, [6] * 15 + [3], 1)
+    assert floor[1]["nic"] < even["nic"]
