@@ -307,8 +307,11 @@ class _Fill:
         self.gens: dict[tuple[Frame, _Config], Iterator[tuple[Frame, _Config]]] = {}
         self.tries: dict[tuple[Frame, _Config], int] = {}
         """Candidates priced around each point (its frame and configuration)."""
+        self.retry: dict[tuple[Frame, _Config], list[tuple[Frame, _Config]]] = {}
+        """Candidates each point's next ones wait for: a frame next to it under a configuration one memory-saving
+        change from its own, when its own did not fit that frame."""
         self._near: _Neighbours | None = None
-        self._floor: dict[int, float] = {}
+        self._deeper: dict[tuple, list[Frame]] | None = None
         names = ACT_TOGGLES + RANK_TOGGLES
         self.free = [t for t in names if _choices(job, t) == [False, True]]
         self.recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
@@ -319,11 +322,20 @@ class _Fill:
             self._near = _Neighbours(self.frames)
         return self._near(f)
 
-    def floor(self, gpus: int) -> float:
-        """The least peak bound of the frames of `gpus` bounded so far: no layout of theirs is leaner."""
-        if gpus not in self._floor:
-            self._floor[gpus] = min((m for f, (_, m) in self.facts.frame.items() if f.gpus == gpus), default=0.0)
-        return self._floor[gpus]
+    def deeper(self, f: Frame) -> list[Frame]:
+        """The frames with twice or half f's pipeline depth and the same shards per rank (EP and dense FSDP
+        scaled the other way, the rest equal): three changes at once that `near` does not reach, the step
+        between pipeline depths a front usually takes."""
+        if self._deeper is None:
+            self._deeper = {}
+            for g in self.frames:
+                self._deeper.setdefault(self._depth_key(g), []).append(g)
+        return [g for g in self._deeper.get(self._depth_key(f), []) if g.pp in (2 * f.pp, f.pp // 2)]
+
+    @staticmethod
+    def _depth_key(f: Frame) -> tuple:
+        return (f.gpus, f.vp, f.cp, f.expert_fsdp, f.ep * f.pp, f.dense_fsdp * f.pp, f.dense_sharding,
+                f.expert_sharding, f.grad_dtype, f.precision)
 
     def bound(self, f: Frame) -> tuple[float, float]:
         if f not in self.facts.frame:
@@ -331,12 +343,17 @@ class _Fill:
             self.facts.frame[f] = frame_lower_bound(job, f, model, cluster)
         return self.facts.frame[f]
 
-    def moves(self, c: _Config, down: bool) -> list[_Config]:
-        """Configurations one change from c, the memory-saving ones (a toggle on, a leaner recompute mode) first
-        when `down`, else the time-saving ones first."""
+    def leaner(self, c: _Config) -> list[_Config]:
+        """Configurations one memory-saving change from c: a toggle switched on, a leaner recompute mode."""
         i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
-        lean = [dataclasses.replace(c, on=c.on | {t}) for t in self.free if t not in c.on]
-        lean += [dataclasses.replace(c, recompute=r) for r in reversed(self.recs[:i])]
+        return ([dataclasses.replace(c, on=c.on | {t}) for t in self.free if t not in c.on]
+                + [dataclasses.replace(c, recompute=r) for r in reversed(self.recs[:i])])
+
+    def moves(self, c: _Config, down: bool) -> list[_Config]:
+        """Configurations one change from c, the memory-saving ones (`leaner`) first when `down`, else the
+        time-saving ones (a toggle off, a richer recompute mode, the other lifecycle) first."""
+        i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
+        lean = self.leaner(c)
         rich = [dataclasses.replace(c, on=c.on - {t}) for t in self.free if t in c.on]
         rich += [dataclasses.replace(c, recompute=r) for r in self.recs[i + 1:]]
         other = [dataclasses.replace(c, lifecycle=lc) for lc in self.lcs if lc != c.lifecycle]
@@ -347,7 +364,7 @@ class _Fill:
         a lower peak bound than p's peak, leanest bound first; up: a lower time bound than p's step, fastest bound
         first); then p's frame under p's configuration one change away (`moves`)."""
         f, c = frame_of(p.layout), _config_of(p.layout)
-        near = [g for g in self.near(f) if g not in self.skip]
+        near = [g for g in dict.fromkeys(self.deeper(f) + self.near(f)) if g not in self.skip]
         if down:
             near.sort(key=lambda g: self.bound(g)[1])
             toward = [g for g in near if self.bound(g)[1] < p.peak_bytes]
@@ -366,26 +383,32 @@ class _Fill:
         divided by one more than the candidates priced around it already (so one wide gap does not take all)."""
         job, model, cluster, runtime = self.args
         beside: list[tuple[float, int, PlanItem, bool]] = []
-        for g, its in itertools.groupby(_thin(points, step), key=lambda it: it.layout.gpus):
+        for _, its in itertools.groupby(_thin(points, step), key=lambda it: it.layout.gpus):
             ps = list(its)
             for i, p in enumerate(ps):
                 up = ps[i - 1].peak_bytes - p.peak_bytes if i else 0.0
-                # Below the leanest point: down to the least peak bound, half-weighted (no layout may be there).
-                down = (p.peak_bytes - ps[i + 1].peak_bytes if i + 1 < len(ps)
-                        else 0.5 * (p.peak_bytes - self.floor(g)))
+                # Below the leanest point the gap is open; it counts as one step, so that the gaps between points
+                # (where a layout is known to be possible on both sides) go first.
+                down = p.peak_bytes - ps[i + 1].peak_bytes if i + 1 < len(ps) else float(step)
                 tries = self.tries.get(self._key(p), 0)
                 beside.append((-max(up, down) / (1 + tries), len(beside), p, down >= up))
         for _, _, p, down in sorted(beside, key=lambda b: b[:2]):
             key = self._key(p)
             gen = self.gens.setdefault(key, self.candidates(p, down))
-            for g, c in gen:
+            retry = self.retry.setdefault(key, [])
+            while (nxt := retry.pop(0) if retry else next(gen, None)) is not None:
+                g, c = nxt
                 if (g, c) in self.priced or not self.fits(g) or dominated(g, *self.bound(g)):
                     continue
                 if _time.monotonic() > deadline:
                     return []
                 self.priced.add((g, c))
                 self.tries[key] = self.tries.get(key, 0) + 1
-                return price_configs(job, g, [c], model, cluster, deadline, runtime)
+                found = price_configs(job, g, [c], model, cluster, deadline, runtime)
+                if not found and g != key[0] and c == key[1]:
+                    # p's configuration does not fit the frame next to it: that frame under a leaner one next.
+                    retry.extend((g, m) for m in self.leaner(c))
+                return found
         return None
 
     @staticmethod
