@@ -361,12 +361,15 @@ class _Fill:
 
     def candidates(self, p: PlanItem, down: bool) -> Iterator[tuple[Frame, _Config]]:
         """Point p's configuration on the frames one change from p's frame, those towards the gap first (down:
-        a lower peak bound than p's peak, leanest bound first; up: a lower time bound than p's step, fastest bound
-        first); then p's frame under p's configuration one change away (`moves`)."""
+        another sharding policy, then a lower peak bound than p's peak, leanest bound first; up: a lower time bound
+        than p's step, fastest bound first); then p's frame under p's configuration one change away (`moves`)."""
         f, c = frame_of(p.layout), _config_of(p.layout)
         near = [g for g in dict.fromkeys(self.deeper(f) + self.near(f)) if g not in self.skip]
         if down:
-            near.sort(key=lambda g: self.bound(g)[1])
+            # Another sharding policy first: it keeps every degree, hence the compute, and trades gradient or
+            # weight bytes for traffic (the frame's peak bound leaves gradients out, so it cannot rank this one).
+            near.sort(key=lambda g: (dataclasses.replace(g, dense_sharding=f.dense_sharding,
+                                                         expert_sharding=f.expert_sharding) != f, self.bound(g)[1]))
             toward = [g for g in near if self.bound(g)[1] < p.peak_bytes]
         else:
             near.sort(key=lambda g: self.bound(g)[0])
