@@ -94,3 +94,27 @@ def test_fill_stops_when_every_frame_is_dominated(space):
     fill = _Fill(job, tiny, slow, None, frames, _Facts(), set(), lambda f: True)
     assert fill.step([start], MIB, math.inf, lambda f, t, m: True) is None
     assert not fill.priced
+
+
+def test_deeper_pipeline_keeps_the_shards_per_rank():
+    """The filling's step between pipeline depths: PP2 EP4 dense-FSDP4 on 8 GPUs goes to PP4 EP2 dense-FSDP2 (each
+    rank holds the same expert and dense shards of a layer, for half the layers), every other field equal; a
+    frame with other degrees is not one such step."""
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2, 4], "vp": [1], "cp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [1, 2, 4],
+                   "dense_sharding": ["optim"], "forbid_toggles": FORBIDDEN},
+    })
+    frames = enumerate_frames(job, tiny, 8)
+    fill = _Fill(job, tiny, slow, None, frames, _Facts(), set(), lambda f: True)
+
+    def frame(pp, ep, dense_fsdp):
+        (f,) = [f for f in frames if (f.pp, f.ep, f.dense_fsdp, f.expert_sharding) == (pp, ep, dense_fsdp, "optim")]
+        return f
+
+    assert fill.deeper(frame(2, 4, 4)) == [frame(4, 2, 2)]
+    assert fill.deeper(frame(4, 2, 2)) == [frame(2, 4, 4)]
+    assert fill.deeper(frame(2, 4, 1)) == []  # PP4 EP2 with half a dense shard does not exist
