@@ -12,8 +12,13 @@ Anytime, within the time limit (plan() gives the ranked search RANKED_SHARE of i
    heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
    search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
    (`frame_walk`, WALK_SHARE of the seeding time in all): each step takes the change that buys the most time
-   per byte, so the walk finds the fast configurations the other frames are then priced under. Every fitting
-   layout priced is a candidate point.
+   per byte, so the walk finds the fast configurations the other frames are then priced under. After the ranked
+   search's frames, the gap filling (`_Fill`, FILL_SHARE of the time while frames are left to visit) takes turns
+   with the visits: the point beside the widest peak gap of the front so far has its configuration priced on the
+   frames one change from its frame (another sharding policy, FSDP degree, VP, PP...), then its frame under
+   its configuration one change away, towards the gap first. A point the ranked search returns is often
+   dominated by its own layout one sharding change away (the same step, tens of GiB leaner), which the visits
+   reach late. Every fitting layout priced is a candidate point.
 2. Prove: epsilon-constraint CP-SAT solves per frame, best bound first (minimize the step time, ties the lower
    peak, under peak <= epsilon; then lower epsilon by the step), skipping or stopping a frame once a point found
    dominates its bounds. When every frame is done the front is exact at the epsilon step (`complete`).
@@ -33,12 +38,15 @@ import heapq
 import itertools
 import math
 import time as _time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
-from k3opt.runtime import load_runtime
+from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.search.bounds import frame_estimate, frame_lower_bound
 from k3opt.search.frames import (
+    ACT_TOGGLES,
+    RANK_TOGGLES,
     Frame,
+    _choices,
     act_modes,
     allocated_capacity_bytes,
     enumerate_frames,
@@ -49,6 +57,7 @@ from k3opt.search.frames import (
 from k3opt.search.incumbents import (  # the configuration walks, one home for the plan's and the front's seeding
     _LEAN,
     _Config,
+    _config_of,
     _library,
     _Neighbours,
     frame_walk,
@@ -73,6 +82,9 @@ ranked search stops earlier when it proves its gap); the front has the rest."""
 SEED_SHARE = 0.85
 """Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
 every frame is seeded or dominated)."""
+FILL_SHARE = 0.5
+"""Share of the seeding time after the ranked search's frames that the gap filling (`_Fill`) may take while frames
+are left to visit; the visits (which reach the pipeline shapes the front has no point of yet) have the rest."""
 WALK_SHARE = 0.4
 """Share of the seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the front is
 walked through its own configurations while some of it is left; the other frames are priced under the front's
@@ -153,7 +165,6 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
     visits = _Visits()
     for f, e in est.items():
         visits.push(f, e)
-    near: _Neighbours | None = None
     seen: set[Frame] = set()
     walking = 0.0
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
@@ -162,16 +173,20 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
     recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__, reverse=True)
     families = [_Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
                 for rc in recs for act, rank in toggle_sets(job)]
-    while _time.monotonic() < seed_end:
-        f = first.pop(0) if first else visits.pop()
-        if f is None:
-            break
-        if f in seen or f in skip or not fits_bound(f) or (f in facts.frame and dominated(f, *facts.frame[f])):
-            continue
+    fill = _Fill(job, model, cluster, runtime, frames, facts, skip, fits_bound)
+    filling = 0.0
+    fill_from = started
+    idle: set[int] | None = None
+    """The points when the filling last had no candidate left (it resumes when the front changes)."""
+
+    def visit(f: Frame) -> None:
+        """Price frame f under the front's configurations; walk it when it adds to the front."""
+        nonlocal points, walking
         seen.add(f)
         before = {id(p) for p in points}
         library = _library(points, leanest) if seen - {f} else families + _library(points, leanest)
         found = price_configs(job, f, library, model, cluster, seed_end, runtime)
+        fill.priced.update((f, c) for c in library)
         points = _non_dominated(points + found)
         now = _time.monotonic()
         allowed = WALK_SHARE * (seed_end - started) - walking
@@ -183,12 +198,36 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         if not found:
             visits.empty(f)
         else:
-            near = near or _Neighbours(frames)
-            for g in near(f):
+            for g in fill.near(f):
                 if g not in seen and g not in skip and g not in visits:
                     if g not in facts.frame:
                         facts.frame[g] = frame_lower_bound(job, g, model, cluster)
                     visits.push(g, est.get(g) or frame_estimate(job, g, model, cluster))
+
+    while _time.monotonic() < seed_end:
+        if first:
+            f: Frame | None = first.pop(0)
+            if not first:
+                fill_from = _time.monotonic()  # the ranked search's frames priced: the filling starts
+        elif idle != {id(p) for p in points} and filling <= FILL_SHARE * (_time.monotonic() - fill_from):
+            now = _time.monotonic()
+            found = fill.step(points, step, seed_end, dominated)
+            filling += _time.monotonic() - now
+            if found is not None:
+                points = _non_dominated(points + found)
+                continue
+            idle = {id(p) for p in points}  # every candidate around the front is priced or pruned
+            f = visits.pop()
+        else:
+            f = visits.pop()
+        if f is None:
+            if idle == {id(p) for p in points}:
+                break  # no frame left to visit and nothing left to fill
+            filling = -math.inf  # no frame left to visit: filling only
+            continue
+        if f in seen or f in skip or not fits_bound(f) or (f in facts.frame and dominated(f, *facts.frame[f])):
+            continue
+        visit(f)
 
     # 2. Bound the frames the driver did not reach (the proof needs every frame's bound).
     complete = True
@@ -247,6 +286,137 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
             cap = item.peak_bytes // MIB * MIB - step
             t_seen = max(t_seen, item.rank_time_s)
     return _with_bounds(_thin(_non_dominated(points), step), facts, step), complete
+
+
+class _Fill:
+    """Targeted pricing around the front: a gap of the front (two consecutive points of one GPU count more than a
+    step apart in peak, or the leanest point and the least frame peak bound) is filled by a layout whose peak falls
+    in it and is faster than the leaner side -- which is found, if anywhere cheap, next to the points around it.
+    Each `step` takes the point beside the widest gap and prices its next candidate by evaluate() on every
+    heuristic split: first its configuration on the frames one change from its frame (`_Neighbours`: another
+    sharding policy, FSDP degree, VP, PP, EP...), then its frame under its configuration one change away (a toggle
+    switched, another recompute mode, the other lifecycle), towards the gap first (`candidates`). A candidate
+    whose frame bound a point found dominates is skipped."""
+
+    def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
+                 frames: list[Frame], facts: _Facts, skip: set[Frame], fits: Callable[[Frame], bool]) -> None:
+        self.args = (job, model, cluster, runtime)
+        self.frames, self.facts, self.skip, self.fits = frames, facts, skip, fits
+        self.priced: set[tuple[Frame, _Config]] = set()
+        """(frame, configuration) pairs priced on every split already (by the visits or here)."""
+        self.gens: dict[tuple[Frame, _Config], Iterator[tuple[Frame, _Config]]] = {}
+        self.tries: dict[tuple[Frame, _Config], int] = {}
+        """Candidates priced around each point (its frame and configuration)."""
+        self.retry: dict[tuple[Frame, _Config], list[tuple[Frame, _Config]]] = {}
+        """Candidates each point's next ones wait for: a frame next to it under a configuration one memory-saving
+        change from its own, when its own did not fit that frame."""
+        self._near: _Neighbours | None = None
+        self._deeper: dict[tuple, list[Frame]] | None = None
+        names = ACT_TOGGLES + RANK_TOGGLES
+        self.free = [t for t in names if _choices(job, t) == [False, True]]
+        self.recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+        self.lcs = lifecycles(job)
+
+    def near(self, f: Frame) -> list[Frame]:
+        if self._near is None:
+            self._near = _Neighbours(self.frames)
+        return self._near(f)
+
+    def deeper(self, f: Frame) -> list[Frame]:
+        """The frames with twice or half f's pipeline depth and the same shards per rank (EP and dense FSDP
+        scaled the other way, the rest equal): three changes at once that `near` does not reach, the step
+        between pipeline depths a front usually takes."""
+        if self._deeper is None:
+            self._deeper = {}
+            for g in self.frames:
+                self._deeper.setdefault(self._depth_key(g), []).append(g)
+        return [g for g in self._deeper.get(self._depth_key(f), []) if g.pp in (2 * f.pp, f.pp // 2)]
+
+    @staticmethod
+    def _depth_key(f: Frame) -> tuple:
+        return (f.gpus, f.vp, f.cp, f.expert_fsdp, f.ep * f.pp, f.dense_fsdp * f.pp, f.dense_sharding,
+                f.expert_sharding, f.grad_dtype, f.precision)
+
+    def bound(self, f: Frame) -> tuple[float, float]:
+        if f not in self.facts.frame:
+            job, model, cluster, _ = self.args
+            self.facts.frame[f] = frame_lower_bound(job, f, model, cluster)
+        return self.facts.frame[f]
+
+    def leaner(self, c: _Config) -> list[_Config]:
+        """Configurations one memory-saving change from c: a toggle switched on, a leaner recompute mode."""
+        i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
+        return ([dataclasses.replace(c, on=c.on | {t}) for t in self.free if t not in c.on]
+                + [dataclasses.replace(c, recompute=r) for r in reversed(self.recs[:i])])
+
+    def moves(self, c: _Config, down: bool) -> list[_Config]:
+        """Configurations one change from c, the memory-saving ones (`leaner`) first when `down`, else the
+        time-saving ones (a toggle off, a richer recompute mode, the other lifecycle) first."""
+        i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
+        lean = self.leaner(c)
+        rich = [dataclasses.replace(c, on=c.on - {t}) for t in self.free if t in c.on]
+        rich += [dataclasses.replace(c, recompute=r) for r in self.recs[i + 1:]]
+        other = [dataclasses.replace(c, lifecycle=lc) for lc in self.lcs if lc != c.lifecycle]
+        return lean + rich + other if down else rich + other + lean
+
+    def candidates(self, p: PlanItem, down: bool) -> Iterator[tuple[Frame, _Config]]:
+        """Point p's configuration on the frames one change from p's frame, those towards the gap first (down:
+        another sharding policy, then a lower peak bound than p's peak, leanest bound first; up: a lower time bound
+        than p's step, fastest bound first); then p's frame under p's configuration one change away (`moves`)."""
+        f, c = frame_of(p.layout), _config_of(p.layout)
+        near = [g for g in dict.fromkeys(self.deeper(f) + self.near(f)) if g not in self.skip]
+        if down:
+            # Another sharding policy first: it keeps every degree, hence the compute, and trades gradient or
+            # weight bytes for traffic (the frame's peak bound leaves gradients out, so it cannot rank this one).
+            near.sort(key=lambda g: (dataclasses.replace(g, dense_sharding=f.dense_sharding,
+                                                         expert_sharding=f.expert_sharding) != f, self.bound(g)[1]))
+            toward = [g for g in near if self.bound(g)[1] < p.peak_bytes]
+        else:
+            near.sort(key=lambda g: self.bound(g)[0])
+            toward = [g for g in near if self.bound(g)[0] < p.rank_time_s]
+        for g in toward + [g for g in near if g not in toward]:
+            yield g, c
+        for m in self.moves(c, down):
+            yield f, m
+
+    def step(self, points: list[PlanItem], step: int, deadline: float,
+             dominated: Callable[[Frame, float, float], bool]) -> list[PlanItem] | None:
+        """The fitting layouts of the next candidate priced ([] when the deadline passed first); None when every
+        candidate around the front is priced or dominated. The point beside the widest gap goes first, its width
+        divided by one more than the candidates priced around it already (so one wide gap does not take all)."""
+        job, model, cluster, runtime = self.args
+        beside: list[tuple[float, int, PlanItem, bool]] = []
+        for _, its in itertools.groupby(_thin(points, step), key=lambda it: it.layout.gpus):
+            ps = list(its)
+            for i, p in enumerate(ps):
+                up = ps[i - 1].peak_bytes - p.peak_bytes if i else 0.0
+                # Below the leanest point the gap is open; it counts as one step, so that the gaps between points
+                # (where a layout is known to be possible on both sides) go first.
+                down = p.peak_bytes - ps[i + 1].peak_bytes if i + 1 < len(ps) else float(step)
+                tries = self.tries.get(self._key(p), 0)
+                beside.append((-max(up, down) / (1 + tries), len(beside), p, down >= up))
+        for _, _, p, down in sorted(beside, key=lambda b: b[:2]):
+            key = self._key(p)
+            gen = self.gens.setdefault(key, self.candidates(p, down))
+            retry = self.retry.setdefault(key, [])
+            while (nxt := retry.pop(0) if retry else next(gen, None)) is not None:
+                g, c = nxt
+                if (g, c) in self.priced or not self.fits(g) or dominated(g, *self.bound(g)):
+                    continue
+                if _time.monotonic() > deadline:
+                    return []
+                self.priced.add((g, c))
+                self.tries[key] = self.tries.get(key, 0) + 1
+                found = price_configs(job, g, [c], model, cluster, deadline, runtime)
+                if not found and g != key[0] and c == key[1]:
+                    # p's configuration does not fit the frame next to it: that frame under a leaner one next.
+                    retry.extend((g, m) for m in self.leaner(c))
+                return found
+        return None
+
+    @staticmethod
+    def _key(p: PlanItem) -> tuple[Frame, _Config]:
+        return frame_of(p.layout), _config_of(p.layout)
 
 
 class _Visits:
