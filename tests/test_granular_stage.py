@@ -44,14 +44,15 @@ def test_equal_layers_deal_ceil_layers_to_the_slowest_rank():
     assert granular_stage(t, L, 8, 3) <= 12e-3
 
 
+@pytest.mark.parametrize("kinds", [2, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_equals_enumeration_on_small_mixed_stacks(seed: int):
+def test_equals_enumeration_on_small_mixed_stacks(seed: int, kinds: int):
     rng = np.random.default_rng(seed)
     L, p, v = 7, 3, 2
-    # Two kinds of layer with two resources each (a compute-heavy and a traffic-heavy kind), heavy edges.
-    kind_a, kind_b = rng.uniform(1, 3, 2), rng.uniform(1, 3, 2)[::-1]
-    pattern = rng.permutation([0] * 4 + [1] * 3)
-    per_layer = np.array([kind_a if k == 0 else kind_b for k in pattern])
+    # Two or three kinds of layer with two resources each (compute-heavy and traffic-heavy ones), heavy edges.
+    work = [rng.uniform(1, 3, 2) for _ in range(kinds)]
+    pattern = rng.permutation([0] * 3 + [1] * 2 + [kinds - 1] * 2)
+    per_layer = np.array([work[k] for k in pattern])
     edges = rng.uniform(0, 4, (2, 2))
     arrs = np.vstack([per_layer, edges])
     time = {"tensor": arrs[:, 0], "nvlink": arrs[:, 1]}

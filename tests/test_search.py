@@ -570,6 +570,38 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     assert infinite if reserve == 2.5 else forced_with_fit
 
 
+@pytest.mark.parametrize("nic_gbps", [0.03, 0.01])
+def test_interleaved_bounds_below_every_layout_when_pp_packets_bind(tiny, slow, nic_gbps):
+    """PP2 VP2 on a cluster whose NIC makes the pipeline packets the slowest resource of a rank (the PP hop
+    crosses the 4-GPU NVLink domains): a rank's stage then exceeds its layers' busiest-resource work, and the
+    replay rows of the relaxation must still stay below every enumerated layout (a packet term in the chunk rows'
+    T_r once put the bound at 8.74 s over a 7.49 s layout)."""
+    from k3opt.search import frame_dp_bound, node_lower_bound, tight_node_bound
+
+    slow_nic = slow.model_copy(update={"nic_gbps": nic_gbps})
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 0.5,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"], "recompute": ["none"],
+                   "fsdp_lifecycle": ["per_microbatch"], "forbid_toggles": list(k3opt.specs.TOGGLE_NAMES)},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    times = []
+    for split in _splits(tiny.num_layers, 4):
+        lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
+                          split=split, recompute=Recompute.NONE, fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,
+                          reserve_gib=0.5)
+        ev = k3opt.evaluate(lay, model=tiny, cluster=slow_nic)
+        if ev.fits:
+            times.append(ev.step.rank_time_s)
+    assert times
+    rc, lc = Recompute.NONE, FsdpLifecycle.PER_MICROBATCH
+    assert tight_node_bound(job, f, rc, lc, tiny, slow_nic) <= min(times) + 1e-9
+    assert node_lower_bound(job, f, rc, lc, tiny, slow_nic)[0] <= min(times) + 1e-9
+    assert frame_dp_bound(job, f, tiny, slow_nic)[0] <= min(times) + 1e-9
+
+
 def test_frame_peak_bound_shrinks_with_more_sharding(job, tiny, slow):
     """The driver skips a shape when a shape of its group with a multiple of both FSDP degrees is already over the
     HBM line: that needs the frame peak bound to be non-increasing in the expert and dense FSDP degrees."""

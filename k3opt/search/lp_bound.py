@@ -211,7 +211,7 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
     lo = max(float((arrs[:L].sum(axis=0) + arrs[L] + arrs[L + 1]).max()) / p, 0.0)
     hi = float(arrs.sum(axis=0).max())
     if not feasible(hi):
-        return math.inf
+        return 0.0  # only a rounding miss of the sums can get here: no bound rather than a wrong one
     if feasible(lo):
         return lo
     for _ in range(40):
@@ -330,7 +330,8 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     # (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is max(slots S, R).
     for r in range(p):
         for ri, res in enumerate(res_names):
-            le([kt[:, ri]] * v, r, -edge(time[res], r) - pk[r].get(res, 0.0), {T0 + r: -1.0})
+            # Without the packets: T[r] <= U_r, which U_r (per-layer maxima) needs (the node model's note).
+            le([kt[:, ri]] * v, r, -edge(time[res], r), {T0 + r: -1.0})
         u_r = edge(umax, r)
         for k in range(v):
             g = k * p + r
