@@ -1037,7 +1037,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     }
     update = {
         "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),
-        "hbm": up_hbm / (cluster.hbm_gbps * gb * rt.hbm.value),
+        "hbm": achievable_hbm_seconds(up_hbm, cluster, rt),
         "nvlink": up_nvl / c_nvl,
         "nic": up_nic / c_nic,
         "host_link": up_host / (cluster.host_link_gbps * gb),
