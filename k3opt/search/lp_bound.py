@@ -132,9 +132,19 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         tg = v[3]
         groups.setdefault((v[2], tg.get("activation_offload", False), tg.get("balance_activations", False)),
                           []).append(v)
+    # Groups of one (offload, balancing) setting over every activation mode share the schedule and the edges'
+    # terms (in-flight compositions, packets, balancing's average): their merged arrays relax all of them at once,
+    # and most such settings do not fit at all when memory binds.
+    settled: dict[tuple[bool, bool], float] = {}
     for (_md, off, bal), members in sorted(groups.items(), key=lambda kv: min(m[:2] for m in kv[1])):
         members.sort(key=lambda x: x[:2])
         if members[0][0] * (1 - 1e-9) >= best or (bal and members[0][5].balanced_inflight is None):
+            continue
+        if (off, bal) not in settled:
+            every = [m for (_, o, b), ms in groups.items() if (o, b) == (off, bal) for m in ms]
+            settled[(off, bal)] = _solve(f, _merge([m[4] for m in every]), every[0][5], cap,
+                                         cluster.host_memory_bytes, off, bal, paths) if len(every) > 1 else -math.inf
+        if settled[(off, bal)] >= best:
             continue
         c0 = members[0][5]
         if len(members) > 1:
