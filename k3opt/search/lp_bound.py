@@ -388,10 +388,6 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     return value * (1 - FEAS_TOL) if math.isfinite(value) else value
 
 
-SAMPLE_SPLITS = 24
-"""Sample splits whose replay paths join the classic ones (replay_bound.sample_splits), as in the node model."""
-
-
 def _paths(f: Frame, c0: Coefficients, full: bool) -> np.ndarray:
     """The undominated replay-path coefficient rows (replay_bound: SCALE a_g per global chunk g) of the frame's
     schedule: the classic paths and the longest paths at sample splits over equal per-layer weights (any
@@ -402,17 +398,11 @@ def _paths(f: Frame, c0: Coefficients, full: bool) -> np.ndarray:
 @functools.lru_cache(maxsize=256)
 def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
     beta = replay_bound.betas([full])
-    paths = _classic(p, v, m) + replay_bound.split_paths(p, v, m, np.ones(L),
-                                                         replay_bound.sample_splits(L, p * v, SAMPLE_SPLITS), beta[0])
+    paths = replay_bound.seed_paths(p, v, m, np.ones(L), beta[0])
     out = np.array(replay_bound.undominated([replay_bound.path_coefficients(nf, nb, beta) for nf, nb in paths]),
                    dtype=float)
     out.setflags(write=False)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _classic(p: int, v: int, m: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    return replay_bound.classic_paths(p, v, m)
 
 
 def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:

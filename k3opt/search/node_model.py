@@ -47,7 +47,6 @@ from k3opt.specs import (
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
-SAMPLE_SPLITS = 24       # sample splits whose replay paths seed an interleaved node's bound (replay_bound)
 MAX_DAG_OPS = 512
 """v > 1 nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the per-chunk
 bounds (_replay_dag). On K3 PP8 VP4 M64 (4,096 operations) the start-time variables made a fixed-split solve ten
@@ -589,10 +588,8 @@ class FrameModel:
         self.layer_work = layer_work
         if 2 * p * self.f.vp * self.f.microbatches <= MAX_DAG_OPS:
             self._replay_dag()
-        paths = replay_bound.classic_paths(p, self.f.vp, self.f.microbatches)
-        paths += replay_bound.split_paths(p, self.f.vp, self.f.microbatches, layer_work,
-                                          replay_bound.sample_splits(L, K, SAMPLE_SPLITS), self.betas[0])
-        self.add_replay_paths(paths)
+        self.add_replay_paths(replay_bound.seed_paths(p, self.f.vp, self.f.microbatches, layer_work,
+                                                      self.betas[0]))
 
     def _replay_dag(self) -> None:
         """The replay itself over the per-chunk bounds: a start time per operation (rank order and microbatch

@@ -29,6 +29,17 @@ SCALE = 12
 """Integer scale of the path coefficients: 12 (nF + beta nB) / (1 + beta) is an integer for beta = 2 and 3."""
 
 
+SAMPLE_SPLITS = 24
+"""Sample splits whose longest replay paths join the classic ones in a node's path set (`seed_paths`)."""
+
+
+def seed_paths(p: int, v: int, m: int, layer_work: np.ndarray, beta: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The paths an interleaved node's bounds start from: the classic ones and the longest at SAMPLE_SPLITS sample
+    splits over `layer_work` (any nonnegative weights give valid paths)."""
+    return classic_paths(p, v, m) + split_paths(p, v, m, layer_work,
+                                                 sample_splits(len(layer_work), p * v, SAMPLE_SPLITS), beta)
+
+
 def betas(full_recompute: Iterable[bool]) -> list[float]:
     """Backward / forward time ratios of the node's recompute modes (schedule.chunk_times)."""
     return sorted({BACKWARD_OVER_FORWARD + (1.0 if full else 0.0) for full in full_recompute})
