@@ -253,7 +253,6 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     K = p * v
     res_names = list(a.time)
     time = a.time
-    bc = c0
     umax = a.hi
     # Per-layer columns used by the LP; layers with equal columns form one kind.
     cols = [time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
@@ -300,11 +299,11 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     for r in range(p):
         n_peak = max(sum(c) for c in c0.compositions[r])
         moved = 0.0
-        if bal and bc.balanced_inflight is not None and n_peak > bc.balanced_inflight:
-            moved = balance_moved_bytes(1.0, n_peak, bc.balanced_inflight) * bc.balance_seconds_per_byte
+        if bal and c0.balanced_inflight is not None and n_peak > c0.balanced_inflight:
+            moved = balance_moved_bytes(1.0, n_peak, c0.balanced_inflight) * c0.balance_seconds_per_byte
         for ri, res in enumerate(res_names):
-            per = kt[:, ri] + (moved * kact if res == bc.balance_resource else 0.0)
-            e = edge(time[res], r) + (moved * edge(a.act, r) if res == bc.balance_resource else 0.0)
+            per = kt[:, ri] + (moved * kact if res == c0.balance_resource else 0.0)
+            e = edge(time[res], r) + (moved * edge(a.act, r) if res == c0.balance_resource else 0.0)
             e += pk[r].get(res, 0.0)
             if per.any() or e:
                 le([per] * v, r, -e, {S_col: -1.0})
@@ -314,7 +313,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
                 le([ku[:, ui]] * v, r, -e, {U_col: -1.0})
         fixed = edge(a.persistent, r)
         act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
-        scale = min(1.0, bc.balanced_inflight / n_peak) if bal and bc.balanced_inflight else 1.0
+        scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
         comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
         if off:
             # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets.
@@ -335,9 +334,10 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
         rhs.append(-float(np.sort(time[res][:L])[:need].sum()) * (1 - FEAS_TOL))
     # The replayed schedule (the node model's _replay_terms, relaxed): rank r's stage t_r >= T[r] >= each
     # resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the
-    # sum of r's per-layer maxima over resources (`work_hi`); chunk g's replayed time c_g = t_r w_g / W_r >=
-    # w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum e_g <= w_g; every replay path
-    # (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is max(slots S, R).
+    # sum of r's per-layer maxima over resources (`_Arrays.hi`; no packets in T[r] or U_r); chunk g's replayed
+    # time c_g = t_r w_g / W_r >= w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum
+    # e_g <= w_g; every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is
+    # max(slots S, R).
     for r in range(p):
         for ri, res in enumerate(res_names):
             # Without the packets: T[r] <= U_r, which U_r (per-layer maxima) needs (the node model's note).
