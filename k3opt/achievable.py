@@ -180,7 +180,7 @@ def forward_backward(tensor: np.ndarray, vector: np.ndarray, full: bool) -> tupl
     """(forward, backward) seconds of compute-stream work, each part split by its own ratio: tensor-core time
     1 : beta as the replayed schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more
     forward under full recompute, whose replay runs in the backward stage), memory-bound kernel time by the share
-    of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5)."""
+    of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5, 2 of 7 under full recompute)."""
     f_tensor = 1.0 / (1.0 + BACKWARD_OVER_FORWARD + (1.0 if full else 0.0))
     f_vector = memory_bound_forward_share(full)
     fwd = f_tensor * tensor + f_vector * vector

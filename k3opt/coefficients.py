@@ -282,20 +282,25 @@ MEMORY_BOUND_BACKWARD_PASSES = 3
 """The same in backward: read again as a saved input, and met by a gradient of its size (written, then read)."""
 
 
+def memory_bound_passes(full: bool) -> int:
+    """HBM passes of a decoder layer's memory-bound kernels over each saved tensor per microbatch: 2 forward + 3
+    backward, and under full recompute 2 more (the replayed forward runs its kernels again): 5, or 7. Passes, not
+    FLOPs: the FLOP factor 4/3 (recompute_flops_factor) would price the replay at 5/3 passes."""
+    return MEMORY_BOUND_FORWARD_PASSES + MEMORY_BOUND_BACKWARD_PASSES + (MEMORY_BOUND_FORWARD_PASSES if full else 0)
+
+
 def memory_bound_kernel_bytes(saved: np.ndarray, full: bool) -> np.ndarray:
     """HBM bytes per microbatch of the memory-bound kernels (norms, activations, permutes, residual adds) over the
-    saved tensors of each layer and edge (`saved`: bytes, length L + 2): (forward + backward passes) x bytes, 5 x,
-    times the recompute factor on the decoder layers (recompute_flops_factor; the edges are not checkpointed)."""
-    rc = np.where(np.arange(len(saved)) < len(saved) - 2, recompute_flops_factor(full), 1.0)
-    return (MEMORY_BOUND_FORWARD_PASSES + MEMORY_BOUND_BACKWARD_PASSES) * saved * rc
+    saved tensors of each layer and edge (`saved`: bytes, length L + 2): memory_bound_passes x bytes on the decoder
+    layers (5, or 7 under full recompute), 5 x bytes on the edges (they are not checkpointed)."""
+    passes = np.where(np.arange(len(saved)) < len(saved) - 2, memory_bound_passes(full), memory_bound_passes(False))
+    return passes * saved
 
 
 def memory_bound_forward_share(full: bool) -> float:
     """Share of a decoder layer's memory-bound kernel traffic (memory_bound_kernel_bytes) its forward stage runs:
-    forward passes / (all passes x recompute factor), 2/5; under full recompute the replayed forward runs in the
-    backward stage, 2/5 x 3/4 = 3/10."""
-    return MEMORY_BOUND_FORWARD_PASSES / (
-        (MEMORY_BOUND_FORWARD_PASSES + MEMORY_BOUND_BACKWARD_PASSES) * recompute_flops_factor(full))
+    forward passes / all passes, 2/5; under full recompute the replayed forward runs in the backward stage, 2/7."""
+    return MEMORY_BOUND_FORWARD_PASSES / memory_bound_passes(full)
 
 
 def _kept(s: Saved, t: Toggles) -> bool:

@@ -93,11 +93,12 @@ def test_forward_backward_splits_each_part_by_its_own_ratio():
     """12 ms of tensor-core time splits 1 : 2 (backward = weight + input gradient GEMMs, SC21 section 3.5): 4 : 8;
     10 ms of memory-bound kernels 2 : 3 (forward: written, read; backward: read as saved, gradient written, read):
     4 : 6. Forward 8, backward 14 (a single 1 : 2 split would give 7.33 : 14.67). Under full recompute the replayed
-    forward runs in the backward stage: tensor 1 : 3 (3 : 9), memory-bound 2 : 3 + 5/3 (3 : 7): 6 : 16."""
+    forward runs in the backward stage: tensor 1 : 3 (3 : 9), memory-bound 2 : 3 + 2 (7 passes, the replay's 2 in
+    backward: 20/7 : 50/7): 3 + 20/7 : 9 + 50/7 = 41/7 : 113/7."""
     fwd, bwd = forward_backward(np.array([12.0]), np.array([10.0]), False)
     assert (fwd[0], bwd[0]) == (pytest.approx(8.0), pytest.approx(14.0))
     fwd, bwd = forward_backward(np.array([12.0]), np.array([10.0]), True)
-    assert (fwd[0], bwd[0]) == (pytest.approx(6.0), pytest.approx(16.0))
+    assert (fwd[0], bwd[0]) == (pytest.approx(41 / 7), pytest.approx(113 / 7))
 
 
 def test_stage_exposure_under_full_recompute_by_hand():
@@ -173,12 +174,13 @@ def test_routed_expert_compute_under_full_recompute_in_mxfp8():
     """The same layer in MXFP8 under full recompute: the routed GEMMs at 4,500 TF (B200 FP8 / MXFP8 dense) x 0.534
     (grouped MXFP8), same size factor (the tokens per expert do not change); the saved bytes at the quantized width
     where a GEMM reads them (1 + 1/32 B): dispatched inputs 8 x 2048 x 1.03125 = 16,896, SwiGLU inputs 24,576,
-    activation outputs 8 x 768 x 1.03125 = 6,336, expert outputs 32,768 = 80,576 B a token; everything x 4/3 (the
-    recomputed forward), on every decoder layer, the last one (47) too."""
+    activation outputs 8 x 768 x 1.03125 = 6,336, expert outputs 32,768 = 80,576 B a token; the GEMMs x 4/3 (the
+    recomputed forward's FLOPs), the memory-bound kernels 7 passes (2 forward + 3 backward + the replayed forward's
+    2), on every decoder layer, the last one (47) too."""
     cf = _coefficients(_qwen30b(recompute="full", precision="mxfp8"), "qwen3-30b-a3b", "b200")
     size = float(load_rates("b200").size_factor(np.array([np.cbrt(2048 * 768 * 2048)]))[0])
     gemms = 927_712_935_936 / (4500e12 * 0.534 * size)
-    vector = 5 * 80_576 * 4096 / (HBM * HBM_FRAC)
-    assert cf.moe_compute_achievable[5] == pytest.approx((gemms + vector) * 4 / 3, rel=1e-12, abs=0)
-    assert cf.moe_compute_achievable[47] == pytest.approx((gemms + vector) * 4 / 3, rel=1e-12, abs=0)
+    vector = 7 * 80_576 * 4096 / (HBM * HBM_FRAC)
+    assert cf.moe_compute_achievable[5] == pytest.approx(gemms * 4 / 3 + vector, rel=1e-12, abs=0)
+    assert cf.moe_compute_achievable[47] == pytest.approx(gemms * 4 / 3 + vector, rel=1e-12, abs=0)
     assert cf.moe_compute_achievable[cf.first] == 0.0 and cf.moe_compute_achievable[cf.last] == 0.0

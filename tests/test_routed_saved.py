@@ -67,13 +67,14 @@ def test_routed_saved_bytes_of_kimi_k3_by_hand():
 def test_memory_bound_kernel_bytes_by_hand():
     """Two decoder layers and the two edges of 1,000 saved bytes each: 2 forward passes (written, read) + 3
     backward (read as a saved input, its gradient written and read) = 5,000 B each; under full recompute the
-    layers replay their forward (x 4/3, the cost model's recompute factor): 6,666.67 B, the edges stay 5,000 B."""
+    layers replay their forward, its 2 passes again: 7,000 B (not the FLOP factor 4/3 x 5,000 = 6,666.67 B); the
+    edges are not checkpointed and stay 5,000 B."""
     saved = np.full(4, 1000.0)
     assert list(memory_bound_kernel_bytes(saved, False)) == [5000.0] * 4
-    assert memory_bound_kernel_bytes(saved, True) == pytest.approx([20000 / 3, 20000 / 3, 5000, 5000], rel=1e-15)
-    # the forward stage runs 2 of the 5 passes, 2 of the 20/3 under full recompute
+    assert list(memory_bound_kernel_bytes(saved, True)) == [7000.0, 7000.0, 5000.0, 5000.0]
+    # the forward stage runs 2 of the 5 passes; under full recompute the replay runs in backward: 2 of 7
     assert memory_bound_forward_share(False) == pytest.approx(0.4, rel=1e-15)
-    assert memory_bound_forward_share(True) == pytest.approx(0.3, rel=1e-15)
+    assert memory_bound_forward_share(True) == pytest.approx(2 / 7, rel=1e-15)
 
 
 def test_routed_memory_bound_time_is_part_of_the_vector_resource():
