@@ -27,7 +27,7 @@ import numpy as np
 from k3opt import comm
 from k3opt.coefficients import Coefficients, balance_moved_bytes, memory_bound_forward_share
 from k3opt.rates import RatesSpec, rates_for
-from k3opt.schedule import BACKWARD_OVER_FORWARD, chunk_times, ep_overlap_unpaired, replay_makespan
+from k3opt.schedule import backward_over_forward, chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.specs import ClusterSpec, Recompute
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
@@ -181,7 +181,7 @@ def forward_backward(tensor: np.ndarray, vector: np.ndarray, full: bool) -> tupl
     1 : beta as the replayed schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more
     forward under full recompute, whose replay runs in the backward stage), memory-bound kernel time by the share
     of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5, 2 of 7 under full recompute)."""
-    f_tensor = 1.0 / (1.0 + BACKWARD_OVER_FORWARD + (1.0 if full else 0.0))
+    f_tensor = 1.0 / (1.0 + backward_over_forward(full))
     f_vector = memory_bound_forward_share(full)
     fwd = f_tensor * tensor + f_vector * vector
     return fwd, (1.0 - f_tensor) * tensor + (1.0 - f_vector) * vector

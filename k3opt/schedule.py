@@ -89,6 +89,12 @@ BACKWARD_OVER_FORWARD = 2.0
 (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters", SC21, section 3.5)."""
 
 
+def backward_over_forward(full_recompute: bool) -> float:
+    """Backward-stage / forward-stage time of a chunk's tensor-core work: BACKWARD_OVER_FORWARD, one more forward
+    under full recompute (its replay runs in the backward stage): 2, or 3."""
+    return BACKWARD_OVER_FORWARD + (1.0 if full_recompute else 0.0)
+
+
 def pipeline_order(p: int, v: int, m: int, r: int) -> list[tuple[bool, int, int]]:
     """Rank r's operations in Megatron's order (`schedules.py`): (is_forward, local chunk k, microbatch).
 
@@ -138,7 +144,7 @@ def chunk_times(work: np.ndarray, stage_times: list[float] | np.ndarray, p: int,
         mine = work[j % p::p]
         share = work[j] / mine.sum() if mine.sum() > 0 else 1.0 / len(mine)
         total[j] = stage_times[j % p] * share
-    beta = BACKWARD_OVER_FORWARD + (1.0 if full_recompute else 0.0)
+    beta = backward_over_forward(full_recompute)
     return total / (1 + beta), total * beta / (1 + beta)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from k3opt.schedule import BACKWARD_OVER_FORWARD, chunk_times, critical_path, pipeline_order
+from k3opt.schedule import BACKWARD_OVER_FORWARD, backward_over_forward, chunk_times, critical_path, pipeline_order
 
 SCALE = 12
 """Integer scale of the path coefficients: 12 (nF + beta nB) / (1 + beta) is an integer for beta = 2 and 3."""
@@ -42,7 +42,7 @@ def seed_paths(p: int, v: int, m: int, layer_work: np.ndarray, beta: float) -> l
 
 def betas(full_recompute: Iterable[bool]) -> list[float]:
     """Backward / forward time ratios of the node's recompute modes (schedule.chunk_times)."""
-    return sorted({BACKWARD_OVER_FORWARD + (1.0 if full else 0.0) for full in full_recompute})
+    return sorted({backward_over_forward(full) for full in full_recompute})
 
 
 def path_coefficients(nf: np.ndarray, nb: np.ndarray, beta_values: list[float]) -> np.ndarray:
