@@ -118,3 +118,21 @@ def test_deeper_pipeline_keeps_the_shards_per_rank():
     assert fill.deeper(frame(2, 4, 4)) == [frame(4, 2, 2)]
     assert fill.deeper(frame(4, 2, 2)) == [frame(2, 4, 4)]
     assert fill.deeper(frame(2, 4, 1)) == []  # PP4 EP2 with half a dense shard does not exist
+
+
+def test_price_configs_settles_only_what_it_priced_before_its_deadline(space):
+    """A configuration counts as priced on a frame (so the gap filling skips it) only when price_configs priced it
+    before its deadline: with the deadline already past nothing is settled and nothing is returned; with no
+    deadline every configuration is settled, and each fitting layout returned is one of them on that frame."""
+    from k3opt.search.incumbents import _config_of, price_configs
+
+    job, tiny, slow, frames, layouts = space
+    f = frames[0]
+    configs = list(dict.fromkeys(_config_of(it.layout) for it in layouts))[:3]
+    late: list = []
+    assert price_configs(job, f, configs, tiny, slow, deadline=-math.inf, settled=late) == []
+    assert late == []
+    done: list = []
+    found = price_configs(job, f, configs, tiny, slow, deadline=math.inf, settled=done)
+    assert set(done) == set(configs)
+    assert all(_config_of(it.layout) in configs for it in found)

@@ -185,8 +185,9 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         seen.add(f)
         before = {id(p) for p in points}
         library = _library(points, leanest) if seen - {f} else families + _library(points, leanest)
-        found = price_configs(job, f, library, model, cluster, seed_end, runtime)
-        fill.priced.update((f, c) for c in library)
+        settled: list[_Config] = []
+        found = price_configs(job, f, library, model, cluster, seed_end, runtime, settled=settled)
+        fill.priced.update((f, c) for c in settled)  # those cut by the seeding's deadline stay for the filling
         points = _non_dominated(points + found)
         now = _time.monotonic()
         allowed = WALK_SHARE * (seed_end - started) - walking

@@ -363,15 +363,22 @@ def _config_of(layout: Layout) -> _Config:
 
 
 def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
-                  deadline: float, runtime: RuntimeSpec | None = None, every_split: bool = True) -> list[PlanItem]:
+                  deadline: float, runtime: RuntimeSpec | None = None, every_split: bool = True,
+                  settled: list[_Config] | None = None) -> list[PlanItem]:
     """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
     leanest last), each on its heuristic splits (all, or up to the first that fits), priced by evaluate() until the
-    monotonic `deadline`. The leanest is priced first: when it does not fit, the others are not tried."""
+    monotonic `deadline`. The leanest is priced first: when it does not fit, the others are not tried. `settled`
+    receives the configurations priced, or ruled out by the leanest's misfit, before the deadline."""
     cap = allocated_capacity_bytes(job, f, model, cluster)
     out: list[PlanItem] = []
-    for k, c in enumerate(configs[-1:] + configs[:-1]):
+    order = configs[-1:] + configs[:-1]
+    for k, c in enumerate(order):
         got = _price(job, f, c, model, cluster, runtime, cap, deadline, out, every_split=every_split)
-        if got is None or (k == 0 and not got[2]):
+        if got is None:
+            break
+        if settled is not None and _time.monotonic() <= deadline:  # past it, a split may have gone unpriced
+            settled.extend(order if k == 0 and not got[2] else [c])
+        if k == 0 and not got[2]:
             break
     return out
 
