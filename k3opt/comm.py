@@ -127,11 +127,6 @@ def routing_map_allgathers_per_layer(full_recompute: bool) -> int:
     return 2 if full_recompute else 1
 
 
-def allgather_received(total_bytes: float, n: int) -> float:
-    """Ring all-gather: each rank receives S (1 - 1/n) of the S-byte output."""
-    return total_bytes * (1 - 1 / n)
-
-
 def hierarchical_split(total_bytes: float, n: int, a: int) -> tuple[float, float]:
     """(NVLink, NIC) bytes per rank of an all-gather or reduce-scatter of S bytes over n ranks, a of them per
     domain: NVLink S(1 - 1/a); NIC (S/a)(1 - a/n), the per-rank share of a domain's one import (seed 002)."""

@@ -9,11 +9,9 @@ from the model file, so other presets are data, not code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
-
-import numpy as np
 
 from k3opt.specs import ModelSpec
 
@@ -428,24 +426,6 @@ class Structure:
             mtp=sum(b.params() for b in self.last if b.name.startswith("mtp")),
         )
 
-    # -- per-layer arrays (what the ledger, the roofline and the search sum over layer ranges) ----
-    @cached_property
-    def arrays(self) -> LayerArrays:
-        L = self.model.num_layers
-        a = LayerArrays(L)
-        for i, blocks in enumerate(self.layers):
-            for b in blocks:
-                a.nonrouted_muon[i] += b.params("muon", routed=False)
-                a.adamw[i] += b.params("adamw")
-                a.routed[i] += b.params(routed=True)
-                a.active_nonrouted[i] += b.active_matrix_params - b.routed_active_params
-                a.active_routed[i] += b.routed_active_params
-                a.attention_flops_per_doc_token[i] += b.attention_flops_per_token_per_doc_token
-                a.scan_flops[i] += b.scan_flops_per_token
-                a.moe[i] += b.moe_layers
-            a.mla[i] = int(self.is_mla(i))
-        return a
-
     def saved_values_per_token(self, kind: str, fused_situ: bool = False) -> int:
         """Saved-for-backward values per token of one block kind without recompute (seed 001 cross-check:
         KDA about 70k, MLA about 75k, MoE about 245k)."""
@@ -455,27 +435,6 @@ class Structure:
 
     def muon_matrices(self, blocks: list[Block]) -> list[tuple[Tensor, int]]:
         return [(t, t.count) for b in blocks for t in b.tensors if t.optimizer == "muon" and t.is_matrix]
-
-
-@dataclass
-class LayerArrays:
-    """Per-layer integer arrays, indexed by layer (0 .. L-1)."""
-
-    n: int
-    nonrouted_muon: np.ndarray = field(init=False)
-    adamw: np.ndarray = field(init=False)
-    routed: np.ndarray = field(init=False)
-    active_nonrouted: np.ndarray = field(init=False)
-    active_routed: np.ndarray = field(init=False)
-    attention_flops_per_doc_token: np.ndarray = field(init=False)
-    scan_flops: np.ndarray = field(init=False)
-    moe: np.ndarray = field(init=False)
-    mla: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        for name in ("nonrouted_muon", "adamw", "routed", "active_nonrouted", "active_routed",
-                     "attention_flops_per_doc_token", "scan_flops", "moe", "mla"):
-            setattr(self, name, np.zeros(self.n, dtype=np.int64))
 
 
 @dataclass(frozen=True)
