@@ -61,6 +61,8 @@ class AchievableStep:
     """The pipeline priced by its schedule at the achievable rates: the replayed makespan
     (`schedule.replay_makespan`) over each chunk's share of its rank's achievable stage time
     (`schedule.chunk_times`), plus the update and the unpaired all-to-all."""
+    chunk_s: tuple[tuple[float, float], ...] = ()
+    """(forward, backward) seconds per microbatch of every global chunk that replay runs."""
 
 
 def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
@@ -273,6 +275,7 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
         binding=binding, exposed_ep_s=exposed, update_time_s=update, rank_time_s=per_rank, rates=rates.name,
         update_comm_exposed_s=comm_exposed, unpaired_ep_s=unpaired,
         schedule_step_time_s=replayed + update + unpaired,
+        chunk_s=tuple(zip(fwd.tolist(), bwd.tolist(), strict=True)),
     )
 
 

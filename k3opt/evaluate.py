@@ -177,6 +177,9 @@ class StepTime:
     forward and backward times (`schedule.replay_makespan`), plus the exposed update. Equal chunks: step_time_s."""
     achievable_schedule_step_time_s: float | None = None
     """The same replay at the achievable rates (AchievableStep.schedule_step_time_s)."""
+    ranked_chunk_s: tuple[tuple[float, float], ...] = ()
+    """(forward, backward) seconds per microbatch of every global chunk, as the replay at the ranking's rates
+    (ranked_schedule_time_s) runs them: the timeline plot draws these."""
     components: dict[str, float] = field(default_factory=dict)
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
     `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
@@ -645,7 +648,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_binding=ach.binding, achievable_exposed_ep_s=ach.exposed_ep_s, rates=ach.rates,
         achievable_update_comm_exposed_s=ach.update_comm_exposed_s, achievable_stage_time_s=ach.stage_time_s,
         achievable_update_time_s=ach.update_time_s, achievable_unpaired_ep_s=ach.unpaired_ep_s,
-        achievable_schedule_step_time_s=ach.schedule_step_time_s,
+        achievable_schedule_step_time_s=ach.schedule_step_time_s, ranked_chunk_s=ach.chunk_s,
     )
 
 
@@ -662,6 +665,9 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
     tokens = sh.tokens_per_update
     tps = tokens / step
     mfu = cf.model_flops_per_token * tps / (sh.gpus * cluster.bf16_tflops * 1e12)
+    # The pipeline over the chunks actually chosen; PP packet time is already in each rank's NVLink / NIC time, so
+    # the replay adds no hop latency on top (none is priced).
+    fwd, bwd = chunk_times_s(cf, ranks, layout)
     return StepTime(
         step_time_s=step, serial_step_time_s=serial, stage_time_s=stage, slowest_rank=slowest.rank,
         binding=slowest.binding, update_time_s=update,
@@ -674,7 +680,8 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
                         f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
                         f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
         unpriced=UNPRICED,
-        schedule_step_time_s=schedule_makespan_s(cf, ranks, layout) + update,
+        schedule_step_time_s=replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd) + update,
+        ranked_chunk_s=tuple(zip(fwd.tolist(), bwd.tolist(), strict=True)),
         components={
             "compute": float(slowest.time_s["tensor"]),
             **{res: float(slowest.time_s[res]) for res in RESOURCES if res != "tensor"},
@@ -692,10 +699,3 @@ def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout)
     bounds = chunk_bounds(layout.split)
     work = np.array([max(_chunk_sum(cf.time[res], cf, j, k, bounds) for res in RESOURCES) for j in range(k)])
     return chunk_times(work, [r.stage_time_s for r in ranks], layout.pp, layout.recompute == Recompute.FULL)
-
-
-def schedule_makespan_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout) -> float:
-    """Makespan of the step's pipeline over the chunks actually chosen. PP packet time is already in each rank's
-    NVLink / NIC time, so the replay adds no hop latency on top (none is priced)."""
-    fwd, bwd = chunk_times_s(cf, ranks, layout)
-    return replay_makespan(layout.pp, layout.vp, layout.microbatches, fwd, bwd)

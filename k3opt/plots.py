@@ -133,16 +133,21 @@ class Op:
     end: float
 
 
-def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]]) -> list[Op]:
+def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]],
+                      backward_s: list[list[float]] | None = None) -> list[Op]:
     """Start and end of every forward and backward on every rank (`k3opt.schedule.replay_ops`: each op starts when
     its rank is free and its input has arrived). chunk_times[r][k]: seconds per microbatch of local chunk k on
-    rank r (forward + backward, split 1 : BACKWARD_OVER_FORWARD). Interleaving needs M divisible by p (Megatron's
-    rule)."""
+    rank r, forward + backward split 1 : BACKWARD_OVER_FORWARD; or, with `backward_s` given, the forward seconds
+    and backward_s[r][k] the backward's. Interleaving needs M divisible by p (Megatron's rule)."""
     if v > 1 and m % p:
         raise LayoutError(f"the interleaved 1F1B timeline needs microbatches ({m}) divisible by pp ({p}); "
                           "Megatron's interleaved schedule has the same rule")
     per_chunk = np.array([chunk_times[g % p][g // p] for g in range(p * v)], dtype=float)
-    ops = replay_ops(p, v, m, per_chunk * FORWARD_SHARE, per_chunk * (1 - FORWARD_SHARE))
+    if backward_s is None:
+        fwd, bwd = per_chunk * FORWARD_SHARE, per_chunk * (1 - FORWARD_SHARE)
+    else:
+        fwd, bwd = per_chunk, np.array([backward_s[g % p][g // p] for g in range(p * v)], dtype=float)
+    ops = replay_ops(p, v, m, fwd, bwd)
     return [Op(r, "F" if is_f else "B", g // p, mb, start, end) for r, is_f, g, mb, start, end in ops]
 
 
@@ -160,12 +165,11 @@ def timeline_plot(ev: Evaluation, path: str | Path) -> None:
     the in-flight microbatches over time in a second panel."""
     lay = ev.layout
     p, v, m = lay.pp, lay.vp, lay.microbatches
-    chunk_times = []
-    for r in ev.ranks:
-        layers = [b - a for a, b in r.chunks]
-        tot = sum(layers)
-        chunk_times.append([r.stage_time_s * n / tot for n in layers])
-    ops = pipeline_schedule(p, v, m, chunk_times)
+    # The chunks' forward and backward times the ranked step replays (StepTime.ranked_chunk_s, global chunk g on
+    # rank g mod p), so the drawing is the schedule the plan is priced by.
+    per = ev.step.ranked_chunk_s
+    ops = pipeline_schedule(p, v, m, [[per[r + k * p][0] for k in range(v)] for r in range(p)],
+                            [[per[r + k * p][1] for k in range(v)] for r in range(p)])
     end = max(o.end for o in ops)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(14, 3 + 0.55 * p + 2.5), sharex=True,
                                   gridspec_kw={"height_ratios": [max(p, 2), 3]})
@@ -191,8 +195,8 @@ def timeline_plot(ev: Evaluation, path: str | Path) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     sched = "interleaved 1F1B" if v > 1 else "1F1B"
     ax.set_title(f"{sched} pipeline schedule per rank, PP{p} VP{v}, {m} microbatches: "
-                 f"bubble share {ev.step.bubble_fraction:.1%}\nforward : backward drawn 1 : 2 of each "
-                 f"rank's modelled stage time; {_short(ev)}", fontsize=10)
+                 f"bubble share {ev.step.bubble_fraction:.1%}\neach chunk's forward and backward as the ranked "
+                 f"step time replays them; {_short(ev)}", fontsize=10)
     for r in range(p):
         evs = sorted((o for o in ops if o.rank == r), key=lambda o: o.end if o.kind == "F" else o.start)
         ts, hs, held = [0.0], [0], 0

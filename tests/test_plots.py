@@ -45,6 +45,25 @@ def test_timeline_plot_1f1b_and_interleaved(tmp_path, reference_eval, model, clu
     _check_png(out2)
 
 
+def test_timeline_draws_the_replay_the_plan_is_ranked_by(reference_eval, model, cluster):
+    """The chunks the timeline draws are those the ranked step replays: backward three times the forward (the
+    reference recomputes fully: 2 + the replayed forward, SC21 section 3.5), each rank's chunks sharing its achievable stage time (the slowest rank's sum is the stage), and
+    the replay of them ends at the ranked schedule time less the update and the unpaired all-to-all."""
+    lay = k3opt.make_layout(**{**reference_eval.layout.model_dump(), "vp": 2, "microbatches": 16,
+                               "split": [6] * 15 + [3]})
+    st = k3opt.evaluate(lay, model=model, cluster=cluster).step
+    p, v = lay.pp, lay.vp
+    per = st.ranked_chunk_s
+    assert len(per) == p * v
+    assert lay.recompute == "full" and all(b == pytest.approx(3 * f, rel=1e-12) for f, b in per)
+    assert max(sum(sum(per[r + k * p]) for k in range(v)) for r in range(p)) == pytest.approx(
+        st.achievable_stage_time_s, rel=1e-12)
+    ops = pipeline_schedule(p, v, lay.microbatches, [[per[r + k * p][0] for k in range(v)] for r in range(p)],
+                            [[per[r + k * p][1] for k in range(v)] for r in range(p)])
+    assert max(o.end for o in ops) == pytest.approx(
+        st.ranked_schedule_time_s - st.achievable_update_time_s - st.achievable_unpaired_ep_s, rel=1e-9)
+
+
 def test_pareto_plot(tmp_path, reference, model, cluster):
     items = []
     for m, pp in ((64, 8), (32, 4)):
