@@ -47,8 +47,9 @@ def test_timeline_plot_1f1b_and_interleaved(tmp_path, reference_eval, model, clu
 
 def test_timeline_draws_the_replay_the_plan_is_ranked_by(reference_eval, model, cluster):
     """The chunks the timeline draws are those the ranked step replays: backward three times the forward (the
-    reference recomputes fully: 2 + the replayed forward, SC21 section 3.5), each rank's chunks sharing its achievable stage time (the slowest rank's sum is the stage), and
-    the replay of them ends at the ranked schedule time less the update and the unpaired all-to-all."""
+    reference recomputes fully: 2 + the replayed forward, SC21 section 3.5), each rank's chunks sharing its
+    achievable stage time (the slowest rank's sum is the stage), and the replay of them ends at the ranked
+    schedule time less the update and the unpaired all-to-all."""
     lay = k3opt.make_layout(**{**reference_eval.layout.model_dump(), "vp": 2, "microbatches": 16,
                                "split": [6] * 15 + [3]})
     st = k3opt.evaluate(lay, model=model, cluster=cluster).step

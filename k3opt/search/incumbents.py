@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from k3opt.coefficients import Coefficients
+from k3opt.achievable import _rank_sums
+from k3opt.coefficients import Coefficients, Shape
 from k3opt.evaluate import evaluate
 from k3opt.runtime import RuntimeSpec, load_runtime
 from k3opt.search.frames import (
@@ -408,7 +409,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
     (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
     toggle kept on its own); then each frame of `ordered` is priced under the fastest configurations so far and
-    their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far. Returns
+    their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far; a frame
+    whose fastest layout is within CLIMB_WITHIN of the fastest has its split climbed (`split_climb`). Returns
     the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number is
     evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
     `walk_first`: False skips the first walks (`ordered` only); `lower`: a lower bound on a frame's ranked step
@@ -435,6 +437,23 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     def over() -> bool:
         return _time.monotonic() >= deadline or (stop is not None and stop())
 
+    climbing = 0.0
+    t_start = _time.monotonic()
+
+    def climb(f: Frame) -> None:
+        """f's fastest layout so far, its split climbed (split_climb) when it is within CLIMB_WITHIN of the
+        fastest and the climbs have taken less than CLIMB_SHARE of the time so far."""
+        nonlocal climbing
+        mine, top = best(f), fastest()
+        now = _time.monotonic()
+        if (mine is None or not top or mine.rank_time_s > top[0].rank_time_s * (1 + CLIMB_WITHIN)
+                or climbing > CLIMB_SHARE * (now - t_start) or f in climbed):
+            return
+        climbed.add(f)
+        keep([split_climb(job, mine, model, cluster, deadline, runtime)])
+        climbing += _time.monotonic() - now
+
+    climbed: set[Frame] = set()
     for it in fastest()[:WALKED] if walk_first else []:
         f = frame_of(it.layout)
         if over():
@@ -442,6 +461,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         if f not in walked:
             walked.add(f)
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
+        climb(f)
     started = _time.monotonic()
     walking = 0.0
     queue = list(ordered)
@@ -479,14 +499,71 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             walked.add(f)
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
             walking += _time.monotonic() - now
+        climb(f)
         new = fastest()
         if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
             first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
     return out
 
 
+def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
+                runtime: RuntimeSpec | None = None) -> PlanItem:
+    """A faster split of `item`'s layout, its frame and configuration kept (or `item`): local search by moves of
+    one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
+    one layer). Candidates are screened by the ranked stage time their coefficients give (max over ranks and
+    resources of achievable._rank_sums, what the search's model sums) and priced by evaluate(), least stage first;
+    the first that ranks faster and fits is taken. Stops when no move improves, or at the monotonic `deadline`.
+    The heuristic splits balance each layer's busiest resource, not each rank's; a rank bound by its host link
+    or its NIC is balanced only here."""
+    lay = item.layout
+    p, k = lay.pp, lay.pp * lay.vp
+    if job.search.split is not None or k < 2:
+        return item
+    cf = coefficients(Shape.of(lay), model, cluster)
+
+    def loads(split: list[int]) -> list[float]:
+        return [max(_rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
+
+    best, cur = item, list(lay.split)
+    now = loads(cur)
+    while _time.monotonic() < deadline:
+        cands: list[tuple[tuple[float, ...], list[int]]] = []
+        for src in sorted(range(p), key=lambda r: -now[r])[:2]:
+            for i in range(src, k, p):
+                if cur[i] <= 1:
+                    continue
+                for j in range(k):
+                    if j % p == src:
+                        continue
+                    s = cur[:]
+                    s[i] -= 1
+                    s[j] += 1
+                    ld = loads(s)
+                    if max(ld) <= max(now) * (1 + 1e-12):
+                        cands.append((tuple(sorted(ld, reverse=True)), s))
+            if _time.monotonic() >= deadline:
+                return best
+        moved = False
+        for _, s in sorted(cands, key=lambda c: c[0]):
+            if _time.monotonic() >= deadline:
+                return best
+            ev = evaluate(lay.model_copy(update={"split": s}), model=model, cluster=cluster, runtime=runtime)
+            if ev.fits and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
+                best, cur, now, moved = PlanItem(ev.layout, ev), s, list(loads(s)), True
+                break
+        if not moved:
+            return best
+    return best
+
+
 WALK_SHARE = 0.5
 """Share of `seed`'s time the walks may take (each costs a few dozen evaluate() calls)."""
+
+CLIMB_WITHIN = 0.02
+"""`seed` climbs the split (split_climb) of a frame whose fastest layout is within this share of the fastest."""
+
+CLIMB_SHARE = 0.3
+"""Share of `seed`'s time the split climbs may take (one costs tens to hundreds of evaluate() calls)."""
 
 
 @functools.lru_cache(maxsize=16)

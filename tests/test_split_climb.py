@@ -1,0 +1,67 @@
+"""The split climb (search/incumbents.split_climb) against every split of one configuration, enumerated through
+evaluate() on the six-layer test model: it keeps the frame and configuration, never returns a slower or unfitting
+layout, reaches the enumerated best split from the worst one, and respects a fixed split and its deadline."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+import k3opt
+from k3opt.search.incumbents import split_climb
+from k3opt.search.result import PlanItem
+from k3opt.specs import make_layout
+
+DATA = Path(__file__).parent / "data"
+
+
+def _compositions(n: int, k: int) -> list[list[int]]:
+    """Every split of n layers into k non-empty chunks."""
+    return [[b - a for a, b in zip((0, *cuts), (*cuts, n), strict=True)]
+            for cuts in itertools.combinations(range(1, n), k - 1)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = k3opt.load_model(DATA / "tiny-moe.toml")
+    cluster = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5})
+    return job, model, cluster
+
+
+@pytest.mark.parametrize("vp", [1, 2])
+def test_climb_reaches_the_enumerated_best_split_from_the_worst(tiny, vp):
+    job, model, cluster = tiny
+    items = []
+    for split in _compositions(model.num_layers, 2 * vp):
+        lay = make_layout(gpus=8, pp=2, vp=vp, ep=4, dense_fsdp=4, microbatches=8, rows=1, context=2048,
+                          split=split, recompute="selective", reserve_gib=1.5)
+        ev = k3opt.evaluate(lay, model=model, cluster=cluster)
+        if ev.fits:
+            items.append(PlanItem(lay, ev))
+    assert len(items) >= 3, "the test needs a choice of fitting splits"
+    ranked = sorted(items, key=lambda it: (it.rank_time_s, it.peak_bytes))
+    best, worst = ranked[0], ranked[-1]
+    assert worst.rank_time_s > best.rank_time_s * 1.01, "the worst split must be measurably slower"
+    got = split_climb(job, worst, model, cluster, math.inf)
+    assert got.evaluation.fits
+    assert (got.rank_time_s, got.peak_bytes) == (best.rank_time_s, best.peak_bytes)
+    assert got.layout.model_copy(update={"split": worst.layout.split}) == worst.layout  # only the split moved
+    for it in ranked:  # from any start: a fitting layout, never slower
+        out = split_climb(job, it, model, cluster, math.inf)
+        assert out.evaluation.fits and out.rank_time_s <= it.rank_time_s
+
+
+def test_climb_keeps_a_fixed_split_and_stops_at_its_deadline(tiny):
+    job, model, cluster = tiny
+    lay = make_layout(gpus=8, pp=2, vp=1, ep=4, dense_fsdp=4, microbatches=8, rows=1, context=2048,
+                      split=[1, 5], recompute="selective", reserve_gib=1.5)
+    item = PlanItem(lay, k3opt.evaluate(lay, model=model, cluster=cluster))
+    assert split_climb(job, item, model, cluster, -math.inf) is item
+    fixed = job.model_copy(update={"search": job.search.model_copy(update={"split": [1, 5]})})
+    assert split_climb(fixed, item, model, cluster, math.inf) is item
