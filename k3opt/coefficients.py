@@ -439,6 +439,8 @@ class _Static:
     gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
     """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
     routed 0/1, runs in the compute precision 0/1)."""
+    gemm_out_fused: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
 
 
 @lru_cache(maxsize=16)
@@ -469,12 +471,15 @@ def _build_static(model_json: str) -> _Static:
     gemm_rows = [(i, t.shape[0], t.shape[1], t.active_per_token, int(t.routed), int(quantized_gemm(b, t)))
                  for i, bl in enumerate(blocks) for b in bl for t in b.tensors
                  if t.is_matrix and t.active_per_token > 0]
+    fused = [w for bl in blocks for b in bl
+             for w in fused_gemm_widths([(t.name, t.shape[0]) for t in b.tensors
+                                         if t.is_matrix and t.active_per_token > 0])]
 
     def q_sum(fn) -> np.ndarray:  # noqa: ANN001
         return per(lambda b: sum(fn(t) for t in b.tensors if quantized_gemm(b, t)))
 
     return _Static(
-        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6),
+        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6), gemm_out_fused=np.array(fused, dtype=float),
         moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
@@ -488,6 +493,27 @@ def _build_static(model_json: str) -> _Static:
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
         head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
+
+
+MEGATRON_FUSED_GEMMS: tuple[frozenset[str], ...] = (
+    frozenset({"gqa.q_proj", "gqa.k_proj", "gqa.v_proj"}),     # linear_qkv (attention.py, SelfAttention)
+    frozenset({"ffn.gate_proj", "ffn.up_proj"}),                # linear_fc1 of a gated MLP (mlp.py)
+    frozenset({"moe.shared_gate", "moe.shared_up"}),            # the shared experts' linear_fc1
+    frozenset({"moe.experts.w1", "moe.experts.w3"}),            # the routed experts' grouped linear_fc1
+)
+"""Weights Megatron multiplies as one GEMM, their outputs side by side (NVIDIA/Megatron-LM
+megatron/core/transformer/attention.py linear_qkv, megatron/core/transformer/mlp.py linear_fc1 with
+gated_linear_unit, megatron/core/transformer/moe/experts.py); MLA's down and up projections stay separate."""
+
+
+def fused_gemm_widths(rows: list[tuple[str, int]]) -> list[int]:
+    """Per weight of one block ((name, out) in the block's order), the output width of the GEMM it runs in: the sum
+    of the outs of the block's weights in its MEGATRON_FUSED_GEMMS group, else its own out."""
+    out = []
+    for name, width in rows:
+        group = next((g for g in MEGATRON_FUSED_GEMMS if name in g), None)
+        out.append(sum(w for n, w in rows if n in group) if group else width)
+    return out
 
 
 def _closes(model: ModelSpec) -> np.ndarray:
@@ -951,9 +977,13 @@ def recompute_flops_factor(full: bool) -> float:
 def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
                       precision: Precision) -> np.ndarray:
     """Seconds per microbatch of each row of `sa.gemms` (fwd + bwd, no recompute) at the achievable rates.
-    Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
+    Each weight: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (shape factor).
     Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
-    dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3)."""
+    dropless routing, T k e / E. With a measured shape table (RatesSpec.gemm_shape) each of the three passes, a
+    third of the FLOPs, runs at the table's rate of its own GEMM relative to the class's reference shape, with F
+    the output width of the GEMM the weight runs in (fused_gemm_widths: q, k, v; gate and up): forward (M, F, in),
+    data gradient (M, in, F), weight gradient (F, in, M). Otherwise one factor from the cube-edge curve at
+    (M out in)^(1/3)."""
     tf = 1e12
     p, bf = precision, Precision.BF16
     lowp = p != bf
@@ -968,8 +998,16 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
                     np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
     peak = np.where(use_q, pk, bf16)
-    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
-    return flops / (peak * frac * size)
+    cube = rt.size_factor(np.cbrt(m_tokens * out * inp))
+    fused = sa.gemm_out_fused if len(sa.gemm_out_fused) == len(out) else out
+    inv = np.zeros(len(out))
+    for prec, rows in ((p, use_q), (bf, ~use_q)):
+        if not rows.any():
+            continue
+        m, f, k, r = m_tokens[rows], fused[rows], inp[rows], is_routed[rows]
+        passes = [rt.shape_factors(prec, r, *mnk) for mnk in ((m, f, k), (m, k, f), (f, k, m))]
+        inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes[0] is not None else 1.0 / cube[rows])
+    return flops * inv / (peak * frac)
 
 
 @lru_cache(maxsize=1024)
