@@ -765,8 +765,9 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     gemm_flops = np.where(layer, 6 * T * sa.q_active * rc_factor, 6 * T * sa.q_active) if lowp else np.zeros(n)
     q_view = sa.q_params_nonrouted + sa.q_params_routed / e
     quantized_weights = 2 * qb * q_view if lowp else np.zeros(n)
-    if lowp:
-        hbm = hbm + T * sa.q_elements * (BF16 + 2 * qb)
+    # The cast kernels' own bytes, kept apart so the achievable step prices them at their measured rate.
+    quantize = T * sa.q_elements * (BF16 + 2 * qb) if lowp else np.zeros(n)
+    hbm = hbm + quantize
     if tg.moe_backward_rewrite and model.moe is not None:
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
@@ -834,9 +835,9 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
 
     # ---------------------------------------------------------------- per-update work
     up_hbm = (2 * FP32 + FP32 + 2 * FP32) * own_muon + (2 * FP32 + FP32 + 4 * FP32) * own_adam
-    if lowp:
-        # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
-        up_hbm = up_hbm + q_view * (BF16 + 2 * qb)
+    # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
+    up_quantize = q_view * (BF16 + 2 * qb) if lowp else np.zeros(n)
+    up_hbm = up_hbm + up_quantize
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
     # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
     # the whole model itself).
@@ -891,7 +892,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
             shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
             ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
             ns_flops=ns_flops, up_hbm=up_hbm,
-            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
+            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host, quantize=quantize, up_quantize=up_quantize)
         lat = collective_latency(shape, rt, moe=moe, dense=pn > 0, routed=p_routed > 0,
                                  moe_model=model.moe is not None)
         for res in ("nvlink", "nic"):
@@ -1048,15 +1049,25 @@ def achievable_hbm_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSp
     return nbytes / (cluster.hbm_gbps * 1e9 * rt.hbm.value)
 
 
+def achievable_quantize_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSpec) -> np.ndarray:
+    """Seconds of the MXFP8 / FP8 cast kernels (read BF16, write the row- and column-wise copies) moving `nbytes`:
+    bytes / (HBM peak x the rates' `hbm_quantize` fraction; without one, the `hbm` copy fraction)."""
+    return nbytes / (cluster.hbm_gbps * 1e9 * (rt.hbm_quantize or rt.hbm).value)
+
+
 def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, tensor: np.ndarray,
                      hbm: np.ndarray, elementwise: np.ndarray, nvl: np.ndarray,
                      nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
                      up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
+                     quantize: np.ndarray | None = None, up_quantize: np.ndarray | None = None,
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`: `tensor` from
     _achievable_tensor, bytes / (link or HBM peak x fraction), EP all-to-all bytes / the dispatcher's measured
     all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an overlap schedule is on
-    (the step-time helper decides)."""
+    (the step-time helper decides). `quantize` / `up_quantize`: the part of `elementwise` / `up_hbm` the MXFP8 / FP8
+    cast kernels move, at achievable_quantize_seconds."""
+    q = np.zeros_like(elementwise) if quantize is None else quantize
+    uq = np.zeros_like(up_hbm) if up_quantize is None else up_quantize
     gb, tf = 1e9, 1e12
     dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
     bf = Precision.BF16
@@ -1066,7 +1077,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     time = {
         "tensor": tensor,
         "hbm": achievable_hbm_seconds(hbm, cluster, rt),
-        "vector": achievable_hbm_seconds(elementwise, cluster, rt),
+        "vector": achievable_hbm_seconds(elementwise - q, cluster, rt) + achievable_quantize_seconds(q, cluster, rt),
         "nvlink": (nvl - ep_nvl) / c_nvl,
         "nic": (nic - ep_nic) / c_nic,
         "host_link": host / (cluster.host_link_gbps * gb),
@@ -1075,7 +1086,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     }
     update = {
         "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),
-        "hbm": achievable_hbm_seconds(up_hbm, cluster, rt),
+        "hbm": achievable_hbm_seconds(up_hbm - uq, cluster, rt) + achievable_quantize_seconds(uq, cluster, rt),
         "nvlink": up_nvl / c_nvl,
         "nic": up_nic / c_nic,
         "host_link": up_host / (cluster.host_link_gbps * gb),

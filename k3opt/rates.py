@@ -196,6 +196,9 @@ class RatesSpec(_Strict):
     """The same for the attention backward kernels (absent: the forward rate)."""
     hbm: Rate
     """Streaming kernels: fraction of the HBM peak."""
+    hbm_quantize: Rate | None = None
+    """The MXFP8 / FP8 cast kernels (BF16 in, row- and column-wise copies out): fraction of the HBM peak (absent:
+    `hbm`)."""
     collective_nvlink: Rate
     """All-gather / reduce-scatter / send-recv inside an NVLink domain: fraction of the NVLink peak."""
     collective_nic: Rate
@@ -308,6 +311,8 @@ class RatesSpec(_Strict):
             out[key] = getattr(self, key)
         if self.attention_core_backward is not None:
             out["attention_core_backward"] = self.attention_core_backward
+        if self.hbm_quantize is not None:
+            out["hbm_quantize"] = self.hbm_quantize
         for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

@@ -37,7 +37,9 @@ def qwen_b200():
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
     # Without the measured shape table too: these GEMM-by-GEMM figures pin the cube-edge curve (the path a precision
     # without a table column takes); tests/test_gemm_shapes.py pins the table.
-    bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None, "gemm_shape": None})
+    # hbm_quantize too: every HBM byte here at the one copy fraction (tests/test_gemm_shapes.py pins the cast rate).
+    bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None, "gemm_shape": None,
+                                                 "hbm_quantize": None})
     return coefficients(Shape.of(_layout()), model, cluster, rates=bare), model, cluster
 
 
@@ -112,7 +114,7 @@ def test_hbm_bound_kernels_scale_with_the_hbm_fraction(qwen_b200):
     """Halving the measured HBM fraction doubles the weight-traffic and memory-bound kernel times exactly and
     leaves the GEMM and link times alone."""
     cf, model, cluster = qwen_b200
-    rates = load_rates("b200").model_copy(update={"gemm_shape": None})  # as the fixture's
+    rates = load_rates("b200").model_copy(update={"gemm_shape": None, "hbm_quantize": None})  # as the fixture's
     half = rates.model_copy(update={"hbm": rates.hbm.model_copy(update={"value": HBM_FRAC / 2})})
     slow = coefficients(Shape.of(_layout()), model, cluster, rates=half)
     for res in ("hbm", "vector"):
