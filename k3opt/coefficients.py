@@ -444,6 +444,8 @@ class _Static:
     gemms: np.ndarray = field(default_factory=lambda: np.zeros((0, 6)))
     """One row per GEMM weight a token multiplies with: (layer or edge index, out, in, active copies per token,
     routed 0/1, runs in the compute precision 0/1)."""
+    gemm_out_fused: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
 
 
 @lru_cache(maxsize=16)
@@ -474,12 +476,15 @@ def _build_static(model_json: str) -> _Static:
     gemm_rows = [(i, t.shape[0], t.shape[1], t.active_per_token, int(t.routed), int(quantized_gemm(b, t)))
                  for i, bl in enumerate(blocks) for b in bl for t in b.tensors
                  if t.is_matrix and t.active_per_token > 0]
+    fused = [w for bl in blocks for b in bl
+             for w in fused_gemm_widths([(t.name, t.shape[0]) for t in b.tensors
+                                         if t.is_matrix and t.active_per_token > 0])]
 
     def q_sum(fn) -> np.ndarray:  # noqa: ANN001
         return per(lambda b: sum(fn(t) for t in b.tensors if quantized_gemm(b, t)))
 
     return _Static(
-        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6),
+        gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6), gemm_out_fused=np.array(fused, dtype=float),
         moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
@@ -493,6 +498,27 @@ def _build_static(model_json: str) -> _Static:
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
         head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
+
+
+MEGATRON_FUSED_GEMMS: tuple[frozenset[str], ...] = (
+    frozenset({"gqa.q_proj", "gqa.k_proj", "gqa.v_proj"}),     # linear_qkv (attention.py, SelfAttention)
+    frozenset({"ffn.gate_proj", "ffn.up_proj"}),                # linear_fc1 of a gated MLP (mlp.py)
+    frozenset({"moe.shared_gate", "moe.shared_up"}),            # the shared experts' linear_fc1
+    frozenset({"moe.experts.w1", "moe.experts.w3"}),            # the routed experts' grouped linear_fc1
+)
+"""Weights Megatron multiplies as one GEMM, their outputs side by side (NVIDIA/Megatron-LM
+megatron/core/transformer/attention.py linear_qkv, megatron/core/transformer/mlp.py linear_fc1 with
+gated_linear_unit, megatron/core/transformer/moe/experts.py); MLA's down and up projections stay separate."""
+
+
+def fused_gemm_widths(rows: list[tuple[str, int]]) -> list[int]:
+    """Per weight of one block ((name, out) in the block's order), the output width of the GEMM it runs in: the sum
+    of the outs of the block's weights in its MEGATRON_FUSED_GEMMS group, else its own out."""
+    out = []
+    for name, width in rows:
+        group = next((g for g in MEGATRON_FUSED_GEMMS if name in g), None)
+        out.append(sum(w for n, w in rows if n in group) if group else width)
+    return out
 
 
 def _closes(model: ModelSpec) -> np.ndarray:
@@ -744,8 +770,9 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     gemm_flops = np.where(layer, 6 * T * sa.q_active * rc_factor, 6 * T * sa.q_active) if lowp else np.zeros(n)
     q_view = sa.q_params_nonrouted + sa.q_params_routed / e
     quantized_weights = 2 * qb * q_view if lowp else np.zeros(n)
-    if lowp:
-        hbm = hbm + T * sa.q_elements * (BF16 + 2 * qb)
+    # The cast kernels' own bytes, kept apart so the achievable step prices them at their measured rate.
+    quantize = T * sa.q_elements * (BF16 + 2 * qb) if lowp else np.zeros(n)
+    hbm = hbm + quantize
     if tg.moe_backward_rewrite and model.moe is not None:
         hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
@@ -813,9 +840,9 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
 
     # ---------------------------------------------------------------- per-update work
     up_hbm = (2 * FP32 + FP32 + 2 * FP32) * own_muon + (2 * FP32 + FP32 + 4 * FP32) * own_adam
-    if lowp:
-        # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
-        up_hbm = up_hbm + q_view * (BF16 + 2 * qb)
+    # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
+    up_quantize = q_view * (BF16 + 2 * qb) if lowp else np.zeros(n)
+    up_hbm = up_hbm + up_quantize
     # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
     # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
     # the whole model itself).
@@ -870,7 +897,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
             shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
             ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
             ns_flops=ns_flops, up_hbm=up_hbm,
-            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host)
+            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host, quantize=quantize, up_quantize=up_quantize)
         lat = collective_latency(shape, rt, moe=moe, dense=pn > 0, routed=p_routed > 0,
                                  moe_model=model.moe is not None)
         for res in ("nvlink", "nic"):
@@ -956,9 +983,13 @@ def recompute_flops_factor(full: bool) -> float:
 def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
                       precision: Precision) -> np.ndarray:
     """Seconds per microbatch of each row of `sa.gemms` (fwd + bwd, no recompute) at the achievable rates.
-    Each GEMM: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (size factor).
+    Each weight: 6 x T x out x in x active FLOPs at (peak of its precision) x (class fraction) x (shape factor).
     Its M is the microbatch's T tokens, or for a routed expert the tokens one expert receives under balanced
-    dropless routing, T k e / E; the size factor reads the cube-equivalent edge (M out in)^(1/3)."""
+    dropless routing, T k e / E. With a measured shape table (RatesSpec.gemm_shape) each of the three passes, a
+    third of the FLOPs, runs at the table's rate of its own GEMM relative to the class's reference shape, with F
+    the output width of the GEMM the weight runs in (fused_gemm_widths: q, k, v; gate and up): forward (M, F, in),
+    data gradient (M, in, F), weight gradient (F, in, M). Otherwise one factor from the cube-edge curve at
+    (M out in)^(1/3)."""
     tf = 1e12
     p, bf = precision, Precision.BF16
     lowp = p != bf
@@ -973,8 +1004,16 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
                     np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
     peak = np.where(use_q, pk, bf16)
-    size = rt.size_factor(np.cbrt(m_tokens * out * inp))
-    return flops / (peak * frac * size)
+    cube = rt.size_factor(np.cbrt(m_tokens * out * inp))
+    fused = sa.gemm_out_fused if len(sa.gemm_out_fused) == len(out) else out
+    inv = np.zeros(len(out))
+    for prec, rows in ((p, use_q), (bf, ~use_q)):
+        if not rows.any():
+            continue
+        m, f, k, r = m_tokens[rows], fused[rows], inp[rows], is_routed[rows]
+        passes = [rt.shape_factors(prec, r, *mnk) for mnk in ((m, f, k), (m, k, f), (f, k, m))]
+        inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes[0] is not None else 1.0 / cube[rows])
+    return flops * inv / (peak * frac)
 
 
 @lru_cache(maxsize=1024)
@@ -1015,15 +1054,25 @@ def achievable_hbm_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSp
     return nbytes / (cluster.hbm_gbps * 1e9 * rt.hbm.value)
 
 
+def achievable_quantize_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSpec) -> np.ndarray:
+    """Seconds of the MXFP8 / FP8 cast kernels (read BF16, write the row- and column-wise copies) moving `nbytes`:
+    bytes / (HBM peak x the rates' `hbm_quantize` fraction; without one, the `hbm` copy fraction)."""
+    return nbytes / (cluster.hbm_gbps * 1e9 * (rt.hbm_quantize or rt.hbm).value)
+
+
 def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, tensor: np.ndarray,
                      hbm: np.ndarray, elementwise: np.ndarray, nvl: np.ndarray,
                      nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
                      up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
+                     quantize: np.ndarray | None = None, up_quantize: np.ndarray | None = None,
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`: `tensor` from
     _achievable_tensor, bytes / (link or HBM peak x fraction), EP all-to-all bytes / the dispatcher's measured
     all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an overlap schedule is on
-    (the step-time helper decides)."""
+    (the step-time helper decides). `quantize` / `up_quantize`: the part of `elementwise` / `up_hbm` the MXFP8 / FP8
+    cast kernels move, at achievable_quantize_seconds."""
+    q = np.zeros_like(elementwise) if quantize is None else quantize
+    uq = np.zeros_like(up_hbm) if up_quantize is None else up_quantize
     gb, tf = 1e9, 1e12
     dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
     bf = Precision.BF16
@@ -1033,7 +1082,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     time = {
         "tensor": tensor,
         "hbm": achievable_hbm_seconds(hbm, cluster, rt),
-        "vector": achievable_hbm_seconds(elementwise, cluster, rt),
+        "vector": achievable_hbm_seconds(elementwise - q, cluster, rt) + achievable_quantize_seconds(q, cluster, rt),
         "nvlink": (nvl - ep_nvl) / c_nvl,
         "nic": (nic - ep_nic) / c_nic,
         "host_link": host / (cluster.host_link_gbps * gb),
@@ -1042,7 +1091,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
     }
     update = {
         "tensor": ns_flops / (bf16 * rt.gemm("dense", bf)),
-        "hbm": achievable_hbm_seconds(up_hbm, cluster, rt),
+        "hbm": achievable_hbm_seconds(up_hbm - uq, cluster, rt) + achievable_quantize_seconds(uq, cluster, rt),
         "nvlink": up_nvl / c_nvl,
         "nic": up_nic / c_nic,
         "host_link": up_host / (cluster.host_link_gbps * gb),

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import warnings
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, StrictBool, model_validator
 
-from k3opt.errors import SpecError
+from k3opt.errors import K3optError, PresetNotFoundError, SpecError
 from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
 
 _RATE_KINDS = Literal["measured", "spec", "derived", "assumption"]
@@ -89,6 +90,96 @@ class SizeCurve(_Strict):
         return self
 
 
+class GemmShapeTable(_Strict):
+    """Measured GEMM rates by shape (constraints/rates/gemm-shapes/<name>.toml): TFLOP/s of C[m, n] = A[m, k] B[k, n]
+    at every (m, n, k) of `grid`, per operand-dtype column."""
+
+    name: str
+    unit: Literal["TFLOP/s"]
+    source: str = Field(min_length=1)
+    grid: list[PosFloat]
+    tflops: dict[str, list[list[list[PosFloat]]]]
+
+    @model_validator(mode="after")
+    def _shape(self) -> GemmShapeTable:
+        g = len(self.grid)
+        if g < 2 or any(b <= a for a, b in zip(self.grid, self.grid[1:], strict=False)):
+            raise ValueError("grid needs at least 2 increasing points")
+        for col, cube in self.tflops.items():
+            if len(cube) != g or any(len(row) != g or any(len(ks) != g for ks in row) for row in cube):
+                raise ValueError(f"tflops.{col} must be {g} x {g} x {g} (m, n, k over the grid)")
+        return self
+
+    def rate(self, column: str, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """TFLOP/s at (m, n, k): trilinear in log2 m, log2 n, log2 k between the grid points, each dimension held
+        at the grid's end beyond it."""
+        lg = np.log2(np.asarray(self.grid, dtype=float))
+        cube = np.asarray(self.tflops[column], dtype=float)
+        idx, frac = [], []
+        for x in (m, n, k):
+            t = np.clip(np.log2(np.asarray(x, dtype=float)), lg[0], lg[-1])
+            i = np.clip(np.searchsorted(lg, t, side="right") - 1, 0, len(lg) - 2)
+            idx.append(i)
+            frac.append((t - lg[i]) / (lg[i + 1] - lg[i]))
+        out = np.zeros(np.broadcast(*idx).shape)
+        for di in (0, 1):
+            for dj in (0, 1):
+                for dl in (0, 1):
+                    w = ((frac[0] if di else 1 - frac[0]) * (frac[1] if dj else 1 - frac[1])
+                         * (frac[2] if dl else 1 - frac[2]))
+                    out = out + w * cube[idx[0] + di, idx[1] + dj, idx[2] + dl]
+        return out
+
+
+@lru_cache(maxsize=8)
+def load_gemm_table(name_or_path: str) -> GemmShapeTable:
+    """A shipped GEMM shape table by name (constraints/rates/gemm-shapes/<name>.toml) or a path to one."""
+    folder = preset_dir("rates") / "gemm-shapes"
+    shipped = folder / f"{name_or_path}.toml"
+    path = shipped if shipped.exists() else Path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.toml"))) or "none"
+        raise PresetNotFoundError(f"unknown GEMM shape table '{name_or_path}'; shipped: {known} (or give a path)")
+    return _load(GemmShapeTable, path, "GEMM shape table")
+
+
+class GemmShape(_Strict):
+    """How a GEMM's rate depends on its shape: a measured per-shape table (GemmShapeTable), read relative to the
+    shape each class fraction was measured at, so that the size penalty already inside a fraction is not counted
+    twice: rate = peak x class fraction x table(m, n, k) / table(reference shape of the class)."""
+
+    table: str = Field(min_length=1)
+    """A shipped table's name (constraints/rates/gemm-shapes/) or a path to one."""
+    columns: dict[Precision, str]
+    """The table column each compute precision reads (a precision left out reads the cube-edge `gemm_size`)."""
+    dense_reference: tuple[PosFloat, PosFloat, PosFloat]
+    """(m, n, k) the gemm_dense fractions were measured at."""
+    grouped_reference: tuple[PosFloat, PosFloat, PosFloat]
+    """(m, n, k) of one group of the gemm_grouped measurement."""
+    source: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _known(self) -> GemmShape:
+        try:
+            tab = load_gemm_table(self.table)
+        except (K3optError, OSError) as err:
+            raise ValueError(f"gemm_shape.table '{self.table}': {err}") from None
+        missing = sorted({c for c in self.columns.values()} - tab.tflops.keys())
+        if missing:
+            raise ValueError(f"gemm_shape.columns name {', '.join(missing)}, not in table {tab.name} (it has "
+                             f"{', '.join(sorted(tab.tflops))})")
+        return self
+
+    def factor(self, precision: Precision, routed: np.ndarray, m: np.ndarray, n: np.ndarray,
+               k: np.ndarray) -> np.ndarray:
+        """table(m, n, k) / table(the class's reference shape), per GEMM (routed: grouped class)."""
+        tab = load_gemm_table(self.table)
+        col = self.columns[precision]
+        ref = np.where(np.asarray(routed) > 0, tab.rate(col, *self.grouped_reference),
+                       tab.rate(col, *self.dense_reference))
+        return tab.rate(col, m, n, k) / ref
+
+
 class RatesSpec(_Strict):
     """Achievable rates of one cluster preset."""
 
@@ -105,6 +196,9 @@ class RatesSpec(_Strict):
     """The same for the attention backward kernels (absent: the forward rate)."""
     hbm: Rate
     """Streaming kernels: fraction of the HBM peak."""
+    hbm_quantize: Rate | None = None
+    """The MXFP8 / FP8 cast kernels (BF16 in, row- and column-wise copies out): fraction of the HBM peak (absent:
+    `hbm`)."""
     collective_nvlink: Rate
     """All-gather / reduce-scatter / send-recv inside an NVLink domain: fraction of the NVLink peak."""
     collective_nic: Rate
@@ -115,7 +209,10 @@ class RatesSpec(_Strict):
     """EP dispatch/combine across domains, per dispatcher: achieved bandwidth per GPU."""
     overlap: OverlapRules
     gemm_size: SizeCurve | None = None
-    """How much slower small GEMMs run than the large ones the class fractions were measured on (absent: 1)."""
+    """How much slower small GEMMs run than the large ones the class fractions were measured on (absent: 1), by
+    cube-equivalent edge; read only for a precision `gemm_shape` has no column for."""
+    gemm_shape: GemmShape | None = None
+    """The measured per-shape GEMM rates (absent: the cube-edge `gemm_size` curve)."""
     collective_base_latency_us: Rate | None = None
     """Fixed latency of one NCCL collective call, microseconds (absent, with the hop latencies: no latency term)."""
     collective_hop_latency_nvlink_us: Rate | None = None
@@ -170,6 +267,15 @@ class RatesSpec(_Strict):
         c = self.gemm_size
         return np.interp(np.log2(edge), np.log2(c.edge), c.relative)
 
+    def shape_factors(self, precision: Precision, routed: np.ndarray, m: np.ndarray, n: np.ndarray,
+                      k: np.ndarray) -> np.ndarray | None:
+        """Per GEMM, its rate relative to its class fraction's (GemmShape.factor); None when no table column serves
+        the precision (the caller then reads the cube-edge curve)."""
+        gs = self.gemm_shape
+        if gs is None or precision not in gs.columns:
+            return None
+        return gs.factor(precision, routed, m, n, k)
+
     def gemm(self, kind: str, precision: Precision) -> float:
         table = self.gemm_dense if kind == "dense" else self.gemm_grouped
         if precision not in table:
@@ -205,6 +311,8 @@ class RatesSpec(_Strict):
             out[key] = getattr(self, key)
         if self.attention_core_backward is not None:
             out["attention_core_backward"] = self.attention_core_backward
+        if self.hbm_quantize is not None:
+            out["hbm_quantize"] = self.hbm_quantize
         for key in ("collective_base_latency_us", "collective_hop_latency_nvlink_us", "collective_hop_latency_nic_us"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

@@ -64,7 +64,7 @@ def test_routed_expert_compute_of_one_layer():
     (2048 x 768 x 2048)^(1/3) = 1,477 on the size curve; plus their memory-bound kernels, 5 x the routed saved
     bytes per token (dispatched inputs 8 x 2048 x 2, SwiGLU inputs 2 x 8 x 768 x 2, activation outputs 8 x 768 x 2,
     expert outputs 8 x 2048 x 2 = 102,400 B) x 4,096 tokens at 8 TB/s x 0.74."""
-    cf = _coefficients(_qwen30b(), "qwen3-30b-a3b", "b200")
+    cf = _coefficients(_qwen30b(), "qwen3-30b-a3b", "b200", gemm_shape=None)  # the cube-edge curve's path
     size = float(load_rates("b200").size_factor(np.array([np.cbrt(2048 * 768 * 2048)]))[0])
     assert 0.13 < size < 0.62  # between the 1024^3 and 2048^3 points of the measured curve
     gemms = 927_712_935_936 / (BF16_PEAK * GROUPED_BF16 * size)
@@ -177,7 +177,7 @@ def test_routed_expert_compute_under_full_recompute_in_mxfp8():
     activation outputs 8 x 768 x 1.03125 = 6,336, expert outputs 32,768 = 80,576 B a token; the GEMMs x 4/3 (the
     recomputed forward's FLOPs), the memory-bound kernels 7 passes (2 forward + 3 backward + the replayed forward's
     2), on every decoder layer, the last one (47) too."""
-    cf = _coefficients(_qwen30b(recompute="full", precision="mxfp8"), "qwen3-30b-a3b", "b200")
+    cf = _coefficients(_qwen30b(recompute="full", precision="mxfp8"), "qwen3-30b-a3b", "b200", gemm_shape=None)
     size = float(load_rates("b200").size_factor(np.array([np.cbrt(2048 * 768 * 2048)]))[0])
     gemms = 927_712_935_936 / (4500e12 * 0.534 * size)
     vector = 7 * 80_576 * 4096 / (HBM * HBM_FRAC)

@@ -35,7 +35,11 @@ def qwen_b200():
     """The coefficients without NCCL's per-call latency (its alpha terms are pinned in tests/test_rates.py), so that
     every link second here is bytes over a rate."""
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
-    bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None})
+    # Without the measured shape table too: these GEMM-by-GEMM figures pin the cube-edge curve (the path a precision
+    # without a table column takes); tests/test_gemm_shapes.py pins the table.
+    # hbm_quantize too: every HBM byte here at the one copy fraction (tests/test_gemm_shapes.py pins the cast rate).
+    bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None, "gemm_shape": None,
+                                                 "hbm_quantize": None})
     return coefficients(Shape.of(_layout()), model, cluster, rates=bare), model, cluster
 
 
@@ -110,7 +114,7 @@ def test_hbm_bound_kernels_scale_with_the_hbm_fraction(qwen_b200):
     """Halving the measured HBM fraction doubles the weight-traffic and memory-bound kernel times exactly and
     leaves the GEMM and link times alone."""
     cf, model, cluster = qwen_b200
-    rates = load_rates("b200")
+    rates = load_rates("b200").model_copy(update={"gemm_shape": None, "hbm_quantize": None})  # as the fixture's
     half = rates.model_copy(update={"hbm": rates.hbm.model_copy(update={"value": HBM_FRAC / 2})})
     slow = coefficients(Shape.of(_layout()), model, cluster, rates=half)
     for res in ("hbm", "vector"):
@@ -146,8 +150,9 @@ def test_an_expert_gemm_sees_t_k_e_over_e_tokens():
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
     ep8 = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=8, context=4096,
                             split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8)
-    t8 = coefficients(Shape.of(ep8), model, cluster).achievable["tensor"][5]
-    t16 = coefficients(Shape.of(_layout()), model, cluster).achievable["tensor"][5]
+    cube = load_rates("b200").model_copy(update={"gemm_shape": None})  # the cube-edge curve's path
+    t8 = coefficients(Shape.of(ep8), model, cluster, rates=cube).achievable["tensor"][5]
+    t16 = coefficients(Shape.of(_layout()), model, cluster, rates=cube).achievable["tensor"][5]
     T = 4096
     diff = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8) * (1 / _size(2048, o, i) - 1 / _size(4096, o, i))
                for o, i in ((768, 2048), (768, 2048), (2048, 768))) * 4 / 3
