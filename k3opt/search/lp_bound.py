@@ -121,6 +121,17 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             stage = max(float(t.sum()) for t in a.time.values()) / f.pp
             upd = max(float(u.sum()) for u in a.update.values()) / f.pp
             variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
+    grains: dict[bytes, float] = {}
+
+    def whole_layers(floor: float, a: _Arrays, c: Coefficients) -> float:
+        """The variant's floor with whole layers per rank (granular_stage at its own work), at least `floor`;
+        variants of equal per-layer work share one program (most toggles move the update or the edges only)."""
+        key = np.stack([a.time[r] for r in sorted(a.time)]).tobytes()
+        if key not in grains:
+            grains[key] = granular_stage(a.time, c.n_layers, f.pp, f.vp)
+        upd = max(float(u.sum()) for u in a.update.values()) / f.pp
+        return max(floor, c.slots * grains[key] + upd)
+
     best = math.inf
     # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first variant's.
     paths = _paths(f, variants[0][5], rc == Recompute.FULL)
@@ -142,19 +153,28 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             continue
         if (off, bal) not in settled:
             every = [m for (_, o, b), ms in groups.items() if (o, b) == (off, bal) for m in ms]
-            settled[(off, bal)] = _solve(f, _merge([m[4] for m in every]), every[0][5], cap,
-                                         cluster.host_memory_bytes, off, bal, paths) if len(every) > 1 else -math.inf
+            settled[(off, bal)] = -math.inf
+            if len(every) > 1:
+                merged = _merge([m[4] for m in every])
+                settled[(off, bal)] = whole_layers(min(m[0] for m in every), merged, every[0][5])
+                if settled[(off, bal)] < best:
+                    settled[(off, bal)] = _solve(f, merged, every[0][5], cap, cluster.host_memory_bytes, off, bal,
+                                                 paths)
         if settled[(off, bal)] >= best:
             continue
         c0 = members[0][5]
         if len(members) > 1:
             merged = _merge([m[4] for m in members])
-            if _solve(f, merged, c0, cap, cluster.host_memory_bytes, off, bal, paths) >= best:
+            if (whole_layers(members[0][0], merged, c0) >= best
+                    or _solve(f, merged, c0, cap, cluster.host_memory_bytes, off, bal, paths) >= best):
                 continue
         for floor, _, _md2, _tg, a, c in members:
             if floor * (1 - 1e-9) >= best:
                 break
-            best = min(best, _solve(f, a, c, cap, cluster.host_memory_bytes, off, bal, paths))
+            floor = whole_layers(floor, a, c)
+            if floor * (1 - 1e-9) >= best:
+                continue
+            best = min(best, max(floor, _solve(f, a, c, cap, cluster.host_memory_bytes, off, bal, paths)))
     if math.isfinite(best):
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
         merged = _merge([v[4] for v in variants])
