@@ -286,7 +286,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 continue
             if (f, rc, lc) not in tightened:
                 tightened.add((f, rc, lc))
-                tight = tight_node_bound(job, f, rc, lc, model, cluster)
+                # Past the pruning line the exact value is not needed: the node only has to be shown above it.
+                line = k.rank_time_s * (1 - gap) if k is not None and gap > 0 else math.inf
+                tight = tight_node_bound(job, f, rc, lc, model, cluster, stop_at=line)
                 if tight > t_lb + 1e-12:
                     if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
                         if math.isfinite(tight):
