@@ -14,8 +14,25 @@ import pytest
 
 import k3opt
 from k3opt.search import enumerate_frames
-from k3opt.search.frames import _choices, act_modes, allocated_capacity_bytes, undominated_modes
-from k3opt.search.lp_bound import VARIANT_TOGGLES, _fits, _paths, _relaxed, _solve, interleaved_lp_bound
+from k3opt.search.frames import (
+    ACT_TOGGLES,
+    ActMode,
+    _choices,
+    _memory_view,
+    act_modes,
+    allocated_capacity_bytes,
+    undominated_modes,
+)
+from k3opt.search.lp_bound import (
+    VARIANT_TOGGLES,
+    _fits,
+    _paths,
+    _relaxed,
+    _solve,
+    interleaved_lp_bound,
+    lean_arrays,
+    lean_fits,
+)
 from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
@@ -43,16 +60,21 @@ def _job(reserve: float) -> k3opt.Job:
     })
 
 
-@pytest.mark.parametrize("reserve", [1.5, 2.5])
+@pytest.mark.parametrize("reserve", [1.5, 2.5, 2.8])
 def test_memory_program_settles_exactly_the_infeasible_variants(tiny, slow, reserve):
     """Per variant (activation mode x setting of the rank toggles) of every node: `_fits` is False exactly when the
-    full program (time, replay and memory rows) is infeasible; under either reserve some variants fit and some do
-    not."""
+    full program (time, replay and memory rows) is infeasible; some variants fit and some do not. Per node, the
+    program over the leanest bytes (`lean_fits`, which settles a node before its variants are built) says no only
+    where no variant fits, and it does say no (2.5 and 2.8 GiB reserved)."""
     job = _job(reserve)
     (f,) = enumerate_frames(job, tiny, 8)
     cap = float(allocated_capacity_bytes(job, f, tiny, slow))
     seen = set()
+    lean_no = 0
     for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
+        lean_says_no = not lean_fits(job, f, lean, cap, slow.host_memory_bytes)
+        lean_no += lean_says_no
         modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], tiny, slow)
         names = [t for t in VARIANT_TOGGLES if t in ALLOWED]
         for md in modes:
@@ -65,8 +87,10 @@ def test_memory_program_settles_exactly_the_infeasible_variants(tiny, slow, rese
                 full = _solve(f, a, c0, cap, slow.host_memory_bytes, off, bal, _paths(f, c0, rc == Recompute.FULL))
                 fits = _fits(f, a, c0, cap, slow.host_memory_bytes, off, bal)
                 assert fits == math.isfinite(full), (rc, lc, md, tg, full)
+                assert not (fits and lean_says_no), (rc, lc, md, tg)
                 seen.add(fits)
-    assert seen == {True, False}
+    assert seen == {True, False} if reserve < 2.8 else False in seen
+    assert lean_no if reserve > 2 else True
 
 
 @pytest.mark.parametrize("reserve", [2.2, 2.5])
@@ -111,3 +135,43 @@ def test_early_exit_at_the_line_stays_below_the_exact_bound_and_every_layout(tin
                 assert got == pytest.approx(exact, rel=1e-9), (rc, lc, line, got, exact)
             checked += math.isfinite(exact)
     assert checked and (infinite if reserve == 2.5 else True)
+
+
+def _assert_lean_below_every_variant(job, f, model, cluster) -> int:
+    """`lean_arrays` at or below every variant's (`_relaxed`) bytes, and the node-level terms `_memory_rows` reads
+    from the leanest coefficients (packets, routing map, in-flight compositions) at or below each variant's."""
+    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames._allowed_on(job)]
+    n = 0
+    for rc, lc in itertools.product(job.search.recompute or list(Recompute), FsdpLifecycle):
+        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model,
+                            cluster)
+        la = lean_arrays(job, f, lean)
+        for md in [md for md in act_modes(job) if md.recompute == rc]:
+            for flags in itertools.product(*(_choices(job, t) for t in names)):
+                a, c0 = _relaxed(job, f, md, lc, dict(zip(names, flags, strict=True)), model, cluster)
+                for k in ("persistent", "opt", "act"):
+                    assert (getattr(la, k) <= getattr(a, k) * (1 + 1e-12)).all(), (rc, lc, md, flags, k)
+                for k in ("ws_min", "nsws_min", "logits", "ep_min"):
+                    assert getattr(la, k) <= getattr(a, k) * (1 + 1e-12), (rc, lc, md, flags, k)
+                assert lean.stream_bytes <= c0.stream_bytes and lean.routing_map <= c0.routing_map
+                assert lean.compositions == c0.compositions
+                assert lean.shape.offload_resident_layers == c0.shape.offload_resident_layers
+                n += 1
+    return n
+
+
+def test_lean_arrays_are_below_every_variant(tiny, slow):
+    """On the small model with every rank toggle and FP8 activations free, every node, mode and setting."""
+    job = _job(1.5)
+    (f,) = enumerate_frames(job, tiny, 8)
+    assert _assert_lean_below_every_variant(job, f, tiny, slow) == 6 * 2 * 32  # 3 x 2 nodes, 2 modes, 2^5
+
+
+def test_lean_arrays_are_below_every_k3_variant_at_32k():
+    """K3 at 32K context (the shipped job, where most interleaved nodes do not fit): a PP4 VP4 CP4 frame under
+    selective recompute, every activation mode and setting of the rank toggles."""
+    job = k3opt.load_job("k3-512-32k")
+    job = job.model_copy(update={"search": job.search.model_copy(update={"recompute": [Recompute.SELECTIVE]})})
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    f = next(f for f in enumerate_frames(job, model, 512, cluster) if (f.pp, f.vp, f.cp) == (4, 4, 4))
+    assert _assert_lean_below_every_variant(job, f, model, cluster) >= 2 * 32

@@ -40,10 +40,12 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
+    ACT_TOGGLES,
     ActMode,
     Frame,
     _allowed_on,
     _choices,
+    _memory_view,
     act_modes,
     allocated_capacity_bytes,
     frame_shape,
@@ -115,6 +117,11 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     allowed = _allowed_on(job)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
     host_cap = cluster.host_memory_bytes
+    # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
+    # no setting, which this settles without building the variants.
+    lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+    if not lean_fits(job, f, lean, cap, host_cap):
+        return math.inf
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
@@ -443,6 +450,38 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
                 le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
         le([kp + kopt] * v, r, room - fixed - edge(a.opt, r) - a.nsws_min)
     return np.array(rows), rhs
+
+
+def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float) -> bool:
+    """Whether any variant of a node of interleaved frame f might fit: `_fits` over `lean_arrays` (at or below every
+    variant's bytes), the in-flight counts at balancing's average where allowed (a smaller count only lowers a
+    row), under each allowed offload setting (offload moves saved bytes to the host and changes no other byte,
+    k3opt.coefficients)."""
+    a = lean_arrays(job, f, lean)
+    bal = "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
+    return any(_fits(f, a, lean, cap, host_cap, off, bal) for off in _choices(job, "activation_offload"))
+
+
+def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
+    """The memory side of `_relaxed` at or below every variant of a node, from `lean`, its leanest mode with the
+    chunked cross-entropy and balancing on where allowed (`frames._memory_view`: the least saved and working-set
+    bytes of any mode, as `needs_offload` takes them): the gradients at the lesser of the FP32 shard and ZeRO-2's
+    two chunk buffers, the step gather at the lesser of the BF16 view and P2P Muon's resident matrix, MoonEP's
+    buffers where allowed, no Newton-Schulz working set. No work (the memory rows read none)."""
+    allowed = _allowed_on(job)
+    L = lean.n_layers
+    grads = lean.grads
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * lean.chunk_grad_buffer / f.vp)
+    opt = 2 * lean.view_params
+    if "p2p_muon" in allowed:
+        opt = np.minimum(opt, 2 * lean.resident_params)
+    ep = lean.ep_buffers
+    if "moonep" in allowed:
+        ep = min(ep, lean.moonep_buffers)
+    return _Arrays(time={}, update={}, persistent=lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+                   + grads, opt=opt, act=lean.act, ws_min=float(lean.working_set[:L].min()), nsws_min=0.0,
+                   logits=float(lean.logits), ep_min=float(ep), hi=np.zeros(L + 2))
 
 
 def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
