@@ -192,9 +192,11 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
         # (It only raises the bound: not needed once the bound is at the line.)
         merged = _merge([v[4] for v in variants])
-        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp)
         update = max(float(u.sum()) for u in merged.update.values()) / f.pp
-        best = max(best, variants[0][5].slots * stage + update)
+        slots = variants[0][5].slots
+        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp,
+                               stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
+        best = max(best, slots * stage + update)
     return best
 
 
@@ -203,20 +205,40 @@ MAX_GRANULAR_STATES = 4096
 above it the bound is skipped (0)."""
 
 
-def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float:
+_GRANULAR: dict[tuple, tuple[float, bool]] = {}
+"""granular_stage by its whole input (every resource's array, L, p, v): (value, exact); a value that is not exact
+is a stop the stage was shown to reach. Frames whose floors differ only in what the stage does not read (the
+microbatch count, the sharding of state) share one program."""
+
+
+def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float = math.inf) -> float:
     """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
     layers can be dealt to the p ranks, each holding at least v (one per chunk), with every resource's sum over a
     rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S. Chunks and
     memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
     kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
-    93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625."""
+    93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
+    to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
+    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, v)
+    hit = _GRANULAR.get(key)
+    if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):
+        return hit[0]
+    value, exact = _granular_stage(time, L, p, v, stop)
+    if len(_GRANULAR) > 8192:
+        _GRANULAR.clear()
+    _GRANULAR[key] = (value, exact)
+    return value
+
+
+def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float) -> tuple[float, bool]:
+    """(granular_stage's value, whether it is the bisection's rather than the stop)."""
     arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
     kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
     main = int(np.argmax(counts))
     others = [t for t in range(len(counts)) if t != main]
     dims = tuple(int(counts[t]) + 1 for t in others)
     if math.prod(dims) > MAX_GRANULAR_STATES:
-        return 0.0
+        return 0.0, True
     grid = np.indices(dims).reshape(len(dims), -1).T if dims else np.zeros((1, 0), dtype=int)  # patterns
     base = grid @ kinds[others] if others else np.zeros((1, arrs.shape[1]))
     n_base = grid.sum(axis=1)
@@ -254,10 +276,22 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
 
     lo = max(float((arrs[:L].sum(axis=0) + arrs[L] + arrs[L + 1]).max()) / p, 0.0)
     hi = float(arrs.sum(axis=0).max())
-    if not feasible(hi):
-        return 0.0  # only a rounding miss of the sums can get here: no bound rather than a wrong one
+    if lo < stop < hi:
+        if not feasible(stop):
+            return stop * (1 - 1e-9), False
+        hi = stop
+    elif not feasible(hi):
+        return 0.0, True  # only a rounding miss of the sums can get here: no bound rather than a wrong one
     if feasible(lo):
-        return lo
+        return lo, True
+    # Whole layers lift the mean by a few layers' work at most: a bracket just above it first.
+    for up in (1 / 64, 1 / 16, 1 / 4):
+        if lo * (1 + up) >= hi:
+            break
+        if feasible(lo * (1 + up)):
+            hi = lo * (1 + up)
+            break
+        lo = lo * (1 + up)
     for _ in range(40):
         mid = 0.5 * (lo + hi)
         if feasible(mid):
@@ -266,7 +300,7 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
             lo = mid
         if hi - lo <= 1e-6 * hi:
             break
-    return lo * (1 - 1e-9)
+    return lo * (1 - 1e-9), True
 
 
 def _merge(arrays: list[_Arrays]) -> _Arrays:
