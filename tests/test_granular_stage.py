@@ -97,3 +97,23 @@ def test_interleaved_bound_deals_each_variant_whole_layers():
     assert f in enumerate_frames(job, model, 512, cluster)
     bound = interleaved_lp_bound(job, f, Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH, model, cluster)
     assert 0.99 * ev.step.rank_time_s <= bound <= ev.step.rank_time_s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_gives_at_least_the_lesser_of_the_stage_and_the_stop(seed: int):
+    """With `stop` (the stage the search only needs to know is reached): never above the enumerated least stage,
+    at least min(stage, stop), the stage itself when the stop is above it. The stops come low, high, lower, just
+    above: a kept answer for a low stop (the stop, not the stage) must not stand for a higher one."""
+    rng = np.random.default_rng(100 + seed)
+    L, p, v = 7, 3, 2
+    work = [rng.uniform(1, 3, 2) for _ in range(3)]
+    pattern = rng.permutation([0] * 3 + [1] * 2 + [2] * 2)
+    arrs = np.vstack([np.array([work[k] for k in pattern]), rng.uniform(0, 4, (2, 2))])
+    time = {"tensor": arrs[:, 0], "nvlink": arrs[:, 1]}
+    want = _enumerated(time, L, p, v)
+    for stop in (0.999 * want, 2 * want, 0.5 * want, 1.01 * want):
+        got = granular_stage(time, L, p, v, stop=stop)
+        assert got <= want, (stop, got, want)
+        assert got >= min(want, stop) * (1 - 1e-6), (stop, got, want)
+        if stop > want:
+            assert got == pytest.approx(want, rel=1e-6), (stop, got, want)

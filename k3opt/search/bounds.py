@@ -129,14 +129,16 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     return cf.slots * stage + update, peak
 
 
-def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
+                   stop_at: float = math.inf) -> tuple[float, float]:
     """One bound for every node of a v = 1 frame: the stage dynamic program with, per layer, the least work of any
     recompute mode, lifecycle and free activation toggle (`work_floor`) and the least saved and working-set bytes
-    of any (all toggles allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0)."""
+    of any (all toggles allowed). v > 1: `_frame_interleaved_bound` (its peak bound is 0), which with `stop_at`
+    (the search's pruning line) stops raising a mode's bound once it reaches the line."""
     if job.search.split is not None:
         return 0.0, 0.0
     if f.vp != 1:
-        return _frame_interleaved_bound(job, f, model, cluster), 0.0
+        return _frame_interleaved_bound(job, f, model, cluster, stop_at), 0.0
     allowed = _allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
@@ -158,7 +160,8 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
 
 
-def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
+def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
+                             stop_at: float = math.inf) -> float:
     """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
     of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
     offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
@@ -178,9 +181,12 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         slots = cheap[0].slots
         if slots * stage + update >= best:
             continue
-        # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors.
+        # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
+        # the least so far or the line (either is all the search needs to know).
+        line = min(best, stop_at)
         stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
-                                          cheap[0].n_layers, f.pp, f.vp))
+                                          cheap[0].n_layers, f.pp, f.vp,
+                                          stop=(line - update) / slots if math.isfinite(line) else math.inf))
         if slots * stage + update >= best:
             continue
         if "activation_offload" in allowed and rc != Recompute.FULL:
@@ -203,16 +209,17 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
 
 
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
-                     cluster: ClusterSpec) -> float:
+                     cluster: ClusterSpec, stop_at: float = math.inf) -> float:
     """The node's step-time bound, computed when a node is about to be solved. v = 1: the dynamic program run per
     undominated activation mode (its own work and memory), the least over modes; a mode whose mean-load floor
     (`_mean_stage`) is already at or above the least so far is not run. v > 1: the linear relaxation of
     `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows), kept
-    for the node's CP-SAT model as a cut on its objective."""
+    for the node's CP-SAT model as a cut on its objective; with `stop_at` (the search's pruning line) it stops
+    once the node is proven at or above that line (the bound is then at least min(exact, stop_at))."""
     if job.search.split is not None:
         return 0.0
     if f.vp != 1:
-        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster)
+        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at)
         _LP_BOUNDS[node_key(job, f, rc, lc, model, cluster)] = lp
         return lp
     allowed = _allowed_on(job)

@@ -222,6 +222,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
 
             if closed(t_lb, m_lb):
                 break
+            # The pruning line as one number where `closed` is a comparison with it (the scans below pass over the
+            # whole queue at every step).
+            open_below = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
                 timed_out = True
@@ -241,7 +244,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # bound. The order changes which node is solved first, never the bound (the least over the queue).
                 # It dives: the shape expanded last goes on to its best node, and that node is solved once
                 # tightened, even when tightening lifted it above other nodes (its bound stays valid).
-                ones = [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])]
+                ones = ([j for j, e in enumerate(heap) if e[0] < open_below and e[3].vp == 1]
+                        if open_below is not None else
+                        [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])])
                 ones = [j for j in ones if heap[j][3] == dive] or ones
                 if ones:
                     pick, diving = min(ones, key=lambda j: heap[j]), True
@@ -249,7 +254,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
                 # frame and node under the gap line has had its bounds and one slice, the least bound first; an
                 # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
-                fresh = [j for j, e in enumerate(heap) if e[6] == 0 and not closed(e[0], e[1])]
+                fresh = ([j for j, e in enumerate(heap) if e[0] < open_below and e[6] == 0]
+                         if open_below is not None else
+                         [j for j, e in enumerate(heap) if e[6] == 0 and not closed(e[0], e[1])])
                 if fresh:
                     pick = min(fresh, key=lambda j: heap[j])
             last_pick = (diving, now)
@@ -268,7 +275,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
             if rc is None and f not in frame_tightened:
                 frame_tightened.add(f)
-                ft, fm_ = frame_dp_bound(job, f, model, cluster)
+                ft, fm_ = frame_dp_bound(job, f, model, cluster,
+                                         stop_at=open_below if open_below is not None else math.inf)
                 if ft > t_lb + 1e-12 or fm_ > m_lb:
                     if math.isfinite(ft) and fm_ <= caps[f]:
                         heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
@@ -286,7 +294,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 continue
             if (f, rc, lc) not in tightened:
                 tightened.add((f, rc, lc))
-                tight = tight_node_bound(job, f, rc, lc, model, cluster)
+                # Past the pruning line the exact value is not needed: the node only has to be shown above it.
+                tight = tight_node_bound(job, f, rc, lc, model, cluster,
+                                         stop_at=open_below if open_below is not None else math.inf)
                 if tight > t_lb + 1e-12:
                     if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
                         if math.isfinite(tight):

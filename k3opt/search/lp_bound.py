@@ -40,10 +40,12 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
+    ACT_TOGGLES,
     ActMode,
     Frame,
     _allowed_on,
     _choices,
+    _memory_view,
     act_modes,
     allocated_capacity_bytes,
     frame_shape,
@@ -103,13 +105,23 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
-                         cluster: ClusterSpec) -> float:
+                         cluster: ClusterSpec, stop_at: float = math.inf) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
-    and bytes: a variant whose mean load is at or above the least so far is not solved."""
+    and bytes: a variant whose mean load is at or above the least so far is not solved.
+
+    `stop_at`: a line the caller only needs to know the node is at or above (the search's pruning line). A
+    variant whose floor or merged program reaches it is not solved either; the bound is then min(least,
+    stop_at), still below every layout, and inf only when every variant was proven not to fit."""
     allowed = _allowed_on(job)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
+    host_cap = cluster.host_memory_bytes
+    # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
+    # no setting, which this settles without building the variants.
+    lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+    if not lean_fits(job, f, lean, cap, host_cap):
+        return math.inf
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
@@ -121,18 +133,30 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             stage = max(float(t.sum()) for t in a.time.values()) / f.pp
             upd = max(float(u.sum()) for u in a.update.values()) / f.pp
             variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
-    grains: dict[bytes, float] = {}
-
     def whole_layers(floor: float, a: _Arrays, c: Coefficients) -> float:
-        """The variant's floor with whole layers per rank (granular_stage at its own work), at least `floor`;
-        variants of equal per-layer work share one program (most toggles move the update or the edges only)."""
-        key = np.stack([a.time[r] for r in sorted(a.time)]).tobytes()
-        if key not in grains:
-            grains[key] = granular_stage(a.time, c.n_layers, f.pp, f.vp)
+        """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
+        most toggles move the update or the edges only), at least `floor`. The program runs only as far as the
+        least so far or the line: a value it stops at is at or above them, and only decides a skip."""
         upd = max(float(u.sum()) for u in a.update.values()) / f.pp
-        return max(floor, c.slots * grains[key] + upd)
+        line = min(best, stop_at)
+        stage = granular_stage(a.time, c.n_layers, f.pp, f.vp,
+                               stop=(line - upd) / c.slots if math.isfinite(line) else math.inf)
+        return max(floor, c.slots * stage + upd)
 
     best = math.inf
+    capped = False
+    """Some variant was left unsolved only because it reached `stop_at` (not the least so far, not memory)."""
+
+    def over(value: float) -> bool:
+        """`value` (a floor or a relaxation of some variants) cannot lower the least below min(best, stop_at)."""
+        nonlocal capped
+        if value >= best:
+            return True
+        if value >= stop_at:
+            capped = capped or math.isfinite(value)
+            return True
+        return False
+
     # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first variant's.
     paths = _paths(f, variants[0][5], rc == Recompute.FULL)
     # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
@@ -145,42 +169,51 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
                           []).append(v)
     # Groups of one (offload, balancing) setting over every activation mode share the schedule and the edges'
     # terms (in-flight compositions, packets, balancing's average): their merged arrays relax all of them at once,
-    # and most such settings do not fit at all when memory binds.
+    # and most such settings do not fit at all when memory binds. The memory rows alone decide that first
+    # (`_fits`, a program a fraction of the size); the merged program with the time rows only for a setting that
+    # fits.
     settled: dict[tuple[bool, bool], float] = {}
     for (_md, off, bal), members in sorted(groups.items(), key=lambda kv: min(m[:2] for m in kv[1])):
         members.sort(key=lambda x: x[:2])
-        if members[0][0] * (1 - 1e-9) >= best or (bal and members[0][5].balanced_inflight is None):
+        if over(members[0][0] * (1 - 1e-9)) or (bal and members[0][5].balanced_inflight is None):
             continue
         if (off, bal) not in settled:
             every = [m for (_, o, b), ms in groups.items() if (o, b) == (off, bal) for m in ms]
-            settled[(off, bal)] = -math.inf
-            if len(every) > 1:
-                merged = _merge([m[4] for m in every])
-                settled[(off, bal)] = whole_layers(min(m[0] for m in every), merged, every[0][5])
-                if settled[(off, bal)] < best:
-                    settled[(off, bal)] = _solve(f, merged, every[0][5], cap, cluster.host_memory_bytes, off, bal,
-                                                 paths)
-        if settled[(off, bal)] >= best:
+            merged_all = _merge([m[4] for m in every]) if len(every) > 1 else every[0][4]
+            if not _fits(f, merged_all, every[0][5], cap, host_cap, off, bal):
+                settled[(off, bal)] = math.inf
+            elif len(every) > 1:
+                lo = whole_layers(min(m[0] for m in every), merged_all, every[0][5])
+                settled[(off, bal)] = lo if over(lo) else max(
+                    lo, _solve(f, merged_all, every[0][5], cap, host_cap, off, bal, paths))
+            else:
+                settled[(off, bal)] = -math.inf
+        if over(settled[(off, bal)]):
             continue
         c0 = members[0][5]
         if len(members) > 1:
             merged = _merge([m[4] for m in members])
-            if (whole_layers(members[0][0], merged, c0) >= best
-                    or _solve(f, merged, c0, cap, cluster.host_memory_bytes, off, bal, paths) >= best):
+            if (over(whole_layers(members[0][0], merged, c0))
+                    or over(_solve(f, merged, c0, cap, host_cap, off, bal, paths))):
                 continue
         for floor, _, _md2, _tg, a, c in members:
-            if floor * (1 - 1e-9) >= best:
+            if over(floor * (1 - 1e-9)):
                 break
             floor = whole_layers(floor, a, c)
-            if floor * (1 - 1e-9) >= best:
+            if over(floor * (1 - 1e-9)):
                 continue
-            best = min(best, max(floor, _solve(f, a, c, cap, cluster.host_memory_bytes, off, bal, paths)))
-    if math.isfinite(best):
+            best = min(best, max(floor, _solve(f, a, c, cap, host_cap, off, bal, paths)))
+    if capped:
+        best = min(best, stop_at)
+    if math.isfinite(best) and best < stop_at:
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
+        # (It only raises the bound: not needed once the bound is at the line.)
         merged = _merge([v[4] for v in variants])
-        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp)
         update = max(float(u.sum()) for u in merged.update.values()) / f.pp
-        best = max(best, variants[0][5].slots * stage + update)
+        slots = variants[0][5].slots
+        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp,
+                               stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
+        best = max(best, slots * stage + update)
     return best
 
 
@@ -189,20 +222,40 @@ MAX_GRANULAR_STATES = 4096
 above it the bound is skipped (0)."""
 
 
-def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float:
+_GRANULAR: dict[tuple, tuple[float, bool]] = {}
+"""granular_stage by its whole input (every resource's array, L, p, v): (value, exact); a value that is not exact
+is a stop the stage was shown to reach. Frames whose floors differ only in what the stage does not read (the
+microbatch count, the sharding of state) share one program."""
+
+
+def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float = math.inf) -> float:
     """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
     layers can be dealt to the p ranks, each holding at least v (one per chunk), with every resource's sum over a
     rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S. Chunks and
     memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
     kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
-    93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625."""
+    93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
+    to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
+    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, v)
+    hit = _GRANULAR.get(key)
+    if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):
+        return hit[0]
+    value, exact = _granular_stage(time, L, p, v, stop)
+    if len(_GRANULAR) > 8192:
+        _GRANULAR.clear()
+    _GRANULAR[key] = (value, exact)
+    return value
+
+
+def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float) -> tuple[float, bool]:
+    """(granular_stage's value, whether it is the bisection's rather than the stop)."""
     arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
     kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
     main = int(np.argmax(counts))
     others = [t for t in range(len(counts)) if t != main]
     dims = tuple(int(counts[t]) + 1 for t in others)
     if math.prod(dims) > MAX_GRANULAR_STATES:
-        return 0.0
+        return 0.0, True
     grid = np.indices(dims).reshape(len(dims), -1).T if dims else np.zeros((1, 0), dtype=int)  # patterns
     base = grid @ kinds[others] if others else np.zeros((1, arrs.shape[1]))
     n_base = grid.sum(axis=1)
@@ -240,10 +293,22 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
 
     lo = max(float((arrs[:L].sum(axis=0) + arrs[L] + arrs[L + 1]).max()) / p, 0.0)
     hi = float(arrs.sum(axis=0).max())
-    if not feasible(hi):
-        return 0.0  # only a rounding miss of the sums can get here: no bound rather than a wrong one
+    if lo < stop < hi:
+        if not feasible(stop):
+            return stop * (1 - 1e-9), False
+        hi = stop
+    elif not feasible(hi):
+        return 0.0, True  # only a rounding miss of the sums can get here: no bound rather than a wrong one
     if feasible(lo):
-        return lo
+        return lo, True
+    # Whole layers lift the mean by a few layers' work at most: a bracket just above it first.
+    for up in (1 / 64, 1 / 16, 1 / 4):
+        if lo * (1 + up) >= hi:
+            break
+        if feasible(lo * (1 + up)):
+            hi = lo * (1 + up)
+            break
+        lo = lo * (1 + up)
     for _ in range(40):
         mid = 0.5 * (lo + hi)
         if feasible(mid):
@@ -252,7 +317,7 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int) -> float
             lo = mid
         if hi - lo <= 1e-6 * hi:
             break
-    return lo * (1 - 1e-9)
+    return lo * (1 - 1e-9), True
 
 
 def _merge(arrays: list[_Arrays]) -> _Arrays:
@@ -307,14 +372,6 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
         rows.append(row)
         rhs.append(bound)
 
-    # Every rank with v >= 2 holds a chunk that is neither the first nor the last: a packet in and one out,
-    # double-buffered (the node model's 2 (in + out) with R >= 0).
-    packets = 4.0 * c0.stream_bytes if p > 1 else 0.0
-    moe = c0.moe[:L] > 0
-    # Each rank holds at least v layers; more than the non-MoE layers means it holds an MoE layer.
-    must_moe = bool(moe.any()) and v > int((~moe).sum())
-    ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
-    room = cap * (1 + FEAS_TOL)
     pk = _packet_floor(c0, p, v, L)
     for r in range(p):
         n_peak = max(sum(c) for c in c0.compositions[r])
@@ -331,20 +388,12 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
             e = edge(a.update[res], r)
             if ku[:, ui].any() or e:
                 le([ku[:, ui]] * v, r, -e, {U_col: -1.0})
-        fixed = edge(a.persistent, r)
-        act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
-        scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
-        comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
-        if off:
-            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets.
-            gpu_act = c0.shape.offload_resident_layers * float(a.act[:L].min())
-            le([kp] * v, r, room - fixed - act_fixed - gpu_act)
-            for comp in comps:
-                le([comp[k] * kact for k in range(v)], r, host_cap * (1 + FEAS_TOL) - _edge_act(a, comp, r, p, L))
-        else:
-            for comp in comps:
-                le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
-        le([kp + kopt] * v, r, room - fixed - edge(a.opt, r) - a.nsws_min)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kp, kopt, kact)
+    for row_x, b in zip(mem_rows, mem_rhs, strict=True):
+        row = np.zeros(ncol)
+        row[:n] = row_x
+        rows.append(row)
+        rhs.append(b)
     # Granularity: some rank holds at least ceil(L / p) whole layers.
     need = -(-L // p)
     for res in res_names:
@@ -406,6 +455,105 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     value = _glop(cost, a_ub, b_ub, a_eq, counts.astype(float), upper)
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
     return value * (1 - FEAS_TOL) if math.isfinite(value) else value
+
+
+def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
+                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray) -> tuple[np.ndarray, list[float]]:
+    """Every rank's memory rows over x[r, k, t] (layers of kind t in rank r's k-th chunk, column (r v + k) nk + t;
+    kp, kopt, kact: each kind's persistent, optimizer-phase and saved bytes): the activation phase for every
+    undominated in-flight composition (with offload: the GPU's persistent bytes and the host's saved bytes) and the
+    optimizer phase, under the allocated budget. The one home of these rows: `_solve` and `_fits` share them."""
+    L, p, v, nk = c0.n_layers, f.pp, f.vp, len(kp)
+    rows: list[np.ndarray] = []
+    rhs: list[float] = []
+
+    def le(coef_by_chunk: list[np.ndarray], r: int, bound: float) -> None:
+        row = np.zeros(p * v * nk)
+        row[r * v * nk:(r + 1) * v * nk] = np.concatenate(coef_by_chunk)
+        rows.append(row)
+        rhs.append(bound)
+
+    def edge(arr: np.ndarray, r: int) -> float:
+        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
+
+    # Every rank with v >= 2 holds a chunk that is neither the first nor the last: a packet in and one out,
+    # double-buffered (the node model's 2 (in + out) with R >= 0).
+    packets = 4.0 * c0.stream_bytes if p > 1 else 0.0
+    moe = c0.moe[:L] > 0
+    # Each rank holds at least v layers; more than the non-MoE layers means it holds an MoE layer.
+    must_moe = bool(moe.any()) and v > int((~moe).sum())
+    ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
+    room = cap * (1 + FEAS_TOL)
+    for r in range(p):
+        n_peak = max(sum(c) for c in c0.compositions[r])
+        fixed = edge(a.persistent, r)
+        act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
+        scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
+        comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
+        if off:
+            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets.
+            gpu_act = c0.shape.offload_resident_layers * float(a.act[:L].min())
+            le([kp] * v, r, room - fixed - act_fixed - gpu_act)
+            for comp in comps:
+                le([comp[k] * kact for k in range(v)], r, host_cap * (1 + FEAS_TOL) - _edge_act(a, comp, r, p, L))
+        else:
+            for comp in comps:
+                le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
+        le([kp + kopt] * v, r, room - fixed - edge(a.opt, r) - a.nsws_min)
+    return np.array(rows), rhs
+
+
+def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float) -> bool:
+    """Whether any variant of a node of interleaved frame f might fit: `_fits` over `lean_arrays` (at or below every
+    variant's bytes), the in-flight counts at balancing's average where allowed (a smaller count only lowers a
+    row), under each allowed offload setting (offload moves saved bytes to the host and changes no other byte,
+    k3opt.coefficients)."""
+    a = lean_arrays(job, f, lean)
+    bal = "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
+    return any(_fits(f, a, lean, cap, host_cap, off, bal) for off in _choices(job, "activation_offload"))
+
+
+def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
+    """The memory side of `_relaxed` at or below every variant of a node, from `lean`, its leanest mode with the
+    chunked cross-entropy and balancing on where allowed (`frames._memory_view`: the least saved and working-set
+    bytes of any mode, as `needs_offload` takes them): the gradients at the lesser of the FP32 shard and ZeRO-2's
+    two chunk buffers, the step gather at the lesser of the BF16 view and P2P Muon's resident matrix, MoonEP's
+    buffers where allowed, no Newton-Schulz working set. No work (the memory rows read none)."""
+    allowed = _allowed_on(job)
+    L = lean.n_layers
+    grads = lean.grads
+    if "pipeline_zero2_host_grads" in allowed:
+        grads = np.minimum(grads, 2 * lean.chunk_grad_buffer / f.vp)
+    opt = 2 * lean.view_params
+    if "p2p_muon" in allowed:
+        opt = np.minimum(opt, 2 * lean.resident_params)
+    ep = lean.ep_buffers
+    if "moonep" in allowed:
+        ep = min(ep, lean.moonep_buffers)
+    return _Arrays(time={}, update={}, persistent=lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
+                   + grads, opt=opt, act=lean.act, ws_min=float(lean.working_set[:L].min()), nsws_min=0.0,
+                   logits=float(lean.logits), ep_min=float(ep), hi=np.zeros(L + 2))
+
+
+def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
+    """Whether `_solve`'s program over the same arrays is feasible: its memory rows, every chunk holding a layer
+    and every layer placed (its time and replay rows only bound free variables from below, so they never make it
+    infeasible). Layers are grouped by their memory columns alone, which is exact for the fractional program: a
+    much smaller program that settles a node that cannot fit before its time rows are built."""
+    L, p, v = c0.n_layers, f.pp, f.vp
+    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L]], axis=1), axis=0,
+                              return_counts=True)
+    nk = len(counts)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
+    n = p * v * nk
+    chunk_rows = np.zeros((p * v, n))
+    a_eq = np.zeros((nk, n))
+    for j in range(p * v):
+        chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
+        a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
+    a_ub = np.vstack([mem_rows, chunk_rows])
+    b_ub = np.concatenate([mem_rhs, -np.ones(p * v)])
+    return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), np.tile(counts.astype(float), p * v)) < math.inf
 
 
 def _paths(f: Frame, c0: Coefficients, full: bool) -> np.ndarray:
