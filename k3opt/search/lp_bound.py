@@ -25,7 +25,12 @@ at the mean load, 18.12 s, when every fitting layout needs full-recompute-like s
   variant's work, `granular_stage` deals whole layers to ranks (some rank of PP8 holds 12 of 93 layers).
 
 Layers whose coefficients are all equal are aggregated into one variable per chunk (exact for the LP), which
-keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver)."""
+keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver).
+
+Cheapest first: the memory rows alone over bytes at or below every variant's (`lean_fits`) settle a node that fits
+under no setting before its variants are built (most interleaved nodes at long contexts), then per (offload,
+balancing) setting the memory rows over its merged variants (`_fits`), then the merged programs with the time rows,
+then each variant; with the search's pruning line (`stop_at`) nothing is solved past it."""
 
 from __future__ import annotations
 
