@@ -1006,14 +1006,23 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     peak = np.where(use_q, pk, bf16)
     cube = rt.size_factor(np.cbrt(m_tokens * out * inp))
     fused = sa.gemm_out_fused if len(sa.gemm_out_fused) == len(out) else out
-    inv = np.zeros(len(out))
+    dense = np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf))
+    inv = np.zeros(len(out))  # 1 / (class fraction x shape factor), averaged over the passes
     for prec, rows in ((p, use_q), (bf, ~use_q)):
         if not rows.any():
             continue
         m, f, k, r = m_tokens[rows], fused[rows], inp[rows], is_routed[rows]
-        passes = [rt.shape_factors(prec, r, *mnk) for mnk in ((m, f, k), (m, k, f), (f, k, m))]
-        inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes[0] is not None else 1.0 / cube[rows])
-    return flops * inv / (peak * frac)
+        passes = []
+        for mnk in ((m, f, k), (m, k, f), (f, k, m)):
+            g = rt.shape_factors(prec, r, *mnk)
+            if g is None:
+                break
+            # A group of a grouped GEMM runs no faster than one dense GEMM of its shape: above the grouped
+            # reference's size the dense class's rate caps it.
+            d = rt.shape_factors(prec, np.zeros_like(r), *mnk)
+            passes.append(np.where(r > 0, np.minimum(frac[rows] * g, dense[rows] * d), frac[rows] * g))
+        inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes else 1.0 / (frac[rows] * cube[rows]))
+    return flops * inv / peak
 
 
 @lru_cache(maxsize=1024)
@@ -1026,7 +1035,7 @@ def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: i
 def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int,
                              precision: Precision, full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
-    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its size factor),
+    FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
     attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""
     cluster, rt, sa = _cluster_of(cluster_json), _rates_from_json(rates_json), _static(model_json)
     tf = 1e12
