@@ -63,5 +63,10 @@ def test_climb_keeps_a_fixed_split_and_stops_at_its_deadline(tiny):
                       split=[1, 5], recompute="selective", reserve_gib=1.5)
     item = PlanItem(lay, k3opt.evaluate(lay, model=model, cluster=cluster))
     assert split_climb(job, item, model, cluster, -math.inf) is item
+    assert split_climb(job, item, model, cluster, math.inf, stop=lambda: True) is item  # Ctrl-C before any move
+    calls = iter(range(1_000_000))
+    part = split_climb(job, item, model, cluster, math.inf, stop=lambda: next(calls) >= 3)  # stopped part-way
+    whole = split_climb(job, item, model, cluster, math.inf)
+    assert part.evaluation.fits and whole.rank_time_s <= part.rank_time_s <= item.rank_time_s
     fixed = job.model_copy(update={"search": job.search.model_copy(update={"split": [1, 5]})})
     assert split_climb(fixed, item, model, cluster, math.inf) is item

@@ -450,7 +450,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
                 or climbing > CLIMB_SHARE * (now - t_start) or f in climbed):
             return
         climbed.add(f)
-        keep([split_climb(job, mine, model, cluster, deadline, runtime)])
+        # The climb's own deadline keeps the climbs within their share, whatever this one would take.
+        share_left = CLIMB_SHARE * (now - t_start) - climbing + CLIMB_MIN_S
+        keep([split_climb(job, mine, model, cluster, min(deadline, now + share_left), runtime, stop=stop)])
         climbing += _time.monotonic() - now
 
     climbed: set[Frame] = set()
@@ -507,12 +509,14 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
 
 
 def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
-                runtime: RuntimeSpec | None = None) -> PlanItem:
+                runtime: RuntimeSpec | None = None, stop: Callable[[], bool] | None = None) -> PlanItem:
     """A faster split of `item`'s layout, its frame and configuration kept (or `item`): local search by moves of
     one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
     one layer). Candidates are screened by the ranked stage time their coefficients give (max over ranks and
     resources of achievable._rank_sums, what the search's model sums) and priced by evaluate(), least stage first;
-    the first that ranks faster and fits is taken. Stops when no move improves, or at the monotonic `deadline`.
+    the first that ranks faster and fits is taken. Stops when no move improves, at the monotonic `deadline`, or
+    when `stop()` (Ctrl-C). Moves that keep the slowest stage are screened in only when they do not raise it, so a
+    layout ranked by its replayed schedule rather than its formula improves only as far as such moves reach.
     The heuristic splits balance each layer's busiest resource, not each rank's; a rank bound by its host link
     or its NIC is balanced only here."""
     lay = item.layout
@@ -526,7 +530,10 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
 
     best, cur = item, list(lay.split)
     now = loads(cur)
-    while _time.monotonic() < deadline:
+    def over() -> bool:
+        return _time.monotonic() >= deadline or (stop is not None and stop())
+
+    while not over():
         cands: list[tuple[tuple[float, ...], list[int]]] = []
         for src in sorted(range(p), key=lambda r: -now[r])[:2]:
             for i in range(src, k, p):
@@ -541,11 +548,11 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
                     ld = loads(s)
                     if max(ld) <= max(now) * (1 + 1e-12):
                         cands.append((tuple(sorted(ld, reverse=True)), s))
-            if _time.monotonic() >= deadline:
+            if over():
                 return best
         moved = False
         for _, s in sorted(cands, key=lambda c: c[0]):
-            if _time.monotonic() >= deadline:
+            if over():
                 return best
             ev = evaluate(lay.model_copy(update={"split": s}), model=model, cluster=cluster, runtime=runtime)
             if ev.fits and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
@@ -564,6 +571,9 @@ CLIMB_WITHIN = 0.02
 
 CLIMB_SHARE = 0.3
 """Share of `seed`'s time the split climbs may take (one costs tens to hundreds of evaluate() calls)."""
+
+CLIMB_MIN_S = 0.5
+"""Seconds a climb may take beyond the share left (the first climb comes before any share has accrued)."""
 
 
 @functools.lru_cache(maxsize=16)
