@@ -21,8 +21,9 @@ at the mean load, 18.12 s, when every fitting layout needs full-recompute-like s
   dropped. Offload moves the saved bytes to host memory (which must hold them); balancing scales the in-flight
   counts to the balanced average and pays the moved bytes on its network.
 - granularity: every chunk holds at least one layer, and some rank holds at least ceil(L / p) layers, so the
-  slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource. Over the least of every
-  variant's work, `granular_stage` deals whole layers to ranks (some rank of PP8 holds 12 of 93 layers).
+  slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource. `granular_stage` deals
+  whole layers to ranks (some rank of PP8 holds 12 of 93 layers) at each variant's own work (and over the least of
+  the work of the variants a merged program stands for).
 
 Layers whose coefficients are all equal are aggregated into one variable per chunk (exact for the LP), which
 keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver).
