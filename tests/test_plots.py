@@ -65,6 +65,26 @@ def test_timeline_draws_the_replay_the_plan_is_ranked_by(reference_eval, model, 
         st.ranked_schedule_time_s - st.achievable_update_time_s - st.achievable_unpaired_ep_s, rel=1e-9)
 
 
+def test_timeline_plot_replays_the_ranked_chunks(tmp_path, reference_eval, monkeypatch):
+    """timeline_plot hands pipeline_schedule each rank's chunks' forward and backward as StepTime.ranked_chunk_s
+    holds them (global chunk g on rank g mod p), not layer counts."""
+    import k3opt.plots as plots
+
+    seen = {}
+    real = plots.pipeline_schedule
+
+    def spy(p, v, m, fwd, bwd=None):
+        seen.update(p=p, v=v, fwd=fwd, bwd=bwd)
+        return real(p, v, m, fwd, bwd)
+
+    monkeypatch.setattr(plots, "pipeline_schedule", spy)
+    plots.timeline_plot(reference_eval, tmp_path / "t.png")
+    per, p = reference_eval.step.ranked_chunk_s, reference_eval.layout.pp
+    assert seen["bwd"] is not None
+    assert seen["fwd"] == [[per[r + k * p][0] for k in range(seen["v"])] for r in range(p)]
+    assert seen["bwd"] == [[per[r + k * p][1] for k in range(seen["v"])] for r in range(p)]
+
+
 def test_pareto_plot(tmp_path, reference, model, cluster):
     items = []
     for m, pp in ((64, 8), (32, 4)):
