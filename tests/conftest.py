@@ -82,6 +82,22 @@ def reference_eval(reference, model, cluster) -> k3opt.Evaluation:
     return k3opt.evaluate(reference, model=model, cluster=cluster)
 
 
+@pytest.fixture(scope=shared_scope)
+def tiny() -> k3opt.ModelSpec:
+    """The six-layer test model (tests/data/tiny-moe.toml) with every K3 layer kind."""
+    from pathlib import Path
+
+    return k3opt.load_model(Path(__file__).parent / "data" / "tiny-moe.toml")
+
+
+@pytest.fixture(scope=shared_scope)
+def slow() -> k3opt.ClusterSpec:
+    """The slow test cluster (tests/data/slow-cluster.toml)."""
+    from pathlib import Path
+
+    return k3opt.load_cluster(Path(__file__).parent / "data" / "slow-cluster.toml")
+
+
 INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
 
 

@@ -40,16 +40,6 @@ ALLOWED = ("fp8_activations", "activation_offload", "balance_activations", "pipe
            "fused_cross_entropy")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return k3opt.load_model(DATA / "tiny-moe.toml")
-
-
-@pytest.fixture(scope="module")
-def slow():
-    return k3opt.load_cluster(DATA / "slow-cluster.toml")
-
-
 def _job(reserve: float) -> k3opt.Job:
     return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,

@@ -30,16 +30,6 @@ TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the sch
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return k3opt.load_model(DATA / "tiny-moe.toml")
-
-
-@pytest.fixture(scope="module")
-def slow():
-    return k3opt.load_cluster(DATA / "slow-cluster.toml")
-
-
-@pytest.fixture(scope="module")
 def job():
     return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
