@@ -137,13 +137,13 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         for tg in settings:
             a, c0 = _relaxed(job, f, md, lc, tg, model, cluster)
             stage = max(float(t.sum()) for t in a.time.values()) / f.pp
-            upd = max(float(u.sum()) for u in a.update.values()) / f.pp
+            upd = _mean_update(a, f.pp)
             variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
     def whole_layers(floor: float, a: _Arrays, c: Coefficients) -> float:
         """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
         most toggles move the update or the edges only), at least `floor`. The program runs only as far as the
         least so far or the line: a value it stops at is at or above them, and only decides a skip."""
-        upd = max(float(u.sum()) for u in a.update.values()) / f.pp
+        upd = _mean_update(a, f.pp)
         line = min(best, stop_at)
         stage = granular_stage(a.time, c.n_layers, f.pp, f.vp,
                                stop=(line - upd) / c.slots if math.isfinite(line) else math.inf)
@@ -215,12 +215,17 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
         # (It only raises the bound: not needed once the bound is at the line.)
         merged = _merge([v[4] for v in variants])
-        update = max(float(u.sum()) for u in merged.update.values()) / f.pp
+        update = _mean_update(merged, f.pp)
         slots = variants[0][5].slots
         stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp,
                                stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
         best = max(best, slots * stage + update)
     return best
+
+
+def _mean_update(a: _Arrays, p: int) -> float:
+    """The slowest rank's update compute is at least its mean over the p ranks: max over resources of sum / p."""
+    return max(float(u.sum()) for u in a.update.values()) / p
 
 
 MAX_GRANULAR_STATES = 4096
