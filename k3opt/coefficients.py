@@ -1001,12 +1001,12 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     m_tokens = np.where(is_routed > 0, T * moe, T)
     flops = 6.0 * T * out * inp * act
     use_q = (q > 0) & lowp
+    dense = np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf))
     frac = np.where(is_routed > 0, np.where(use_q, rt.gemm("grouped", p) if lowp else 0, rt.gemm("grouped", bf)),
-                    np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf)))
+                    dense)
     peak = np.where(use_q, pk, bf16)
     cube = rt.size_factor(np.cbrt(m_tokens * out * inp))
     fused = sa.gemm_out_fused if len(sa.gemm_out_fused) == len(out) else out
-    dense = np.where(use_q, rt.gemm("dense", p) if lowp else 0, rt.gemm("dense", bf))
     inv = np.zeros(len(out))  # 1 / (class fraction x shape factor), averaged over the passes
     for prec, rows in ((p, use_q), (bf, ~use_q)):
         if not rows.any():
