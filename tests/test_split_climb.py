@@ -70,3 +70,20 @@ def test_climb_keeps_a_fixed_split_and_stops_at_its_deadline(tiny):
     assert part.evaluation.fits and whole.rank_time_s <= part.rank_time_s <= item.rank_time_s
     fixed = job.model_copy(update={"search": job.search.model_copy(update={"split": [1, 5]})})
     assert split_climb(fixed, item, model, cluster, math.inf) is item
+
+
+def test_seed_climbs_the_fastest_frame_even_when_it_was_walked_before(tiny):
+    """The driver calls the seeding twice; the second call does not walk the fastest frames again
+    (walk_first=False) but still climbs them: the first call's deadline may have cut their climb."""
+    from k3opt.search.frames import frame_of
+    from k3opt.search.incumbents import seed
+
+    job, model, cluster = tiny
+    lay = make_layout(gpus=8, pp=2, vp=1, ep=4, dense_fsdp=4, microbatches=8, rows=1, context=2048,
+                      split=[1, 5], recompute="selective", reserve_gib=1.5)
+    item = PlanItem(lay, k3opt.evaluate(lay, model=model, cluster=cluster))
+    assert item.evaluation.fits
+    f = frame_of(lay)
+    out = seed(job, [], model, cluster, {f: item}, math.inf, walked={f}, walk_first=False)
+    assert f in out and out[f].rank_time_s < item.rank_time_s
+    assert out[f].layout.split != [1, 5]

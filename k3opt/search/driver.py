@@ -22,6 +22,7 @@ from k3opt.search.frames import (
     frame_shape,
     layout_of,
     lifecycles,
+    sharding_group,
 )
 from k3opt.search.front import _pareto, ranked_time_limit
 from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, seed, visiting_order
@@ -155,8 +156,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # bounded yet leave the bound at 0.
                 unbounded = True
                 break
-            group = over.setdefault((f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding,
-                                     f.expert_sharding, f.grad_dtype, f.precision), [])
+            group = over.setdefault(sharding_group(f), [])
             if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
                 over_line.add(f)
                 continue  # dominated: a shape with more sharding of the same state is already over the HBM line

@@ -217,6 +217,14 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
     )
 
 
+def sharding_group(f: Frame) -> tuple:
+    """A frame's shape but for its expert and dense FSDP degrees. Within a group, FSDP degrees that are multiples
+    of another frame's shard the same state over more ranks (less persistent memory per rank) and leave the
+    activations as they are: when such a frame is over a memory line, so is the other."""
+    return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding, f.expert_sharding, f.grad_dtype,
+            f.precision, f.domain_gpus_used)
+
+
 def _allowed_on(job: Job) -> set[str]:
     return {t for t in RANK_TOGGLES + ACT_TOGGLES if True in _choices(job, t)}
 

@@ -33,6 +33,7 @@ from k3opt.search.frames import (
     frame_shape,
     layout_of,
     lifecycles,
+    sharding_group,
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
@@ -413,8 +414,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     whose fastest layout is within CLIMB_WITHIN of the fastest has its split climbed (`split_climb`). Returns
     the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number is
     evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
-    `walk_first`: False skips the first walks (`ordered` only); `lower`: a lower bound on a frame's ranked step
-    time, to skip the frames that cannot beat the fastest so far."""
+    `walk_first`: False skips the first walks (their frames are still climbed); `lower`: a lower bound on a
+    frame's ranked step time, to skip the frames that cannot beat the fastest so far. A frame is skipped when a
+    frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -456,13 +458,15 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         climbing += _time.monotonic() - now
 
     climbed: set[Frame] = set()
-    for it in fastest()[:WALKED] if walk_first else []:
+    for it in fastest()[:WALKED]:
         f = frame_of(it.layout)
         if over():
             return out
-        if f not in walked:
+        if walk_first and f not in walked:
             walked.add(f)
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
+        # Climbed in every call: an earlier call's deadline may have cut the climb of a frame it walked, and a
+        # walked frame is not visited again below.
         climb(f)
     started = _time.monotonic()
     walking = 0.0
@@ -472,6 +476,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     first: list[Frame] = []
     """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
     visited: set[Frame] = set()
+    misfits: dict[tuple, list[Frame]] = {}
+    """Frames that had no fitting layout here, by `sharding_group`."""
     while first or queue:
         f = first.pop(0) if first else queue.pop(0)
         if over():
@@ -481,6 +487,12 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         visited.add(f)
         top = fastest()
         if top and lower is not None and lower(f) >= top[0].rank_time_s:
+            continue
+        group = misfits.setdefault(sharding_group(f), [])
+        if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
+            # A shape that shards the same state over as many ranks or more did not fit: f holds at least its
+            # persistent bytes and the same activations. At 8,192 GPUs a PP or VP whose activations never fit
+            # has hundreds of FSDP variants, which would otherwise take the seeding's whole time.
             continue
         items: list[PlanItem] = []
         if top:
@@ -502,6 +514,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
             walking += _time.monotonic() - now
         climb(f)
+        if best(f) is None:
+            group.append(f)
         new = fastest()
         if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
             first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
