@@ -253,6 +253,17 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     return best
 
 
+def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                     cluster: ClusterSpec, stop_at: float = math.inf) -> float:
+    """One step-time bound for node (rc, lc) of every interleaved frame in `members` (frames of one
+    `frames.sharding_group`: they differ in their FSDP degrees only): `lp_bound.interleaved_lp_bound` over the
+    least of their arrays and the largest of their budgets. At most each member's own tight bound, at the cost of
+    one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of near-equal bound."""
+    if job.search.split is not None or members[0].vp == 1:
+        return 0.0
+    return interleaved_lp_bound(job, members[0], rc, lc, model, cluster, stop_at=stop_at, members=members)
+
+
 def _mean_stage(cf: Coefficients, off: Coefficients | None) -> float:
     """A floor on `_dp_bounds`' stage work (v = 1): the slowest rank carries at least the mean over the p ranks of
     every resource's layers and edges (packets and balancing only add), and under offload (every rank pays its

@@ -12,7 +12,14 @@ from collections.abc import Callable
 from k3opt.coefficients import Shape, coefficients
 from k3opt.errors import InfeasibleJobError
 from k3opt.evaluate import Evaluation, evaluate
-from k3opt.search.bounds import frame_dp_bound, frame_estimate, frame_lower_bound, node_lower_bound, tight_node_bound
+from k3opt.search.bounds import (
+    frame_dp_bound,
+    frame_estimate,
+    frame_lower_bound,
+    group_node_bound,
+    node_lower_bound,
+    tight_node_bound,
+)
 from k3opt.search.frames import (
     ActMode,
     Frame,
@@ -173,6 +180,12 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         ctrl_c.__exit__()
         raise
     candidates = len(heap)
+    members_of: dict[tuple, list[Frame]] = {}
+    """The interleaved frames in the queue by `sharding_group`: a node's group bound covers all of them."""
+    for f in estimates:
+        if f.vp > 1:
+            members_of.setdefault(sharding_group(f), []).append(f)
+    group_bounds: dict[tuple, float] = {}
     solved = 0
     timed_out = interrupted = False
     size: dict[str, int] = {}
@@ -292,6 +305,22 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 current = math.inf
                 dive = f if diving else dive
                 continue
+            if f.vp > 1 and (f, rc, lc) not in tightened:
+                # One program for the node of every FSDP variant of the shape first (bounds.group_node_bound): they
+                # sit at near-equal bounds, and one program over the least of their arrays often shows them all
+                # above the line. Each member popped below the group's bound goes back with it, unsolved.
+                group = sharding_group(f)
+                if (group, rc, lc) not in group_bounds:
+                    mem = members_of.get(group, [])
+                    group_bounds[(group, rc, lc)] = group_node_bound(
+                        job, tuple(mem), rc, lc, model, cluster,
+                        stop_at=open_below if open_below is not None else math.inf) if len(mem) > 1 else -math.inf
+                gb = group_bounds[(group, rc, lc)]
+                if gb > t_lb + 1e-12:
+                    if math.isfinite(gb):
+                        heapq.heappush(heap, (gb, m_lb, next(seq), f, rc, lc, 0))
+                    current = math.inf
+                    continue
             if (f, rc, lc) not in tightened:
                 tightened.add((f, rc, lc))
                 # Past the pruning line the exact value is not needed: the node only has to be shown above it.

@@ -111,7 +111,8 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
-                         cluster: ClusterSpec, stop_at: float = math.inf) -> float:
+                         cluster: ClusterSpec, stop_at: float = math.inf,
+                         members: tuple[Frame, ...] | None = None) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
@@ -119,23 +120,38 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
 
     `stop_at`: a line the caller only needs to know the node is at or above (the search's pruning line). A
     variant whose floor or merged program reaches it is not solved either; the bound is then min(least,
-    stop_at), still below every layout, and inf only when every variant was proven not to fit."""
+    stop_at), still below every layout, and inf only when every variant was proven not to fit.
+
+    `members`: frames of f's `frames.sharding_group` (f among them) to bound at once: each variant's arrays are
+    the least over the members (`_merge`), the budget the largest, the modes every member's undominated ones,
+    so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
+    balancing) must be the members' common ones; 0.0 (no bound) when they are not."""
+    group = list(members) if members else [f]
     allowed = _allowed_on(job)
-    cap = float(allocated_capacity_bytes(job, f, model, cluster))
+    cap = float(max(allocated_capacity_bytes(job, g, model, cluster) for g in group))
     host_cap = cluster.host_memory_bytes
     # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
     # no setting, which this settles without building the variants.
-    lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
-    if not lean_fits(job, f, lean, cap, host_cap):
+    lean_mode = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+    leans = [_memory_view(job, g, lean_mode, lc, model, cluster) for g in group]
+    if len({_schedule_terms(c) for c in leans}) > 1:
+        return 0.0
+    lean_a = _merge([lean_arrays(job, g, c) for g, c in zip(group, leans, strict=True)]) if len(group) > 1 else None
+    if not lean_fits(job, f, leans[0], cap, host_cap, arrays=lean_a):
         return math.inf
-    modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
+    modes = list(dict.fromkeys(md for g in group for md in undominated_modes(
+        job, g, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)))
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
                 for flags in itertools.product(*(_choices(job, t) for t in names))]
     variants = []
     for md in modes:
         for tg in settings:
-            a, c0 = _relaxed(job, f, md, lc, tg, model, cluster)
+            built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
+            if len({_schedule_terms(c) for _, c in built}) > 1:
+                return 0.0
+            a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
+            c0 = built[0][1]
             stage = max(float(t.sum()) for t in a.time.values()) / f.pp
             upd = _mean_update(a, f.pp)
             variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
@@ -221,6 +237,15 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
                                stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
         best = max(best, slots * stage + update)
     return best
+
+
+def _schedule_terms(c: Coefficients) -> tuple:
+    """What the programs read from a node's Coefficients besides the merged arrays (`_solve`, `_memory_rows`,
+    `_packet_floor`): equal over the members of a group bound, or the group is not bounded at once."""
+    return (c.n_layers, c.slots, tuple(tuple(tuple(x) for x in comps) for comps in c.compositions),
+            c.balanced_inflight, c.balance_seconds_per_byte, c.balance_resource, c.stream_bytes,
+            c.moe.tobytes(), c.closes.tobytes(), c.routing_map, c.shape.offload_resident_layers,
+            tuple(c.pp_on_nvlink), tuple(np.asarray(c.pp_seconds_per_byte, dtype=float).tolist()))
 
 
 def _mean_update(a: _Arrays, p: int) -> float:
@@ -514,12 +539,13 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
     return np.array(rows), rhs
 
 
-def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float) -> bool:
+def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float,
+              arrays: _Arrays | None = None) -> bool:
     """Whether any variant of a node of interleaved frame f might fit: `_fits` over `lean_arrays` (at or below every
     variant's bytes), the in-flight counts at balancing's average where allowed (a smaller count only lowers a
     row), under each allowed offload setting (offload moves saved bytes to the host and changes no other byte,
-    k3opt.coefficients)."""
-    a = lean_arrays(job, f, lean)
+    k3opt.coefficients). `arrays`: the lean arrays to test instead (a group's merged ones)."""
+    a = arrays if arrays is not None else lean_arrays(job, f, lean)
     bal = "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
     return any(_fits(f, a, lean, cap, host_cap, off, bal) for off in _choices(job, "activation_offload"))
 
