@@ -5,6 +5,7 @@ presolve-off cross-check, and the infeasible-job explanation. Tests assert statu
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -637,3 +638,20 @@ def test_budget_depends_on_the_degrees_only():
             assert allocated_capacity_bytes(job, g, model, cluster) == direct, g
             checked += 1
     assert checked == 60
+
+
+def test_a_node_bound_stopped_at_the_line_closes_it(tiny, slow, monkeypatch):
+    """A bound program told to stop at the pruning line returns a hair under it once the line is reached
+    (granular_stage: the stop x (1 - 1e-9)). The search must count such a node as at the line: not solve it with
+    CP-SAT, and report OPTIMAL with the proven gap within the gap (plus that rounding). Every node's bound is made
+    such a stop here, so the search ends on the incumbents without a solve."""
+    import k3opt.search.driver as driver
+
+    def at_line(job, f, rc, lc, model, cluster, stop_at=math.inf):
+        return stop_at * (1 - 1e-9) if math.isfinite(stop_at) else 0.0
+
+    monkeypatch.setattr(driver, "tight_node_bound", at_line)
+    monkeypatch.setattr(driver, "group_node_bound", lambda job, members, *a, **k: -math.inf)
+    plan = k3opt.plan(interleaved_small_job(), model=tiny, cluster=slow, top=1, pareto=False, gap=0.01)
+    assert plan.frames_solved == 0
+    assert plan.status == "OPTIMAL" and plan.gap <= 0.01 + 1e-8

@@ -92,6 +92,11 @@ take a second or two each."""
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
+LINE_ROUNDING = 1e-8
+"""Relative: a bound program told to stop at the pruning line returns a hair under it once it has shown the line
+reached (lp_bound.granular_stage: the stop x (1 - 1e-9)), so a bound this close under the line counts as at it.
+Without it such a node stayed open and was solved by CP-SAT, and a plan proven to the gap reported FEASIBLE."""
+
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
@@ -230,14 +235,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             k = kth()
 
             def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
-                return k is not None and (t >= k.rank_time_s * (1 - gap) if gap > 0 else
+                return k is not None and (t >= k.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING) if gap > 0 else
                                           (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
 
             if closed(t_lb, m_lb):
                 break
-            # The pruning line as one number where `closed` is a comparison with it (the scans below pass over the
-            # whole queue at every step).
-            open_below = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
+            # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
+            # scans below pass over the whole queue at every step).
+            line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
+            open_below = line * (1 - LINE_ROUNDING) if line is not None else None
             remaining = time_limit - (_time.monotonic() - t0)
             if remaining <= 0:
                 timed_out = True
@@ -282,14 +288,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 heapq.heappop(heap)
             current = t_lb
             mine = best_of.get(f)
-            if mine is not None and (t_lb > mine.rank_time_s or (gap > 0 and t_lb >= mine.rank_time_s * (1 - gap))):
+            if mine is not None and (t_lb > mine.rank_time_s or (
+                    gap > 0 and t_lb >= mine.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING))):
                 residual = min(residual, t_lb)
                 current = math.inf
                 continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
             if rc is None and f not in frame_tightened:
                 frame_tightened.add(f)
                 ft, fm_ = frame_dp_bound(job, f, model, cluster,
-                                         stop_at=open_below if open_below is not None else math.inf)
+                                         stop_at=line if line is not None else math.inf)
                 if ft > t_lb + 1e-12 or fm_ > m_lb:
                     if math.isfinite(ft) and fm_ <= caps[f]:
                         heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
@@ -314,7 +321,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     mem = members_of.get(group, [])
                     group_bounds[(group, rc, lc)] = group_node_bound(
                         job, tuple(mem), rc, lc, model, cluster,
-                        stop_at=open_below if open_below is not None else math.inf) if len(mem) > 1 else -math.inf
+                        stop_at=line if line is not None else math.inf) if len(mem) > 1 else -math.inf
                 gb = group_bounds[(group, rc, lc)]
                 if gb > t_lb + 1e-12:
                     if math.isfinite(gb):
@@ -325,7 +332,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 tightened.add((f, rc, lc))
                 # Past the pruning line the exact value is not needed: the node only has to be shown above it.
                 tight = tight_node_bound(job, f, rc, lc, model, cluster,
-                                         stop_at=open_below if open_below is not None else math.inf)
+                                         stop_at=line if line is not None else math.inf)
                 if tight > t_lb + 1e-12:
                     if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
                         if math.isfinite(tight):
@@ -391,8 +398,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     bound = min(bound, best_t)
     proven_gap = (best_t - bound) / best_t if best_t else 0.0
     k = ranked[min(top, len(ranked)) - 1].rank_time_s
-    done = not (timed_out or interrupted) and (bound >= k * (1 - gap) - 1e-12 or not heap)
-    status = "OPTIMAL" if done and proven_gap <= gap + 1e-12 else "FEASIBLE"
+    # gap > 0: bounds within LINE_ROUNDING under the line count as at it, so the proven gap may exceed `gap` by
+    # as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
+    tol = LINE_ROUNDING if gap > 0 else 0.0
+    done = not (timed_out or interrupted) and (bound >= k * (1 - gap) * (1 - tol) - 1e-12 or not heap)
+    status = "OPTIMAL" if done and proven_gap <= gap + tol + 1e-12 else "FEASIBLE"
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
