@@ -23,10 +23,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 
 from k3opt.errors import K3optError, PresetNotFoundError, SpecError
-from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
+from k3opt.specs import (
+    ClusterSpec,
+    PosFloat,
+    Precision,
+    _format_validation_error,
+    _load,
+    _read_toml,
+    _Strict,
+    preset_dir,
+    resolve,
+)
 
 _RATE_KINDS = Literal["measured", "spec", "derived", "assumption"]
 
@@ -324,8 +334,27 @@ class RatesSpec(_Strict):
 
 
 def load_rates(name_or_path: str) -> RatesSpec:
-    """A rates preset name (`gb200-nvl72`) or a path to a rates TOML."""
-    return _load(RatesSpec, name_or_path, "rates")
+    """A rates preset name (`gb200-nvl72`) or a path to a rates TOML. A relative `gemm_shape.table` path in it is
+    read against the rates file's folder, not the working directory (as the file's author wrote it)."""
+    path = resolve(name_or_path, "rates")
+    data = _read_toml(path, f"rates {path.name}")
+    data = _table_beside(data, path.parent)
+    try:
+        return RatesSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err, f"rates {path.name}")) from None
+
+
+def _table_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`data` with a relative `gemm_shape.table` path made absolute against `folder`; a shipped table's name
+    (constraints/rates/gemm-shapes/<name>.toml) and an absolute path stay as written."""
+    gs = data.get("gemm_shape")
+    table = gs.get("table") if isinstance(gs, dict) else None
+    if not isinstance(table, str) or not table or Path(table).is_absolute():
+        return data
+    if (preset_dir("rates") / "gemm-shapes" / f"{table}.toml").exists():
+        return data
+    return {**data, "gemm_shape": {**gs, "table": str((folder / table).resolve())}}
 
 
 def rates_for(cluster: ClusterSpec) -> RatesSpec | None:

@@ -6,6 +6,7 @@ numbers (TFLOP/s, C[m, n] = A[m, k] B[k, n]) and hand interpolation in log2 betw
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,3 +167,29 @@ def test_mxfp8_cast_kernels_run_at_their_measured_rate():
     a = coefficients(Shape.of(bf), model, cluster, rates=load_rates("b200"))
     b = coefficients(Shape.of(bf), model, cluster, rates=load_rates("b200").model_copy(update={"hbm_quantize": None}))
     assert a.achievable["vector"][5] == b.achievable["vector"][5]
+
+
+def test_a_relative_table_path_is_read_beside_the_rates_file(tmp_path, monkeypatch):
+    """A user's rates file naming its own table by a relative path (`table = "tables/mine.toml"`) reads the table
+    from the rates file's folder, whatever the working directory; the same table under a shipped name reads the same
+    figures (the copy below is byte for byte the shipped one, so any (m, n, k) reads alike)."""
+    from k3opt.specs import preset_dir
+
+    folder = tmp_path / "site" / "rates"
+    (folder / "tables").mkdir(parents=True)
+    shipped = preset_dir("rates") / "gemm-shapes" / "xla-matmul-sm100.toml"
+    (folder / "tables" / "mine.toml").write_text(shipped.read_text())
+    (folder / "mine.toml").write_text(_rates_text().replace('table = "xla-matmul-sm100"',
+                                                            'table = "tables/mine.toml"'))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_rates(str(folder / "mine.toml"))
+    assert Path(r.gemm_shape.table) == (folder / "tables" / "mine.toml").resolve()
+    f = r.shape_factors(Precision.MXFP8, np.array([0]), np.array([2048]), np.array([2048]), np.array([2048]))
+    assert f.tolist() == pytest.approx([1427.730 / 2764.982], abs=1e-12)
+    # A table that is not beside the file is one clear error that names the path it looked for.
+    (folder / "tables" / "mine.toml").unlink()
+    load_gemm_table.cache_clear()
+    with pytest.raises(SpecError, match="tables/mine.toml"):
+        load_rates(str(folder / "mine.toml"))
