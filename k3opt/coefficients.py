@@ -988,7 +988,8 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     dropless routing, T k e / E. With a measured shape table (RatesSpec.gemm_shape) each of the three passes, a
     third of the FLOPs, runs at the table's rate of its own GEMM relative to the class's reference shape, with F
     the output width of the GEMM the weight runs in (fused_gemm_widths: q, k, v; gate and up): forward (M, F, in),
-    data gradient (M, in, F), weight gradient (F, in, M). Otherwise one factor from the cube-edge curve at
+    data gradient (M, in, F), weight gradient (F, in, M), the two gradients in the table's gradient column where
+    the rates name one (GemmShape.gradient_columns). Otherwise one factor from the cube-edge curve at
     (M out in)^(1/3)."""
     tf = 1e12
     p, bf = precision, Precision.BF16
@@ -1013,13 +1014,13 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
             continue
         m, f, k, r = m_tokens[rows], fused[rows], inp[rows], is_routed[rows]
         passes = []
-        for mnk in ((m, f, k), (m, k, f), (f, k, m)):
-            g = rt.shape_factors(prec, r, *mnk)
+        for grad, mnk in ((False, (m, f, k)), (True, (m, k, f)), (True, (f, k, m))):
+            g = rt.shape_factors(prec, r, *mnk, gradient=grad)
             if g is None:
                 break
             # A group of a grouped GEMM runs no faster than one dense GEMM of its shape: above the grouped
             # reference's size the dense class's rate caps it.
-            d = rt.shape_factors(prec, np.zeros_like(r), *mnk)
+            d = rt.shape_factors(prec, np.zeros_like(r), *mnk, gradient=grad)
             passes.append(np.where(r > 0, np.minimum(frac[rows] * g, dense[rows] * d), frac[rows] * g))
         inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes else 1.0 / (frac[rows] * cube[rows]))
     return flops * inv / peak

@@ -193,3 +193,62 @@ def test_a_relative_table_path_is_read_beside_the_rates_file(tmp_path, monkeypat
     load_gemm_table.cache_clear()
     with pytest.raises(SpecError, match="tables/mine.toml"):
         load_rates(str(folder / "mine.toml"))
+
+
+# The table's E5M2 x E4M3 figures (f8e5m2xf8e4m3fn -> bf16), TFLOP/s at (m, n, k), the header's FLOP/s / 1e12:
+E5 = {
+    (2048, 2048, 2048): 1425.715,  # 1425715284979253
+    (2048, 2048, 1024): 969.081,   # 969081068592057
+    (1024, 2048, 2048): 983.280,   # 983280058608058
+    (2048, 512, 2048): 544.356,    # 544355804309252
+    (2048, 1024, 2048): 990.423,   # 990422528767439
+    (4096, 4096, 4096): 2784.420,  # 2784419640842787
+}
+
+
+def test_fp8_gradient_gemms_read_the_e5m2_column():
+    """The hybrid FP8 recipe (Megatron-Bridge fp8 = "hybrid") holds dY in E5M2: its data gradient dY W and weight
+    gradient dY^T X read the table's E5M2 x E4M3 column, relative to the forward column's reference (the class
+    fractions were measured E4M3 x E4M3). MXFP8 is E4M3 in every pass (fp8 = "e4m3"): its gradients read f8e4m3fn."""
+    tab = load_gemm_table("xla-matmul-sm100")
+    for (m, n, k), tf in E5.items():
+        assert tab.rate("f8e5m2xf8e4m3fn", m, n, k) == pytest.approx(tf, abs=1e-9)
+    r = load_rates("b200")
+    one = (np.array([0]), np.array([2048]), np.array([2048]), np.array([2048]))
+    assert r.shape_factors(Precision.FP8, *one, gradient=True).tolist() == pytest.approx([1425.715 / 2764.982])
+    assert r.shape_factors(Precision.FP8, *one).tolist() == pytest.approx([1427.730 / 2764.982])
+    assert r.shape_factors(Precision.MXFP8, *one, gradient=True).tolist() == pytest.approx([1427.730 / 2764.982])
+    # Qwen3-30B-A3B's routed experts at FP8 on 8 B200 as in test_routed_expert_gemms_pass_by_pass_on_the_table:
+    # the forward passes read F8, both gradient passes E5 (interpolated the same way), the dense cap binding.
+    f = math.log2(1.5)
+    fc1 = [F8[(2048, 1024, 2048)] + f * (F8[(2048, 2048, 2048)] - F8[(2048, 1024, 2048)]),
+           E5[(2048, 2048, 1024)] + f * (E5[(2048, 2048, 2048)] - E5[(2048, 2048, 1024)]),   # 1,238.134
+           E5[(1024, 2048, 2048)] + f * (E5[(2048, 2048, 2048)] - E5[(1024, 2048, 2048)])]   # 1,242.128
+    fc2 = [F8[(2048, 2048, 512)] + f * (F8[(2048, 2048, 1024)] - F8[(2048, 2048, 512)]),
+           E5[(2048, 512, 2048)] + f * (E5[(2048, 1024, 2048)] - E5[(2048, 512, 2048)]),     # 805.237
+           E5[(2048, 512, 2048)] + f * (E5[(2048, 1024, 2048)] - E5[(2048, 512, 2048)])]
+    pass_flops = 2 * 4096 * 768 * 2048 * 8
+
+    def seconds(x: float) -> float:
+        return pass_flops / (MXFP8_PEAK * min(GROUPED_MXFP8 * x / F8[(4096, 2048, 4096)],
+                                              DENSE_MXFP8 * x / F8[(4096, 4096, 4096)]))
+
+    gemm = 2 * sum(seconds(x) for x in fc1) + sum(seconds(x) for x in fc2)
+    lay = k3opt.make_layout(gpus=8, pp=1, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=4, context=4096,
+                            split=[48], recompute="none", precision="fp8")
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"),
+                      rates=load_rates("b200"))
+    moe_gemm = cf.moe_compute_achievable[5] - cf.moe_vector_achievable[5]
+    assert moe_gemm == pytest.approx(gemm, rel=1e-6, abs=0)
+
+
+def test_a_gradient_column_needs_its_forward_column(tmp_path):
+    bad = tmp_path / "r.toml"
+    bad.write_text(_rates_text().replace('gradient_columns = { fp8 = "f8e5m2xf8e4m3fn" }',
+                                         'gradient_columns = { nvfp4 = "f8e5m2xf8e4m3fn" }'))
+    with pytest.raises(SpecError, match="gradient_columns name nvfp4"):
+        load_rates(str(bad))
+    bad.write_text(_rates_text().replace('gradient_columns = { fp8 = "f8e5m2xf8e4m3fn" }',
+                                         'gradient_columns = { fp8 = "f8e5m2xf8e5m2" }'))
+    with pytest.raises(SpecError, match="f8e5m2xf8e5m2"):
+        load_rates(str(bad))
