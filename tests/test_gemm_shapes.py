@@ -254,3 +254,18 @@ def test_a_gradient_column_needs_its_forward_column(tmp_path):
                                          'gradient_columns = { fp8 = "f8e5m2xf8e5m2" }'))
     with pytest.raises(SpecError, match="f8e5m2xf8e5m2"):
         load_rates(str(bad))
+
+
+def test_a_fused_gemm_quantizes_its_input_once():
+    """DeepSeek-V3's MoE layer, elements the cast kernels quantize per token, X and dY of each quantized GEMM:
+    MLA q_a 7168 + 1536, q_b 1536 + 24576, kv_a 7168 + 576, kv_b 512 + 32768, o 16384 + 7168 (MLA's projections
+    are separate linears: 99,392); the shared expert's linear_fc1 reads X once, 7168 + 2 x 2048, and its fc2
+    2048 + 7168 (20,480); 8 routed experts x the same (163,840): 283,712. Per weight (X once for gate and once for
+    up) it would be 7168 x 9 more: 348,224. The embedding stays BF16 and quantizes nothing."""
+    from k3opt.coefficients import _static
+
+    model = k3opt.load_model("deepseek-v3")
+    sa = _static(model.model_dump_json())
+    moe_layer = int(np.nonzero(sa.moe[:model.num_layers])[0][0])
+    assert sa.q_elements[moe_layer] == 99_392 + 20_480 + 8 * 20_480
+    assert sa.q_elements[model.num_layers] == 0
