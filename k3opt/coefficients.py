@@ -489,7 +489,7 @@ def _build_static(model_json: str) -> _Static:
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
         routed_active=per(lambda b: b.routed_active_params),
-        q_elements=q_sum(lambda t: t.active_per_token * (t.shape[0] + t.shape[1])),
+        q_elements=per(quantized_cast_elements),
         q_params_nonrouted=q_sum(lambda t: 0 if t.routed else t.numel),
         q_params_routed=q_sum(lambda t: t.numel if t.routed else 0),
         pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw")),
@@ -509,6 +509,24 @@ MEGATRON_FUSED_GEMMS: tuple[frozenset[str], ...] = (
 """Weights Megatron multiplies as one GEMM, their outputs side by side (NVIDIA/Megatron-LM
 megatron/core/transformer/attention.py linear_qkv, megatron/core/transformer/mlp.py linear_fc1 with
 gated_linear_unit, megatron/core/transformer/moe/experts.py); MLA's down and up projections stay separate."""
+
+
+def quantized_cast_elements(block: Block) -> int:
+    """Elements the low-precision cast kernels quantize per token for one block's GEMMs: each GEMM's input X
+    (forward) and output gradient dY (backward), sum of active copies x (in + out), with the input of a
+    MEGATRON_FUSED_GEMMS group counted once: Megatron runs the group as one TransformerEngine linear (linear_qkv,
+    the gated linear_fc1), which quantizes its input once for all the group's weights."""
+    total, seen = 0, set()
+    for t in block.tensors:
+        if not quantized_gemm(block, t):
+            continue
+        group = next((g for g in MEGATRON_FUSED_GEMMS if t.name in g), None)
+        total += t.active_per_token * t.shape[0]
+        if group is None or group not in seen:
+            total += t.active_per_token * t.shape[1]
+        if group is not None:
+            seen.add(group)
+    return total
 
 
 def fused_gemm_widths(rows: list[tuple[str, int]]) -> list[int]:
@@ -988,7 +1006,8 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     dropless routing, T k e / E. With a measured shape table (RatesSpec.gemm_shape) each of the three passes, a
     third of the FLOPs, runs at the table's rate of its own GEMM relative to the class's reference shape, with F
     the output width of the GEMM the weight runs in (fused_gemm_widths: q, k, v; gate and up): forward (M, F, in),
-    data gradient (M, in, F), weight gradient (F, in, M). Otherwise one factor from the cube-edge curve at
+    data gradient (M, in, F), weight gradient (F, in, M), the two gradients in the table's gradient column where
+    the rates name one (GemmShape.gradient_columns). Otherwise one factor from the cube-edge curve at
     (M out in)^(1/3)."""
     tf = 1e12
     p, bf = precision, Precision.BF16
@@ -1013,13 +1032,13 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
             continue
         m, f, k, r = m_tokens[rows], fused[rows], inp[rows], is_routed[rows]
         passes = []
-        for mnk in ((m, f, k), (m, k, f), (f, k, m)):
-            g = rt.shape_factors(prec, r, *mnk)
+        for grad, mnk in ((False, (m, f, k)), (True, (m, k, f)), (True, (f, k, m))):
+            g = rt.shape_factors(prec, r, *mnk, gradient=grad)
             if g is None:
                 break
             # A group of a grouped GEMM runs no faster than one dense GEMM of its shape: above the grouped
             # reference's size the dense class's rate caps it.
-            d = rt.shape_factors(prec, np.zeros_like(r), *mnk)
+            d = rt.shape_factors(prec, np.zeros_like(r), *mnk, gradient=grad)
             passes.append(np.where(r > 0, np.minimum(frac[rows] * g, dense[rows] * d), frac[rows] * g))
         inv[rows] = (sum(1.0 / x for x in passes) / 3.0 if passes else 1.0 / (frac[rows] * cube[rows]))
     return flops * inv / peak

@@ -23,10 +23,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 
 from k3opt.errors import K3optError, PresetNotFoundError, SpecError
-from k3opt.specs import ClusterSpec, PosFloat, Precision, _load, _Strict, preset_dir
+from k3opt.specs import (
+    ClusterSpec,
+    PosFloat,
+    Precision,
+    _format_validation_error,
+    _load,
+    _read_toml,
+    _Strict,
+    preset_dir,
+    resolve,
+)
 
 _RATE_KINDS = Literal["measured", "spec", "derived", "assumption"]
 
@@ -152,6 +162,9 @@ class GemmShape(_Strict):
     """A shipped table's name (constraints/rates/gemm-shapes/) or a path to one."""
     columns: dict[Precision, str]
     """The table column each compute precision reads (a precision left out reads the cube-edge `gemm_size`)."""
+    gradient_columns: dict[Precision, str] = Field(default_factory=dict)
+    """The column the data- and weight-gradient GEMMs of a precision read when their operands differ from the
+    forward's (the hybrid FP8 recipe: dY in E5M2 times an E4M3 operand); a precision left out reads `columns`."""
     dense_reference: tuple[PosFloat, PosFloat, PosFloat]
     """(m, n, k) the gemm_dense fractions were measured at."""
     grouped_reference: tuple[PosFloat, PosFloat, PosFloat]
@@ -164,19 +177,27 @@ class GemmShape(_Strict):
             tab = load_gemm_table(self.table)
         except (K3optError, OSError) as err:
             raise ValueError(f"gemm_shape.table '{self.table}': {err}") from None
-        missing = sorted({c for c in self.columns.values()} - tab.tflops.keys())
+        missing = sorted({*self.columns.values(), *self.gradient_columns.values()} - tab.tflops.keys())
         if missing:
             raise ValueError(f"gemm_shape.columns name {', '.join(missing)}, not in table {tab.name} (it has "
                              f"{', '.join(sorted(tab.tflops))})")
+        extra = sorted(p.value for p in self.gradient_columns.keys() - self.columns.keys())
+        if extra:
+            raise ValueError(f"gemm_shape.gradient_columns name {', '.join(extra)}, which `columns` does not: give "
+                             f"the forward's column too")
         return self
 
     def factor(self, precision: Precision, routed: np.ndarray, m: np.ndarray, n: np.ndarray,
-               k: np.ndarray) -> np.ndarray:
-        """table(m, n, k) / table(the class's reference shape), per GEMM (routed: grouped class)."""
+               k: np.ndarray, gradient: bool = False) -> np.ndarray:
+        """table(m, n, k) / table(the class's reference shape), per GEMM (routed: grouped class). A gradient GEMM
+        (`gradient`) reads its own column where `gradient_columns` names one; the reference stays the forward
+        column's, the operands the class fractions were measured with."""
         tab = load_gemm_table(self.table)
         col = self.columns[precision]
         ref = np.where(np.asarray(routed) > 0, tab.rate(col, *self.grouped_reference),
                        tab.rate(col, *self.dense_reference))
+        if gradient:
+            col = self.gradient_columns.get(precision, col)
         return tab.rate(col, m, n, k) / ref
 
 
@@ -268,13 +289,14 @@ class RatesSpec(_Strict):
         return np.interp(np.log2(edge), np.log2(c.edge), c.relative)
 
     def shape_factors(self, precision: Precision, routed: np.ndarray, m: np.ndarray, n: np.ndarray,
-                      k: np.ndarray) -> np.ndarray | None:
-        """Per GEMM, its rate relative to its class fraction's (GemmShape.factor); None when no table column serves
-        the precision (the caller then reads the cube-edge curve)."""
+                      k: np.ndarray, gradient: bool = False) -> np.ndarray | None:
+        """Per GEMM, its rate relative to its class fraction's (GemmShape.factor; `gradient`: a data- or
+        weight-gradient GEMM); None when no table column serves the precision (the caller then reads the cube-edge
+        curve)."""
         gs = self.gemm_shape
         if gs is None or precision not in gs.columns:
             return None
-        return gs.factor(precision, routed, m, n, k)
+        return gs.factor(precision, routed, m, n, k, gradient)
 
     def gemm(self, kind: str, precision: Precision) -> float:
         table = self.gemm_dense if kind == "dense" else self.gemm_grouped
@@ -324,8 +346,27 @@ class RatesSpec(_Strict):
 
 
 def load_rates(name_or_path: str) -> RatesSpec:
-    """A rates preset name (`gb200-nvl72`) or a path to a rates TOML."""
-    return _load(RatesSpec, name_or_path, "rates")
+    """A rates preset name (`gb200-nvl72`) or a path to a rates TOML. A relative `gemm_shape.table` path in it is
+    read against the rates file's folder, not the working directory (as the file's author wrote it)."""
+    path = resolve(name_or_path, "rates")
+    data = _read_toml(path, f"rates {path.name}")
+    data = _table_beside(data, path.parent)
+    try:
+        return RatesSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err, f"rates {path.name}")) from None
+
+
+def _table_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`data` with a relative `gemm_shape.table` path made absolute against `folder`; a shipped table's name
+    (constraints/rates/gemm-shapes/<name>.toml) and an absolute path stay as written."""
+    gs = data.get("gemm_shape")
+    table = gs.get("table") if isinstance(gs, dict) else None
+    if not isinstance(table, str) or not table or Path(table).is_absolute():
+        return data
+    if (preset_dir("rates") / "gemm-shapes" / f"{table}.toml").exists():
+        return data
+    return {**data, "gemm_shape": {**gs, "table": str((folder / table).resolve())}}
 
 
 def rates_for(cluster: ClusterSpec) -> RatesSpec | None:

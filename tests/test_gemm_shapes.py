@@ -6,6 +6,7 @@ numbers (TFLOP/s, C[m, n] = A[m, k] B[k, n]) and hand interpolation in log2 betw
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,8 +145,10 @@ def test_mxfp8_cast_kernels_run_at_their_measured_rate():
     """The cast kernels (BF16 read, row- and column-wise MXFP8 copies written: 2 + 2 x (1 + 1/32) = 4.0625 B per
     element) run at 0.651 of 8 TB/s (constraints/rates/b200.toml [hbm_quantize]), the other streaming kernels at
     0.74. Qwen3-30B-A3B on 8 B200, EP8, MXFP8, T = 4,096, one layer:
-      per microbatch, X and dY of every quantized GEMM: q (2048 + 4096) + k, v 2 x (2048 + 512) + o (4096 + 2048)
-      + 8 active experts x 3 x (2048 + 768) = 84,992 elements a token: 84,992 x 4.0625 x 4,096 = 1,414,266,880 B;
+      per microbatch, X and dY of every quantized GEMM, a fused GEMM's input once (Megatron's linear_qkv and the
+      gated linear_fc1 are one TransformerEngine linear each): linear_qkv (2048 + 4096 + 512 + 512) + o (4096 + 2048)
+      + 8 active experts x (fc1 (2048 + 2 x 768) + fc2 (768 + 2048)) = 64,512 elements a token:
+      64,512 x 4.0625 x 4,096 = 1,073,479,680 B;
       per update, the layer's weights once: q, k, v, o 18,874,368 + 128 x 3 x 768 x 2048 / 8 = 75,497,472 routed
       = 94,371,840 elements x 4.0625 = 383,385,600 B."""
     lay = k3opt.make_layout(gpus=8, pp=1, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=4, context=4096,
@@ -155,7 +158,7 @@ def test_mxfp8_cast_kernels_run_at_their_measured_rate():
     copy = coefficients(Shape.of(lay), model, cluster,
                         rates=load_rates("b200").model_copy(update={"hbm_quantize": None}))
     extra = 1 / (HBM * 0.651) - 1 / (HBM * HBM_FRAC)
-    assert cast.achievable["vector"][5] - copy.achievable["vector"][5] == pytest.approx(1_414_266_880 * extra,
+    assert cast.achievable["vector"][5] - copy.achievable["vector"][5] == pytest.approx(1_073_479_680 * extra,
                                                                                      rel=1e-9, abs=0)
     assert cast.update_achievable["hbm"][5] - copy.update_achievable["hbm"][5] == pytest.approx(
         383_385_600 * extra, rel=1e-9, abs=0)
@@ -166,3 +169,103 @@ def test_mxfp8_cast_kernels_run_at_their_measured_rate():
     a = coefficients(Shape.of(bf), model, cluster, rates=load_rates("b200"))
     b = coefficients(Shape.of(bf), model, cluster, rates=load_rates("b200").model_copy(update={"hbm_quantize": None}))
     assert a.achievable["vector"][5] == b.achievable["vector"][5]
+
+
+def test_a_relative_table_path_is_read_beside_the_rates_file(tmp_path, monkeypatch):
+    """A user's rates file naming its own table by a relative path (`table = "tables/mine.toml"`) reads the table
+    from the rates file's folder, whatever the working directory; the same table under a shipped name reads the same
+    figures (the copy below is byte for byte the shipped one, so any (m, n, k) reads alike)."""
+    from k3opt.specs import preset_dir
+
+    folder = tmp_path / "site" / "rates"
+    (folder / "tables").mkdir(parents=True)
+    shipped = preset_dir("rates") / "gemm-shapes" / "xla-matmul-sm100.toml"
+    (folder / "tables" / "mine.toml").write_text(shipped.read_text())
+    (folder / "mine.toml").write_text(_rates_text().replace('table = "xla-matmul-sm100"',
+                                                            'table = "tables/mine.toml"'))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = load_rates(str(folder / "mine.toml"))
+    assert Path(r.gemm_shape.table) == (folder / "tables" / "mine.toml").resolve()
+    f = r.shape_factors(Precision.MXFP8, np.array([0]), np.array([2048]), np.array([2048]), np.array([2048]))
+    assert f.tolist() == pytest.approx([1427.730 / 2764.982], abs=1e-12)
+    # A table that is not beside the file is one clear error that names the path it looked for.
+    (folder / "tables" / "mine.toml").unlink()
+    load_gemm_table.cache_clear()
+    with pytest.raises(SpecError, match="tables/mine.toml"):
+        load_rates(str(folder / "mine.toml"))
+
+
+# The table's E5M2 x E4M3 figures (f8e5m2xf8e4m3fn -> bf16), TFLOP/s at (m, n, k), the header's FLOP/s / 1e12:
+E5 = {
+    (2048, 2048, 2048): 1425.715,  # 1425715284979253
+    (2048, 2048, 1024): 969.081,   # 969081068592057
+    (1024, 2048, 2048): 983.280,   # 983280058608058
+    (2048, 512, 2048): 544.356,    # 544355804309252
+    (2048, 1024, 2048): 990.423,   # 990422528767439
+    (4096, 4096, 4096): 2784.420,  # 2784419640842787
+}
+
+
+def test_fp8_gradient_gemms_read_the_e5m2_column():
+    """The hybrid FP8 recipe (Megatron-Bridge fp8 = "hybrid") holds dY in E5M2: its data gradient dY W and weight
+    gradient dY^T X read the table's E5M2 x E4M3 column, relative to the forward column's reference (the class
+    fractions were measured E4M3 x E4M3). MXFP8 is E4M3 in every pass (fp8 = "e4m3"): its gradients read f8e4m3fn."""
+    tab = load_gemm_table("xla-matmul-sm100")
+    for (m, n, k), tf in E5.items():
+        assert tab.rate("f8e5m2xf8e4m3fn", m, n, k) == pytest.approx(tf, abs=1e-9)
+    r = load_rates("b200")
+    one = (np.array([0]), np.array([2048]), np.array([2048]), np.array([2048]))
+    assert r.shape_factors(Precision.FP8, *one, gradient=True).tolist() == pytest.approx([1425.715 / 2764.982])
+    assert r.shape_factors(Precision.FP8, *one).tolist() == pytest.approx([1427.730 / 2764.982])
+    assert r.shape_factors(Precision.MXFP8, *one, gradient=True).tolist() == pytest.approx([1427.730 / 2764.982])
+    # Qwen3-30B-A3B's routed experts at FP8 on 8 B200 as in test_routed_expert_gemms_pass_by_pass_on_the_table:
+    # the forward passes read F8, both gradient passes E5 (interpolated the same way), the dense cap binding.
+    f = math.log2(1.5)
+    fc1 = [F8[(2048, 1024, 2048)] + f * (F8[(2048, 2048, 2048)] - F8[(2048, 1024, 2048)]),
+           E5[(2048, 2048, 1024)] + f * (E5[(2048, 2048, 2048)] - E5[(2048, 2048, 1024)]),   # 1,238.134
+           E5[(1024, 2048, 2048)] + f * (E5[(2048, 2048, 2048)] - E5[(1024, 2048, 2048)])]   # 1,242.128
+    fc2 = [F8[(2048, 2048, 512)] + f * (F8[(2048, 2048, 1024)] - F8[(2048, 2048, 512)]),
+           E5[(2048, 512, 2048)] + f * (E5[(2048, 1024, 2048)] - E5[(2048, 512, 2048)]),     # 805.237
+           E5[(2048, 512, 2048)] + f * (E5[(2048, 1024, 2048)] - E5[(2048, 512, 2048)])]
+    pass_flops = 2 * 4096 * 768 * 2048 * 8
+
+    def seconds(x: float) -> float:
+        return pass_flops / (MXFP8_PEAK * min(GROUPED_MXFP8 * x / F8[(4096, 2048, 4096)],
+                                              DENSE_MXFP8 * x / F8[(4096, 4096, 4096)]))
+
+    gemm = 2 * sum(seconds(x) for x in fc1) + sum(seconds(x) for x in fc2)
+    lay = k3opt.make_layout(gpus=8, pp=1, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=4, context=4096,
+                            split=[48], recompute="none", precision="fp8")
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"),
+                      rates=load_rates("b200"))
+    moe_gemm = cf.moe_compute_achievable[5] - cf.moe_vector_achievable[5]
+    assert moe_gemm == pytest.approx(gemm, rel=1e-6, abs=0)
+
+
+def test_a_gradient_column_needs_its_forward_column(tmp_path):
+    bad = tmp_path / "r.toml"
+    bad.write_text(_rates_text().replace('gradient_columns = { fp8 = "f8e5m2xf8e4m3fn" }',
+                                         'gradient_columns = { nvfp4 = "f8e5m2xf8e4m3fn" }'))
+    with pytest.raises(SpecError, match="gradient_columns name nvfp4"):
+        load_rates(str(bad))
+    bad.write_text(_rates_text().replace('gradient_columns = { fp8 = "f8e5m2xf8e4m3fn" }',
+                                         'gradient_columns = { fp8 = "f8e5m2xf8e5m2" }'))
+    with pytest.raises(SpecError, match="f8e5m2xf8e5m2"):
+        load_rates(str(bad))
+
+
+def test_a_fused_gemm_quantizes_its_input_once():
+    """DeepSeek-V3's MoE layer, elements the cast kernels quantize per token, X and dY of each quantized GEMM:
+    MLA q_a 7168 + 1536, q_b 1536 + 24576, kv_a 7168 + 576, kv_b 512 + 32768, o 16384 + 7168 (MLA's projections
+    are separate linears: 99,392); the shared expert's linear_fc1 reads X once, 7168 + 2 x 2048, and its fc2
+    2048 + 7168 (20,480); 8 routed experts x the same (163,840): 283,712. Per weight (X once for gate and once for
+    up) it would be 7168 x 9 more: 348,224. The embedding stays BF16 and quantizes nothing."""
+    from k3opt.coefficients import _static
+
+    model = k3opt.load_model("deepseek-v3")
+    sa = _static(model.model_dump_json())
+    moe_layer = int(np.nonzero(sa.moe[:model.num_layers])[0][0])
+    assert sa.q_elements[moe_layer] == 99_392 + 20_480 + 8 * 20_480
+    assert sa.q_elements[model.num_layers] == 0

@@ -114,7 +114,8 @@ def test_overlapped_all_to_all_still_holds_its_sms():
     dispatcher's SMs: HybridEP was measured with 32 of a GB200's 148 SMs, so the stage keeps 32/148 of it."""
     from k3opt.achievable import achievable_for
 
-    lay = k3opt.load_layout("layouts/measured/mb-13-deepseek-v3-gb200.toml")
+    # MB-13's layout with the EP overlap schedule of the 067f987d recipes (its 26.04.01 release ran without it).
+    lay = k3opt.load_layout("layouts/measured/mb-13-deepseek-v3-gb200.toml").model_copy(update={"ep_overlap": True})
     model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72")
     on = achievable_for(coefficients(Shape.of(lay), model, cluster), lay.split, cluster)
     off_lay = lay.model_copy(update={"ep_overlap": False})
@@ -185,12 +186,13 @@ def test_unpaired_microbatches_of_the_ep_overlap_schedule():
 
 
 def test_ep_overlap_exposes_one_microbatch_of_all_to_all_under_pp1():
-    """MB-20 (PP 1, HybridEP overlapped, 32 of 148 SMs): the first forward's dispatch + combine and the last
+    """MB-20's layout under the 067f987d recipe's EP overlap (PP 1, HybridEP, 32 of 148 SMs; its 26.04.01 release
+    ran without overlap): the first forward's dispatch + combine and the last
     backward's run alone, one microbatch's all-to-all in all (4 payload exchanges, 2 each way), costing what the
     overlapped stage did not charge: (1 - 32/148) x its time, added once to the step. Without overlap: 0."""
     from k3opt.achievable import achievable_for
 
-    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml").model_copy(update={"ep_overlap": True})
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
     cf = coefficients(Shape.of(lay), model, cluster)
     step = achievable_for(cf, lay.split, cluster)

@@ -32,7 +32,10 @@ def test_every_public_row_is_a_layout_or_named_as_not_expressible():
 def test_layouts_carry_their_source_and_the_table_figure():
     for p in measured_layouts():
         lay = load_layout(p)
-        assert "Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a" in lay.source
+        # Settings from a pinned Megatron-Bridge commit: the perf recipes of 067f987d, or the performance configs of
+        # v0.4.2 (c8101293), the release whose docs/performance-summary.md table is the 26.04.01 one.
+        assert ("Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a" in lay.source
+                or "Megatron-Bridge@v0.4.2 (c810129341a84e58f4cbed3093f70668a088c028)" in lay.source), lay.name
         assert lay.measured.tokens_per_s_per_gpu == PUBLIC_ROWS[lay.name]
         # Step time = GBS x seq / (TPS x GPUs) with GBS = DP x M x MBS.
         gbs = lay.dp * lay.microbatches * lay.rows
@@ -58,6 +61,17 @@ def test_cli_prints_every_row_and_the_mae(validation):
     assert f"Mean absolute error (achievable): {validation.mean_abs_error_pct:.1f}%" in result.output
     data = json.loads(CliRunner().invoke(main, ["validate-throughput", "--json"]).output)
     assert len(data["rows"]) == len(validation.rows)
+
+
+def test_26_04_01_rows_run_without_ep_overlap_as_their_release_did():
+    """The 26.04.01 table's Qwen3 and GB200 / GB300 DeepSeek-V3 rows ran the performance configs of Megatron-Bridge
+    v0.4.2, where moe_a2a_overlap = False (scripts/performance/configs/*/..._workload_base_configs.py, the
+    WorkloadBaseConfig default in scripts/performance/utils/utils.py): their layouts keep the all-to-all exposed.
+    MB-14 (B200) ran DeepEP with moe_a2a_overlap = True in the same release, and keeps the overlap."""
+    by_name = {load_layout(p).name: load_layout(p) for p in measured_layouts()}
+    for name in ("MB-12", "MB-13", "MB-17", "MB-18", "MB-20"):
+        assert "v0.4.2" in by_name[name].source and not by_name[name].ep_overlap, name
+    assert by_name["MB-14"].ep_overlap and by_name["MB-14"].dispatcher == "deepep"
 
 
 def test_model_flops_per_token_match_the_runs_own_count(validation):
