@@ -11,7 +11,7 @@ import pytest
 
 import k3opt
 from k3opt.search import tight_node_bound
-from k3opt.search.bounds import group_node_bound
+from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bound
 from k3opt.search.frames import enumerate_frames, sharding_group
 from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
@@ -77,6 +77,19 @@ def test_group_bound_below_every_member_and_tight(tiny, slow, reserve):
             assert group >= 0.9 * min(times), (rc, group, min(times))
 
 
+@pytest.mark.parametrize("reserve", [1.5, 2.2])
+def test_group_frame_bound_below_every_member(tiny, slow, reserve):
+    """The frame-level bound over the six variants (`group_frame_bound`): below each member's own frame bound and
+    below every enumerated layout of every member, and above zero (it carries the mean load)."""
+    job = _job(reserve)
+    frames = enumerate_frames(job, tiny, 8)
+    best = [t for t in _enumerated(job, frames, tiny, slow).values() if t is not None]
+    group = group_frame_bound(job, tuple(frames), tiny, slow)
+    own = [frame_dp_bound(job, f, tiny, slow)[0] for f in frames]
+    assert 0 < group <= min(own) + 1e-9
+    assert group <= min(best) + 1e-9
+
+
 def test_group_bound_needs_one_schedule(tiny, slow):
     """Frames of different pipeline schedules (PP2 VP2 and PP2 VP3: other in-flight counts and slots) are not
     bounded at once: no bound (0.0) rather than a wrong one."""
@@ -87,6 +100,8 @@ def test_group_bound_needs_one_schedule(tiny, slow):
     vp3 = next(f for f in frames if f.vp == 3)
     assert tight_node_bound(wide, vp2, Recompute.NONE, LC, tiny, slow) > 0
     assert group_node_bound(wide, (vp2, vp3), Recompute.NONE, LC, tiny, slow) == 0.0
+    assert frame_dp_bound(wide, vp2, tiny, slow)[0] > 0
+    assert group_frame_bound(wide, (vp2, vp3), tiny, slow) == 0.0
 
 
 def test_plan_with_group_bounds_proves_the_enumerated_optimum(tiny, slow, monkeypatch):

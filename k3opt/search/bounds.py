@@ -160,22 +160,37 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
     return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
 
 
+def group_frame_bound(job: Job, members: tuple[Frame, ...], model: ModelSpec, cluster: ClusterSpec,
+                      stop_at: float = math.inf) -> float:
+    """One step-time bound for every node of every interleaved frame in `members` (frames of one
+    `frames.sharding_group`): `_frame_interleaved_bound` over the least of their floors and bytes and the largest
+    of their budgets, so at most each member's own `frame_dp_bound`. 0.0 (no bound) when the members' schedules
+    differ (slots, in-flight counts)."""
+    if job.search.split is not None or members[0].vp == 1:
+        return 0.0
+    return _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members)
+
+
 def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
-                             stop_at: float = math.inf) -> float:
+                             stop_at: float = math.inf, members: tuple[Frame, ...] | None = None) -> float:
     """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
     of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
     offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
-    least over recompute modes. Modes that cannot undercut the best one so far skip the memory test."""
+    least over recompute modes. Modes that cannot undercut the best one so far skip the memory test. `members`:
+    the least over these frames too (`group_frame_bound`)."""
+    group = list(members) if members else [f]
     allowed = _allowed_on(job)
     recs = sorted(job.search.recompute or list(Recompute),
                   key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
     lcs = lifecycles(job)
-    cap = allocated_capacity_bytes(job, f, model, cluster)
+    cap = max(allocated_capacity_bytes(job, g, model, cluster) for g in group)
     best = math.inf
     for rc in recs:
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
         # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
-        cheap = [_floor(job, f, rc, lc, model, cluster) for lc in lcs]
+        cheap = [_floor(job, g, rc, lc, model, cluster) for g in group for lc in lcs]
+        if len({(c.slots, c.compositions) for c in cheap}) > 1:
+            return 0.0
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
         update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
         slots = cheap[0].slots
@@ -193,10 +208,10 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
             # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
             # bound valid and saves a linear program per shape.) The memory test only matters when the offload's
             # traffic exceeds the mean load (at 4K context it rarely does): the program is solved only then.
-            host = min(float(coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model,
-                                          cluster).time["host_link"].sum()) for lc in lcs) / f.pp
+            host = min(float(coefficients(frame_shape(job, g, lean, lc, activation_offload=True), model,
+                                          cluster).time["host_link"].sum()) for g in group for lc in lcs) / f.pp
             if host > stage:
-                views = [_memory_view(job, f, lean, lc, model, cluster) for lc in lcs]
+                views = [_memory_view(job, g, lean, lc, model, cluster) for g in group for lc in lcs]
                 merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
                     "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
                     "working_set")}, logits=min(vw.logits for vw in views),

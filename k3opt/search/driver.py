@@ -16,6 +16,7 @@ from k3opt.search.bounds import (
     frame_dp_bound,
     frame_estimate,
     frame_lower_bound,
+    group_frame_bound,
     group_node_bound,
     node_lower_bound,
     tight_node_bound,
@@ -191,6 +192,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if f.vp > 1:
             members_of.setdefault(sharding_group(f), []).append(f)
     group_bounds: dict[tuple, float] = {}
+    """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
     solved = 0
     timed_out = interrupted = False
     size: dict[str, int] = {}
@@ -293,6 +295,20 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 residual = min(residual, t_lb)
                 current = math.inf
                 continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
+            if rc is None and f.vp > 1 and f not in frame_tightened:
+                # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
+                group = sharding_group(f)
+                if group not in group_bounds:
+                    mem = members_of.get(group, [])
+                    group_bounds[group] = group_frame_bound(
+                        job, tuple(mem), model, cluster,
+                        stop_at=line if line is not None else math.inf) if len(mem) > 1 else -math.inf
+                gb = group_bounds[group]
+                if gb > t_lb + 1e-12:
+                    if math.isfinite(gb):
+                        heapq.heappush(heap, (gb, m_lb, next(seq), f, None, None, 0))
+                    current = math.inf
+                    continue
             if rc is None and f not in frame_tightened:
                 frame_tightened.add(f)
                 ft, fm_ = frame_dp_bound(job, f, model, cluster,
