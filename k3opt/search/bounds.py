@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time as _time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +27,7 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.lp_bound import granular_stage, interleaved_lp_bound, needs_offload
+from k3opt.search.lp_bound import _schedule_terms, granular_stage, interleaved_lp_bound, needs_offload
 from k3opt.search.ranking import coarse_work_floor, work_floor  # work floors over the activation toggles
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
@@ -161,18 +162,19 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
 
 
 def group_frame_bound(job: Job, members: tuple[Frame, ...], model: ModelSpec, cluster: ClusterSpec,
-                      stop_at: float = math.inf) -> float:
+                      stop_at: float = math.inf, deadline: float = math.inf) -> float:
     """One step-time bound for every node of every interleaved frame in `members` (frames of one
     `frames.sharding_group`): `_frame_interleaved_bound` over the least of their floors and bytes and the largest
     of their budgets, so at most each member's own `frame_dp_bound`. 0.0 (no bound) when the members' schedules
-    differ (slots, in-flight counts)."""
+    differ (slots, in-flight counts) or past the monotonic `deadline`."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0
-    return _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members)
+    return _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members, deadline=deadline)
 
 
 def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
-                             stop_at: float = math.inf, members: tuple[Frame, ...] | None = None) -> float:
+                             stop_at: float = math.inf, members: tuple[Frame, ...] | None = None,
+                             deadline: float = math.inf) -> float:
     """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
     of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
     offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
@@ -189,7 +191,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
         # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
         cheap = [_floor(job, g, rc, lc, model, cluster) for g in group for lc in lcs]
-        if len({(c.slots, c.compositions) for c in cheap}) > 1:
+        if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
             return 0.0
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
         update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
@@ -212,6 +214,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                                           cluster).time["host_link"].sum()) for g in group for lc in lcs) / f.pp
             if host > stage:
                 views = [_memory_view(job, g, lean, lc, model, cluster) for g in group for lc in lcs]
+                if len({_schedule_terms(vw) for vw in views}) > 1:
+                    return 0.0  # needs_offload reads the first view's schedule terms
                 merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
                     "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
                     "working_set")}, logits=min(vw.logits for vw in views),
@@ -269,14 +273,16 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
 
 
 def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
-                     cluster: ClusterSpec, stop_at: float = math.inf) -> float:
+                     cluster: ClusterSpec, stop_at: float = math.inf, deadline: float = math.inf) -> float:
     """One step-time bound for node (rc, lc) of every interleaved frame in `members` (frames of one
     `frames.sharding_group`: they differ in their FSDP degrees only): `lp_bound.interleaved_lp_bound` over the
     least of their arrays and the largest of their budgets. At most each member's own tight bound, at the cost of
-    one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of near-equal bound."""
+    one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of near-equal bound.
+    0.0 (no bound) past the monotonic `deadline`."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0
-    return interleaved_lp_bound(job, members[0], rc, lc, model, cluster, stop_at=stop_at, members=members)
+    return interleaved_lp_bound(job, members[0], rc, lc, model, cluster, stop_at=stop_at, members=members,
+                                deadline=deadline)
 
 
 def _mean_stage(cf: Coefficients, off: Coefficients | None) -> float:

@@ -301,8 +301,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 if group not in group_bounds:
                     mem = members_of.get(group, [])
                     group_bounds[group] = group_frame_bound(
-                        job, tuple(mem), model, cluster,
-                        stop_at=line if line is not None else math.inf) if len(mem) > 1 else -math.inf
+                        job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
+                        deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
                 gb = group_bounds[group]
                 if gb > t_lb + 1e-12:
                     if math.isfinite(gb):
@@ -336,8 +336,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 if (group, rc, lc) not in group_bounds:
                     mem = members_of.get(group, [])
                     group_bounds[(group, rc, lc)] = group_node_bound(
-                        job, tuple(mem), rc, lc, model, cluster,
-                        stop_at=line if line is not None else math.inf) if len(mem) > 1 else -math.inf
+                        job, tuple(mem), rc, lc, model, cluster, stop_at=line if line is not None else math.inf,
+                        deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
                 gb = group_bounds[(group, rc, lc)]
                 if gb > t_lb + 1e-12:
                     if math.isfinite(gb):

@@ -474,7 +474,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             if it.rank_time_s > top[0].rank_time_s * (1 + CLIMB_WITHIN) or over():
                 break
             # The climb's own deadline keeps the climbs within their share, whatever this one would take; each
-            # configuration has at least CLIMB_MIN_S.
+            # configuration has at least CLIMB_MIN_S (the share is checked once per frame: a frame's climbs may
+            # pass it by up to CLIMB_CONFIGS x CLIMB_MIN_S, within the seeding's deadline).
             share_left = max(CLIMB_SHARE * (now - t_start) - climbing, 0.0) + CLIMB_MIN_S
             keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop)])
             climbing += _time.monotonic() - now
@@ -517,6 +518,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             # has hundreds of FSDP variants, which would otherwise take the seeding's whole time.
             continue
         items: list[PlanItem] = []
+        tried = False
+        """Whether f was priced in full here (a misfit is recorded only then)."""
         if top:
             # The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits
             # one frame may not fit another), then the fastest under the leanest recompute mode, priced first:
@@ -526,6 +529,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
                                                 for it in top[:2] for lc in lcs) if c != lean] + [lean]
             items = price_configs(job, f, library, model, cluster, deadline, runtime, every_split=False)
             keep(items)
+            tried = not over()
         # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
         # walks have taken
         # less than WALK_SHARE of the time so far: a walk finds the frame's own fast configurations, which the
@@ -535,8 +539,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             walked.add(f)
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
             walking += _time.monotonic() - now
+            tried = tried or not over()
         climb(f)
-        if best(f) is None:
+        if best(f) is None and tried:
             group.append(f)
         new = fastest()
         if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
@@ -591,7 +596,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
         for key, s in sorted(cands, key=lambda c: c[0]):
             if over():
                 return best
-            if taken is not None and key != taken:
+            if taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0):
                 break
             ev = evaluate(lay.model_copy(update={"split": s}), model=model, cluster=cluster, runtime=runtime)
             if ev.fits and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):

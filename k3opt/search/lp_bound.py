@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,7 +113,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                          cluster: ClusterSpec, stop_at: float = math.inf,
-                         members: tuple[Frame, ...] | None = None) -> float:
+                         members: tuple[Frame, ...] | None = None, deadline: float = math.inf) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
@@ -125,7 +126,8 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     `members`: frames of f's `frames.sharding_group` (f among them) to bound at once: each variant's arrays are
     the least over the members (`_merge`), the budget the largest, the modes every member's undominated ones,
     so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
-    balancing) must be the members' common ones; 0.0 (no bound) when they are not."""
+    balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
+    `deadline` passes while the members' arrays are built (tens of members take seconds)."""
     group = list(members) if members else [f]
     allowed = _allowed_on(job)
     cap = float(max(allocated_capacity_bytes(job, g, model, cluster) for g in group))
@@ -148,7 +150,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     for md in modes:
         for tg in settings:
             built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
-            if len({_schedule_terms(c) for _, c in built}) > 1:
+            if len({_schedule_terms(c) for _, c in built}) > 1 or time.monotonic() > deadline:
                 return 0.0
             a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
             c0 = built[0][1]
