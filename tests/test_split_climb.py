@@ -89,18 +89,24 @@ def test_seed_climbs_the_fastest_frame_even_when_it_was_walked_before(tiny):
     assert out[f].layout.split != [1, 5]
 
 
+def _k3_pp8_vp4(dispatch_recompute: bool) -> k3opt.Layout:
+    """The default job's PP8 VP4 EP64 dFSDP64 M64 shape (optim / optim policies, selective recompute, the memory
+    toggles on) on the even split 3 x 29 + 2 x 3, with or without dispatch recompute."""
+    return make_layout(gpus=512, pp=8, vp=4, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, context=4096,
+                       split=[3] * 29 + [2, 2, 2], recompute="selective", reserve_gib=4.0, domain_gpus_used=64,
+                       dense_sharding="optim", expert_sharding="optim", runtime="megatron-te-hybridep-gb200",
+                       toggles=dict(fp8_activations=True, activation_offload=True, moe_backward_rewrite=True,
+                                    dispatch_recompute=dispatch_recompute, fused_situ=True, p2p_muon=True,
+                                    fused_cross_entropy=True))
+
+
 def test_climb_prices_the_moves_its_screen_cannot_tell_apart(model, cluster):
     """K3 on the default job's PP8 VP4 EP64 dFSDP64 shape with dispatch recompute, from the even split 3 x 29 +
     2 x 3 (19.01 s): one layer off rank 4 onto rank 5 gives the same rank loads whether it leaves chunk 4 or chunk
     28, so the screen ties them, yet the first gives 18.84 s and the second the split 3 x 28 + 2 + 3 + 2 + 2 at
     18.63 s. The climb prices the tied moves and takes the fastest."""
     job = k3opt.load_job("k3-512-4k")
-    lay = make_layout(gpus=512, pp=8, vp=4, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, context=4096,
-                      split=[3] * 29 + [2, 2, 2], recompute="selective", reserve_gib=4.0, domain_gpus_used=64,
-                      dense_sharding="optim", expert_sharding="optim", runtime="megatron-te-hybridep-gb200",
-                      toggles=dict(fp8_activations=True, activation_offload=True, moe_backward_rewrite=True,
-                                   dispatch_recompute=True, fused_situ=True, p2p_muon=True,
-                                   fused_cross_entropy=True))
+    lay = _k3_pp8_vp4(dispatch_recompute=True)
     start = k3opt.evaluate(lay, model=model, cluster=cluster)
     assert start.fits and start.step.rank_time_s > 18.9
     target = k3opt.evaluate(lay.model_copy(update={"split": [3] * 28 + [2, 3, 2, 2]}), model=model, cluster=cluster)
@@ -120,12 +126,7 @@ def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeyp
 
     monkeypatch.setattr(inc, "CLIMB_MIN_S", 120.0)
     job = k3opt.load_job("k3-512-4k")
-    lay = make_layout(gpus=512, pp=8, vp=4, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, context=4096,
-                      split=[3] * 29 + [2, 2, 2], recompute="selective", reserve_gib=4.0, domain_gpus_used=64,
-                      dense_sharding="optim", expert_sharding="optim", runtime="megatron-te-hybridep-gb200",
-                      toggles=dict(fp8_activations=True, activation_offload=True, moe_backward_rewrite=True,
-                                   dispatch_recompute=False, fused_situ=True, p2p_muon=True,
-                                   fused_cross_entropy=True))
+    lay = _k3_pp8_vp4(dispatch_recompute=False)
     start = k3opt.evaluate(lay, model=model, cluster=cluster)
     assert start.fits and 18.7 < start.step.rank_time_s < 18.75
     f = frame_of(lay)
