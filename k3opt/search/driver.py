@@ -90,6 +90,10 @@ SEED_MIN_S = 4.0
 """Seconds the seeding may take at least (within 30% of the limit): the walks that find the fast configurations
 take a second or two each."""
 
+SEED_GAIN = 0.1
+"""The seeding stops once it stalls (search/incumbents._Patience): a gain is a fall of the top-th fastest layout by
+more than this share of the gap (a tenth of the distance the pruning line keeps under it)."""
+
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
@@ -223,13 +227,16 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
-        best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        if len(best_of) < top:
+            # Fitting layouts of more frames, until there are `top` of them (the seeding below finds faster ones).
+            best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those
         # whose bound is under the fastest so far.
         best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
                             _time.monotonic() + min(max(SEED_MIN_S, SEED_SHARE * time_limit),
                                                     0.3 * time_limit),
-                            stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0]))
+                            stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0],
+                            top=top, gain=SEED_GAIN * gap))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:

@@ -405,7 +405,8 @@ WALKED = 3
 
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
          deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
-         walk_first: bool = True, lower: Callable[[Frame], float] | None = None) -> dict[Frame, PlanItem]:
+         walk_first: bool = True, lower: Callable[[Frame], float] | None = None, top: int | None = None,
+         gain: float = 0.0) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
     frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
     (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
@@ -416,7 +417,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
     `walk_first`: False skips the first walks (their frames are still climbed); `lower`: a lower bound on a
     frame's ranked step time, to skip the frames that cannot beat the fastest so far. A frame is skipped when a
-    frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here."""
+    frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
+    `top`: with it, the seeding also stops once it has gone as long without lowering the `top`-th fastest layout
+    by more than `gain` (relative) as it took to reach that layout, and at least PATIENCE_MIN_S (`_Patience`)."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -448,6 +451,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
 
     climbing = 0.0
     t_start = _time.monotonic()
+    patience = _Patience(t_start, top, gain, fastest())
 
     def climb(f: Frame) -> None:
         """f's fastest layout so far, its split climbed (split_climb) when it is within CLIMB_WITHIN of the
@@ -483,7 +487,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     climbed: set[Frame] = set()
     for it in fastest()[:WALKED]:
         f = frame_of(it.layout)
-        if over():
+        if over() or patience.out(fastest()):
             return out
         if walk_first and f not in walked:
             walked.add(f)
@@ -503,7 +507,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     """Frames that had no fitting layout here, by `sharding_group`."""
     while first or queue:
         f = first.pop(0) if first else queue.pop(0)
-        if over():
+        if over() or patience.out(fastest()):
             break
         if f in walked or f in visited:
             continue
@@ -609,6 +613,36 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
             return best
         now = list(loads(cur))
     return best
+
+
+PATIENCE_MIN_S = 8.0
+"""Seconds `seed` goes on at least before a stall stops it (`_Patience`): on the default job the walk and climb
+that find the fastest layout come 3-6 s into the seeding, after the frames of lower estimate that do not fit."""
+
+
+class _Patience:
+    """When a seeding with a `top` has stalled: the search's pruning line is the `top`-th fastest layout, and a
+    seeding that has gone as long without lowering it by more than `gain` (relative) as it took to make its last
+    such gain (at least PATIENCE_MIN_S from its start) leaves the rest to the bounds and the node models. Without
+    it a long time limit gave the seeding its whole share: on the default job at 300 s, 45 s of seeding whose last
+    gain came 5 s in."""
+
+    def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem]) -> None:
+        self.start, self.top, self.gain = start, top, gain
+        self.kth = self._kth(fastest)
+        self.last = start
+
+    def _kth(self, fastest: list[PlanItem]) -> float:
+        return fastest[self.top - 1].rank_time_s if self.top is not None and len(fastest) >= self.top else math.inf
+
+    def out(self, fastest: list[PlanItem]) -> bool:
+        if self.top is None:
+            return False
+        now = _time.monotonic()
+        kth = self._kth(fastest)
+        if kth < self.kth * (1 - self.gain):  # from none (inf) too
+            self.kth, self.last = kth, now
+        return now - self.start >= PATIENCE_MIN_S and now - self.last > self.last - self.start
 
 
 WALK_SHARE = 0.5
