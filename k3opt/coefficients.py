@@ -132,10 +132,14 @@ class LayerShape:
 
     @classmethod
     def of(cls, shape: Shape, pl: comm.Placement) -> LayerShape:
+        # Activation balancing reaches the in-flight count only (Coefficients.balanced_inflight), no per-layer
+        # array: the shapes with and without it share one build (the search's bounds price both settings).
+        tg = shape.toggles.model_copy(update={"balance_activations": False}) if shape.toggles.balance_activations \
+            else shape.toggles
         return cls(
             tokens=shape.tokens, context=shape.context, document_length=shape.document_length, cp=shape.cp,
             ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
-            fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles, fp8_block_size=shape.fp8_block_size,
+            fsdp_lifecycle=shape.fsdp_lifecycle, toggles=tg, fp8_block_size=shape.fp8_block_size,
             ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,
             expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
             grad_dtype=shape.grad_dtype, optimizer_state_dtype=shape.optimizer_state_dtype,

@@ -217,3 +217,19 @@ def test_cached_arrays_are_read_only(k3):
         cf.act[0] = 0.0
     with pytest.raises(ValueError, match="read-only"):
         cf.achievable["tensor"][0] = 0.0
+
+
+def test_activation_balancing_shares_the_layer_build(k3):
+    """Balancing changes the in-flight count only: a shape with it and one without share one build of the
+    per-layer arrays, and the builder itself reads no balancing (so the shared key loses nothing)."""
+    model, cluster = k3
+    on = Shape(**{**BASE, "toggles": Toggles(balance_activations=True, fused_cross_entropy=True)})
+    off = Shape(**{**BASE, "toggles": Toggles(fused_cross_entropy=True)})
+    a, b = coefficients(on, model, cluster), coefficients(off, model, cluster)
+    assert a.act is b.act and a.time["tensor"] is b.time["tensor"]
+    assert a.balanced_inflight is not None and b.balanced_inflight is None
+    key = C.LayerShape.of(off, a.placement)
+    raw_on = C._build_layer_terms(dataclasses.replace(key, toggles=on.toggles), *C.cache_key(model, cluster))
+    raw_off = C._build_layer_terms(key, *C.cache_key(model, cluster))
+    assert raw_on.keys() == raw_off.keys()
+    assert [k for k in raw_on if not _same(raw_on[k], raw_off[k])] == []
