@@ -23,7 +23,7 @@ class _Clock:
 def clock(monkeypatch):
     c = _Clock()
     monkeypatch.setattr(inc._time, "monotonic", c)
-    monkeypatch.setattr(inc, "PATIENCE_MIN_S", 8.0)
+    monkeypatch.setattr(inc, "PATIENCE_MIN_S", 8.0)  # the rule, not the shipped value
     return c
 
 

@@ -227,9 +227,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
-        if len(best_of) < top:
-            # Fitting layouts of more frames, until there are `top` of them (the seeding below finds faster ones).
-            best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        # Run even with `top` layouts at hand: its round-robin over (PP, VP) gives the seeding below its starting
+        # shapes (at 8,192 GPUs, skipping it left the best at 19.25 s instead of 19.14 s).
+        best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those
         # whose bound is under the fastest so far.
         best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
