@@ -103,7 +103,9 @@ class Shape:
 class LayerShape:
     """What the per-layer arrays of a Shape read: the shape without its pipeline schedule (gpus, pp, vp,
     microbatches), which reaches them only through the members per NVLink domain of the EP, FSDP and CP groups.
-    The search's shapes that differ only in their schedule share one build of the arrays (the cache key)."""
+    The search's shapes that differ only in their schedule share one build of the arrays (the cache key), and so
+    do shapes that differ only in activation balancing, which reaches the in-flight count alone (the key holds
+    the toggles with balancing off)."""
 
     tokens: int
     context: int

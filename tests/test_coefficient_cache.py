@@ -219,12 +219,21 @@ def test_cached_arrays_are_read_only(k3):
         cf.achievable["tensor"][0] = 0.0
 
 
-def test_activation_balancing_shares_the_layer_build(k3):
+@pytest.mark.parametrize("extra", [
+    {"toggles": {"fused_cross_entropy": True}},
+    {"toggles": {"activation_offload": True}},
+    {"toggles": {"pipeline_zero2_host_grads": True, "dispatch_recompute": True}},
+    {"recompute": Recompute.FULL, "toggles": {}},
+    {"recompute": Recompute.NONE, "toggles": {"fp8_activations": True}},
+], ids=["fused-ce", "offload", "zero2-dispatch", "full", "none-fp8act"])
+def test_activation_balancing_shares_the_layer_build(k3, extra):
     """Balancing changes the in-flight count only: a shape with it and one without share one build of the
-    per-layer arrays, and the builder itself reads no balancing (so the shared key loses nothing)."""
+    per-layer arrays, and the builder itself reads no balancing (so the shared key loses nothing), under the
+    toggles and recompute modes that change what a layer saves."""
     model, cluster = k3
-    on = Shape(**{**BASE, "toggles": Toggles(balance_activations=True, fused_cross_entropy=True)})
-    off = Shape(**{**BASE, "toggles": Toggles(fused_cross_entropy=True)})
+    base = {**BASE, **{k: v for k, v in extra.items() if k != "toggles"}}
+    on = Shape(**{**base, "toggles": Toggles(balance_activations=True, **extra["toggles"])})
+    off = Shape(**{**base, "toggles": Toggles(**extra["toggles"])})
     a, b = coefficients(on, model, cluster), coefficients(off, model, cluster)
     assert a.act is b.act and a.time["tensor"] is b.time["tensor"]
     assert a.balanced_inflight is not None and b.balanced_inflight is None

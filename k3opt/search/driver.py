@@ -91,8 +91,10 @@ SEED_MIN_S = 4.0
 take a second or two each."""
 
 SEED_GAIN = 0.1
-"""The seeding stops once it stalls (search/incumbents._Patience): a gain is a fall of the top-th fastest layout by
-more than this share of the gap (a tenth of the distance the pruning line keeps under it)."""
+"""The seeding stops once it stalls (search/incumbents._Patience): a gain is a fall of the top-th fastest layout
+(or the fastest) by more than this share of the gap. A tenth: a fall that small moves the pruning line by a tenth
+of the margin the proof needs, so it prunes few more shapes, while the climbs' last steps (a layer moved between
+chunks, 0.01-0.1%) no longer keep the seeding going."""
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""

@@ -418,8 +418,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     `walk_first`: False skips the first walks (their frames are still climbed); `lower`: a lower bound on a
     frame's ranked step time, to skip the frames that cannot beat the fastest so far. A frame is skipped when a
     frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
-    `top`: with it, the seeding also stops once it has gone as long without lowering the `top`-th fastest layout
-    by more than `gain` (relative) as it took to reach that layout, and at least PATIENCE_MIN_S (`_Patience`)."""
+    `top`: with it, the seeding also stops once it has gone as long without a gain (the `top`-th fastest layout
+    or the fastest lowered by more than `gain`, relative) as it took to make its last gain, and at least
+    PATIENCE_MIN_S (`_Patience`)."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -461,9 +462,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         18.72 s without dispatch recompute and 19.01 s with it on the heuristic split, yet 18.63 s with it once its
         split is climbed (the same climb leaves the other configuration at 18.72 s)."""
         nonlocal climbing
-        mine, top = best(f), fastest()
+        mine, lead = best(f), fastest()
         now = _time.monotonic()
-        if (mine is None or not top or mine.rank_time_s > top[0].rank_time_s * (1 + CLIMB_WITHIN)
+        if (mine is None or not lead or mine.rank_time_s > lead[0].rank_time_s * (1 + CLIMB_WITHIN)
                 or climbing > CLIMB_SHARE * (now - t_start) or f in climbed):
             return
         climbed.add(f)
@@ -475,7 +476,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
                 starts.append(it)
         for it in starts[:CLIMB_CONFIGS]:
             now = _time.monotonic()
-            if it.rank_time_s > top[0].rank_time_s * (1 + CLIMB_WITHIN) or over():
+            if it.rank_time_s > lead[0].rank_time_s * (1 + CLIMB_WITHIN) or over():
                 break
             # The climb's own deadline keeps the climbs within their share, whatever this one would take; each
             # configuration has at least CLIMB_MIN_S (the share is checked once per frame: a frame's climbs may
@@ -512,8 +513,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         if f in walked or f in visited:
             continue
         visited.add(f)
-        top = fastest()
-        if top and lower is not None and lower(f) >= top[0].rank_time_s:
+        lead = fastest()
+        if lead and lower is not None and lower(f) >= lead[0].rank_time_s:
             continue
         group = misfits.setdefault(sharding_group(f), [])
         if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
@@ -524,13 +525,13 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         items: list[PlanItem] = []
         tried = False
         """Whether f was priced in full here (a misfit is recorded only then)."""
-        if top:
+        if lead:
             # The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits
             # one frame may not fit another), then the fastest under the leanest recompute mode, priced first:
             # when it does not fit, the others are not tried.
-            lean = dataclasses.replace(_config_of(top[0].layout), recompute=leanest)
+            lean = dataclasses.replace(_config_of(lead[0].layout), recompute=leanest)
             library = [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
-                                                for it in top[:2] for lc in lcs) if c != lean] + [lean]
+                                                for it in lead[:2] for lc in lcs) if c != lean] + [lean]
             items = price_configs(job, f, library, model, cluster, deadline, runtime, every_split=False)
             keep(items)
             tried = not over()
@@ -548,7 +549,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         if best(f) is None and tried:
             group.append(f)
         new = fastest()
-        if new and (not top or new[0].rank_time_s < top[0].rank_time_s):
+        if new and (not lead or new[0].rank_time_s < lead[0].rank_time_s):
             first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
     return out
 
@@ -623,26 +624,34 @@ limit is 18 s), so the stop only shortens the seeding of longer limits."""
 
 class _Patience:
     """When a seeding with a `top` has stalled: the search's pruning line is the `top`-th fastest layout, and a
-    seeding that has gone as long without lowering it by more than `gain` (relative) as it took to make its last
-    such gain (at least PATIENCE_MIN_S from its start) leaves the rest to the bounds and the node models. Without
-    it a long time limit gave the seeding its whole share: on the default job at 300 s, 45 s of seeding whose last
-    gain came 5 s in."""
+    seeding that has gone as long without a gain as it took to make its last gain (at least PATIENCE_MIN_S from
+    its start) leaves the rest to the bounds and the node models. A gain lowers the `top`-th fastest layout or the
+    fastest by more than `gain` (relative; small steps count once they add up to it), or adds a layout while
+    there are fewer than `top`. Without it a long time limit gave the seeding its whole share: on the default job
+    at 300 s, 45 s of seeding whose last gain came 5 s in."""
 
     def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem]) -> None:
         self.start, self.top, self.gain = start, top, gain
-        self.kth = self._kth(fastest)
+        self.ref = self._marks(fastest)
         self.last = start
 
-    def _kth(self, fastest: list[PlanItem]) -> float:
-        return fastest[self.top - 1].rank_time_s if self.top is not None and len(fastest) >= self.top else math.inf
+    def _marks(self, fastest: list[PlanItem]) -> tuple[int, float, float]:
+        """(layouts counted up to `top`, the `top`-th fastest step time, the fastest's); inf where absent."""
+        n = min(len(fastest), self.top or 0)
+        kth = fastest[self.top - 1].rank_time_s if self.top is not None and len(fastest) >= self.top else math.inf
+        return n, kth, fastest[0].rank_time_s if fastest else math.inf
 
     def out(self, fastest: list[PlanItem]) -> bool:
         if self.top is None:
             return False
         now = _time.monotonic()
-        kth = self._kth(fastest)
-        if kth < self.kth * (1 - self.gain):  # from none (inf) too
-            self.kth, self.last = kth, now
+        n, kth, first = self._marks(fastest)
+        n0, kth0, first0 = self.ref
+        if n > n0 or kth < kth0 * (1 - self.gain) or first < first0 * (1 - self.gain):  # from none (inf) too
+            # Each mark moves only on its own gain, so that steps below `gain` add up against a fixed reference.
+            self.ref = (n, kth if kth < kth0 * (1 - self.gain) else kth0,
+                        first if first < first0 * (1 - self.gain) else first0)
+            self.last = now
         return now - self.start >= PATIENCE_MIN_S and now - self.last > self.last - self.start
 
 
