@@ -13,6 +13,7 @@ ledger peak a rank may reach, floor((HBM - reserve - outside) / (1 + slack)) - w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from k3opt import comm
@@ -41,6 +42,7 @@ def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
                             _domain(shape, cluster))
 
 
+@functools.lru_cache(maxsize=4096)
 def _stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int, s: int
                    ) -> tuple[int, int, int]:
     """(EP, dense shard, expert shard) members per NVLink domain of PP stage `s` alone, under the tp-cp-ep-dp-pp
@@ -177,18 +179,19 @@ def allocated_budgets_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec
     slack = runtime.slack if runtime is not None else 0.0
     out = []
     pl = _placement(shape, cluster) if runtime is not None else None
-    by_peers: dict[tuple[bool, ...], tuple[MemoryItem, ...]] = {}
+    by_peers: dict[tuple, int] = {}
     for r in range(shape.pp):
-        # Ranks differ only by their PP neighbours: itemize once per distinct neighbour pattern.
+        # Ranks differ only by their PP neighbours and their groups' members per domain: itemize and size the
+        # budget once per distinct pattern (the search asks for thousands of shapes' budgets, up to PP 32 each).
         sig = ((tuple(_pp_peers(shape, r, pl)), _rank_placement(shape, cluster, r)) if pl is not None else ())
         if sig not in by_peers:
-            by_peers[sig] = runtime_items(shape, model, cluster, runtime, r)
-        items = by_peers[sig]
-        budget = int((cap - outside_bytes(items)) // (1 + slack)) - allocator_bytes(items)
-        # Integer rounding of reserved = allocated x (1 + slack) can add one byte; step down until it fits.
-        while budget > 0 and kinds(budget, items, runtime)[2] > cap:
-            budget -= 1
-        out.append(budget)
+            items = runtime_items(shape, model, cluster, runtime, r)
+            budget = int((cap - outside_bytes(items)) // (1 + slack)) - allocator_bytes(items)
+            # Integer rounding of reserved = allocated x (1 + slack) can add one byte; step down until it fits.
+            while budget > 0 and kinds(budget, items, runtime)[2] > cap:
+                budget -= 1
+            by_peers[sig] = budget
+        out.append(by_peers[sig])
     return out
 
 

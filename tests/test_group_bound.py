@@ -189,3 +189,31 @@ def test_group_bound_below_a_k3_layout_and_at_its_members_level(model, cluster):
     own = tight_node_bound(job, mine, Recompute.SELECTIVE, LC, model, cluster)
     assert group <= own + 1e-9 and group <= ev.step.rank_time_s
     assert group >= 0.99 * own
+
+
+def test_members_that_cannot_fit_are_left_out(tiny, slow, monkeypatch):
+    """At reserve 2.4 GiB two of the six variants fit under no setting of recompute 'none' (their own bounds are
+    inf): the group program builds no variant of theirs, and its bound is the one over the four that fit."""
+    import k3opt.search.lp_bound as lp
+
+    job = _job(2.4)
+    frames = tuple(enumerate_frames(job, tiny, 8))
+    rc = Recompute.NONE
+    own = [tight_node_bound(job, f, rc, LC, tiny, slow) for f in frames]
+    out = {f for f, o in zip(frames, own, strict=True) if not math.isfinite(o)}
+    assert len(out) == 2
+    built: set = set()
+    real = lp._relaxed
+
+    def seen(job, f, *a, **k):
+        built.add(f)
+        return real(job, f, *a, **k)
+
+    monkeypatch.setattr(lp, "_relaxed", seen)
+    group = group_node_bound(job, frames, rc, LC, tiny, slow)
+    assert built and not built & out
+    fitting = tuple(f for f in frames if f not in out)
+    assert group == group_node_bound(job, fitting, rc, LC, tiny, slow)
+    assert group <= min(own) + 1e-9
+    # Every member out: no layout to bound.
+    assert group_node_bound(job, tuple(out), rc, LC, tiny, slow) == math.inf
