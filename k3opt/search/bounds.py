@@ -276,8 +276,9 @@ def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: Fs
                      cluster: ClusterSpec, stop_at: float = math.inf, deadline: float = math.inf) -> float:
     """One step-time bound for node (rc, lc) of every interleaved frame in `members` (frames of one
     `frames.sharding_group`: they differ in their FSDP degrees only): `lp_bound.interleaved_lp_bound` over the
-    least of their arrays and the largest of their budgets. At most each member's own tight bound, at the cost of
-    one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of near-equal bound.
+    least of the arrays and the largest of the budgets of the members that can fit. At most each member's own tight
+    bound, at the cost of one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of
+    near-equal bound.
     0.0 (no bound) past the monotonic `deadline`."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0

@@ -33,7 +33,15 @@ from k3opt.search.frames import (
     sharding_group,
 )
 from k3opt.search.front import _pareto, ranked_time_limit
-from k3opt.search.incumbents import candidate_splits, frame_incumbent, incumbents, seed, visiting_order
+from k3opt.search.incumbents import (
+    SPREAD_SOURCES,
+    candidate_splits,
+    frame_incumbent,
+    incumbents,
+    seed,
+    spread,
+    visiting_order,
+)
 from k3opt.search.node_model import solve_frame
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import Plan, PlanItem
@@ -239,6 +247,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                                     0.3 * time_limit),
                             stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0],
                             top=top, gain=SEED_GAIN * gap))
+        # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
+        # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling.
+        best_of.update(spread(job, best_of, list(estimates), model, cluster, _time.monotonic() + budget,
+                              most=max(top, SPREAD_SOURCES)))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:

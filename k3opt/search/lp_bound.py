@@ -124,8 +124,9 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     variant whose floor or merged program reaches it is not solved either; the bound is then min(least,
     stop_at), still below every layout, and inf only when every variant was proven not to fit.
 
-    `members`: frames of f's `frames.sharding_group` (f among them) to bound at once: each variant's arrays are
-    the least over the members (`_merge`), the budget the largest, the modes every member's undominated ones,
+    `members`: frames of f's `frames.sharding_group` (f among them) to bound at once: the members whose own lean
+    memory rows fit (`lean_fits`; the others have no layout); each variant's arrays are the least over those
+    members (`_merge`), the budget the largest, the modes every member's undominated ones,
     so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
     balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
     `deadline` passes while the members' arrays are built (tens of members take seconds).

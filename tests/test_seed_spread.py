@@ -1,0 +1,82 @@
+"""The fastest layouts' configurations and splits priced on their siblings (search/incumbents.spread): the frames
+that differ only in FSDP degrees and sharding policies. Expected values are evaluate() of layouts written out by
+hand (make_layout with the sibling's degrees and the source's split and toggles), not spread's own construction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import k3opt
+from k3opt.search.frames import enumerate_frames, frame_of
+from k3opt.search.incumbents import spread
+from k3opt.search.result import PlanItem
+from k3opt.specs import make_layout
+
+DATA = Path(__file__).parent / "data"
+TOGGLES = dict(fp8_activations=True, activation_offload=True)
+
+
+def _job() -> k3opt.Job:
+    """PP2 on 8 GPUs, VP 1 or 2, EP2, expert FSDP 1-2, dense FSDP 1-4 under two dense sharding policies."""
+    return k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.4,
+        "search": {"pp": [2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
+                   "dense_sharding": ["optim_grads_params", "optim"], "expert_sharding": ["optim_grads_params"],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in TOGGLES]},
+    })
+
+
+def _layout(fe: int, fd: int, dense: str, vp: int, split: list[int], recompute: str) -> k3opt.Layout:
+    return make_layout(gpus=8, pp=2, vp=vp, ep=2, expert_fsdp=fe, dense_fsdp=fd, microbatches=4 * 2 // 2,
+                       context=2048, split=split, recompute=recompute, fsdp_lifecycle="per_microbatch",
+                       toggles=TOGGLES, reserve_gib=2.4, dense_sharding=dense, expert_sharding="optim_grads_params")
+
+
+def test_spread_prices_the_source_on_every_sibling(tiny, slow):
+    job = _job()
+    frames = enumerate_frames(job, tiny, 8)
+    vp2 = [f for f in frames if f.vp == 2]
+    # 3 dense x 2 expert FSDP degrees x 2 dense policies, less the two that coincide at dense FSDP 1.
+    assert len(vp2) == 10 and any(f.vp == 1 for f in frames)
+    split, rc = [1, 2, 2, 1], "full"
+    src = _layout(2, 4, "optim_grads_params", 2, split, rc)
+    src = src.model_copy(update={"microbatches": vp2[0].microbatches})
+    ev = k3opt.evaluate(src, model=tiny, cluster=slow)
+    assert ev.fits
+    f = frame_of(ev.layout)
+    got = spread(job, {f: PlanItem(ev.layout, ev)}, frames, tiny, slow, deadline=float("inf"))
+    expected = {}
+    for g in vp2:
+        if g == f:
+            continue
+        lay = _layout(g.expert_fsdp, g.dense_fsdp, g.dense_sharding, 2, split, rc).model_copy(
+            update={"microbatches": g.microbatches})
+        e = k3opt.evaluate(lay, model=tiny, cluster=slow)
+        if e.fits:
+            expected[g] = e.step.rank_time_s
+    assert expected and len(expected) < len(vp2) - 1  # some siblings do not fit at this reserve, some do
+    assert {g: it.rank_time_s for g, it in got.items()} == expected
+    # Only siblings: the VP1 frames (another split length) and the source's own frame are left alone.
+    assert all(g.vp == 2 and g != f for g in got)
+    for g, it in got.items():
+        assert list(it.layout.split) == split and it.layout.recompute == rc
+        assert it.layout.toggles.fp8_activations and it.layout.toggles.activation_offload
+
+
+def test_spread_keeps_a_faster_entry_and_stops_at_its_deadline(tiny, slow):
+    job = _job()
+    frames = enumerate_frames(job, tiny, 8)
+    vp2 = [f for f in frames if f.vp == 2]
+    src = _layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
+        update={"microbatches": vp2[0].microbatches})
+    ev = k3opt.evaluate(src, model=tiny, cluster=slow)
+    f = frame_of(ev.layout)
+    first = spread(job, {f: PlanItem(ev.layout, ev)}, frames, tiny, slow, deadline=float("inf"))
+    g, it = next(iter(first.items()))
+    # A sibling entry at least as fast (its own layout, already priced) is not replaced.
+    again = spread(job, {f: PlanItem(ev.layout, ev), g: it}, frames, tiny, slow, deadline=float("inf"))
+    assert g not in again and again.keys() == first.keys() - {g}
+    assert spread(job, {f: PlanItem(ev.layout, ev)}, frames, tiny, slow, deadline=-1.0) == {}
+    assert spread(job, {}, frames, tiny, slow, deadline=float("inf")) == {}
