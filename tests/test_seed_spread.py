@@ -60,7 +60,7 @@ def test_spread_prices_the_source_on_every_sibling(tiny, slow):
     assert {g: it.rank_time_s for g, it in got.items()} == expected
     # Only siblings: the VP1 frames (another split length) and the source's own frame are left alone.
     assert all(g.vp == 2 and g != f for g in got)
-    for g, it in got.items():
+    for it in got.values():
         assert list(it.layout.split) == split and it.layout.recompute == rc
         assert it.layout.toggles.fp8_activations and it.layout.toggles.activation_offload
 
