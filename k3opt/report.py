@@ -261,8 +261,10 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
         planning_runtime(job, plan.layouts[0].evaluation.cluster).line(),
         f"status {plan.status}: best {plan.layouts[0].rank_time_s:.3f} s {ranked}, bound {plan.bound:.3f} s, "
         f"gap {100 * plan.gap:.2f}%; {plan.frames_solved} CP-SAT models solved of {plan.frames_total} parallel "
-        f"shapes in {plan.solve_time_s:.1f} s (largest model {plan.model_size.get('variables', 0):,} variables, "
-        f"{plan.model_size.get('constraints', 0):,} constraints)",
+        f"shapes in {plan.solve_time_s:.1f} s " + (
+            f"(largest model {plan.model_size.get('variables', 0):,} variables, "
+            f"{plan.model_size.get('constraints', 0):,} constraints)" if plan.frames_solved else
+            "(the heuristic layouts and the bounds settled every shape)"),
         "",
     ]
     df = plan_frame(plan.layouts)

@@ -4,6 +4,7 @@ below every layout, and the plan's columns."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -117,6 +118,12 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     assert (df["achievable_step_time_s"] > df["step_time_s"]).all()
     text = k3opt.report.plan_text(plan)
     assert "achievable_s" in text and "step_s" in text and "(achievable, rates 'gb200-nvl72')" in text
+    # The status line names the largest CP-SAT model only when one was solved.
+    solved = dataclasses.replace(plan, frames_solved=3, model_size={"variables": 1234, "constraints": 5678})
+    assert "3 CP-SAT models solved" in (t := k3opt.report.plan_text(solved)) and "1,234 variables, 5,678" in t
+    none = dataclasses.replace(plan, frames_solved=0, model_size={})
+    t = k3opt.report.plan_text(none)
+    assert "0 CP-SAT models solved" in t and "largest model" not in t and "settled every shape" in t
 
 
 def test_interleaved_bounds_and_optimum_on_the_achievable_step(rated):

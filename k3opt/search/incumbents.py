@@ -628,7 +628,7 @@ class _Patience:
     its start) leaves the rest to the bounds and the node models. A gain lowers the `top`-th fastest layout or the
     fastest by more than `gain` (relative; small steps count once they add up to it), or adds a layout while
     there are fewer than `top`. Without it a long time limit gave the seeding its whole share: on the default job
-    at 300 s, 45 s of seeding whose last gain came 5 s in."""
+    at 300 s with top 1, 45 s of seeding whose last gain came 5 s in."""
 
     def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem]) -> None:
         self.start, self.top, self.gain = start, top, gain
