@@ -198,5 +198,6 @@ def allocated_budgets_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec
 def allocated_budget_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec, reserve_gib: float,
                            runtime: RuntimeSpec | None = None) -> int:
     """The ledger peak every PP rank may reach (the minimum over ranks of `allocated_budgets_bytes`; ranks
-    differ only by their PP neighbours). This is the search's HBM line for the ledger."""
+    differ only by their PP neighbours and their groups' placement across NVLink domains). This is the search's
+    HBM line for the ledger."""
     return min(allocated_budgets_bytes(shape, model, cluster, reserve_gib, runtime))

@@ -264,7 +264,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
         f"shapes in {plan.solve_time_s:.1f} s " + (
             f"(largest model {plan.model_size.get('variables', 0):,} variables, "
             f"{plan.model_size.get('constraints', 0):,} constraints)" if plan.frames_solved else
-            "(the heuristic layouts and the bounds settled every shape)"),
+            "(the heuristic layouts and the bounds settled every shape)" if plan.status == "OPTIMAL" else
+            "(no CP-SAT model solved before the time ran out)"),
         "",
     ]
     df = plan_frame(plan.layouts)

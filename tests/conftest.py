@@ -7,7 +7,7 @@ import os
 import pytest
 
 import k3opt
-from k3opt import coefficients, comm, schedule, structure
+from k3opt import coefficients, comm, memory_outside, schedule, structure
 from k3opt.search import node_model, ranking
 
 
@@ -52,7 +52,8 @@ def _clear_caches() -> None:
     for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
                coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
                coefficients._achievable_tensor, coefficients._expert_compute, ranking._ranked, ranking._work_floor,
-               ranking._coarse_work_floor, ranking._LEAST,
+               ranking._coarse_work_floor, ranking._LEAST, ranking._least_vector,
+               ranking._least_vector_any_recompute, memory_outside._stage_members,
                schedule.inflight_compositions, comm.members_at_offset, coefficients._model_of,
                coefficients._cluster_of, coefficients._rates_from_json):
         fn.cache_clear()

@@ -121,9 +121,13 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     # The status line names the largest CP-SAT model only when one was solved.
     solved = dataclasses.replace(plan, frames_solved=3, model_size={"variables": 1234, "constraints": 5678})
     assert "3 CP-SAT models solved" in (t := k3opt.report.plan_text(solved)) and "1,234 variables, 5,678" in t
-    none = dataclasses.replace(plan, frames_solved=0, model_size={})
+    none = dataclasses.replace(plan, status="OPTIMAL", frames_solved=0, model_size={})
     t = k3opt.report.plan_text(none)
     assert "0 CP-SAT models solved" in t and "largest model" not in t and "settled every shape" in t
+    # Out of time before any model solved: the bounds settled nothing, and the line says so.
+    cut = dataclasses.replace(none, status="FEASIBLE")
+    t = k3opt.report.plan_text(cut)
+    assert "status FEASIBLE" in t and "settled every shape" not in t and "no CP-SAT model solved" in t
 
 
 def test_interleaved_bounds_and_optimum_on_the_achievable_step(rated):

@@ -80,3 +80,33 @@ def test_spread_keeps_a_faster_entry_and_stops_at_its_deadline(tiny, slow):
     assert g not in again and again.keys() == first.keys() - {g}
     assert spread(job, {f: PlanItem(ev.layout, ev)}, frames, tiny, slow, deadline=-1.0) == {}
     assert spread(job, {}, frames, tiny, slow, deadline=float("inf")) == {}
+
+
+def test_spread_replaces_a_slower_entry_and_keeps_a_strictly_faster_one(tiny, slow):
+    """Sibling entries priced by hand: dense FSDP 4 with split 2+2+1+1 is faster than the source's 1+2+2+1 on that
+    frame (5.014 s against 5.084 s when measured), so it stays; dense FSDP 2 with split 2+1+1+2 is slower than
+    1+2+2+1 there (5.509 s against 5.194 s), so the source's split replaces it."""
+    job = _job()
+    frames = enumerate_frames(job, tiny, 8)
+    m = next(f for f in frames if f.vp == 2).microbatches
+    src = k3opt.evaluate(_layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
+        update={"microbatches": m}), model=tiny, cluster=slow)
+    fast = k3opt.evaluate(_layout(1, 4, "optim_grads_params", 2, [2, 2, 1, 1], "full").model_copy(
+        update={"microbatches": m}), model=tiny, cluster=slow)
+    slow_entry = k3opt.evaluate(_layout(1, 2, "optim_grads_params", 2, [2, 1, 1, 2], "full").model_copy(
+        update={"microbatches": m}), model=tiny, cluster=slow)
+    same_split_fast = k3opt.evaluate(_layout(1, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
+        update={"microbatches": m}), model=tiny, cluster=slow)
+    same_split_slow = k3opt.evaluate(_layout(1, 2, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
+        update={"microbatches": m}), model=tiny, cluster=slow)
+    assert all(e.fits for e in (src, fast, slow_entry, same_split_fast, same_split_slow))
+    assert fast.step.rank_time_s < same_split_fast.step.rank_time_s
+    assert slow_entry.step.rank_time_s > same_split_slow.step.rank_time_s
+    found = {frame_of(e.layout): PlanItem(e.layout, e) for e in (src, fast, slow_entry)}
+    got = spread(job, found, frames, tiny, slow, deadline=float("inf"))
+    assert frame_of(fast.layout) not in got
+    g = frame_of(slow_entry.layout)
+    assert list(got[g].layout.split) == [1, 2, 2, 1]
+    assert got[g].rank_time_s == same_split_slow.step.rank_time_s
+    # Ctrl-C: the stop flag ends the pricing before the first sibling.
+    assert spread(job, found, frames, tiny, slow, deadline=float("inf"), stop=lambda: True) == {}

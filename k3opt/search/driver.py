@@ -100,9 +100,9 @@ take a second or two each."""
 
 SEED_GAIN = 0.1
 """The seeding stops once it stalls (search/incumbents._Patience): a gain is a fall of the top-th fastest layout
-(or the fastest) by more than this share of the gap. A tenth: a fall that small moves the pruning line by a tenth
-of the margin the proof needs, so it prunes few more shapes, while the climbs' last steps (a layer moved between
-chunks, 0.01-0.1%) no longer keep the seeding going."""
+(or the fastest) by more than this share of the gap, or a layout added while fewer than top are at hand. A tenth:
+a fall that small moves the pruning line by a tenth of the margin the proof needs, so it prunes few more shapes,
+while the climbs' last steps (a layer moved between chunks, 0.01-0.1%) no longer keep the seeding going."""
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
@@ -249,8 +249,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                             top=top, gain=SEED_GAIN * gap))
         # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
         # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling.
-        best_of.update(spread(job, best_of, list(estimates), model, cluster, _time.monotonic() + budget,
-                              most=max(top, SPREAD_SOURCES)))
+        best_of.update(spread(job, best_of, list(estimates), model, cluster,
+                              min(_time.monotonic() + budget, t0 + time_limit), most=max(top, SPREAD_SOURCES),
+                              stop=lambda: ctrl_c.flag))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:

@@ -254,6 +254,11 @@ class _Config:
     on: frozenset[str]
     """Toggles (activation and rank) switched on."""
 
+    def shape(self, job: Job, f: Frame) -> Shape:
+        """The cost model's shape of frame f under this configuration."""
+        mode = ActMode(self.recompute, *(t in self.on for t in ACT_TOGGLES))
+        return frame_shape(job, f, mode, self.lifecycle, **{t: t in self.on for t in RANK_TOGGLES})
+
 
 def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
            cap: int, deadline: float, out: list[PlanItem], every_split: bool = False) -> tuple[float, int, bool] | None:
@@ -262,8 +267,7 @@ def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterS
     priced. Pricing stops at the first split that fits unless `every_split` (the leaner splits of a fitting
     configuration are points of the front too, at the cost of their evaluate() calls only). Every fitting
     evaluation is appended to `out`. None when the deadline passed before any split was priced."""
-    mode = ActMode(cfg.recompute, *(t in cfg.on for t in ACT_TOGGLES))
-    shape = frame_shape(job, f, mode, cfg.lifecycle, **{t: t in cfg.on for t in RANK_TOGGLES})
+    shape = cfg.shape(job, f)
     splits = ([list(job.search.split)] if job.search.split is not None
               else candidate_splits(coefficients(shape, model, cluster), cap))
     fast: tuple[float, int, bool] | None = None
@@ -419,8 +423,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     frame's ranked step time, to skip the frames that cannot beat the fastest so far. A frame is skipped when a
     frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
     `top`: with it, the seeding also stops once it has gone as long without a gain (the `top`-th fastest layout
-    or the fastest lowered by more than `gain`, relative) as it took to make its last gain, and at least
-    PATIENCE_MIN_S (`_Patience`)."""
+    or the fastest lowered by more than `gain`, relative, or a layout added while fewer than `top` were at hand)
+    as it took to make its last gain, and at least PATIENCE_MIN_S (`_Patience`)."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -683,13 +687,13 @@ def _siblings_key(f: Frame) -> tuple:
 
 def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: ModelSpec, cluster: ClusterSpec,
            deadline: float, runtime: RuntimeSpec | None = None, within: float = CLIMB_WITHIN,
-           most: int = SPREAD_SOURCES) -> dict[Frame, PlanItem]:
+           most: int = SPREAD_SOURCES, stop: Callable[[], bool] | None = None) -> dict[Frame, PlanItem]:
     """The fastest layouts in `found` (up to `most`, each within `within` of the fastest), their configuration and
     split priced by evaluate() on the frames of `frames` that differ from theirs in the FSDP degrees and sharding
     policies only: the split climbed on one frame is rarely reached on its siblings by their own heuristics (on
     the default job the fastest PP8 VP4 EP64 layout, dense FSDP 32, is 18.634 s; its configuration and split give
     the dense-FSDP-64 frames 18.624 s, against 18.72 s from their own seeding). Returns, per frame, the fitting
-    layout faster than its entry in `found`. Stops at the monotonic `deadline`."""
+    layout faster than its entry in `found`. Stops at the monotonic `deadline` or when `stop()` (Ctrl-C)."""
     runtime = runtime if runtime is not None else (_runtime(job.runtime) if job.runtime is not None else None)
     ranked = sorted(found.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
     if not ranked:
@@ -701,14 +705,12 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
     for src in [it for it in ranked if it.rank_time_s <= ranked[0].rank_time_s * (1 + within)][:most]:
         f = frame_of(src.layout)
         cfg = _config_of(src.layout)
-        mode = ActMode(cfg.recompute, *(t in cfg.on for t in ACT_TOGGLES))
         for g in by_key.get(_siblings_key(f), []):
             if g == f:
                 continue
-            if _time.monotonic() > deadline:
+            if _time.monotonic() > deadline or (stop is not None and stop()):
                 return out
-            shape = frame_shape(job, g, mode, cfg.lifecycle, **{t: t in cfg.on for t in RANK_TOGGLES})
-            ev = evaluate(layout_of(job, g, shape, list(src.layout.split)), model=model, cluster=cluster,
+            ev = evaluate(layout_of(job, g, cfg.shape(job, g), list(src.layout.split)), model=model, cluster=cluster,
                           runtime=runtime)
             mine = out.get(g) or found.get(g)
             if ev.fits and (mine is None or (ev.step.rank_time_s, ev.peak_bytes) < (mine.rank_time_s,

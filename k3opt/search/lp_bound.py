@@ -113,8 +113,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                          cluster: ClusterSpec, stop_at: float = math.inf,
-                         members: tuple[Frame, ...] | None = None, deadline: float = math.inf,
-                         lifecycles: tuple[FsdpLifecycle, ...] | None = None) -> float:
+                         members: tuple[Frame, ...] | None = None, deadline: float = math.inf) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
@@ -129,11 +128,8 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     members (`_merge`), the budget the largest, the modes every member's undominated ones,
     so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
     balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
-    `deadline` passes while the members' arrays are built (tens of members take seconds).
-
-    `lifecycles`: the same over these FSDP lifecycles (`lc` ignored): one program relaxes the node of each (the
-    lifecycle moves the FSDP traffic and the accumulation buffers only, never the schedule)."""
-    group = [(g, lc_) for g in (members or (f,)) for lc_ in (lifecycles or (lc,))]
+    `deadline` passes while the members' arrays are built (tens of members take seconds)."""
+    group = [(g, lc) for g in (members or (f,))]
     allowed = _allowed_on(job)
     host_cap = cluster.host_memory_bytes
     # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
