@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.schedule import pipeline_order, replay_makespan
+from k3opt.schedule import pipeline_order, replay_makespan, replay_ops
 
 DATA = Path(__file__).parent / "data"
 
@@ -74,3 +74,16 @@ def test_evaluate_prices_the_schedule():
                                   split=[1, 2, 2, 1], reserve_gib=1.5)
     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
     assert ev.step.schedule_step_time_s > ev.step.update_time_s
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(1, 1, 4), (2, 1, 3), (2, 2, 2), (3, 2, 5), (4, 3, 7), (5, 2, 3),
+                                           (8, 4, 64), (16, 2, 32)])
+def test_makespan_equals_the_event_loop(p, v, m):
+    """replay_makespan runs the recurrence over a fixed dependency order; replay_ops is the event loop that runs
+    each rank's order as far as its dependencies allow. Two implementations of one schedule: on random chunk
+    times and per-rank hops they agree to the last bit (the same additions and maxima in the same order)."""
+    rng = np.random.default_rng(p * 100 + v * 10 + m)
+    for _ in range(3):
+        fwd, bwd, hop = rng.uniform(0.1, 2, p * v), rng.uniform(0.1, 4, p * v), rng.uniform(0, 0.3, p)
+        for h in (0.0, hop):
+            assert replay_makespan(p, v, m, fwd, bwd, h) == max(op[5] for op in replay_ops(p, v, m, fwd, bwd, h))
