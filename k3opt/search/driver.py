@@ -7,7 +7,7 @@ import itertools
 import math
 import signal
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from k3opt.coefficients import Shape, coefficients
 from k3opt.errors import InfeasibleJobError
@@ -144,7 +144,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
-    heap: list = []
+    heap = _Queue()
     seq = itertools.count()
     min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
     best_of: dict[Frame, PlanItem] = {}
@@ -193,7 +193,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if m_lb < min_peak_lb[0]:
                 min_peak_lb = (m_lb, f)
             if m_lb <= hbm_line and m_lb <= caps[f]:  # over the line: over every budget, no budget needed
-                heapq.heappush(heap, (t_lb, m_lb, next(seq), f, None, None, 0))
+                heap.push((t_lb, m_lb, next(seq), f, None, None, 0))
                 # Now, while the shape's coefficients are still in the build cache (thousands of shapes evict it).
                 estimates[f] = frame_estimate(job, f, model, cluster)
     except BaseException:
@@ -255,7 +255,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         while heap:
-            t_lb, m_lb, _, f, rc, lc, attempt = heap[0]
+            t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
             k = kth()
 
             def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
@@ -265,7 +265,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if closed(t_lb, m_lb):
                 break
             # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
-            # scans below pass over the whole queue at every step).
+            # picks below test the queue's entries against it).
             line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
             open_below = line * (1 - LINE_ROUNDING) if line is not None else None
             remaining = time_limit - (_time.monotonic() - t0)
@@ -278,7 +278,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             now = _time.monotonic()
             if last_pick is not None:
                 share[last_pick[0]] += now - last_pick[1]
-            pick, diving = 0, False
+            picked, diving = None, False
+
+            def is_open(e: tuple, below: float | None = open_below) -> bool:
+                return e[0] < below if below is not None else not closed(e[0], e[1])
+
             if share[True] <= share[False]:
                 # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
                 # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
@@ -287,29 +291,18 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # bound. The order changes which node is solved first, never the bound (the least over the queue).
                 # It dives: the shape expanded last goes on to its best node, and that node is solved once
                 # tightened, even when tightening lifted it above other nodes (its bound stays valid).
-                ones = ([j for j, e in enumerate(heap) if e[0] < open_below and e[3].vp == 1]
-                        if open_below is not None else
-                        [j for j, e in enumerate(heap) if e[3].vp == 1 and not closed(e[0], e[1])])
-                ones = [j for j in ones if heap[j][3] == dive] or ones
-                if ones:
-                    pick, diving = min(ones, key=lambda j: heap[j]), True
-            elif heap[0][6] > 0:
+                picked = heap.least_of(dive, is_open) if dive is not None else None
+                picked = picked or heap.least_one(is_open)
+                diving = picked is not None
+            elif heap.top()[6] > 0:
                 # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
                 # frame and node under the gap line has had its bounds and one slice, the least bound first; an
                 # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
-                fresh = ([j for j, e in enumerate(heap) if e[0] < open_below and e[6] == 0]
-                         if open_below is not None else
-                         [j for j, e in enumerate(heap) if e[6] == 0 and not closed(e[0], e[1])])
-                if fresh:
-                    pick = min(fresh, key=lambda j: heap[j])
+                picked = heap.least_fresh(is_open)
             last_pick = (diving, now)
-            if pick:
-                t_lb, m_lb, _, f, rc, lc, attempt = heap[pick]
-                heap[pick] = heap[-1]
-                heap.pop()
-                heapq.heapify(heap)
-            else:
-                heapq.heappop(heap)
+            picked = picked or heap.top()
+            heap.take(picked)
+            t_lb, m_lb, _, f, rc, lc, attempt = picked
             current = t_lb
             mine = best_of.get(f)
             if mine is not None and (t_lb > mine.rank_time_s or (
@@ -328,7 +321,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 gb = group_bounds[group]
                 if gb > t_lb + 1e-12:
                     if math.isfinite(gb):
-                        heapq.heappush(heap, (gb, m_lb, next(seq), f, None, None, 0))
+                        heap.push((gb, m_lb, next(seq), f, None, None, 0))
                     current = math.inf
                     continue
             if rc is None and f not in frame_tightened:
@@ -337,7 +330,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                          stop_at=line if line is not None else math.inf)
                 if ft > t_lb + 1e-12 or fm_ > m_lb:
                     if math.isfinite(ft) and fm_ <= caps[f]:
-                        heapq.heappush(heap, (max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                        heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
                     current = math.inf
                     dive = f if diving else dive
                     continue
@@ -346,7 +339,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     for l_ in lcs:
                         nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
                         if nm <= caps[f]:
-                            heapq.heappush(heap, (max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
+                            heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
                 current = math.inf
                 dive = f if diving else dive
                 continue
@@ -363,7 +356,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 gb = group_bounds[(group, rc, lc)]
                 if gb > t_lb + 1e-12:
                     if math.isfinite(gb):
-                        heapq.heappush(heap, (gb, m_lb, next(seq), f, rc, lc, 0))
+                        heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
                     current = math.inf
                     continue
             if (f, rc, lc) not in tightened:
@@ -374,7 +367,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 if tight > t_lb + 1e-12:
                     if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
                         if math.isfinite(tight):
-                            heapq.heappush(heap, (tight, m_lb, next(seq), f, rc, lc, 0))
+                            heap.push((tight, m_lb, next(seq), f, rc, lc, 0))
                         current = math.inf
                         continue
                     t_lb = current = tight  # the dive solves it now, with its tightened bound
@@ -403,7 +396,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 break
             if res.status in ("FEASIBLE", "UNKNOWN"):
                 # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
-                heapq.heappush(heap, (node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
+                heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
             elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
                 residual = min(residual, node_bound)  # proven to the relative gap only
             current = math.inf
@@ -416,7 +409,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         ctrl_c.__exit__()
     if ctrl_c.flag:
         interrupted = True
-    bound = min(heap[0][0] if heap else math.inf, residual)
+    bound = min(heap.top()[0] if heap else math.inf, residual)
     ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
     if not ranked:
         if interrupted:
@@ -456,6 +449,68 @@ def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]
         if f not in best or _key(it.evaluation) < _key(best[f].evaluation):
             best[f] = it
     return sorted(best.values(), key=lambda it: _key(it.evaluation))
+
+
+class _Queue:
+    """The search's queue of (bound s, peak bound, seq, frame, recompute, lifecycle, attempt) entries, least first,
+    with the two picks the driver makes out of order: the least v = 1 entry (of one frame, for a dive) and the
+    least entry not yet cut by a slice. Each is its own heap over the same entries (a taken entry is dropped from
+    each when it reaches its top), so a pick costs a heap operation, not a scan of tens of thousands of entries."""
+
+    def __init__(self) -> None:
+        self._all: list[tuple] = []
+        self._ones: list[tuple] = []
+        self._fresh: list[tuple] = []
+        self._of: dict[Frame, list[tuple]] = {}
+        self._alive: set[int] = set()
+
+    def push(self, e: tuple) -> None:
+        heapq.heappush(self._all, e)
+        self._alive.add(e[2])
+        if e[3].vp == 1:
+            heapq.heappush(self._ones, e)
+            self._of.setdefault(e[3], []).append(e)
+        if e[6] == 0:
+            heapq.heappush(self._fresh, e)
+
+    def take(self, e: tuple) -> None:
+        self._alive.remove(e[2])
+
+    def _least(self, h: list[tuple]) -> tuple | None:
+        while h and h[0][2] not in self._alive:
+            heapq.heappop(h)
+        return h[0] if h else None
+
+    def top(self) -> tuple:
+        e = self._least(self._all)
+        if e is None:
+            raise IndexError("the queue is empty")
+        return e
+
+    def least_one(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+        """The least v = 1 entry, if open (`is_open` holds for an entry when it holds for a greater one)."""
+        e = self._least(self._ones)
+        return e if e is not None and is_open(e) else None
+
+    def least_of(self, f: Frame, is_open: Callable[[tuple], bool]) -> tuple | None:
+        """The least open entry of v = 1 frame f."""
+        mine = self._of.get(f, [])
+        mine[:] = [e for e in mine if e[2] in self._alive]
+        return min((e for e in mine if is_open(e)), default=None)
+
+    def least_fresh(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+        """The least entry not cut by a slice yet (attempt 0), if open."""
+        e = self._least(self._fresh)
+        return e if e is not None and is_open(e) else None
+
+    def __bool__(self) -> bool:
+        return self._least(self._all) is not None
+
+    def __len__(self) -> int:
+        return len(self._alive)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return (e for e in self._all if e[2] in self._alive)
 
 
 class _Caps(dict):
