@@ -265,7 +265,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
             f"(largest model {plan.model_size.get('variables', 0):,} variables, "
             f"{plan.model_size.get('constraints', 0):,} constraints)" if plan.frames_solved else
             "(the heuristic layouts and the bounds settled every shape)" if plan.status == "OPTIMAL" else
-            "(no CP-SAT model solved before the time ran out)"),
+            "(no CP-SAT model solved; the bounds did not settle every shape)"),
         "",
     ]
     df = plan_frame(plan.layouts)

@@ -156,13 +156,17 @@ def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: n
 
     The same recurrence as `replay_ops` over its operations in a fixed dependency order (`_replay_graph`): an
     operation ends at max(its rank's previous end, its dependency's end + hop) + its time. evaluate() replays
-    every layout it prices (the seeding prices thousands), and this runs in a fifth of the event loop's time."""
+    every layout it prices (the seeding prices thousands): this takes less than half the event loop's time
+    (PP8 VP4 M64: 1.5 against 3.3 ms)."""
     return max(_replay_ends(p, v, m, forward_s, backward_s, hop_s)[1])
 
 
 def _replay_ends(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
                  hop_s: np.ndarray | float = 0.0) -> tuple[list[float], list[float]]:
     """(start, end) of every operation of `_replay_graph`, in its order."""
+    if not len(forward_s) == len(backward_s) == p * v:
+        raise ValueError(f"the replay needs p x v = {p * v} forward and backward chunk times, "
+                         f"got {len(forward_s)} and {len(backward_s)}")
     ops, rank_prev, dep, sender, which = _replay_graph(p, v, m)
     times = [float(x) for x in forward_s] + [float(x) for x in backward_s]
     hops = [float(h) for h in np.broadcast_to(np.asarray(hop_s, dtype=float), (p,))] + [0.0]

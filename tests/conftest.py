@@ -54,8 +54,9 @@ def _clear_caches() -> None:
                coefficients._achievable_tensor, coefficients._expert_compute, ranking._ranked, ranking._work_floor,
                ranking._coarse_work_floor, ranking._LEAST, ranking._least_vector,
                ranking._least_vector_any_recompute, memory_outside._stage_members,
-               schedule.inflight_compositions, schedule._replay_graph, comm.members_at_offset, coefficients._model_of,
-               coefficients._cluster_of, coefficients._rates_from_json):
+               schedule.inflight_compositions, schedule._replay_graph, schedule._global_order,
+               comm.members_at_offset, coefficients._model_of, coefficients._cluster_of,
+               coefficients._rates_from_json):
         fn.cache_clear()
     structure._CACHE.clear()
     coefficients._RATES_JSON.clear()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.schedule import pipeline_order, replay_makespan, replay_ops
+from k3opt.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
 
 DATA = Path(__file__).parent / "data"
 
@@ -86,4 +86,47 @@ def test_makespan_equals_the_event_loop(p, v, m):
     for _ in range(3):
         fwd, bwd, hop = rng.uniform(0.1, 2, p * v), rng.uniform(0.1, 4, p * v), rng.uniform(0, 0.3, p)
         for h in (0.0, hop):
-            assert replay_makespan(p, v, m, fwd, bwd, h) == max(op[5] for op in replay_ops(p, v, m, fwd, bwd, h))
+            ops = replay_ops(p, v, m, fwd, bwd, h)
+            assert replay_makespan(p, v, m, fwd, bwd, h) == max(op[5] for op in ops)
+            # Every operation's start and end, in the event loop's order.
+            start, end = _replay_ends(p, v, m, fwd, bwd, h)
+            assert list(zip(start, end, strict=True)) == [(op[4], op[5]) for op in ops]
+    with pytest.raises(ValueError, match="p x v"):
+        replay_makespan(p, v, m, np.ones(p * v + 1), np.ones(p * v + 1))
+
+
+def _path_over_events(p, v, m, fwd, bwd):
+    """The longest path traced back over the event loop's operations: from the first latest end, through the
+    rank's previous operation when it ended exactly at this one's start, else through the operation it waited for."""
+    k_all = p * v
+    ops = replay_ops(p, v, m, fwd, bwd)
+    at = {(f, g, mb): n for n, (_, f, g, mb, _, _) in enumerate(ops)}
+    prev, last = [], {}
+    for n, op in enumerate(ops):
+        prev.append(last.get(op[0]))
+        last[op[0]] = n
+    n = max(range(len(ops)), key=lambda i: ops[i][5])
+    nf, nb = np.zeros(k_all, dtype=np.int64), np.zeros(k_all, dtype=np.int64)
+    while n is not None:
+        _, is_f, g, mb, begin, _ = ops[n]
+        (nf if is_f else nb)[g] += 1
+        if prev[n] is not None and ops[prev[n]][5] == begin:
+            n = prev[n]
+        elif is_f:
+            n = at[(True, g - 1, mb)] if g > 0 else None
+        else:
+            n = at[(True, g, mb)] if g == k_all - 1 else at[(False, g + 1, mb)]
+    return nf, nb
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 1, 3), (4, 3, 8), (8, 4, 16)])
+def test_critical_path_equals_a_trace_over_the_event_loop(p, v, m):
+    """critical_path's path over the fixed order is the one traced over the event loop's operations, also where
+    operations tie (equal and small-integer chunk times: a rank's previous operation and the awaited one end
+    together, and the rank's wins), not only in length."""
+    rng = np.random.default_rng(7 * p + v + m)
+    k = p * v
+    for fwd, bwd in [(np.ones(k), 2 * np.ones(k)), (rng.integers(1, 4, k).astype(float), rng.integers(1, 7, k) * 1.0),
+                     (rng.uniform(0.1, 2, k), rng.uniform(0.1, 4, k))]:
+        got, want = critical_path(p, v, m, fwd, bwd), _path_over_events(p, v, m, fwd, bwd)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

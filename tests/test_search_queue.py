@@ -29,10 +29,15 @@ def test_picks_equal_a_scan(seed):
     q, left, n = _Queue(), [], 0
     for _ in range(600):
         if left and rng.random() < 0.45:
-            line = rng.uniform(0, 10)
+            line, peak = rng.uniform(0, 10), rng.randrange(3)
+            if rng.random() < 0.5:
+                def is_open(e, line=line):
+                    return e[0] < line  # under the pruning line (gap > 0)
+            else:
+                line = round(line, 1)  # ties in the bound, decided by the peak (gap 0: not `closed`)
 
-            def is_open(e, line=line):
-                return e[0] < line
+                def is_open(e, line=line, peak=peak):
+                    return e[0] < line or (e[0] == line and e[1] < peak)
 
             dive = rng.choice(frames)
             want_top = min(left)
