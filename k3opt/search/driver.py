@@ -156,6 +156,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     unbounded = False
     walked: set[Frame] = set()
     """Frames the seeding walked through their configurations (search/incumbents.seed)."""
+    configs: dict = {}
+    """Per frame, the fastest layout the seeding priced under each configuration (search/incumbents.seed)."""
     lbs: dict[Frame, tuple[float, float]] = {}
     """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
     estimates: dict[Frame, float] = {}
@@ -171,7 +173,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
         # their configurations.
         best_of.update(seed(job, [], model, cluster, best_of, t0 + 2 * budget, stop=lambda: ctrl_c.flag,
-                            walked=walked))
+                            walked=walked, configs=configs))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
@@ -246,7 +248,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                             _time.monotonic() + min(max(SEED_MIN_S, SEED_SHARE * time_limit),
                                                     0.3 * time_limit),
                             stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0],
-                            top=top, gain=SEED_GAIN * gap))
+                            top=top, gain=SEED_GAIN * gap, configs=configs))
         # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
         # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling.
         best_of.update(spread(job, best_of, list(estimates), model, cluster,

@@ -410,7 +410,7 @@ WALKED = 3
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
          deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
          walk_first: bool = True, lower: Callable[[Frame], float] | None = None, top: int | None = None,
-         gain: float = 0.0) -> dict[Frame, PlanItem]:
+         gain: float = 0.0, configs: dict[Frame, dict[_Config, PlanItem]] | None = None) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
     frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
     (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
@@ -424,7 +424,9 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
     `top`: with it, the seeding also stops once it has gone as long without a gain (the `top`-th fastest layout
     or the fastest lowered by more than `gain`, relative, or a layout added while fewer than `top` were at hand)
-    as it took to make its last gain, and at least PATIENCE_MIN_S (`_Patience`)."""
+    as it took to make its last gain, and at least PATIENCE_MIN_S (`_Patience`). `configs`: per frame, the fastest
+    layout priced under each configuration (updated; the climbs start from several): pass one dict to every call,
+    so that a frame walked in one call is climbed in the next from every configuration its walk priced."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -434,8 +436,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     def best(f: Frame) -> PlanItem | None:
         return out.get(f) or found.get(f)
 
-    configs: dict[Frame, dict[_Config, PlanItem]] = {}
-    """Per frame, the fastest layout priced here under each configuration: the climbs start from several."""
+    configs = configs if configs is not None else {}
 
     def keep(items: list[PlanItem]) -> None:
         for it in items:
@@ -489,6 +490,14 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop)])
             climbing += _time.monotonic() - now
 
+    def lead_library(lead: list[PlanItem]) -> list[_Config]:
+        """The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits one
+        frame may not fit another), then the fastest under the leanest recompute mode, priced first by
+        price_configs: when it does not fit, the others are not tried."""
+        lean = dataclasses.replace(_config_of(lead[0].layout), recompute=leanest)
+        return [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
+                                         for it in lead[:2] for lc in lcs) if c != lean] + [lean]
+
     climbed: set[Frame] = set()
     for it in fastest()[:WALKED]:
         f = frame_of(it.layout)
@@ -530,13 +539,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         tried = False
         """Whether f was priced in full here (a misfit is recorded only then)."""
         if lead:
-            # The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits
-            # one frame may not fit another), then the fastest under the leanest recompute mode, priced first:
-            # when it does not fit, the others are not tried.
-            lean = dataclasses.replace(_config_of(lead[0].layout), recompute=leanest)
-            library = [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
-                                                for it in lead[:2] for lc in lcs) if c != lean] + [lean]
-            items = price_configs(job, f, library, model, cluster, deadline, runtime, every_split=False)
+            items = price_configs(job, f, lead_library(lead), model, cluster, deadline, runtime, every_split=False)
             keep(items)
             tried = not over()
         # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
