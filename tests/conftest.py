@@ -118,3 +118,22 @@ def interleaved_small_job() -> k3opt.Job:
                    "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
     })
 
+
+
+@pytest.fixture
+def pp2_job() -> k3opt.Job:
+    """The six-layer model on 8 slow-cluster GPUs at PP2: VP 1 or 2, EP2, expert FSDP 1-2, dense FSDP 1-4 under
+    two dense sharding policies, recompute none or full, FP8 activations and activation offload allowed, reserve
+    2.4 GiB (the seeding's tests: search/incumbents.seed and spread)."""
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    return k3opt.Job.model_validate({
+        "model": str(data / "tiny-moe.toml"), "cluster": str(data / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.4,
+        "search": {"pp": [2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
+                   "dense_sharding": ["optim_grads_params", "optim"], "expert_sharding": ["optim_grads_params"],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES
+                                      if t not in ("fp8_activations", "activation_offload")]},
+    })

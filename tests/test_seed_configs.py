@@ -6,28 +6,12 @@ another; only the second climbs (to 18.63 s)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import k3opt
 import k3opt.search.incumbents as inc
 from k3opt.search.frames import enumerate_frames, frame_of
 from k3opt.search.result import PlanItem
 from k3opt.specs import make_layout
-
-DATA = Path(__file__).parent / "data"
-
-
-def _job() -> k3opt.Job:
-    """PP2 on 8 GPUs, VP 1 or 2, EP2, expert FSDP 1-2, dense FSDP 1-4, FP8 activations and offload allowed."""
-    return k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.4,
-        "search": {"pp": [2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
-                   "dense_sharding": ["optim_grads_params", "optim"], "expert_sharding": ["optim_grads_params"],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES
-                                      if t not in ("fp8_activations", "activation_offload")]},
-    })
 
 
 def _item(job, m, recompute, tiny, slow) -> PlanItem:
@@ -40,8 +24,8 @@ def _item(job, m, recompute, tiny, slow) -> PlanItem:
     return PlanItem(ev.layout, ev)
 
 
-def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, monkeypatch):
-    job = _job().model_copy(update={"reserve_gib": 1.0})  # room for the layout without recompute
+def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_job, monkeypatch):
+    job = pp2_job.model_copy(update={"reserve_gib": 1.0})  # room for the layout without recompute
     m = next(f for f in enumerate_frames(job, tiny, 8) if f.vp == 2).microbatches
     fast, slower = _item(job, m, "none", tiny, slow), _item(job, m, "full", tiny, slow)
     # 4.21 s without recompute, 4.89 s with full recompute (a replayed forward): distinct times, both kept.
@@ -64,7 +48,7 @@ def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, monke
     assert climbed == ["none"]
 
 
-def test_the_driver_shares_one_record_between_its_seeding_calls(tiny, slow, monkeypatch):
+def test_the_driver_shares_one_record_between_its_seeding_calls(tiny, slow, pp2_job, monkeypatch):
     import k3opt.search.driver as driver
 
     seen: list[dict | None] = []
@@ -75,5 +59,5 @@ def test_the_driver_shares_one_record_between_its_seeding_calls(tiny, slow, monk
         return real(*a, **k)
 
     monkeypatch.setattr(driver, "seed", spy)
-    k3opt.plan(_job(), model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
     assert len(seen) == 2 and seen[0] is not None and seen[0] is seen[1]

@@ -4,28 +4,13 @@ hand (make_layout with the sibling's degrees and the source's split and toggles)
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import k3opt
 from k3opt.search.frames import enumerate_frames, frame_of
 from k3opt.search.incumbents import spread
 from k3opt.search.result import PlanItem
 from k3opt.specs import make_layout
 
-DATA = Path(__file__).parent / "data"
 TOGGLES = dict(fp8_activations=True, activation_offload=True)
-
-
-def _job() -> k3opt.Job:
-    """PP2 on 8 GPUs, VP 1 or 2, EP2, expert FSDP 1-2, dense FSDP 1-4 under two dense sharding policies."""
-    return k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.4,
-        "search": {"pp": [2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
-                   "dense_sharding": ["optim_grads_params", "optim"], "expert_sharding": ["optim_grads_params"],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in TOGGLES]},
-    })
 
 
 def _layout(fe: int, fd: int, dense: str, vp: int, split: list[int], recompute: str) -> k3opt.Layout:
@@ -34,8 +19,8 @@ def _layout(fe: int, fd: int, dense: str, vp: int, split: list[int], recompute: 
                        toggles=TOGGLES, reserve_gib=2.4, dense_sharding=dense, expert_sharding="optim_grads_params")
 
 
-def test_spread_prices_the_source_on_every_sibling(tiny, slow):
-    job = _job()
+def test_spread_prices_the_source_on_every_sibling(tiny, slow, pp2_job):
+    job = pp2_job
     frames = enumerate_frames(job, tiny, 8)
     vp2 = [f for f in frames if f.vp == 2]
     # 3 dense x 2 expert FSDP degrees x 2 dense policies, less the two that coincide at dense FSDP 1.
@@ -65,8 +50,8 @@ def test_spread_prices_the_source_on_every_sibling(tiny, slow):
         assert it.layout.toggles.fp8_activations and it.layout.toggles.activation_offload
 
 
-def test_spread_keeps_a_faster_entry_and_stops_at_its_deadline(tiny, slow):
-    job = _job()
+def test_spread_keeps_a_faster_entry_and_stops_at_its_deadline(tiny, slow, pp2_job):
+    job = pp2_job
     frames = enumerate_frames(job, tiny, 8)
     vp2 = [f for f in frames if f.vp == 2]
     src = _layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
@@ -82,11 +67,11 @@ def test_spread_keeps_a_faster_entry_and_stops_at_its_deadline(tiny, slow):
     assert spread(job, {}, frames, tiny, slow, deadline=float("inf")) == {}
 
 
-def test_spread_replaces_a_slower_entry_and_keeps_a_strictly_faster_one(tiny, slow):
+def test_spread_replaces_a_slower_entry_and_keeps_a_strictly_faster_one(tiny, slow, pp2_job):
     """Sibling entries priced by hand: dense FSDP 4 with split 2+2+1+1 is faster than the source's 1+2+2+1 on that
     frame (5.014 s against 5.084 s when measured), so it stays; dense FSDP 2 with split 2+1+1+2 is slower than
     1+2+2+1 there (5.509 s against 5.194 s), so the source's split replaces it."""
-    job = _job()
+    job = pp2_job
     frames = enumerate_frames(job, tiny, 8)
     m = next(f for f in frames if f.vp == 2).microbatches
     src = k3opt.evaluate(_layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
