@@ -95,3 +95,37 @@ def test_spread_replaces_a_slower_entry_and_keeps_a_strictly_faster_one(tiny, sl
     assert got[g].rank_time_s == same_split_slow.step.rank_time_s
     # Ctrl-C: the stop flag ends the pricing before the first sibling.
     assert spread(job, found, frames, tiny, slow, deadline=float("inf"), stop=lambda: True) == {}
+
+
+def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2_job, monkeypatch):
+    """The plan's call of spread: its deadline is within the plan's time limit (never the full `budget` past it) and
+    it gets the Ctrl-C flag as its stop (not set in a plain run)."""
+    import time
+
+    import k3opt.search.driver as driver
+
+    calls: list[tuple[float, object]] = []
+    real = driver.spread
+
+    def spy(*a, **k):
+        calls.append((a[5], k.get("stop")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(driver, "spread", spy)
+    # A 2-s limit (a 1-s budget per heuristic phase): the seeding is made to end 0.2 s before the limit, where the
+    # pricing's own 1-s budget alone would run 0.8 s past it.
+    limit = 2.0
+    real_seed = driver.seed
+
+    def slow_seed(*a, **k):
+        out = real_seed(*a, **k)
+        time.sleep(max(0.0, before + limit - 0.2 - time.monotonic()))
+        return out
+
+    monkeypatch.setattr(driver, "seed", slow_seed)
+    before = time.monotonic()
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit)
+    assert len(calls) == 1
+    deadline, stop = calls[0]
+    assert before < deadline <= before + limit + 0.05  # plan() starts its clock a few ms after `before`
+    assert callable(stop) and stop() is False
