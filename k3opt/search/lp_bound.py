@@ -129,7 +129,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
     balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
     `deadline` passes while the members' arrays are built (tens of members take seconds)."""
-    group = [(g, lc) for g in (members or (f,))]
+    group = list(members or (f,))
     allowed = _allowed_on(job)
     host_cap = cluster.host_memory_bytes
     # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
@@ -137,25 +137,25 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     # has no layout to bound, and leaving it out spares building its variants (on the default job, 12 of the 16
     # FSDP variants of PP4 VP4 EP64 and 8 of the 14 of PP8 VP4 EP32 fit under no setting).
     lean_mode = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
-    leans = [_memory_view(job, g, lean_mode, lc_, model, cluster) for g, lc_ in group]
+    leans = [_memory_view(job, g, lean_mode, lc, model, cluster) for g in group]
     if len({_schedule_terms(c) for c in leans}) > 1:
         return 0.0
-    caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g, _ in group]
-    kept = [i for i, ((g, _), c) in enumerate(zip(group, leans, strict=True))
+    caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g in group]
+    kept = [i for i, (g, c) in enumerate(zip(group, leans, strict=True))
             if lean_fits(job, g, c, caps[i], host_cap)]
     if not kept:
         return math.inf
     group = [group[i] for i in kept]
     cap = max(caps[i] for i in kept)
-    modes = list(dict.fromkeys(md for g, lc_ in group for md in undominated_modes(
-        job, g, [md for md in act_modes(job) if md.recompute == rc], [lc_], model, cluster)))
+    modes = list(dict.fromkeys(md for g in group for md in undominated_modes(
+        job, g, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)))
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
                 for flags in itertools.product(*(_choices(job, t) for t in names))]
     variants = []
     for md in modes:
         for tg in settings:
-            built = [_relaxed(job, g, md, lc_, tg, model, cluster) for g, lc_ in group]
+            built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
             if len({_schedule_terms(c) for _, c in built}) > 1 or time.monotonic() > deadline:
                 return 0.0
             a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
