@@ -112,20 +112,25 @@ def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2
         return real(*a, **k)
 
     monkeypatch.setattr(driver, "spread", spy)
-    # A 2-s limit (a 1-s budget per heuristic phase): the seeding is made to end 0.2 s before the limit, where the
-    # pricing's own 1-s budget alone would run 0.8 s past it.
+    # A 2-s limit (a 1-s budget per heuristic phase): the seeding after the bounding pass (none here, so that the
+    # seeding's second part runs) is made to end 0.2 s before the limit, where the pricing's own 1-s budget alone
+    # would run 0.8 s past it.
     limit = 2.0
     real_seed = driver.seed
+    monkeypatch.setattr(driver, "BOUND_SHARE", 0.0)
+    seen_done: list[bool] = []
 
     def slow_seed(*a, **k):
         out = real_seed(*a, **k)
-        time.sleep(max(0.0, before + limit - 0.2 - time.monotonic()))
+        if k.get("done") is not None:
+            seen_done.append(True)
+            time.sleep(max(0.0, before + limit - 0.2 - time.monotonic()))
         return out
 
     monkeypatch.setattr(driver, "seed", slow_seed)
     before = time.monotonic()
     k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit)
-    assert len(calls) == 1
+    assert len(calls) == 1 and seen_done
     deadline, stop = calls[0]
     assert before < deadline <= before + limit + 0.05  # plan() starts its clock a few ms after `before`
     assert callable(stop) and stop() is False

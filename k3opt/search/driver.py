@@ -35,6 +35,7 @@ from k3opt.search.frames import (
 from k3opt.search.front import _pareto, ranked_time_limit
 from k3opt.search.incumbents import (
     SPREAD_SOURCES,
+    SeedState,
     candidate_splits,
     frame_incumbent,
     incumbents,
@@ -103,6 +104,17 @@ SEED_GAIN = 0.1
 (or the fastest) by more than this share of the gap, or a layout added while fewer than top are at hand. A tenth:
 a fall that small moves the pruning line by a tenth of the margin the proof needs, so it prunes few more shapes,
 while the climbs' last steps (a layer moved between chunks, 0.01-0.1%) no longer keep the seeding going."""
+
+FIRST_PATIENCE_S = 2.0
+"""The stall stop's minimum (search/incumbents._Patience) for the second seeding's first part, before the bounding
+pass: on the default job the layout that closes the search comes about 1 s in; the second part (after the pass, when
+the pass's bounds do not close the search yet) has the rest of the seeding's share."""
+
+BOUND_SHARE = 0.25
+"""Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
+bounded (no CP-SAT solve) against the pruning line of the layouts found so far, so that the seeding can stop as soon
+as a layout it finds closes the search (on the default job the pass takes about 10 s, the seeding's first second
+finds the layout that closes it, and the rest of the seeding's share is saved)."""
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
@@ -229,6 +241,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     dive: Frame | None = None
     """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
     residual = 0.0 if unbounded else residual
+    ready: list[tuple] = []
+    """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
     try:
         if unbounded:
             raise KeyboardInterrupt
@@ -242,172 +256,214 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # Run even with `top` layouts at hand: its round-robin over (PP, VP) gives the seeding below its starting
         # shapes (at 8,192 GPUs, skipping it left the best at 19.25 s instead of 19.14 s).
         best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
-        # Then the frames by estimate under the fastest configurations found (and walked when faster), those
-        # whose bound is under the fastest so far.
-        best_of.update(seed(job, sorted((e[3] for e in heap), key=estimates.__getitem__), model, cluster, best_of,
-                            _time.monotonic() + min(max(SEED_MIN_S, SEED_SHARE * time_limit),
-                                                    0.3 * time_limit),
-                            stop=lambda: ctrl_c.flag, walked=walked, walk_first=False, lower=lambda g: lbs[g][0],
-                            top=top, gain=SEED_GAIN * gap, configs=configs))
-        # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
-        # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling.
-        best_of.update(spread(job, best_of, list(estimates), model, cluster,
-                              min(_time.monotonic() + budget, t0 + time_limit), most=max(top, SPREAD_SOURCES),
-                              stop=lambda: ctrl_c.flag))
-        if best_of and first_layout_s is None:
-            first_layout_s = _time.monotonic() - t0
-        while heap:
-            t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
-            k = kth()
+        # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
+        # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
+        # set the pruning line of the bounding pass below, and a lower line prunes sooner), then, after the pass,
+        # for the rest of its share unless a layout it finds closes the search.
+        seed_left = min(max(SEED_MIN_S, SEED_SHARE * time_limit), 0.3 * time_limit)
+        state = SeedState()
 
-            def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
-                return k is not None and (t >= k.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING) if gap > 0 else
-                                          (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
+        def seeding(patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None) -> None:
+            nonlocal seed_left, first_layout_s
+            start = _time.monotonic()
+            best_of.update(seed(job, sorted({e[3] for e in heap}, key=estimates.__getitem__), model, cluster,
+                                best_of, start + seed_left, stop=lambda: ctrl_c.flag, walked=walked,
+                                walk_first=False, lower=lambda g: lbs[g][0], top=top, gain=SEED_GAIN * gap,
+                                configs=configs, done=done, patience_min=patience_min, state=state))
+            seed_left -= _time.monotonic() - start
+            if best_of and first_layout_s is None:
+                first_layout_s = _time.monotonic() - t0
 
-            if closed(t_lb, m_lb):
-                break
-            # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
-            # picks below test the queue's entries against it).
-            line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
-            open_below = line * (1 - LINE_ROUNDING) if line is not None else None
-            remaining = time_limit - (_time.monotonic() - t0)
-            if remaining <= 0:
-                timed_out = True
-                break
-            if ctrl_c.flag:
-                interrupted = True
-                break
-            now = _time.monotonic()
-            if last_pick is not None:
-                share[last_pick[0]] += now - last_pick[1]
-            picked, diving = None, False
+        seeding(FIRST_PATIENCE_S, None)
 
-            def is_open(e: tuple, below: float | None = open_below) -> bool:
-                return e[0] < below if below is not None else not closed(e[0], e[1])
+        def proven(fastest: list[PlanItem]) -> bool:
+            """Whether the queue's least bound already closes the search for these layouts (fastest first)."""
+            if len(fastest) < top or not heap:
+                return len(fastest) >= top
+            e = heap.top()
+            return _closed(min(e[0], residual), e[1], fastest[top - 1], gap)
 
-            if share[True] <= share[False]:
-                # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
-                # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
-                # mean bound keeps it first in the queue (and expanding interleaved shapes one by one could take
-                # the whole limit before any solve); the other half follows the queue, which raises the proven
-                # bound. The order changes which node is solved first, never the bound (the least over the queue).
-                # It dives: the shape expanded last goes on to its best node, and that node is solved once
-                # tightened, even when tightening lifted it above other nodes (its bound stays valid).
-                picked = heap.least_of(dive, is_open) if dive is not None else None
-                picked = picked or heap.least_one(is_open)
-                diving = picked is not None
-            elif heap.top()[6] > 0:
-                # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
-                # frame and node under the gap line has had its bounds and one slice, the least bound first; an
-                # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
-                picked = heap.least_fresh(is_open)
-            last_pick = (diving, now)
-            picked = picked or heap.top()
-            heap.take(picked)
-            t_lb, m_lb, _, f, rc, lc, attempt = picked
-            current = t_lb
-            mine = best_of.get(f)
-            if mine is not None and (t_lb > mine.rank_time_s or (
-                    gap > 0 and t_lb >= mine.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING))):
-                residual = min(residual, t_lb)
-                current = math.inf
-                continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
-            if rc is None and f.vp > 1 and f not in frame_tightened:
-                # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
-                group = sharding_group(f)
-                if group not in group_bounds:
-                    mem = members_of.get(group, [])
-                    group_bounds[group] = group_frame_bound(
-                        job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
-                        deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
-                gb = group_bounds[group]
-                if gb > t_lb + 1e-12:
-                    if math.isfinite(gb):
-                        heap.push((gb, m_lb, next(seq), f, None, None, 0))
+        # Without `top` layouts there is no line to bound against (and no proof to stop the seeding at): no pass,
+        # the node models start at once.
+        bounding_end = _time.monotonic() + (BOUND_SHARE * time_limit if kth() is not None else 0.0)
+        for solving in (False, True):
+            if solving:
+                for e in ready:
+                    heap.push(e)
+                ready.clear()
+                if timed_out or interrupted:
+                    break
+                if not proven(sorted(best_of.values(), key=lambda it: _key(it.evaluation))):
+                    if seed_left > 0:
+                        seeding(None, proven)
+                    # The fastest layouts' configurations and splits priced on the shapes that differ from theirs
+                    # in the FSDP degrees and sharding policies only: their own seeding rarely reaches a split
+                    # climbed on a sibling.
+                    if not proven(sorted(best_of.values(), key=lambda it: _key(it.evaluation))):
+                        best_of.update(spread(job, best_of, list(estimates), model, cluster,
+                                              min(_time.monotonic() + budget, t0 + time_limit),
+                                              most=max(top, SPREAD_SOURCES), stop=lambda: ctrl_c.flag))
+            while heap:
+                t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
+                k = kth()
+
+                def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
+                    return _closed(t, m, k, gap)
+
+                if closed(t_lb, m_lb):
+                    break
+                # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
+                # picks below test the queue's entries against it).
+                line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
+                open_below = line * (1 - LINE_ROUNDING) if line is not None else None
+                remaining = time_limit - (_time.monotonic() - t0)
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                if ctrl_c.flag:
+                    interrupted = True
+                    break
+                now = _time.monotonic()
+                if not solving and now >= bounding_end:
+                    break
+                if last_pick is not None:
+                    share[last_pick[0]] += now - last_pick[1]
+                picked, diving = None, False
+
+                def is_open(e: tuple, below: float | None = open_below) -> bool:
+                    return e[0] < below if below is not None else not closed(e[0], e[1])
+
+                if share[True] <= share[False]:
+                    # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
+                    # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
+                    # mean bound keeps it first in the queue (and expanding interleaved shapes one by one could take
+                    # the whole limit before any solve); the other half follows the queue, which raises the proven
+                    # bound. The order changes which node is solved first, never the bound (the least over the queue).
+                    # It dives: the shape expanded last goes on to its best node, and that node is solved once
+                    # tightened, even when tightening lifted it above other nodes (its bound stays valid).
+                    picked = heap.least_of(dive, is_open) if dive is not None else None
+                    picked = picked or heap.least_one(is_open)
+                    diving = picked is not None
+                elif heap.top()[6] > 0:
+                    # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
+                    # frame and node under the gap line has had its bounds and one slice, the least bound first; an
+                    # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
+                    picked = heap.least_fresh(is_open)
+                last_pick = (diving, now)
+                picked = picked or heap.top()
+                heap.take(picked)
+                t_lb, m_lb, _, f, rc, lc, attempt = picked
+                current = t_lb
+                mine = best_of.get(f)
+                if mine is not None and (t_lb > mine.rank_time_s or (
+                        gap > 0 and t_lb >= mine.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING))):
+                    residual = min(residual, t_lb)
                     current = math.inf
-                    continue
-            if rc is None and f not in frame_tightened:
-                frame_tightened.add(f)
-                ft, fm_ = frame_dp_bound(job, f, model, cluster,
-                                         stop_at=line if line is not None else math.inf)
-                if ft > t_lb + 1e-12 or fm_ > m_lb:
-                    if math.isfinite(ft) and fm_ <= caps[f]:
-                        heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                    continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
+                if rc is None and f.vp > 1 and f not in frame_tightened:
+                    # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
+                    group = sharding_group(f)
+                    if group not in group_bounds:
+                        mem = members_of.get(group, [])
+                        group_bounds[group] = group_frame_bound(
+                            job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
+                            deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
+                    gb = group_bounds[group]
+                    if gb > t_lb + 1e-12:
+                        if math.isfinite(gb):
+                            heap.push((gb, m_lb, next(seq), f, None, None, 0))
+                        current = math.inf
+                        continue
+                if rc is None and f not in frame_tightened:
+                    frame_tightened.add(f)
+                    ft, fm_ = frame_dp_bound(job, f, model, cluster,
+                                             stop_at=line if line is not None else math.inf)
+                    if ft > t_lb + 1e-12 or fm_ > m_lb:
+                        if math.isfinite(ft) and fm_ <= caps[f]:
+                            heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                        current = math.inf
+                        dive = f if diving else dive
+                        continue
+                if rc is None:
+                    for r_ in recs:
+                        for l_ in lcs:
+                            nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
+                            if nm <= caps[f]:
+                                heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
                     current = math.inf
                     dive = f if diving else dive
                     continue
-            if rc is None:
-                for r_ in recs:
-                    for l_ in lcs:
-                        nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
-                        if nm <= caps[f]:
-                            heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
-                current = math.inf
-                dive = f if diving else dive
-                continue
-            if f.vp > 1 and (f, rc, lc) not in tightened:
-                # One program for the node of every FSDP variant of the shape first (bounds.group_node_bound): they
-                # sit at near-equal bounds, and one program over the least of their arrays often shows them all
-                # above the line. Each member popped below the group's bound goes back with it, unsolved.
-                group = sharding_group(f)
-                if (group, rc, lc) not in group_bounds:
-                    mem = members_of.get(group, [])
-                    group_bounds[(group, rc, lc)] = group_node_bound(
-                        job, tuple(mem), rc, lc, model, cluster, stop_at=line if line is not None else math.inf,
-                        deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
-                gb = group_bounds[(group, rc, lc)]
-                if gb > t_lb + 1e-12:
-                    if math.isfinite(gb):
-                        heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
-                    current = math.inf
-                    continue
-            if (f, rc, lc) not in tightened:
-                tightened.add((f, rc, lc))
-                # Past the pruning line the exact value is not needed: the node only has to be shown above it.
-                tight = tight_node_bound(job, f, rc, lc, model, cluster,
-                                         stop_at=line if line is not None else math.inf)
-                if tight > t_lb + 1e-12:
-                    if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
-                        if math.isfinite(tight):
-                            heap.push((tight, m_lb, next(seq), f, rc, lc, 0))
+                if f.vp > 1 and (f, rc, lc) not in tightened:
+                    # One program for the node of every FSDP variant of the shape first (bounds.group_node_bound): they
+                    # sit at near-equal bounds, and one program over the least of their arrays often shows them all
+                    # above the line. Each member popped below the group's bound goes back with it, unsolved.
+                    group = sharding_group(f)
+                    if (group, rc, lc) not in group_bounds:
+                        mem = members_of.get(group, [])
+                        group_bounds[(group, rc, lc)] = group_node_bound(
+                            job, tuple(mem), rc, lc, model, cluster, stop_at=line if line is not None else math.inf,
+                            deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
+                    gb = group_bounds[(group, rc, lc)]
+                    if gb > t_lb + 1e-12:
+                        if math.isfinite(gb):
+                            heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
                         current = math.inf
                         continue
-                    t_lb = current = tight  # the dive solves it now, with its tightened bound
-            hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
-                                   deadline=t0 + time_limit) if attempt == 0 else None
-            if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
-                best_of[f] = mine = hint
-            remaining = time_limit - (_time.monotonic() - t0)
-            res, item = solve_frame(job, f, model, cluster, min(remaining, base_slice * 2 ** attempt), workers,
-                                    recompute=rc, lifecycle=lc, relative_gap=gap,
-                                    hint=(hint or mine).layout if (hint or mine) is not None else None)
-            solved += 1
-            dive = None
-            if item is not None and res.shape is not None:
-                item = _rebalanced(job, f, res.shape, item, model, cluster)
-            size = {"variables": max(size.get("variables", 0), res.variables),
-                    "constraints": max(size.get("constraints", 0), res.constraints)}
-            if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-                best_of[f] = item
-            if best_of and first_layout_s is None:
-                first_layout_s = _time.monotonic() - t0
-            node_bound = max(t_lb, res.bound_step_s)
-            if ctrl_c.flag:
-                interrupted = True
-                residual = min(residual, node_bound)
-                break
-            if res.status in ("FEASIBLE", "UNKNOWN"):
-                # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
-                heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
-            elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
-                residual = min(residual, node_bound)  # proven to the relative gap only
-            current = math.inf
-            if progress:
-                progress(solved, candidates, _time.monotonic() - t0)
+                if (f, rc, lc) not in tightened:
+                    tightened.add((f, rc, lc))
+                    # Past the pruning line the exact value is not needed: the node only has to be shown above it.
+                    tight = tight_node_bound(job, f, rc, lc, model, cluster,
+                                             stop_at=line if line is not None else math.inf)
+                    if tight > t_lb + 1e-12:
+                        if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
+                            if math.isfinite(tight):
+                                heap.push((tight, m_lb, next(seq), f, rc, lc, 0))
+                            current = math.inf
+                            continue
+                        t_lb = current = tight  # the dive solves it now, with its tightened bound
+                if not solving:
+                    # The bounding pass solves nothing: the node waits, with its tightened bound, for the seeding.
+                    ready.append((t_lb, m_lb, next(seq), f, rc, lc, attempt))
+                    current = math.inf
+                    dive = None
+                    continue
+                hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
+                                       deadline=t0 + time_limit) if attempt == 0 else None
+                if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
+                    best_of[f] = mine = hint
+                remaining = time_limit - (_time.monotonic() - t0)
+                res, item = solve_frame(job, f, model, cluster, min(remaining, base_slice * 2 ** attempt), workers,
+                                        recompute=rc, lifecycle=lc, relative_gap=gap,
+                                        hint=(hint or mine).layout if (hint or mine) is not None else None)
+                solved += 1
+                dive = None
+                if item is not None and res.shape is not None:
+                    item = _rebalanced(job, f, res.shape, item, model, cluster)
+                size = {"variables": max(size.get("variables", 0), res.variables),
+                        "constraints": max(size.get("constraints", 0), res.constraints)}
+                if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
+                    best_of[f] = item
+                if best_of and first_layout_s is None:
+                    first_layout_s = _time.monotonic() - t0
+                node_bound = max(t_lb, res.bound_step_s)
+                if ctrl_c.flag:
+                    interrupted = True
+                    residual = min(residual, node_bound)
+                    break
+                if res.status in ("FEASIBLE", "UNKNOWN"):
+                    # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
+                    heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
+                elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
+                    residual = min(residual, node_bound)  # proven to the relative gap only
+                current = math.inf
+                if progress:
+                    progress(solved, candidates, _time.monotonic() - t0)
     except KeyboardInterrupt:
         interrupted = True
         residual = min(residual, current)
     finally:
+        for e in ready:
+            heap.push(e)
         ctrl_c.__exit__()
     if ctrl_c.flag:
         interrupted = True
@@ -439,6 +495,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+
+
+def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
+    """Whether a node of bounds (t s, m bytes) cannot displace the top-th layout k: at or above k's step time less
+    the relative gap (LINE_ROUNDING under it counts as at it), or with gap 0 slower, or as fast and no leaner."""
+    return k is not None and (t >= k.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING) if gap > 0 else
+                              (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
 
 
 def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]:

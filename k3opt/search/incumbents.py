@@ -410,7 +410,9 @@ WALKED = 3
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
          deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
          walk_first: bool = True, lower: Callable[[Frame], float] | None = None, top: int | None = None,
-         gain: float = 0.0, configs: dict[Frame, dict[_Config, PlanItem]] | None = None) -> dict[Frame, PlanItem]:
+         gain: float = 0.0, configs: dict[Frame, dict[_Config, PlanItem]] | None = None,
+         done: Callable[[list[PlanItem]], bool] | None = None, patience_min: float | None = None,
+         state: SeedState | None = None) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
     frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
     (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
@@ -426,7 +428,10 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     or the fastest lowered by more than `gain`, relative, or a layout added while fewer than `top` were at hand)
     as it took to make its last gain, and at least PATIENCE_MIN_S (`_Patience`). `configs`: per frame, the fastest
     layout priced under each configuration (updated; the climbs start from several): pass one dict to every call,
-    so that a frame walked in one call is climbed in the next from every configuration its walk priced."""
+    so that a frame walked in one call is climbed in the next from every configuration its walk priced. `done`:
+    the seeding also stops once it holds for the layouts so far, fastest first (the driver's proof is met);
+    `patience_min`: the stall stop's minimum (default PATIENCE_MIN_S); `state`: where an earlier call stopped
+    (updated): this call goes on from there, as one call would have (its `ordered` only drops frames)."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
@@ -453,11 +458,14 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         return sorted({**found, **out}.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
 
     def over() -> bool:
-        return _time.monotonic() >= deadline or (stop is not None and stop())
+        return (_time.monotonic() >= deadline or (stop is not None and stop())
+                or (done is not None and done(fastest())))
 
-    climbing = 0.0
-    t_start = _time.monotonic()
-    patience = _Patience(t_start, top, gain, fastest())
+    st = state if state is not None else SeedState()
+    climbing = st.climbing
+    entered = _time.monotonic()
+    t_start = entered - st.seconds  # the climbs' share counts every call's time
+    patience = _Patience(entered, top, gain, fastest(), PATIENCE_MIN_S if patience_min is None else patience_min)
 
     def climb(f: Frame) -> None:
         """f's fastest layout so far, its split climbed (split_climb) when it is within CLIMB_WITHIN of the
@@ -498,31 +506,38 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         return [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
                                          for it in lead[:2] for lc in lcs) if c != lean] + [lean]
 
-    climbed: set[Frame] = set()
+    climbed = st.climbed
+
+    def save(queue: list[Frame] | None = None) -> dict[Frame, PlanItem]:
+        st.climbing, st.seconds = climbing, _time.monotonic() - t_start
+        if queue is not None:
+            st.queue = queue
+        return out
+
     for it in fastest()[:WALKED]:
         f = frame_of(it.layout)
         if over() or patience.out(fastest()):
-            return out
+            return save()
         if walk_first and f not in walked:
             walked.add(f)
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
         # Climbed in every call: an earlier call's deadline may have cut the climb of a frame it walked, and a
         # walked frame is not visited again below.
         climb(f)
-    started = _time.monotonic()
-    walking = 0.0
-    queue = list(ordered)
-    pos = {f: i for i, f in enumerate(queue)}
-    near = _Neighbours(queue)
-    first: list[Frame] = []
+    started = _time.monotonic() - st.queue_seconds
+    walking = st.walking
+    known = set(ordered)
+    queue = [f for f in st.queue if f in known] if st.queue is not None else list(ordered)
+    pos = {f: i for i, f in enumerate(ordered)}
+    near = _Neighbours(list(ordered))
+    first = [f for f in st.first if f in known]
     """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
-    visited: set[Frame] = set()
-    misfits: dict[tuple, list[Frame]] = {}
-    """Frames that had no fitting layout here, by `sharding_group`."""
+    visited, misfits = st.visited, st.misfits
+    """misfits: frames that had no fitting layout here, by `sharding_group`."""
     while first or queue:
-        f = first.pop(0) if first else queue.pop(0)
         if over() or patience.out(fastest()):
             break
+        f = first.pop(0) if first else queue.pop(0)
         if f in walked or f in visited:
             continue
         visited.add(f)
@@ -558,7 +573,26 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         new = fastest()
         if new and (not lead or new[0].rank_time_s < lead[0].rank_time_s):
             first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
-    return out
+    st.first, st.walking, st.queue_seconds = first, walking, _time.monotonic() - started
+    return save(queue)
+
+
+@dataclasses.dataclass
+class SeedState:
+    """Where a `seed` call stopped, for a later call to go on from (the driver stops its second seeding for the
+    bounding pass and resumes it after): the frames left in visiting order and those queued next, the frames
+    visited, climbed and found not to fit, and the time taken and spent walking and climbing (the walks' and the
+    climbs' shares count the calls together)."""
+
+    queue: list[Frame] | None = None
+    first: list[Frame] = dataclasses.field(default_factory=list)
+    visited: set[Frame] = dataclasses.field(default_factory=set)
+    climbed: set[Frame] = dataclasses.field(default_factory=set)
+    misfits: dict[tuple, list[Frame]] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    queue_seconds: float = 0.0
+    climbing: float = 0.0
+    walking: float = 0.0
 
 
 def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
@@ -637,8 +671,10 @@ class _Patience:
     there are fewer than `top`. Without it a long time limit gave the seeding its whole share: on the default job
     at 300 s with top 1, 45 s of seeding whose last gain came 5 s in."""
 
-    def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem]) -> None:
+    def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem],
+                 least: float | None = None) -> None:
         self.start, self.top, self.gain = start, top, gain
+        self.least = least
         self.ref = self._marks(fastest)
         self.last = start
 
@@ -659,7 +695,8 @@ class _Patience:
             self.ref = (n, kth if kth < kth0 * (1 - self.gain) else kth0,
                         first if first < first0 * (1 - self.gain) else first0)
             self.last = now
-        return now - self.start >= PATIENCE_MIN_S and now - self.last > self.last - self.start
+        least = PATIENCE_MIN_S if self.least is None else self.least
+        return now - self.start >= least and now - self.last > self.last - self.start
 
 
 WALK_SHARE = 0.5

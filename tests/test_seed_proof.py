@@ -1,0 +1,108 @@
+"""The second seeding stops once the bounds close the search (search/driver.plan): it runs first until it stalls
+briefly, the bounding pass then bounds the queue (no CP-SAT solve) against the pruning line of the layouts found,
+and the rest of the seeding stops as soon as a layout it finds puts that line at or under the queue's least bound.
+On the default job the pass's bounds close the search for the layout the seeding's first second finds."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import k3opt
+import k3opt.search.driver as driver
+import k3opt.search.incumbents as inc
+from k3opt.search.frames import enumerate_frames
+
+
+def _k(t: float, peak: int = 100) -> SimpleNamespace:
+    return SimpleNamespace(rank_time_s=t, peak_bytes=peak)
+
+
+def test_closed_at_the_gap_line():
+    # k = 10 s, gap 1%: the line is 9.9 s; a bound a hair under it (LINE_ROUNDING) counts as at it.
+    assert driver._closed(9.9, 0, _k(10.0), 0.01)
+    assert driver._closed(9.9 * (1 - 1e-9), 0, _k(10.0), 0.01)
+    assert not driver._closed(9.89, 0, _k(10.0), 0.01)
+    assert not driver._closed(9.9, 0, None, 0.01)  # no top-th layout: nothing is closed
+
+
+def test_closed_with_no_gap_ties_go_to_the_peak():
+    assert driver._closed(10.1, 0, _k(10.0), 0.0)
+    assert not driver._closed(9.99, 10**9, _k(10.0), 0.0)
+    assert driver._closed(10.0, 100, _k(10.0, peak=100), 0.0)   # as fast, no leaner
+    assert not driver._closed(10.0, 99, _k(10.0, peak=100), 0.0)  # as fast and leaner: may displace it
+
+
+def _count_prices(monkeypatch) -> list:
+    priced: list = []
+    real = inc.price_configs
+
+    def spy(job, f, *a, **k):
+        priced.append(f)
+        return real(job, f, *a, **k)
+
+    monkeypatch.setattr(inc, "price_configs", spy)
+    return priced
+
+
+def test_seed_stops_when_done(tiny, slow, pp2_job, monkeypatch):
+    frames = enumerate_frames(pp2_job, tiny, 8)
+    start = inc.incumbents(pp2_job, [((False, 0), f) for f in frames], tiny, slow, 1, 5.0, math.inf)
+    assert start
+    priced = _count_prices(monkeypatch)
+    out = inc.seed(pp2_job, frames, tiny, slow, dict(start), math.inf, walk_first=False, done=lambda fs: True)
+    assert out == {} and priced == []
+    # The same call without the stop prices the frames under the fastest configuration.
+    inc.seed(pp2_job, frames, tiny, slow, dict(start), math.inf, walk_first=False, done=lambda fs: False)
+    assert priced
+
+
+def test_seed_goes_on_where_the_last_call_stopped(tiny, slow, pp2_job, monkeypatch):
+    frames = enumerate_frames(pp2_job, tiny, 8)
+    start = inc.incumbents(pp2_job, [((False, 0), f) for f in frames], tiny, slow, 1, 5.0, math.inf)
+    priced = _count_prices(monkeypatch)
+    inc.seed(pp2_job, frames, tiny, slow, dict(start), math.inf, walk_first=False)
+    whole = list(priced)
+    assert len(whole) >= 2
+    # Stopped once it has priced one frame, then resumed from its state: together the two calls price what one
+    # call does, in the same order, none twice.
+    priced.clear()
+    state = inc.SeedState()
+    inc.seed(pp2_job, frames, tiny, slow, dict(start), math.inf, walk_first=False, state=state,
+             done=lambda fs: len(priced) >= 1)
+    assert priced == whole[:1]
+    assert state.queue is not None and whole[0] in state.visited
+    inc.seed(pp2_job, frames, tiny, slow, dict(start), math.inf, walk_first=False, state=state)
+    assert priced == whole
+
+
+def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, monkeypatch):
+    """On the PP2 job the pass leaves nodes for CP-SAT: the third seeding call gets the driver's proof as its stop,
+    which holds for a layout under the queue's least bound and not for one far above it, and every CP-SAT solve
+    comes after it (the pass solves nothing)."""
+    events: list[tuple] = []
+    real_seed, real_solve = driver.seed, driver.solve_frame
+
+    def seed_spy(*a, **k):
+        done = k.get("done")
+        if done is not None:
+            events.append(("done", done([_k(1e-9)]), done([_k(1e9)]), done([])))
+        events.append(("seed", k.get("patience_min")))
+        return real_seed(*a, **k)
+
+    def solve_spy(*a, **k):
+        events.append(("solve",))
+        return real_solve(*a, **k)
+
+    monkeypatch.setattr(driver, "seed", seed_spy)
+    monkeypatch.setattr(driver, "solve_frame", solve_spy)
+    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    assert plan.status == "OPTIMAL"
+    names = [e[0] for e in events]
+    assert names[:2] == ["seed", "seed"] and events[1] == ("seed", driver.FIRST_PATIENCE_S)
+    assert "done" in names and "solve" in names
+    third = names.index("done")
+    # A layout of 1e-9 s is under every bound (closed); one of 1e9 s is above the queue's; no layout: not closed.
+    assert events[third] == ("done", True, False, False)
+    assert events[third + 1] == ("seed", None)
+    assert "solve" not in names[:third]
