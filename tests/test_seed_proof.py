@@ -106,3 +106,37 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     assert events[third] == ("done", True, False, False)
     assert events[third + 1] == ("seed", None)
     assert "solve" not in names[:third]
+
+
+def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job, monkeypatch):
+    """The nodes the bounding pass sets aside for CP-SAT are open (under the pruning line, best x (1 - gap)) and
+    go back to the queue: when the time limit ends the search before any is solved (here the seeding after the
+    pass runs past it), the plan's bound is the least over them, under the line, and at most the optimum (the
+    exact one, from a gap-0 plan). Lost, they would leave only closed entries: a bound at or over the line."""
+    import time
+
+    exact = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=60, gap=0.0)
+    assert exact.status == "OPTIMAL"
+    limit = 4.0
+    real_seed, real_solve = driver.seed, driver.solve_frame
+    later: list[int] = []
+    solves: list[int] = []
+
+    def seed_past_the_limit(*a, **k):
+        out = real_seed(*a, **k)
+        if k.get("done") is not None:
+            later.append(1)
+            time.sleep(max(0.0, before + limit + 0.1 - time.monotonic()))
+        return out
+
+    def count(*a, **k):
+        solves.append(1)
+        return real_solve(*a, **k)
+
+    monkeypatch.setattr(driver, "seed", seed_past_the_limit)
+    monkeypatch.setattr(driver, "solve_frame", count)
+    before = time.monotonic()
+    cut = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit)
+    assert later and not solves and cut.status == "FEASIBLE"
+    assert cut.bound < cut.layouts[0].rank_time_s * (1 - driver.DEFAULT_GAP)
+    assert cut.bound <= exact.layouts[0].rank_time_s * (1 + 1e-12)

@@ -118,6 +118,7 @@ def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2
     limit = 2.0
     real_seed = driver.seed
     monkeypatch.setattr(driver, "BOUND_SHARE", 0.0)
+    monkeypatch.setattr(driver, "FIRST_PATIENCE_S", 0.0)  # the first part stops at once: the second always runs
     seen_done: list[bool] = []
 
     def slow_seed(*a, **k):

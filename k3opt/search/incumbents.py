@@ -431,7 +431,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     so that a frame walked in one call is climbed in the next from every configuration its walk priced. `done`:
     the seeding also stops once it holds for the layouts so far, fastest first (the driver's proof is met);
     `patience_min`: the stall stop's minimum (default PATIENCE_MIN_S); `state`: where an earlier call stopped
-    (updated): this call goes on from there, as one call would have (its `ordered` only drops frames)."""
+    (updated): this call goes on from there (its `ordered` only drops frames), with its own stall stop."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
     lcs = lifecycles(job)
