@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import k3opt
 import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
+from k3opt.search.bounds import frame_lower_bound
 from k3opt.search.frames import enumerate_frames
 
 
@@ -83,10 +84,14 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     events: list[tuple] = []
     real_seed, real_solve = driver.seed, driver.solve_frame
 
+    lowers: list[tuple[float, float]] = []
+
     def seed_spy(*a, **k):
         done = k.get("done")
         if done is not None:
             events.append(("done", done([_k(1e-9)]), done([_k(1e9)]), done([])))
+            # The seeding's lower bound of a frame: after the pass, its least bound in the queue (tightened).
+            lowers.extend((k["lower"](f), frame_lower_bound(pp2_job, f, tiny, slow)[0]) for f in a[1])
         events.append(("seed", k.get("patience_min")))
         return real_seed(*a, **k)
 
@@ -106,6 +111,7 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     assert events[third] == ("done", True, False, False)
     assert events[third + 1] == ("seed", None)
     assert "solve" not in names[:third]
+    assert lowers and all(lo >= fl for lo, fl in lowers) and any(lo > fl + 1e-6 for lo, fl in lowers)
 
 
 def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job, monkeypatch):

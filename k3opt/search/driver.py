@@ -269,10 +269,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             # dict.fromkeys, not a set: the order of frames at equal estimates stays the queue's (a set's
             # depends on the hash seed).
             frames_left = sorted(dict.fromkeys(e[3] for e in heap), key=estimates.__getitem__)
+            # Each frame's least bound in the queue: after the pass, its tightened node bounds.
+            least: dict[Frame, float] = {}
+            for e in heap:
+                least[e[3]] = min(least.get(e[3], math.inf), e[0])
             best_of.update(seed(job, frames_left, model, cluster, best_of, start + seed_left,
                                 stop=lambda: ctrl_c.flag, walked=walked, walk_first=False,
-                                lower=lambda g: lbs[g][0], top=top, gain=SEED_GAIN * gap, configs=configs,
-                                done=done, patience_min=patience_min, state=state))
+                                lower=lambda g: max(lbs[g][0], least.get(g, -math.inf)), top=top,
+                                gain=SEED_GAIN * gap, configs=configs, done=done, patience_min=patience_min,
+                                state=state))
             seed_left -= _time.monotonic() - start
             if best_of and first_layout_s is None:
                 first_layout_s = _time.monotonic() - t0
