@@ -146,3 +146,25 @@ def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job
     assert later and not solves and cut.status == "FEASIBLE"
     assert cut.bound < cut.layouts[0].rank_time_s * (1 - driver.DEFAULT_GAP)
     assert cut.bound <= exact.layouts[0].rank_time_s * (1 + 1e-12)
+
+
+def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2_job, monkeypatch):
+    """With top > 1 the seeding's first part stops on the fastest layout's stall (the top-th keeps falling as
+    siblings are priced), and the sibling pricing follows at once, bringing the top-th layout near the fastest
+    before the pass (on the default job, top 5: the pass then closes the search in 26 s instead of 34-35 s)."""
+    events: list[tuple] = []
+    real_seed, real_spread = driver.seed, driver.spread
+
+    def seed_spy(*a, **k):
+        events.append(("seed", k.get("top"), k.get("done") is not None))
+        return real_seed(*a, **k)
+
+    def spread_spy(*a, **k):
+        events.append(("spread",))
+        return real_spread(*a, **k)
+
+    monkeypatch.setattr(driver, "seed", seed_spy)
+    monkeypatch.setattr(driver, "spread", spread_spy)
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, pareto=False, time_limit=20)
+    assert events[:3] == [("seed", None, False), ("seed", 1, False), ("spread",)]
+    assert all(e[1] == 2 for e in events if e[0] == "seed" and e[2])  # the part after the pass: the top-th
