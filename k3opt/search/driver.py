@@ -113,8 +113,9 @@ the pass's bounds do not close the search yet) has the rest of the seeding's sha
 BOUND_SHARE = 0.25
 """Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
 bounded (no CP-SAT solve) against the pruning line of the layouts found so far, so that the seeding can stop as soon
-as a layout it finds closes the search (on the default job the pass takes about 10 s, the seeding's first second
-finds the layout that closes it, and the rest of the seeding's share is saved)."""
+as a layout it finds closes the search (on the default job the pass takes about 10 s and closes the search for the
+layout the seeding's first part found, so the rest of the seeding's share is saved). Checked between steps: one
+bound program may run past it."""
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
@@ -134,7 +135,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     evaluate(), are the incumbents (a fitting layout within seconds). Then frames enter a queue keyed by a lower
     bound on their step time; a popped frame is expanded into (recompute, lifecycle) nodes with tighter bounds; a
     popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
-    time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The search stops
+    time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The seeding before
+    the solves is split by a bounding pass over the queue (no solve, at most BOUND_SHARE of the limit), and its
+    second part stops once the queue's least bound closes the search for the layouts found. The search stops
     when every node left has a bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when
     the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
     InfeasibleJobError with the smallest reachable peak when nothing fits."""
