@@ -14,6 +14,7 @@ import k3opt
 from k3opt.search import tight_node_bound
 from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bound
 from k3opt.search.frames import enumerate_frames, sharding_group
+from k3opt.search.prefetch import Prefetch
 from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
@@ -152,6 +153,8 @@ def test_plan_with_group_bounds_proves_the_enumerated_optimum(tiny, slow, monkey
         return group_node_bound(job, members, *a, **k)
 
     monkeypatch.setattr(driver, "group_node_bound", counted)
+    # Every program in this process, where the spy counts (search/prefetch would run some in another).
+    monkeypatch.setattr(driver, "Prefetch", lambda tasks, line: Prefetch([], line))
     # No heuristic layouts: CP-SAT finds them, so a group bound above a member's optimum would prune it.
     monkeypatch.setattr(driver, "incumbents", lambda *a, **k: {})
     monkeypatch.setattr(driver, "seed", lambda *a, **k: {})

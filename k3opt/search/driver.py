@@ -8,6 +8,7 @@ import math
 import signal
 import time as _time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from k3opt.coefficients import Shape, coefficients
 from k3opt.errors import InfeasibleJobError
@@ -44,6 +45,7 @@ from k3opt.search.incumbents import (
     visiting_order,
 )
 from k3opt.search.node_model import solve_frame
+from k3opt.search.prefetch import Prefetch
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import Plan, PlanItem
 from k3opt.specs import (
@@ -237,6 +239,14 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
         return ranked[top - 1] if len(ranked) >= top else None
 
+    def stop_line(k: PlanItem | None) -> float:
+        """What the bound programs stop at: the pruning line of the top-th layout k (inf without one, or gap 0)."""
+        return k.rank_time_s * (1 - gap) if k is not None and gap > 0 else math.inf
+
+    # The bound programs the bounding pass will need, on the second core while the heuristics run on this one.
+    prefetch = Prefetch(_pass_tasks(job, model, cluster, list(estimates), members_of, recs, lcs, lbs, caps,
+                                    t0 + time_limit) if workers > 1 and not unbounded else [], stop_line(kth()))
+
     current = math.inf
     share = {True: 0.0, False: 0.0}
     """Seconds spent on steps picked out of order (v = 1 first) and in queue order: each gets half."""
@@ -277,10 +287,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             least: dict[Frame, float] = {}
             for e in heap:
                 least[e[3]] = min(least.get(e[3], math.inf), e[0])
+
+            def publish(fastest: list[PlanItem]) -> bool:
+                prefetch.set_line(stop_line(fastest[top - 1] if len(fastest) >= top else None))
+                return done is not None and done(fastest)
+
             best_of.update(seed(job, frames_left, model, cluster, best_of, start + seed_left,
                                 stop=lambda: ctrl_c.flag, walked=walked, walk_first=False,
                                 lower=lambda g: max(lbs[g][0], least.get(g, -math.inf)), top=stall_top,
-                                gain=SEED_GAIN * gap, configs=configs, done=done, patience_min=patience_min,
+                                gain=SEED_GAIN * gap, configs=configs, done=publish, patience_min=patience_min,
                                 state=state))
             seed_left -= _time.monotonic() - start
             if best_of and first_layout_s is None:
@@ -324,6 +339,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 best_of.update(spread(job, best_of, list(estimates), model, cluster,
                                       min(_time.monotonic() + budget, t0 + time_limit),
                                       most=max(top, SPREAD_SOURCES), stop=lambda: ctrl_c.flag))
+                prefetch.close()  # the solves take both cores; the values already computed stay
             while heap:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
                 k = kth()
@@ -336,6 +352,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
                 # picks below test the queue's entries against it).
                 line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
+                prefetch.set_line(stop_line(k))
                 open_below = line * (1 - LINE_ROUNDING) if line is not None else None
                 remaining = time_limit - (_time.monotonic() - t0)
                 if remaining <= 0:
@@ -386,7 +403,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     group = sharding_group(f)
                     if group not in group_bounds:
                         mem = members_of.get(group, [])
-                        group_bounds[group] = group_frame_bound(
+                        ahead = prefetch.take(("frame", group)) if len(mem) > 1 else None
+                        group_bounds[group] = ahead if ahead is not None else group_frame_bound(
                             job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
                             deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
                     gb = group_bounds[group]
@@ -397,8 +415,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         continue
                 if rc is None and f not in frame_tightened:
                     frame_tightened.add(f)
-                    ft, fm_ = frame_dp_bound(job, f, model, cluster,
-                                             stop_at=line if line is not None else math.inf)
+                    ahead = prefetch.take(("dp", f))
+                    ft, fm_ = ahead if ahead is not None else frame_dp_bound(
+                        job, f, model, cluster, stop_at=line if line is not None else math.inf)
                     if ft > t_lb + 1e-12 or fm_ > m_lb:
                         if math.isfinite(ft) and fm_ <= caps[f]:
                             heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
@@ -406,11 +425,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         dive = f if diving else dive
                         continue
                 if rc is None:
-                    for r_ in recs:
-                        for l_ in lcs:
-                            nt, nm = node_lower_bound(job, f, r_, l_, model, cluster)
-                            if nm <= caps[f]:
-                                heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
+                    ahead = prefetch.take(("nodes", f))
+                    nodes = ahead if ahead is not None else _node_bounds(job, f, recs, lcs, model, cluster)
+                    for (r_, l_), (nt, nm) in zip(itertools.product(recs, lcs), nodes, strict=True):
+                        if nm <= caps[f]:
+                            heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
                     current = math.inf
                     dive = f if diving else dive
                     continue
@@ -421,7 +440,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     group = sharding_group(f)
                     if (group, rc, lc) not in group_bounds:
                         mem = members_of.get(group, [])
-                        group_bounds[(group, rc, lc)] = group_node_bound(
+                        ahead = prefetch.take(("node", group, rc, lc)) if len(mem) > 1 else None
+                        group_bounds[(group, rc, lc)] = ahead if ahead is not None else group_node_bound(
                             job, tuple(mem), rc, lc, model, cluster, stop_at=line if line is not None else math.inf,
                             deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
                     gb = group_bounds[(group, rc, lc)]
@@ -485,6 +505,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     finally:
         for e in ready:
             heap.push(e)
+        prefetch.close()
         ctrl_c.__exit__()
     if ctrl_c.flag:
         interrupted = True
@@ -516,6 +537,72 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
                 model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+
+
+def _node_bounds(job: Job, f: Frame, recs: list[Recompute], lcs: list[FsdpLifecycle], model: ModelSpec,
+                 cluster: ClusterSpec) -> list[tuple[float, float]]:
+    """node_lower_bound of each of the frame's (recompute, lifecycle) nodes, in itertools.product(recs, lcs) order."""
+    return [node_lower_bound(job, f, rc, lc, model, cluster) for rc, lc in itertools.product(recs, lcs)]
+
+
+def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[Frame],
+                members_of: dict[tuple, list[Frame]], recs: list[Recompute], lcs: list[FsdpLifecycle],
+                lbs: dict[Frame, tuple[float, float]], caps: _Caps, deadline: float
+                ) -> list[tuple[tuple, Callable[[float], object]]]:
+    """The bounding pass's programs (search/prefetch.py) in the order it needs them: the frame programs of the
+    queue's `frames` (bounds.frame_dp_bound, then the node bounds it expands them into) and of their sharding groups
+    (bounds.group_frame_bound) by least frame bound, then the groups' node programs (bounds.group_node_bound). A
+    program whose frames or nodes are all at or above the line when it starts returns None: the pass would not need
+    it."""
+    frame_value: dict[tuple, float] = {}
+    dp_value: dict[Frame, float] = {}
+    groups = sorted(((g, tuple(m)) for g, m in members_of.items() if len(m) > 1),
+                    key=lambda gm: min(lbs[f][0] for f in gm[1]))
+
+    def under(line: float, t: float) -> bool:
+        return t < line * (1 - LINE_ROUNDING)
+
+    def group_program(line: float, group: tuple, mem: tuple[Frame, ...]) -> float | None:
+        if not any(under(line, lbs[f][0]) for f in mem):
+            return None
+        frame_value[group] = group_frame_bound(job, mem, model, cluster, stop_at=line, deadline=deadline)
+        return frame_value[group]
+
+    def dp_program(line: float, f: Frame) -> tuple[float, float] | None:
+        if not under(line, max(lbs[f][0], frame_value.get(sharding_group(f), -math.inf))):
+            return None
+        t, m = frame_dp_bound(job, f, model, cluster, stop_at=line)
+        dp_value[f] = t
+        return t, m
+
+    def node_program(line: float, group: tuple, mem: tuple[Frame, ...], rc: Recompute,
+                     lc: FsdpLifecycle) -> float | None:
+        if not under(line, frame_value.get(group, -math.inf)):
+            return None
+        nodes = [node_lower_bound(job, f, rc, lc, model, cluster) for f in mem]
+        if not any(under(line, max(nt, dp_value.get(f, -math.inf))) and nm <= caps[f]
+                   for (nt, nm), f in zip(nodes, mem, strict=True)):
+            return None
+        return group_node_bound(job, mem, rc, lc, model, cluster, stop_at=line, deadline=deadline)
+
+    def nodes_program(line: float, f: Frame) -> list[tuple[float, float]] | None:
+        if not under(line, max(lbs[f][0], dp_value.get(f, -math.inf))):
+            return None
+        return _node_bounds(job, f, recs, lcs, model, cluster)
+
+    first: list[tuple[float, int, tuple, Callable[[float], object]]] = []
+    for i, (group, mem) in enumerate(groups):
+        first.append((min(lbs[f][0] for f in mem), i, ("frame", group), partial(group_program, group=group, mem=mem)))
+    for i, f in enumerate(frames):
+        first.append((lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(dp_program, f=f)))
+        first.append((lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(nodes_program, f=f)))
+    first.sort(key=lambda x: x[:2])
+    tasks = [(key, program) for _, _, key, program in first]
+    for group, mem in groups:
+        for rc in recs:
+            for lc in lcs:
+                tasks.append((("node", group, rc, lc), partial(node_program, group=group, mem=mem, rc=rc, lc=lc)))
+    return tasks
 
 
 def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
