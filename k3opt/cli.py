@@ -182,7 +182,9 @@ _plan_options = [
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to rank."),
     click.option("--time-limit", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
                  help="Seconds for the whole search; when it stops early the status is FEASIBLE with the gap."),
-    click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="CP-SAT threads."),
+    click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+                 help="CP-SAT threads; with 2 or more the bounds before the solves also run ahead in a second "
+                      "process (Linux)."),
     click.option("--gap", type=click.FloatRange(min=0.0, max=1.0), default=0.01, show_default=True,
                  help="Relative gap at which the search stops and reports OPTIMAL; 0 demands the exact proof."),
 ]

@@ -154,7 +154,7 @@ def test_plan_with_group_bounds_proves_the_enumerated_optimum(tiny, slow, monkey
 
     monkeypatch.setattr(driver, "group_node_bound", counted)
     # Every program in this process, where the spy counts (search/prefetch would run some in another).
-    monkeypatch.setattr(driver, "Prefetch", lambda tasks, line: Prefetch([], line))
+    monkeypatch.setattr(driver, "Prefetch", lambda tasks, line, **k: Prefetch([], line))
     # No heuristic layouts: CP-SAT finds them, so a group bound above a member's optimum would prune it.
     monkeypatch.setattr(driver, "incumbents", lambda *a, **k: {})
     monkeypatch.setattr(driver, "seed", lambda *a, **k: {})

@@ -13,6 +13,7 @@ import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
 from k3opt.search.bounds import frame_lower_bound
 from k3opt.search.frames import enumerate_frames
+from k3opt.search.prefetch import Prefetch
 
 
 def _k(t: float, peak: int = 100) -> SimpleNamespace:
@@ -89,8 +90,6 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     def seed_spy(*a, **k):
         done = k.get("done")
         if done is not None and "patience_min" in k and k["patience_min"] is None:
-            # (done also lowers the line search/prefetch's process stops at: the tasks it then skips, the pass
-            # solves itself.)
             events.append(("done", done([_k(1e-9)]), done([]), done([_k(1e9)])))
             # The seeding's lower bound of a frame: after the pass, its least bound in the queue (tightened).
             lowers.extend((k["lower"](f), frame_lower_bound(pp2_job, f, tiny, slow)[0]) for f in a[1])
@@ -103,6 +102,8 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
 
     monkeypatch.setattr(driver, "seed", seed_spy)
     monkeypatch.setattr(driver, "solve_frame", solve_spy)
+    # The spy's layouts of 1e-9 s would lower the line search/prefetch's process stops at: no helper process.
+    monkeypatch.setattr(driver, "Prefetch", lambda tasks, line, **k: Prefetch([], line))
     plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
     assert plan.status == "OPTIMAL"
     names = [e[0] for e in events]

@@ -139,7 +139,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
     time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The seeding before
     the solves is split by a bounding pass over the queue (no solve, at most BOUND_SHARE of the limit), and its
-    second part stops once the queue's least bound closes the search for the layouts found. The search stops
+    second part stops once the queue's least bound closes the search for the layouts found. With `workers` > 1
+    (CP-SAT's threads) the pass's bound programs also run ahead in a forked process while the seeding runs
+    (search/prefetch.py; Linux only), and stop when the solves start. The search stops
     when every node left has a bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when
     the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
     InfeasibleJobError with the smallest reachable peak when nothing fits."""
@@ -244,8 +246,14 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         return k.rank_time_s * (1 - gap) if k is not None and gap > 0 else math.inf
 
     # The bound programs the bounding pass will need, on the second core while the heuristics run on this one.
-    prefetch = Prefetch(_pass_tasks(job, model, cluster, list(estimates), members_of, recs, lcs, lbs, caps,
-                                    t0 + time_limit) if workers > 1 and not unbounded else [], stop_line(kth()))
+    prefetch = Prefetch([], math.inf)
+    try:
+        prefetch = Prefetch(_pass_tasks(job, model, cluster, list(estimates), members_of, recs, lcs, lbs, caps,
+                                        t0 + time_limit) if workers > 1 and not unbounded else [],
+                            stop_line(kth()), deadline=t0 + time_limit, stop=lambda: ctrl_c.flag)
+    except BaseException:
+        ctrl_c.__exit__()
+        raise
 
     current = math.inf
     share = {True: 0.0, False: 0.0}
