@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
+
 import k3opt
 import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
@@ -171,3 +173,39 @@ def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2
     k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, pareto=False, time_limit=20)
     assert events[:3] == [("seed", None, "none given"), ("seed", 1, driver.FIRST_PATIENCE_S), ("spread",)]
     assert all(e[1] == 2 for e in events[3:] if e[0] == "seed")  # the part after the pass: the top-th
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_first(model, cluster, monkeypatch):
+    """K3 on 512 GPUs (the default job): the first heuristic pass's first round takes each (PP, VP)'s most sharded
+    shape (most EP and dense FSDP, least expert FSDP and CP), those whose peak bound is under HBM less the reserve
+    first, by step-time bound; PP8 VP4 leads (it came 13th when the order was by sharding alone)."""
+    from k3opt.specs import GIB
+
+    job = k3opt.load_job("k3-512-4k")
+    seen: list = []
+
+    def spy(job_, ordered, *a, **k):
+        seen.extend(f for _, f in ordered)
+        raise _Captured
+
+    monkeypatch.setattr(driver, "incumbents", spy)
+    with pytest.raises(_Captured):
+        k3opt.plan(job, model=model, cluster=cluster, top=1, pareto=False, time_limit=60)
+    frames = enumerate_frames(job, model, 512, cluster)
+    heads: dict = {}
+    for f in frames:
+        mine = heads.get((f.pp, f.vp))
+        if mine is None or (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp) < (-mine.ep, -mine.dense_fsdp,
+                                                                          mine.expert_fsdp, mine.cp):
+            heads[(f.pp, f.vp)] = f
+    line = cluster.hbm_bytes - job.reserve_gib * GIB
+    bounds = {pv: frame_lower_bound(job, f, model, cluster) for pv, f in heads.items()}
+    expected = sorted(heads, key=lambda pv: (bounds[pv][1] > line, bounds[pv][0]))
+    assert [(f.pp, f.vp) for f in seen[:len(heads)]] == expected
+    assert seen[:len(heads)] == [heads[pv] for pv in expected]
+    assert expected[0] == (8, 4)
+    assert len(seen) == len(frames)
