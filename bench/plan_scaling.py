@@ -80,8 +80,9 @@ def main() -> None:
         "",
         f"Machine: {machine()}. CP-SAT workers: {args.workers}; time limit {args.time_limit:g} s per job.",
         f"1-minute load average before / after: {load_before[0]:.1f} / {load_after[0]:.1f} on {os.cpu_count()} "
-        "cores" + (" (MEASURED UNDER LOAD: other processes shared the cores; times are inflated)"
-                   if max(load_before[0], load_after[0]) > 0.5 * (os.cpu_count() or 1) else "") + ".",
+        "cores (after: the planner's own processes, its helper process and CP-SAT's threads, count in it)"
+        + (" (MEASURED UNDER LOAD: other processes shared the cores; times are inflated)"
+           if load_before[0] > 0.5 * (os.cpu_count() or 1) else "") + ".",
         "Jobs: `default` is k3-512-4k (context 4096, rows 1, reserve 4 GiB, 64 GPUs per NVL72 domain; VP 1-4 searched)",
         f"scaled at {TOKENS_PER_GPU:,} tokens per GPU per update; `plain` is a job file with only the model, cluster,",
         "gpus 512, context 4096, rows 1, tokens_per_update 16,777,216 and reserve_gib 5 (it plans with the cluster's",
