@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import multiprocessing as _mp
 import os
 import signal
@@ -73,6 +72,8 @@ class Prefetch:
             self._state = ctx.Array("b", len(tasks))
             self._line = ctx.Value("d", line, lock=False)
             self._recv, send = ctx.Pipe(duplex=False)
+            import fcntl  # Unix only: usable() has checked for Linux
+
             with contextlib.suppress(OSError):
                 fcntl.fcntl(send.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)
             self._proc = ctx.Process(target=_work, args=(tasks, self._state, self._line, send, self._recv,
