@@ -61,6 +61,12 @@ from k3opt.search.frames import (
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
 from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 
+STOP_ROUNDING = 1e-8
+"""Relative: `granular_stage` returns a hair under a stop it has shown reached (the stop x (1 - 1e-9)), so a floor
+this close under `stop_at` counts as at it. Without it every variant whose whole-layer floor proved the pruning line
+went on to its linear program (on the default job, 12 programs of 25 ms per interleaved group node, all below the
+floor): the bound is the same, min(value, stop_at) of each such variant."""
+
 FEAS_TOL = 1e-6
 """Relative slack on the LP's memory rows: GLOP's primal tolerance must not turn a fitting layout infeasible."""
 
@@ -174,16 +180,18 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         return max(floor, c.slots * stage + upd)
 
     best = math.inf
-    capped = False
-    """Some variant was left unsolved only because it reached `stop_at` (not the least so far, not memory)."""
+    capped = math.inf
+    """The least value at which some variant was left unsolved only because it reached `stop_at` (not the least so
+    far, not memory): a lower bound of those variants."""
 
     def over(value: float) -> bool:
         """`value` (a floor or a relaxation of some variants) cannot lower the least below min(best, stop_at)."""
         nonlocal capped
         if value >= best:
             return True
-        if value >= stop_at:
-            capped = capped or math.isfinite(value)
+        if value >= stop_at * (1 - STOP_ROUNDING):
+            if math.isfinite(value):
+                capped = min(capped, value, stop_at)
             return True
         return False
 
@@ -233,9 +241,8 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             if over(floor * (1 - 1e-9)):
                 continue
             best = min(best, max(floor, _solve(f, a, c, cap, host_cap, off, bal, paths)))
-    if capped:
-        best = min(best, stop_at)
-    if math.isfinite(best) and best < stop_at:
+    best = min(best, capped)
+    if math.isfinite(best) and best < stop_at * (1 - STOP_ROUNDING):
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
         # (It only raises the bound: not needed once the bound is at the line.)
         merged = _merge([v[4] for v in variants])
