@@ -133,3 +133,49 @@ def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeyp
     out = inc.seed(job, [], model, cluster, {f: PlanItem(start.layout, start)}, math.inf)
     assert out[f].rank_time_s < 18.64
     assert out[f].layout.toggles.dispatch_recompute
+
+
+def test_the_first_call_walks_every_lead_before_it_climbs_and_climbs_the_fastest_after_the_walks_first(
+        tiny, monkeypatch):
+    """The climbs' share goes to the frame the walks made fastest: frame A leads before the walks (10 s against B's
+    11 s), B's walk finds a 9-s layout, so both walks come first and B is climbed before A. (On the default job the
+    PP8 VP3 shape led before the walks, its climbs took the share, and PP8 VP4, fastest once walked, was left
+    unclimbed to the next call.) Walks and climbs are spies here: only the order is under test."""
+    import dataclasses
+
+    import k3opt.search.incumbents as inc
+    from k3opt.search.frames import frame_of
+
+    @dataclasses.dataclass(frozen=True)
+    class Item:
+        layout: k3opt.Layout
+        rank_time_s: float
+        peak_bytes: int = 0
+
+    job, model, cluster = tiny
+
+    def lay(ep: int, split: list[int]) -> k3opt.Layout:
+        return make_layout(gpus=8, pp=2, vp=1, ep=ep, dense_fsdp=ep, microbatches=8, rows=1, context=2048,
+                           split=split, recompute="selective", reserve_gib=1.5)
+
+    a, b = lay(4, [3, 3]), lay(2, [3, 3])
+    fa, fb = frame_of(a), frame_of(b)
+    assert fa != fb
+    events: list[tuple[str, object]] = []
+
+    def walk(job_, f, *args, **kwargs):
+        events.append(("walk", f))
+        return [Item(lay(2, [2, 4]), 9.0)] if f == fb else []
+
+    def climb(job_, it, *args, **kwargs):
+        events.append(("climb", frame_of(it.layout)))
+        return it
+
+    monkeypatch.setattr(inc, "frame_walk", walk)
+    monkeypatch.setattr(inc, "split_climb", climb)
+    monkeypatch.setattr(inc, "CLIMB_WITHIN", 1.0)  # both frames within reach of the fastest
+    out = inc.seed(job, [], model, cluster, {fa: Item(a, 10.0), fb: Item(b, 11.0)}, math.inf)
+    assert out[fb].rank_time_s == 9.0
+    assert [kind for kind, _ in events[:2]] == ["walk", "walk"]
+    assert events[2] == ("climb", fb)
+    assert ("climb", fa) in events[3:]
