@@ -209,3 +209,49 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
     assert seen[:len(heads)] == [heads[pv] for pv in expected]
     assert expected[0] == (8, 4)
     assert len(seen) == len(frames)
+
+
+def _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above: float, first: dict | None = None) -> list[str]:
+    """The order of the driver's helper start, walk (first seed call) and heuristic passes on the PP2 job with
+    ROUND_ROBIN_ABOVE set to `above`; `first`: what the first heuristic pass returns instead of its layouts."""
+    events: list[str] = []
+    real_inc, real_seed, real_prefetch = driver.incumbents, driver.seed, driver.Prefetch
+
+    def inc_spy(*a, **k):
+        events.append("pass")
+        got = real_inc(*a, **k)
+        return first if first is not None and events.count("pass") == 1 else got
+
+    def seed_spy(*a, **k):
+        events.append("seed")
+        return real_seed(*a, **k)
+
+    def prefetch_spy(tasks, line, **k):
+        if tasks:  # the driver's placeholder before the fork has none
+            events.append("helper")
+        return real_prefetch([], line)
+
+    monkeypatch.setattr(driver, "ROUND_ROBIN_ABOVE", above)
+    monkeypatch.setattr(driver, "incumbents", inc_spy)
+    monkeypatch.setattr(driver, "seed", seed_spy)
+    monkeypatch.setattr(driver, "Prefetch", prefetch_spy)
+    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    assert plan.layouts
+    return events
+
+
+def test_the_second_heuristic_pass_runs_only_when_the_walks_end_far_above_the_least_bound(
+        tiny, slow, pp2_job, monkeypatch):
+    """The first pass, then the helper process, then the walks; the second pass (a round-robin over the pipeline
+    shapes) only when the fastest layout after the walks is more than ROUND_ROBIN_ABOVE over the queue's least
+    bound, or when there is no layout at all. Any layout is far above a line at -100% of the bound, none is
+    above one at 1e9 x it."""
+    far = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=-1.0)
+    assert far[:5] == ["pass", "helper", "seed", "pass", "seed"]
+    monkeypatch.undo()
+    near = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9)
+    assert near[:4] == ["pass", "helper", "seed", "seed"] and near.count("pass") == 1
+    monkeypatch.undo()
+    # No layout from the first pass (nor from the walks, which start from its layouts): the second pass runs.
+    none = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9, first={})
+    assert none[:4] == ["pass", "helper", "seed", "pass"]

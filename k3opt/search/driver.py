@@ -119,6 +119,12 @@ as a layout it finds closes the search (on the default job the pass takes about 
 layout the seeding's first part found, so the rest of the seeding's share is saved). Checked between steps: one
 bound program may run past it."""
 
+ROUND_ROBIN_ABOVE = 0.25
+"""Relative: the second heuristic pass (a round-robin over the pipeline shapes under fixed toggle sets) runs when
+the fastest layout after the walks is more than this above the queue's least step-time bound. The walks and climbs
+move a layout by a few percent; a fastest layout that far above the bound belongs to a pipeline shape that does not
+lead (8,192 GPUs: 90% above; the default job: 9.5%)."""
+
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
@@ -202,14 +208,6 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                   stop=lambda: ctrl_c.flag))
         if best_of:
             first_layout_s = _time.monotonic() - t0
-        # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
-        # their configurations.
-        # 2 x budget from its start, not from the plan's: the walks of the three fastest shapes take about 4 s on
-        # the default job, and a first pass that ran long used to cut the second walk short.
-        best_of.update(seed(job, [], model, cluster, best_of, _time.monotonic() + 2 * budget, stop=lambda: ctrl_c.flag,
-                            walked=walked, configs=configs))
-        if best_of and first_layout_s is None:
-            first_layout_s = _time.monotonic() - t0
         over: dict[tuple, list[Frame]] = {}
         for f in _most_sharded_first(frames):
             if ctrl_c.flag or (pareto and best_of and _time.monotonic() - t0 > time_limit):
@@ -284,6 +282,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     try:
         if unbounded:
             raise KeyboardInterrupt
+        # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
+        # their configurations, after the helper process has started (it bounds while they walk).
+        # 2 x budget from its start, not from the plan's: the walks of the three fastest shapes take about 4 s on
+        # the default job, and a first pass that ran long used to cut the second walk short.
+        best_of.update(seed(job, [], model, cluster, best_of, _time.monotonic() + 2 * budget, stop=lambda: ctrl_c.flag,
+                            walked=walked, configs=configs))
+        if best_of and first_layout_s is None:
+            first_layout_s = _time.monotonic() - t0
+        prefetch.set_line(stop_line(kth()))
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
         ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], estimates[e[3]]), e[3])
                                   for e in heap])
@@ -291,9 +298,14 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
-        # Run even with `top` layouts at hand: its round-robin over (PP, VP) gives the seeding below its starting
-        # shapes (at 8,192 GPUs, skipping it left the best at 19.25 s instead of 19.14 s).
-        best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
+        # Only without a layout at hand, or while the fastest is far above the queue's least bound
+        # (ROUND_ROBIN_ABOVE): then the walks have not met the pipeline shapes that lead, and this pass's
+        # round-robin over them does (at 8,192 and 32,768 GPUs the walks end at 32.4 s, 90% above the least bound,
+        # and this pass finds 19.2-s layouts in its 3 s; on the default job the walks end 9.5% above it, at
+        # 18.63 s, and the pass found nothing under 24 s).
+        lead = min((it.rank_time_s for it in best_of.values()), default=math.inf)  # inf: no layout at hand
+        if not heap or lead > (1 + ROUND_ROBIN_ABOVE) * heap.top()[0]:
+            best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
         # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
         # set the pruning line of the bounding pass below, and a lower line prunes sooner), then, after the pass,
