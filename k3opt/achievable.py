@@ -20,6 +20,7 @@ overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own st
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,14 +66,42 @@ class AchievableStep:
     """(forward, backward) seconds per microbatch of every global chunk that replay runs."""
 
 
-def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int) -> list[int]:
-    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
-    idx = list(range(int(edges[j]), int(edges[j + 1])))
+TIE_ROUNDING = 1e-12
+"""Relative: stage times this close to the largest are equal loads up to the rounding of their sums (equal layers
+on the middle ranks), and the slowest rank reported is the lowest of them."""
+
+
+def slowest_index(stages: list[float]) -> int:
+    """The slowest rank: the lowest-numbered one within TIE_ROUNDING of the largest stage time, so that the rank
+    reported does not hinge on the order the sums were taken in."""
+    top = max(stages)
+    return next(r for r, t in enumerate(stages) if t >= top * (1 - TIE_ROUNDING))
+
+
+def _chunk_edges(split: list[int] | tuple[int, ...]) -> list[int]:
+    """Where each chunk's layers start, then the layer count: [0, s_0, s_0 + s_1, ...]."""
+    return [0, *itertools.accumulate(int(s) for s in split)]
+
+
+def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int,
+                   edges: list[int] | None = None) -> list[int]:
+    """Chunk j's layers, with the first edge (index n_layers) on the first chunk and the last (n_layers + 1) on the
+    last. `edges`: _chunk_edges(split), when the caller has it."""
+    edges = edges if edges is not None else _chunk_edges(split)
+    idx = list(range(edges[j], edges[j + 1]))
     if j == 0:
         idx.append(n_layers)
     if j == len(split) - 1:
         idx.append(n_layers + 1)
     return idx
+
+
+def _rank_indices(split: list[int] | tuple[int, ...], r: int, p: int, n_layers: int,
+                  edges: list[int] | None = None) -> np.ndarray:
+    """The layers and edges of physical rank r's chunks r, r + p, ... (what its sums run over), as an index array."""
+    edges = edges if edges is not None else _chunk_edges(split)
+    return np.array([i for j in range(r, len(split), p) for i in _chunk_indices(split, j, n_layers, edges)],
+                    dtype=np.intp)
 
 
 def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
@@ -87,13 +116,13 @@ def _rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[fl
     sh = cf.shape
     p, k = sh.pp, sh.chunks
     mine = list(range(r, k, p))
-    idx = [i for j in mine for i in _chunk_indices(split, j, cf.n_layers)]
+    edges = _chunk_edges(split)
+    idx = _rank_indices(split, r, p, cf.n_layers, edges)
     out = {res: float(arr[idx].sum()) for res, arr in arrays.items()}
     # Pipeline packets (1 + AttnRes residual streams) x BF16 [T, d], in and out of each chunk, as in the ledger.
-    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
     closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
     for j in mine:
-        s, e = int(edges[j]), int(edges[j + 1])
+        s, e = edges[j], edges[j + 1]
         if j > 0:
             hop = (r - 1) % p
             out["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += (
@@ -104,7 +133,7 @@ def _rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[fl
     if cf.balanced_inflight is not None:
         n_peak = max(sum(c) for c in cf.compositions[r])
         if n_peak > cf.balanced_inflight:
-            act = sum(float(cf.act[_chunk_indices(split, j, cf.n_layers)].sum()) for j in mine)
+            act = float(cf.act[idx].sum())
             peak_rate = 1 / cf.balance_seconds_per_byte
             out[cf.balance_resource] += balance_moved_bytes(act, n_peak, cf.balanced_inflight) / peak_rate
     return out
@@ -244,30 +273,32 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     sh = cf.shape
     ra = ranking_arrays(cf, rates, cluster)
     per_rank = tuple(rank_achievable_time(cf, split, r) for r in range(sh.pp))
+    edges = _chunk_edges(split)
+    rank_idx = [_rank_indices(split, r, sh.pp, cf.n_layers, edges) for r in range(sh.pp)]
     stages = []
     for r in range(sh.pp):
         t = _rank_sums(cf, ra.time, cf.pp_seconds_per_byte_achievable, split, r)
-        idx = [i for j in range(r, sh.chunks, sh.pp) for i in _chunk_indices(split, j, cf.n_layers)]
+        idx = rank_idx[r]
         exposed = float(ra.exposed[idx].sum())
         binding = max(t, key=t.get)
         if exposed > t[binding] - exposed:
             binding = "ep_all_to_all (exposed)"
         stages.append((max(t.values()), binding, exposed))
-    slowest = max(range(sh.pp), key=lambda r: stages[r][0])
-    stage, binding, exposed = stages[slowest]
-    idx_all = np.arange(cf.n_layers + 2)
+    slowest = slowest_index([st[0] for st in stages])
+    _, binding, exposed = stages[slowest]
+    stage = max(st[0] for st in stages)
     update_compute = update_comm = 0.0
     for r in range(sh.pp):
-        idx = [i for j in range(r, sh.chunks, sh.pp) for i in _chunk_indices(split, j, cf.n_layers)]
-        u = {res: float(arr[idx_all[idx]].sum()) for res, arr in cf.update_achievable.items()}
+        idx = rank_idx[r]
+        u = {res: float(arr[idx].sum()) for res, arr in cf.update_achievable.items()}
         update_compute = max(update_compute, *(u[res] for res in UPDATE_COMPUTE))
         update_comm = max(update_comm, *(u[res] for res in UPDATE_COMM))
     hidden = rates.overlap.dp_overlap_microbatches * stage
     comm_exposed = max(0.0, update_comm - hidden)
     update = update_compute + comm_exposed
     unpaired = unpaired_ep_s(cf, split, rates, cluster)
-    work = np.array([max(float(arr[_chunk_indices(split, j, cf.n_layers)].sum()) for arr in ra.time.values())
-                     for j in range(sh.chunks)])
+    chunk_idx = [np.array(_chunk_indices(split, j, cf.n_layers, edges), dtype=np.intp) for j in range(sh.chunks)]
+    work = np.array([max(float(arr[ix].sum()) for arr in ra.time.values()) for ix in chunk_idx])
     fwd, bwd = chunk_times(work, [st[0] for st in stages], sh.pp, sh.recompute == Recompute.FULL)
     replayed = replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd)
     return AchievableStep(
@@ -294,8 +325,9 @@ def unpaired_ep_s(cf: Coefficients, split: list[int] | tuple[int, ...], rates: R
     fwd_share = 2 / exch
     keep = 1 - _sm_share(cf, rates, cluster)
     worst = 0.0
+    edges = _chunk_edges(split)
     for r in range(sh.pp):
-        chunk = [float(ep[_chunk_indices(split, r + k * sh.pp, cf.n_layers)].sum()) for k in range(sh.vp)]
+        chunk = [float(ep[_chunk_indices(split, r + k * sh.pp, cf.n_layers, edges)].sum()) for k in range(sh.vp)]
         fwd, bwd = ep_overlap_unpaired(sh.pp, sh.vp, sh.microbatches, r)
         worst = max(worst, keep * (fwd_share * sum(chunk[k] for k in fwd)
                                    + (1 - fwd_share) * sum(chunk[k] for k in bwd)))

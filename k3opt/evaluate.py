@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from k3opt.achievable import achievable_for
+from k3opt.achievable import achievable_for, slowest_index
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
@@ -324,14 +324,18 @@ def chunk_bounds(split: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     return [(int(edges[j]), int(edges[j + 1])) for j in range(len(split))]
 
 
-def _chunk_sum(arr: np.ndarray, cf: Coefficients, j: int, k: int, bounds: list[tuple[int, int]]) -> float:
-    s, e = bounds[j]
-    total = float(arr[s:e].sum())
-    if j == 0:
-        total += float(arr[cf.first])
-    if j == k - 1:
-        total += float(arr[cf.last])
-    return total
+def _chunk_rows(cf: Coefficients, chunks: list[int], k: int, bounds: list[tuple[int, int]]) -> np.ndarray:
+    """One 0/1 row per chunk of `chunks` over the per-layer arrays (L layers, then the two edges): its layers, the
+    first edge on chunk 0, the last on chunk k - 1: rows @ arr gives every chunk's sum of arr in one product."""
+    rows = np.zeros((len(chunks), cf.n_layers + 2))
+    for i, j in enumerate(chunks):
+        s, e = bounds[j]
+        rows[i, s:e] = 1.0
+        if j == 0:
+            rows[i, cf.first] = 1.0
+        if j == k - 1:
+            rows[i, cf.last] = 1.0
+    return rows
 
 
 def _chunk_indices(cf: Coefficients, j: int, k: int, bounds: list[tuple[int, int]]) -> list[int]:
@@ -353,8 +357,10 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     mine = list(range(r, k, p))
     idx = [i for j in mine for i in _chunk_indices(cf, j, k, bounds)]
 
+    rows = _chunk_rows(cf, mine, k, bounds)
+
     def csum(arr: np.ndarray) -> list[float]:
-        return [_chunk_sum(arr, cf, j, k, bounds) for j in mine]
+        return (rows @ arr).tolist()
 
     out: dict[str, float] = {}
     out["master"] = sum(csum(cf.master))
@@ -655,8 +661,8 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
 def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, cluster: ClusterSpec,
           layout: Layout) -> StepTime:
     sh = cf.shape
-    slowest = max(ranks, key=lambda r: r.stage_time_s)
-    stage = slowest.stage_time_s
+    stage = max(r.stage_time_s for r in ranks)
+    slowest = ranks[slowest_index([r.stage_time_s for r in ranks])]
     update = max(max(r.update_s.values()) for r in ranks)
     serial_stage = max(sum(r.time_s.values()) for r in ranks)
     serial_update = max(sum(r.update_s.values()) for r in ranks)
@@ -697,5 +703,6 @@ def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout)
     each rank's stage time shared among its chunks by their busiest-resource work)."""
     k = layout.pp * layout.vp
     bounds = chunk_bounds(layout.split)
-    work = np.array([max(_chunk_sum(cf.time[res], cf, j, k, bounds) for res in RESOURCES) for j in range(k)])
+    rows = _chunk_rows(cf, list(range(k)), k, bounds)
+    work = np.max([rows @ cf.time[res] for res in RESOURCES], axis=0)
     return chunk_times(work, [r.stage_time_s for r in ranks], layout.pp, layout.recompute == Recompute.FULL)
