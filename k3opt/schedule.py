@@ -158,7 +158,26 @@ def replay_makespan(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: n
     operation ends at max(its rank's previous end, its dependency's end + hop) + its time. evaluate() replays
     every layout it prices (the seeding prices thousands): this takes less than half the event loop's time
     (PP8 VP4 M64: 1.5 against 3.3 ms)."""
+    if np.ndim(hop_s) == 0 and float(hop_s) == 0.0:
+        return _replay_makespan_no_hops(p, v, m, forward_s, backward_s)
     return max(_replay_ends(p, v, m, forward_s, backward_s, hop_s)[1])
+
+
+def _replay_makespan_no_hops(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray) -> float:
+    """`replay_makespan` without hops (what evaluate() asks for, twice per layout): the same recurrence over the
+    same order, ends only (a quarter less time than `_replay_ends`)."""
+    if not len(forward_s) == len(backward_s) == p * v:
+        raise ValueError(f"the replay needs p x v = {p * v} forward and backward chunk times, "
+                         f"got {len(forward_s)} and {len(backward_s)}")
+    ops, rank_prev, dep, _, which = _replay_graph(p, v, m)
+    times = [float(x) for x in forward_s] + [float(x) for x in backward_s]
+    end = [0.0] * (ops + 1)  # end[ops] = 0: the start for an operation with no predecessor of that kind
+    for n, (a, b, w) in enumerate(zip(rank_prev, dep, which, strict=True)):
+        ta = end[a]
+        tb = end[b]
+        end[n] = (ta if ta > tb else tb) + times[w]
+    end.pop()
+    return max(end)
 
 
 def _replay_ends(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
