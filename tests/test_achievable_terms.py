@@ -184,3 +184,14 @@ def test_routed_expert_compute_under_full_recompute_in_mxfp8():
     assert cf.moe_compute_achievable[5] == pytest.approx(gemms * 4 / 3 + vector, rel=1e-12, abs=0)
     assert cf.moe_compute_achievable[47] == pytest.approx(gemms * 4 / 3 + vector, rel=1e-12, abs=0)
     assert cf.moe_compute_achievable[cf.first] == 0.0 and cf.moe_compute_achievable[cf.last] == 0.0
+
+
+def test_the_slowest_rank_is_the_lowest_of_equal_loads():
+    """Equal loads up to the rounding of their sums (1e-12, relative) go to the lowest rank, so the rank reported does
+    not depend on the order the sums were taken in; a load 1e-9 under the largest is not a tie."""
+    from k3opt.achievable import slowest_index
+
+    assert slowest_index([1.0, 2.0 * (1 - 1e-15), 2.0, 1.5]) == 1
+    assert slowest_index([1.0, 2.0, 2.0 * (1 - 1e-15)]) == 1
+    assert slowest_index([1.0, 2.0 * (1 - 1e-9), 2.0]) == 2
+    assert slowest_index([3.0]) == 0
