@@ -109,7 +109,8 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
     assert plan.status == "OPTIMAL"
     names = [e[0] for e in events]
-    assert names[:2] == ["seed", "seed"] and events[1] == ("seed", driver.FIRST_PATIENCE_S)
+    assert names[:2] == ["seed", "seed"]
+    assert events[1] in (("seed", driver.FIRST_PATIENCE_S), ("seed", driver.FIRST_PATIENCE_NEAR_S))
     assert "done" in names and "solve" in names
     third = names.index("done")
     # A layout of 1e-9 s is under every bound (closed); no layout: not closed; one of 1e9 s is above the queue's.
@@ -171,7 +172,8 @@ def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2
     monkeypatch.setattr(driver, "seed", seed_spy)
     monkeypatch.setattr(driver, "spread", spread_spy)
     k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, pareto=False, time_limit=20)
-    assert events[:3] == [("seed", None, "none given"), ("seed", 1, driver.FIRST_PATIENCE_S), ("spread",)]
+    assert events[0] == ("seed", None, "none given") and events[2] == ("spread",)
+    assert events[1] in (("seed", 1, driver.FIRST_PATIENCE_S), ("seed", 1, driver.FIRST_PATIENCE_NEAR_S))
     assert all(e[1] == 2 for e in events[3:] if e[0] == "seed")  # the part after the pass: the top-th
 
 
@@ -223,7 +225,7 @@ def _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above: float, first: di
         return first if first is not None and events.count("pass") == 1 else got
 
     def seed_spy(*a, **k):
-        events.append("seed")
+        events.append("seed" if "patience_min" not in k else f"seed {k['patience_min']}")
         return real_seed(*a, **k)
 
     def prefetch_spy(tasks, line, **k):
@@ -244,14 +246,18 @@ def test_the_second_heuristic_pass_runs_only_when_the_walks_end_far_above_the_le
         tiny, slow, pp2_job, monkeypatch):
     """The first pass, then the helper process, then the walks; the second pass (a round-robin over the pipeline
     shapes) only when the fastest layout after the walks is more than ROUND_ROBIN_ABOVE over the queue's least
-    bound, or when there is no layout at all. Any layout is far above a line at -100% of the bound, none is
-    above one at 1e9 x it."""
+    bound, or when there is no layout at all, and the seeding's first part then has the longer minimum
+    (FIRST_PATIENCE_S; FIRST_PATIENCE_NEAR_S when the walks ended near the bound). Any layout is far above a line
+    at -100% of the bound, none is above one at 1e9 x it."""
+    far_first = f"seed {driver.FIRST_PATIENCE_S}"
     far = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=-1.0)
-    assert far[:5] == ["pass", "helper", "seed", "pass", "seed"]
+    assert far[:5] == ["pass", "helper", "seed", "pass", far_first]
     monkeypatch.undo()
     near = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9)
-    assert near[:4] == ["pass", "helper", "seed", "seed"] and near.count("pass") == 1
+    assert near[:4] == ["pass", "helper", "seed", f"seed {driver.FIRST_PATIENCE_NEAR_S}"]
+    assert near.count("pass") == 1
+    assert driver.FIRST_PATIENCE_NEAR_S < driver.FIRST_PATIENCE_S
     monkeypatch.undo()
     # No layout from the first pass (nor from the walks, which start from its layouts): the second pass runs.
     none = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9, first={})
-    assert none[:4] == ["pass", "helper", "seed", "pass"]
+    assert none[:5] == ["pass", "helper", "seed", "pass", far_first]

@@ -109,8 +109,17 @@ while the climbs' last steps (a layer moved between chunks, 0.01-0.1%) no longer
 
 FIRST_PATIENCE_S = 2.0
 """The stall stop's minimum (search/incumbents._Patience) for the second seeding's first part, before the bounding
-pass: on the default job the layout that closes the search comes about 1 s in; the second part (after the pass, when
-the pass's bounds do not close the search yet) has the rest of the seeding's share."""
+pass, when the walks ended far above the queue's least bound (ROUND_ROBIN_ABOVE): the layouts this part finds set
+the pass's line (at 8,192 GPUs it takes the fastest from 19.24 to 18.79 s; with a 0.5-s minimum the gap there
+ended at 7.35-7.55% instead of about 6.4%). The second part (after the pass, when the pass's bounds do not close
+the search yet) has the rest of the seeding's share."""
+
+FIRST_PATIENCE_NEAR_S = 0.5
+"""The first part's minimum when the walks ended within ROUND_ROBIN_ABOVE of the queue's least bound: they have met
+the shapes that lead, and the pass's line is already close (on the default job the walks' climbs find the 18.631-s
+layout that closes the search, and the first part found nothing faster in its 2 s: top 1 took 17.3-20.7 s with the
+2-s minimum, 15.0-18.6 s with this one, six runs each, side by side). The stall rule still extends it while it
+gains."""
 
 BOUND_SHARE = 0.25
 """Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
@@ -304,7 +313,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # and this pass finds 19.2-s layouts in its 3 s; on the default job the walks end 9.5% above it, at
         # 18.63 s, and the pass found nothing under 24 s).
         lead = min((it.rank_time_s for it in best_of.values()), default=math.inf)  # inf: no layout at hand
-        if not heap or lead > (1 + ROUND_ROBIN_ABOVE) * heap.top()[0]:
+        near = bool(heap) and lead <= (1 + ROUND_ROBIN_ABOVE) * heap.top()[0]
+        if not near:
             best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
         # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
@@ -342,7 +352,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # the fastest are priced, which the sibling pricing does at once (on the default job, top 5: the first part
         # ran the seeding's whole share, 9 s; now 3 s, and the sibling pricing takes the fifth from 22.1 to
         # 18.66 s, under the line the pass's bounds close).
-        seeding(FIRST_PATIENCE_S, None, 1)
+        seeding(FIRST_PATIENCE_NEAR_S if near else FIRST_PATIENCE_S, None, 1)
         if top > 1:
             best_of.update(spread(job, best_of, list(estimates), model, cluster,
                                   min(_time.monotonic() + budget, t0 + time_limit),
