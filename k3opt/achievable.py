@@ -96,12 +96,22 @@ def _chunk_indices(split: list[int] | tuple[int, ...], j: int, n_layers: int,
     return idx
 
 
-def _rank_indices(split: list[int] | tuple[int, ...], r: int, p: int, n_layers: int,
+def rank_indices(split: list[int] | tuple[int, ...], r: int, p: int, n_layers: int,
                   edges: list[int] | None = None) -> np.ndarray:
     """The layers and edges of physical rank r's chunks r, r + p, ... (what its sums run over), as an index array."""
     edges = edges if edges is not None else _chunk_edges(split)
     return np.array([i for j in range(r, len(split), p) for i in _chunk_indices(split, j, n_layers, edges)],
                     dtype=np.intp)
+
+
+def chunk_rows(split: list[int] | tuple[int, ...], chunks: list[int], n_layers: int) -> np.ndarray:
+    """One 0/1 row per chunk of `chunks` over the per-layer arrays (the layers, then the two edges), ones where
+    `_chunk_indices` puts the chunk: rows @ arr gives every chunk's sum of arr in one product."""
+    edges = _chunk_edges(split)
+    rows = np.zeros((len(chunks), n_layers + 2))
+    for i, j in enumerate(chunks):
+        rows[i, _chunk_indices(split, j, n_layers, edges)] = 1.0
+    return rows
 
 
 def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
@@ -117,7 +127,7 @@ def _rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[fl
     p, k = sh.pp, sh.chunks
     mine = list(range(r, k, p))
     edges = _chunk_edges(split)
-    idx = _rank_indices(split, r, p, cf.n_layers, edges)
+    idx = rank_indices(split, r, p, cf.n_layers, edges)
     out = {res: float(arr[idx].sum()) for res, arr in arrays.items()}
     # Pipeline packets (1 + AttnRes residual streams) x BF16 [T, d], in and out of each chunk, as in the ledger.
     closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
@@ -274,7 +284,7 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     ra = ranking_arrays(cf, rates, cluster)
     per_rank = tuple(rank_achievable_time(cf, split, r) for r in range(sh.pp))
     edges = _chunk_edges(split)
-    rank_idx = [_rank_indices(split, r, sh.pp, cf.n_layers, edges) for r in range(sh.pp)]
+    rank_idx = [rank_indices(split, r, sh.pp, cf.n_layers, edges) for r in range(sh.pp)]
     stages = []
     for r in range(sh.pp):
         t = _rank_sums(cf, ra.time, cf.pp_seconds_per_byte_achievable, split, r)

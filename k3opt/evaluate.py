@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from k3opt.achievable import achievable_for, slowest_index
+from k3opt.achievable import achievable_for, chunk_rows, rank_indices, slowest_index
 from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
 from k3opt.errors import LayoutError
 from k3opt.memory_outside import MemoryItem, kinds, runtime_items
@@ -324,30 +324,6 @@ def chunk_bounds(split: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     return [(int(edges[j]), int(edges[j + 1])) for j in range(len(split))]
 
 
-def _chunk_rows(cf: Coefficients, chunks: list[int], k: int, bounds: list[tuple[int, int]]) -> np.ndarray:
-    """One 0/1 row per chunk of `chunks` over the per-layer arrays (L layers, then the two edges): its layers, the
-    first edge on chunk 0, the last on chunk k - 1: rows @ arr gives every chunk's sum of arr in one product."""
-    rows = np.zeros((len(chunks), cf.n_layers + 2))
-    for i, j in enumerate(chunks):
-        s, e = bounds[j]
-        rows[i, s:e] = 1.0
-        if j == 0:
-            rows[i, cf.first] = 1.0
-        if j == k - 1:
-            rows[i, cf.last] = 1.0
-    return rows
-
-
-def _chunk_indices(cf: Coefficients, j: int, k: int, bounds: list[tuple[int, int]]) -> list[int]:
-    s, e = bounds[j]
-    idx = list(range(s, e))
-    if j == 0:
-        idx.append(cf.first)
-    if j == k - 1:
-        idx.append(cf.last)
-    return idx
-
-
 def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, Any]:
     """Ledger bytes (floats), host bytes, in-flight count and per-resource time of physical rank r."""
     sh = cf.shape
@@ -355,9 +331,8 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
     bounds = chunk_bounds(split)
     closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
     mine = list(range(r, k, p))
-    idx = [i for j in mine for i in _chunk_indices(cf, j, k, bounds)]
-
-    rows = _chunk_rows(cf, mine, k, bounds)
+    idx = rank_indices(split, r, p, cf.n_layers).tolist()
+    rows = chunk_rows(split, mine, cf.n_layers)
 
     def csum(arr: np.ndarray) -> list[float]:
         return (rows @ arr).tolist()
@@ -702,7 +677,6 @@ def chunk_times_s(cf: Coefficients, ranks: list[RankEvaluation], layout: Layout)
     """(forward, backward) seconds of every global chunk per microbatch at peak rates (`schedule.chunk_times`:
     each rank's stage time shared among its chunks by their busiest-resource work)."""
     k = layout.pp * layout.vp
-    bounds = chunk_bounds(layout.split)
-    rows = _chunk_rows(cf, list(range(k)), k, bounds)
+    rows = chunk_rows(layout.split, list(range(k)), cf.n_layers)
     work = np.max([rows @ cf.time[res] for res in RESOURCES], axis=0)
     return chunk_times(work, [r.stage_time_s for r in ranks], layout.pp, layout.recompute == Recompute.FULL)
