@@ -6,6 +6,7 @@ exit with status 2; nothing else does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -260,6 +261,8 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
             "status": result.status, "bound_s": result.bound, "gap": result.gap,
             "runtime": rt.name, "runtime_from": rt.origin,
             "solve_time_s": result.solve_time_s, "models_solved": result.frames_solved,
+            "open_shapes": result.open_shapes,
+            "holding": dataclasses.asdict(result.holding) if result.holding is not None else None,
             "layouts": [it.evaluation.to_dict() for it in result.layouts],
         }
         if free is not None:

@@ -250,6 +250,18 @@ def schedule_gap_lines(items: list) -> list[str]:
     return [""] + out if out else []
 
 
+def open_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
+    """Where a FEASIBLE plan's proof stopped (Plan.holding): how many shapes are still under the line, and the
+    one holding the bound."""
+    h = plan.holding
+    if h is None:
+        return []
+    return [f"not proven: {plan.open_shapes:,} parallel shape{'s' if plan.open_shapes != 1 else ''} still "
+            f"{'have bounds' if plan.open_shapes != 1 else 'has a bound'} under {h.line_s:.3f} s (the best less "
+            f"the gap); the least, {h.bound_s:.3f} s, is the {h.kind} of {h.shape}. A longer --time-limit "
+            "settles more of them."]
+
+
 def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Plan
     job = plan.job
     gpus = ", ".join(str(g) for g in job.gpu_counts)
@@ -266,6 +278,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
             f"{plan.model_size.get('constraints', 0):,} constraints)" if plan.frames_solved else
             "(the heuristic layouts and the bounds settled every shape)" if plan.status == "OPTIMAL" else
             "(no CP-SAT model solved; the bounds did not settle every shape)"),
+        *open_lines(plan),
         "",
     ]
     df = plan_frame(plan.layouts)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import k3opt
+import k3opt.report
 import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
 from k3opt.search.bounds import frame_lower_bound
@@ -152,6 +153,15 @@ def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job
     assert later and not solves and cut.status == "FEASIBLE"
     assert cut.bound < cut.layouts[0].rank_time_s * (1 - driver.DEFAULT_GAP)
     assert cut.bound <= exact.layouts[0].rank_time_s * (1 + 1e-12)
+    # What the cut plan leaves open: the entry holding its bound (no node was cut mid-solve, so it is the bound), under
+    # the line of its best layout less the default gap; the gap-0 plan that ran to its end leaves nothing open.
+    line = cut.layouts[0].rank_time_s * (1 - driver.DEFAULT_GAP)
+    assert cut.holding is not None and 1 <= cut.open_shapes <= cut.frames_total
+    assert cut.holding.bound_s == cut.bound and cut.holding.line_s == pytest.approx(line, rel=1e-12)
+    assert cut.holding.shape.startswith("PP") and "bound" in cut.holding.kind
+    text = k3opt.report.plan_text(cut)
+    assert f"the least, {cut.bound:.3f} s, is the {cut.holding.kind} of {cut.holding.shape}" in text
+    assert exact.open_shapes == 0 and exact.holding is None and "not proven" not in k3opt.report.plan_text(exact)
 
 
 def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2_job, monkeypatch):
@@ -261,3 +271,46 @@ def test_the_second_heuristic_pass_runs_only_when_the_walks_end_far_above_the_le
     # No layout from the first pass (nor from the walks, which start from its layouts): the second pass runs.
     none = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9, first={})
     assert none[:5] == ["pass", "helper", "seed", "pass", far_first]
+
+
+def test_open_bounds_count_the_shapes_under_the_line_and_name_the_least():
+    """`driver._open_bounds`: the shapes (not entries) with an entry under the top-th layout's line, best x (1 - gap),
+    and the least entry with the kind of its bound: a shape's before and after its own whole-layer bound, a node's
+    first bound, its relaxation (v > 1) or split programs (v = 1), CP-SAT's after its slices. Entries at or over the
+    line and taken ones count for nothing."""
+    from k3opt.search.frames import Frame
+    from k3opt.specs import FsdpLifecycle, Recompute
+
+    a, b, c = (Frame(pp=2, vp=v, cp=1, ep=2, expert_fsdp=1, dense_fsdp=d, microbatches=4, gpus=8)
+               for v, d in ((2, 2), (2, 4), (1, 4)))
+    k = SimpleNamespace(rank_time_s=10.0, peak_bytes=1)  # line at 1% gap: 9.9 s
+    sel, pm = Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH
+
+    def queue(*entries):
+        q = driver._Queue()
+        for i, (t, f, rc, att) in enumerate(entries):
+            q.push((t, 0.0, i, f, rc, pm if rc is not None else None, att))
+        return q
+
+    q = queue((9.0, a, sel, 0), (9.5, a, None, 0), (9.8, b, None, 0), (9.9, c, None, 0), (12.0, c, sel, 0))
+    n, h = driver._open_bounds(q, k, 0.01, set(), set())
+    # 9.9 is the line itself (closed); a twice and b once are open.
+    assert n == 2 and h.bound_s == 9.0 and h.line_s == pytest.approx(9.9)
+    assert h.kind == "selective / per_microbatch node: its first bound (not tightened yet)"
+    assert h.shape == "PP2 VP2 CP1 EP2 eFSDP1 dFSDP2 M4 optim_grads_params/optim_grads_params grads=fp32 bf16 on 8 GPUs"
+    relaxed = driver._open_bounds(q, k, 0.01, set(), {(a, sel, pm)})[1]
+    assert relaxed.kind.endswith("its linear relaxation (not solved yet)")
+    q.take(q.top())
+    n, h = driver._open_bounds(q, k, 0.01, set(), set())
+    assert n == 2 and h.bound_s == 9.5 and h.kind == "shape bound (not tightened to the shape's own layers yet)"
+    assert driver._open_bounds(q, k, 0.01, {a}, set())[1].kind.startswith("shape bound over whole layers")
+    v1 = queue((9.0, c, sel, 0))
+    split = driver._open_bounds(v1, k, 0.01, set(), {(c, sel, pm)})[1]
+    assert split.kind.endswith("its split programs (not solved yet)")
+    cut = queue((9.0, c, sel, 2))
+    assert driver._open_bounds(cut, k, 0.01, set(), set())[1].kind == (
+        "selective / per_microbatch node: CP-SAT's bound after 2 time slices")
+    # Nothing under the line: nothing open; without a top-th layout every entry is open.
+    assert driver._open_bounds(queue((9.9, a, None, 0), (11.0, b, sel, 0)), k, 0.01, set(), set()) == (0, None)
+    n, h = driver._open_bounds(queue((11.0, b, sel, 0)), None, 0.01, set(), set())
+    assert n == 1 and h.line_s == math.inf

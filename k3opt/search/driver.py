@@ -47,7 +47,7 @@ from k3opt.search.incumbents import (
 from k3opt.search.node_model import solve_frame
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.ranking import ranked_coefficients
-from k3opt.search.result import Plan, PlanItem
+from k3opt.search.result import OpenBound, Plan, PlanItem
 from k3opt.specs import (
     GIB,
     ClusterSpec,
@@ -581,9 +581,42 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     tol = LINE_ROUNDING if gap > 0 else 0.0
     done = not (timed_out or interrupted) and (bound >= k * (1 - gap) * (1 - tol) - 1e-12 or not heap)
     status = "OPTIMAL" if done and proven_gap <= gap + tol + 1e-12 else "FEASIBLE"
+    open_shapes, holding = (0, None) if status == "OPTIMAL" else _open_bounds(
+        heap, ranked[top - 1] if len(ranked) >= top else None, gap, frame_tightened, tightened)
     return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                 frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
-                model_size=size, pareto_complete=complete, first_layout_s=first_layout_s)
+                model_size=size, pareto_complete=complete, first_layout_s=first_layout_s,
+                open_shapes=open_shapes, holding=holding)
+
+
+def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
+                 ) -> tuple[int, OpenBound | None]:
+    """(How many parallel shapes have an entry in the queue that does not close the search against the top-th
+    layout k, the least such entry described): what a FEASIBLE plan leaves open."""
+    open_entries = [e for e in heap if not _closed(e[0], e[1], k, gap)]
+    if not open_entries:
+        return 0, None
+    t_lb, _, _, f, rc, lc, attempt = min(open_entries, key=lambda e: e[:3])
+    if rc is None:
+        kind = ("shape bound over whole layers per rank (its recompute x lifecycle nodes not bounded yet)"
+                if f in frame_tightened else "shape bound (not tightened to the shape's own layers yet)")
+    elif attempt > 0:
+        kind = (f"{rc.value} / {lc.value} node: CP-SAT's bound after {attempt} time slice"
+                f"{'s' if attempt > 1 else ''}")
+    elif (f, rc, lc) in tightened:
+        kind = (f"{rc.value} / {lc.value} node: its {'linear relaxation' if f.vp > 1 else 'split programs'} (not "
+                "solved yet)")
+    else:
+        kind = f"{rc.value} / {lc.value} node: its first bound (not tightened yet)"
+    line = (k.rank_time_s * (1 - gap) if gap > 0 else k.rank_time_s) if k is not None else math.inf
+    return len({e[3] for e in open_entries}), OpenBound(shape=_frame_text(f), bound_s=t_lb, kind=kind, line_s=line)
+
+
+def _frame_text(f: Frame) -> str:
+    """A parallel shape in the plan table's terms."""
+    return (f"PP{f.pp} VP{f.vp} CP{f.cp} EP{f.ep} eFSDP{f.expert_fsdp} dFSDP{f.dense_fsdp} M{f.microbatches} "
+            f"{f.dense_sharding.value}/{f.expert_sharding.value} grads={f.grad_dtype.value} {f.precision.value} "
+            f"on {f.gpus} GPUs")
 
 
 def _node_bounds(job: Job, f: Frame, recs: list[Recompute], lcs: list[FsdpLifecycle], model: ModelSpec,

@@ -40,6 +40,21 @@ class PlanItem:
         return max(0.0, (self.rank_time_s - self.front_bound_s) / self.rank_time_s)
 
 
+@dataclass(frozen=True)
+class OpenBound:
+    """Where a FEASIBLE plan's proof stopped: the least bound left in the search's queue (`Plan.bound`, unless a node
+    was cut mid-solve), the parallel shape it belongs to and what kind of bound it is. A longer run starts there."""
+
+    shape: str
+    """The parallel shape: PP, VP, CP, EP, FSDP degrees, microbatches, sharding policies, gradient dtype, precision."""
+    bound_s: float
+    kind: str
+    """Which bound: the shape's (before its nodes, one per recompute mode and lifecycle, are bounded) or one node's,
+    and how far it was tightened (whole layers, the node's relaxation, CP-SAT slices)."""
+    line_s: float
+    """The line a bound must reach for the gap to close: the top-th layout's step time less the relative gap."""
+
+
 @dataclass
 class Plan:
     """What `plan()` returns: the status, the proven bound and gap, the ranked layouts, the Pareto front."""
@@ -60,7 +75,11 @@ class Plan:
     pareto_complete: bool = False
     first_layout_s: float | None = None
     """Seconds from the call to the first fitting layout (heuristic or solved); None if none was found."""
-    """True when every frame was either dominated by its bounds or solved down to its last epsilon step."""
+    open_shapes: int = 0
+    """Parallel shapes with a bound still under `holding.line_s` when the search stopped (0 when OPTIMAL): what a
+    longer run has to settle."""
+    holding: OpenBound | None = None
+    """The least bound left when the search stopped short of its gap (None when OPTIMAL)."""
 
     def to_frame(self, which: str = "pareto"):  # noqa: ANN201 - pandas DataFrame
         """The CSV schema: one row per layout, every decision and every ledger term a column, units in names."""
