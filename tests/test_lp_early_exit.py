@@ -169,6 +169,41 @@ def test_lean_arrays_are_below_every_k3_variant_at_32k():
     assert _assert_lean_below_every_variant(job, f, model, cluster) >= 2 * 32
 
 
+def _assert_base_below_its_key(job, f, model, cluster) -> int:
+    """Every variant's (`_relaxed`) time and update arrays at or above its key's base: the same activation mode,
+    offload and balancing, with ZeRO-2 host gradients, P2P Muon and the chunked cross entropy at their least-work
+    choice (`interleaved_lp_bound` settles a key on its base's floors before building the rest)."""
+    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames._allowed_on(job)]
+    memory_only = [t for t in names if t not in ("activation_offload", "balance_activations")]
+    n = 0
+    for rc, lc in itertools.product(job.search.recompute or list(Recompute), FsdpLifecycle):
+        for md in [md for md in act_modes(job) if md.recompute == rc]:
+            for flags in itertools.product(*(_choices(job, t) for t in names)):
+                tg = dict(zip(names, flags, strict=True))
+                base = {**tg, **{t: min(_choices(job, t)) for t in memory_only}}
+                a, _ = _relaxed(job, f, md, lc, tg, model, cluster)
+                b, _ = _relaxed(job, f, md, lc, base, model, cluster)
+                for field in ("time", "update"):
+                    for res, arr in getattr(b, field).items():
+                        assert (getattr(a, field)[res] >= arr * (1 - 1e-12)).all(), (rc, lc, md, tg, field, res)
+                n += tg != base
+    return n
+
+
+def test_the_memory_only_toggles_only_add_work(tiny, slow):
+    """On the small model with every rank toggle free (three of them trade work for bytes only), every node and
+    mode; and K3 at 4K (the default job's PP8 VP4 shape) and 32K context (PP4 VP4 CP4)."""
+    job = _job(1.5)
+    (f,) = enumerate_frames(job, tiny, 8)
+    assert _assert_base_below_its_key(job, f, tiny, slow) == 6 * 2 * 28  # 3 x 2 nodes, 2 modes, 2^5 - 2^2 settings
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    for name, shape in (("k3-512-4k", (8, 4, 1)), ("k3-512-32k", (4, 4, 4))):
+        job = k3opt.load_job(name)
+        job = job.model_copy(update={"search": job.search.model_copy(update={"recompute": [Recompute.SELECTIVE]})})
+        f = next(f for f in enumerate_frames(job, model, 512, cluster) if (f.pp, f.vp, f.cp) == shape)
+        assert _assert_base_below_its_key(job, f, model, cluster) >= 2 * 28
+
+
 def test_a_whole_layer_floor_that_reached_the_line_skips_the_linear_programs(tiny, slow, monkeypatch):
     """`granular_stage` reports a stop it has shown reached as a hair under it (stop x (1 - 1e-9)). A variant whose
     whole-layer floor reads that close under the line is at the line: no linear program is solved for it, and the

@@ -71,6 +71,10 @@ FEAS_TOL = 1e-6
 """Relative slack on the LP's memory rows: GLOP's primal tolerance must not turn a fitting layout infeasible."""
 
 
+class _NoBound(Exception):
+    """A group's members do not share the schedule's terms, or the deadline passed while building: no bound (0)."""
+
+
 @dataclass
 class _Arrays:
     """Per-layer (length L + 2) relaxed coefficients of one node: least work, least bytes over its modes."""
@@ -158,17 +162,46 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
                 for flags in itertools.product(*(_choices(job, t) for t in names))]
-    variants = []
+    count = itertools.count()
+
+    def variant(md: ActMode, tg: dict[str, bool]) -> tuple:
+        """(floor, order, mode, setting, the members' merged arrays, the first member's Coefficients)."""
+        built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
+        if len({_schedule_terms(c) for _, c in built}) > 1 or time.monotonic() > deadline:
+            raise _NoBound
+        a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
+        c0 = built[0][1]
+        stage = max(float(t.sum()) for t in a.time.values()) / f.pp
+        return c0.slots * stage + _mean_update(a, f.pp), next(count), md, tg, a, c0
+
+    # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
+    # gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
+    # only adds work (k3opt.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
+    # entropy one more LM-head forward; tests/test_lp_early_exit.py checks it), so the key's base, each of them at
+    # its least-work choice, has every time and update array at or below each variant of the key's: a floor of the
+    # base that reaches the least so far or the line settles the key before its other variants are built (on the
+    # default job, 6 of the 8 keys of a PP8 VP4 group node).
+    keys: dict[tuple, list[dict[str, bool]]] = {}
     for md in modes:
         for tg in settings:
-            built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
-            if len({_schedule_terms(c) for _, c in built}) > 1 or time.monotonic() > deadline:
-                return 0.0
-            a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
-            c0 = built[0][1]
-            stage = max(float(t.sum()) for t in a.time.values()) / f.pp
-            upd = _mean_update(a, f.pp)
-            variants.append((c0.slots * stage + upd, len(variants), md, tg, a, c0))
+            keys.setdefault((md, tg.get("activation_offload", False), tg.get("balance_activations", False)),
+                            []).append(tg)
+    least = {t: min(_choices(job, t)) for t in names if t not in ("activation_offload", "balance_activations")}
+    try:
+        base = {key: variant(key[0], next(tg for tg in tgs if all(tg[t] == v for t, v in least.items())))
+                for key, tgs in keys.items()}
+    except _NoBound:
+        return 0.0
+    full: dict[tuple, list] = {}
+
+    def expand(key: tuple) -> list:
+        """Every variant of the key, least floor first (built once)."""
+        if key not in full:
+            b = base[key]
+            full[key] = sorted([b] + [variant(key[0], tg) for tg in keys[key] if tg is not b[3]],
+                               key=lambda x: x[:2])
+        return full[key]
+
     def whole_layers(floor: float, a: _Arrays, c: Coefficients) -> float:
         """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
         most toggles move the update or the edges only), at least `floor`. The program runs only as far as the
@@ -195,52 +228,56 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             return True
         return False
 
-    # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first variant's.
-    paths = _paths(f, variants[0][5], rc == Recompute.FULL)
-    # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
-    # gradients, P2P Muon, fused cross entropy) form a group; the group's merged arrays (the least of each) relax
-    # every member, so one program per group decides whether any member can go below the least so far.
-    groups: dict[tuple, list] = {}
-    for v in variants:
-        tg = v[3]
-        groups.setdefault((v[2], tg.get("activation_offload", False), tg.get("balance_activations", False)),
-                          []).append(v)
-    # Groups of one (offload, balancing) setting over every activation mode share the schedule and the edges'
+    def settled_by_base(key: tuple) -> bool:
+        """The key's base floor, or its whole-layer floor, cannot lower the least (nor can any variant of the key's:
+        each is at or above its base). Once true, true for the rest of the call: `best` only falls."""
+        fl, _, _, _, a, c = base[key]
+        return over(fl * (1 - 1e-9)) or over(whole_layers(fl, a, c))
+
+    # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first key's.
+    paths = _paths(f, next(iter(base.values()))[5], rc == Recompute.FULL)
+    # Keys of one (offload, balancing) setting over every activation mode share the schedule and the edges'
     # terms (in-flight compositions, packets, balancing's average): their merged arrays relax all of them at once,
     # and most such settings do not fit at all when memory binds. The memory rows alone decide that first
     # (`_fits`, a program a fraction of the size); the merged program with the time rows only for a setting that
-    # fits.
+    # fits. The keys their bases settle are left out (their variants are not built).
     settled: dict[tuple[bool, bool], float] = {}
-    for (_md, off, bal), members in sorted(groups.items(), key=lambda kv: min(m[:2] for m in kv[1])):
-        members.sort(key=lambda x: x[:2])
-        if over(members[0][0] * (1 - 1e-9)) or (bal and members[0][5].balanced_inflight is None):
-            continue
-        if (off, bal) not in settled:
-            every = [m for (_, o, b), ms in groups.items() if (o, b) == (off, bal) for m in ms]
-            merged_all = _merge([m[4] for m in every]) if len(every) > 1 else every[0][4]
-            if not _fits(f, merged_all, every[0][5], cap, host_cap, off, bal):
-                settled[(off, bal)] = math.inf
-            elif len(every) > 1:
-                lo = whole_layers(min(m[0] for m in every), merged_all, every[0][5])
-                settled[(off, bal)] = lo if over(lo) else max(
-                    lo, _solve(f, merged_all, every[0][5], cap, host_cap, off, bal, paths))
-            else:
-                settled[(off, bal)] = -math.inf
-        if over(settled[(off, bal)]):
-            continue
-        c0 = members[0][5]
-        if len(members) > 1:
-            merged = _merge([m[4] for m in members])
-            if (over(whole_layers(members[0][0], merged, c0))
-                    or over(_solve(f, merged, c0, cap, host_cap, off, bal, paths))):
+    try:
+        for key in sorted(keys, key=lambda k: base[k][:2]):
+            _md, off, bal = key
+            if (bal and base[key][5].balanced_inflight is None) or settled_by_base(key):
                 continue
-        for floor, _, _md2, _tg, a, c in members:
-            if over(floor * (1 - 1e-9)):
-                break
-            floor = whole_layers(floor, a, c)
-            if over(floor * (1 - 1e-9)):
+            if (off, bal) not in settled:
+                every = [v for k2 in keys if (k2[1], k2[2]) == (off, bal) and not settled_by_base(k2)
+                         for v in expand(k2)]
+                merged_all = _merge([m[4] for m in every]) if len(every) > 1 else every[0][4]
+                if not _fits(f, merged_all, every[0][5], cap, host_cap, off, bal):
+                    settled[(off, bal)] = math.inf
+                elif len(every) > 1:
+                    lo = whole_layers(min(m[0] for m in every), merged_all, every[0][5])
+                    settled[(off, bal)] = lo if over(lo) else max(
+                        lo, _solve(f, merged_all, every[0][5], cap, host_cap, off, bal, paths))
+                else:
+                    settled[(off, bal)] = -math.inf
+            if over(settled[(off, bal)]):
                 continue
-            best = min(best, max(floor, _solve(f, a, c, cap, host_cap, off, bal, paths)))
+            members = expand(key)
+            c0 = members[0][5]
+            if len(members) > 1:
+                merged = _merge([m[4] for m in members])
+                if (over(whole_layers(members[0][0], merged, c0))
+                        or over(_solve(f, merged, c0, cap, host_cap, off, bal, paths))):
+                    continue
+            for floor, _, _md2, _tg, a, c in members:
+                if over(floor * (1 - 1e-9)):
+                    break
+                floor = whole_layers(floor, a, c)
+                if over(floor * (1 - 1e-9)):
+                    continue
+                best = min(best, max(floor, _solve(f, a, c, cap, host_cap, off, bal, paths)))
+    except _NoBound:
+        return 0.0
+    variants = [v for key in keys for v in full.get(key, [base[key]])]
     best = min(best, capped)
     if math.isfinite(best) and best < stop_at * (1 - STOP_ROUNDING):
         # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
