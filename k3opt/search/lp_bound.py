@@ -29,9 +29,11 @@ Layers whose coefficients are all equal are aggregated into one variable per chu
 keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver).
 
 Cheapest first: the memory rows alone over bytes at or below every variant's (`lean_fits`) settle a node that fits
-under no setting before its variants are built (most interleaved nodes at long contexts), then per (offload,
-balancing) setting the memory rows over its merged variants (`_fits`), then the merged programs with the time rows,
-then each variant; with the search's pruning line (`stop_at`) nothing is solved past it."""
+under no setting before its variants are built (most interleaved nodes at long contexts), then the floors of each
+(mode, offload, balancing) key's base (the toggles that only add work off) settle keys before their other variants
+are built, then per (offload, balancing) setting the memory rows over its merged variants (`_fits`), then the
+merged programs with the time rows, then each variant; with the search's pruning line (`stop_at`) nothing is solved
+past it."""
 
 from __future__ import annotations
 
