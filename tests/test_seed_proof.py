@@ -314,3 +314,19 @@ def test_open_bounds_count_the_shapes_under_the_line_and_name_the_least():
     assert driver._open_bounds(queue((9.9, a, None, 0), (11.0, b, sel, 0)), k, 0.01, set(), set()) == (0, None)
     n, h = driver._open_bounds(queue((11.0, b, sel, 0)), None, 0.01, set(), set())
     assert n == 1 and h.line_s == math.inf
+
+
+@pytest.mark.parametrize("limit, budget_s", [(20.0, 0.5), (60.0, 1.5), (300.0, 1.5)])
+def test_the_first_pass_takes_half_the_budget_at_most_first_pass_s(tiny, slow, pp2_job, monkeypatch, limit, budget_s):
+    """The first heuristic pass runs half the budget (5% of the time limit, 1 to 5 s) once it has a layout, at most
+    FIRST_PASS_S: at the CLI's 300-s default it used to take 2.5 s (half of 5) and found nothing more than in 1.5 s."""
+    calls: list[float] = []
+    real = driver.incumbents
+
+    def spy(*a, **k):
+        calls.append(a[5])
+        return real(*a, **k)
+
+    monkeypatch.setattr(driver, "incumbents", spy)
+    assert k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit).layouts
+    assert calls[0] == pytest.approx(budget_s) and driver.FIRST_PASS_S == 1.5
