@@ -330,17 +330,3 @@ def test_the_first_pass_takes_half_the_budget_at_most_first_pass_s(tiny, slow, p
     monkeypatch.setattr(driver, "incumbents", spy)
     assert k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit).layouts
     assert calls[0] == pytest.approx(budget_s) and driver.FIRST_PASS_S == 1.5
-
-
-def test_the_first_pass_goes_on_until_it_has_top_layouts(tiny, slow, pp2_job):
-    """`incumbents.incumbents` stops once its budget has passed with `top` layouts (the driver's pruning line, which
-    the helper process bounds against, is the top-th layout's; with fewer the helper's first programs ran at no
-    line): with no budget, one frame with a layout is enough for top 1, three are visited for top 3."""
-    import math
-
-    frames = [((False, float(i)), f) for i, f in enumerate(enumerate_frames(pp2_job, tiny, 8))]
-    one = inc.incumbents(pp2_job, frames, tiny, slow, 1, 0.0, math.inf)
-    three = inc.incumbents(pp2_job, frames, tiny, slow, 3, 0.0, math.inf)
-    assert len(one) == 1 and len(three) == 3
-    # The frames come in order: the first three with a layout.
-    assert list(three)[:1] == list(one)

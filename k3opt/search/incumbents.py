@@ -231,16 +231,14 @@ def incumbents(job: Job, ordered: list[tuple[tuple[bool, float], Frame]], model:
                top: int, budget_s: float, deadline: float, stop: Callable[[], bool] | None = None
                ) -> dict[Frame, PlanItem]:
     """Heuristic layouts of the frames in `ordered` (visited in that order), until `budget_s` has passed with at
-    least `top` found (the driver's pruning line, which its helper process bounds against, needs the top-th), or
-    the monotonic clock reaches `deadline`."""
+    least one found, or the monotonic clock reaches `deadline`."""
     t0 = _time.monotonic()
     found: dict[Frame, PlanItem] = {}
     for _, f in ordered:
         now = _time.monotonic()
-        enough = len(found) >= max(top, 1)
-        if now >= deadline or (enough and now - t0 >= budget_s) or (stop is not None and stop()):
+        if now >= deadline or (found and now - t0 >= budget_s) or (stop is not None and stop()):
             break
-        item = frame_incumbent(job, f, model, cluster, deadline=min(deadline, t0 + budget_s) if enough else deadline)
+        item = frame_incumbent(job, f, model, cluster, deadline=min(deadline, t0 + budget_s) if found else deadline)
         if item is not None:
             found[f] = item
     return found
