@@ -73,6 +73,7 @@ class Plan:
     solve_time_s: float
     model_size: dict[str, int] = field(default_factory=dict)
     pareto_complete: bool = False
+    """True when every frame was either dominated by its bounds or solved down to its last epsilon step."""
     first_layout_s: float | None = None
     """Seconds from the call to the first fitting layout (heuristic or solved); None if none was found."""
     open_shapes: int = 0
