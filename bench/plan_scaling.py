@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import ortools
 
 import k3opt
+from k3opt.report import degrees_text
 from k3opt.specs import Job
 
 TOKENS_PER_GPU = 16_777_216 // 512
@@ -43,8 +44,7 @@ def _row(label: str, job: Job, model: k3opt.ModelSpec, top: int, time_limit: flo
     first = f"{plan.first_layout_s:.1f}" if plan.first_layout_s is not None else ""
     return (f"| {label} | {job.gpus:,} | {top} | {plan.frames_total:,} | {plan.frames_solved} | {plan.status} | "
             f"{100 * plan.gap:.2f}% | {first} | {wall:.1f} | "
-            f"PP{lay.pp} VP{lay.vp} CP{lay.cp} EP{lay.ep} eFSDP{lay.expert_fsdp} dFSDP{lay.dense_fsdp} "
-            f"M{lay.microbatches} {lay.recompute.value} | {best.rank_time_s:.3f} | {best.step_time_s:.3f} | "
+            f"{degrees_text(lay)} {lay.recompute.value} | {best.rank_time_s:.3f} | {best.step_time_s:.3f} | "
             f"{best.evaluation.step.schedule_step_time_s:.3f} | {best.peak_bytes / 2**30:.1f} |")
 
 

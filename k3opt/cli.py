@@ -290,10 +290,9 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
 
 
 def _short(layout) -> str:  # noqa: ANN001
-    from k3opt.report import split_text
+    from k3opt.report import degrees_text, split_text
 
-    return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} eFSDP{layout.expert_fsdp} "
-            f"dFSDP{layout.dense_fsdp} M{layout.microbatches} split {split_text(layout.split)}")
+    return f"{degrees_text(layout)} split {split_text(layout.split)}"
 
 
 @main.command()

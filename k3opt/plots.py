@@ -19,6 +19,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from k3opt.errors import LayoutError  # noqa: E402
 from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
+from k3opt.report import degrees_text  # noqa: E402
 from k3opt.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
 from k3opt.specs import GIB  # noqa: E402
 
@@ -84,8 +85,7 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
 
 def _short(ev: Evaluation) -> str:
     lay = ev.layout
-    return (f"PP{lay.pp} VP{lay.vp} CP{lay.cp} EP{lay.ep} eFSDP{lay.expert_fsdp} dFSDP{lay.dense_fsdp} "
-            f"M{lay.microbatches}, recompute {lay.recompute.value}; worst-rank peak {ev.peak_bytes / GIB:.1f} GiB"
+    return (f"{degrees_text(lay)}, recompute {lay.recompute.value}; worst-rank peak {ev.peak_bytes / GIB:.1f} GiB"
             + (f" live, {ev.peak_device_bytes / GIB:.1f} GiB device" if ev.runtime is not None else ""))
 
 

@@ -29,6 +29,12 @@ def toggles_text(layout: Layout) -> str:
     return ",".join(on) if on else "none"
 
 
+def degrees_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
+    """A parallel shape's degrees in the plan table's terms (the CLI, the plots, the search's open bound)."""
+    return (f"PP{shape.pp} VP{shape.vp} CP{shape.cp} EP{shape.ep} eFSDP{shape.expert_fsdp} dFSDP{shape.dense_fsdp} "
+            f"M{shape.microbatches}")
+
+
 def layout_text(layout: Layout) -> str:
     return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
             f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "

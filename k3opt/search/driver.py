@@ -13,6 +13,7 @@ from functools import partial
 from k3opt.coefficients import Shape, coefficients
 from k3opt.errors import InfeasibleJobError
 from k3opt.evaluate import Evaluation, evaluate
+from k3opt.report import degrees_text
 from k3opt.search.bounds import (
     frame_dp_bound,
     frame_estimate,
@@ -621,9 +622,8 @@ def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: 
 
 def _frame_text(f: Frame) -> str:
     """A parallel shape in the plan table's terms."""
-    return (f"PP{f.pp} VP{f.vp} CP{f.cp} EP{f.ep} eFSDP{f.expert_fsdp} dFSDP{f.dense_fsdp} M{f.microbatches} "
-            f"{f.dense_sharding.value}/{f.expert_sharding.value} grads={f.grad_dtype.value} {f.precision.value} "
-            f"on {f.gpus} GPUs")
+    return (f"{degrees_text(f)} {f.dense_sharding.value}/{f.expert_sharding.value} grads={f.grad_dtype.value} "
+            f"{f.precision.value} on {f.gpus} GPUs")
 
 
 def _node_bounds(job: Job, f: Frame, recs: list[Recompute], lcs: list[FsdpLifecycle], model: ModelSpec,
