@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 import k3opt
 import k3opt.rates
 from k3opt.search import enumerate_frames
-from k3opt.specs import FsdpLifecycle, Recompute, make_layout
+from k3opt.specs import FsdpLifecycle, Recompute, ShardingPolicy, make_layout
 
 DATA = Path(__file__).parent / "data"
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
@@ -218,3 +219,84 @@ def test_update_communication_beyond_its_window_is_ranked(rated, tmp_path):
     plan = k3opt.plan(job, model=tiny, cluster=slower, top=1, pareto=False, gap=0)
     assert plan.status == "OPTIMAL" and plan.gap == 0
     assert plan.layouts[0].rank_time_s == pytest.approx(want, abs=TOL_S)
+
+
+def test_bounds_count_the_update_communication_beyond_its_window(rated, tmp_path):
+    """On links so slow that the update's exchange outlasts its window by seconds, every bound the search prunes
+    with (shape, node, the interleaved relaxation, a sharding group's) stays below every enumerated layout of what it
+    stands for and above what a bound without the excess could reach: a bound that leaves the excess out is at most
+    the best layout's step less that layout's excess (it is below that layout's step formula without it)."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+    from k3opt.search.bounds import group_frame_bound, group_node_bound
+
+    tiny, _ = rated
+    text = (DATA / "slow-cluster.toml").read_text().replace("nic_gbps = 2\n", "nic_gbps = 0.01\n")
+    text = text.replace("nvlink_gbps = 20\n", "nvlink_gbps = 0.02\n")
+    path = tmp_path / "slower.toml"
+    path.write_text(text)
+    slower = k3opt.load_cluster(path)
+    allowed = ("fused_situ", "p2p_muon")
+    spec = _job().model_dump(mode="json", exclude_none=True)
+    spec["cluster"] = str(path)
+    spec["search"].update({"pp": [1, 2], "vp": [1, 2], "ep": [2], "dense_fsdp": [4, 8],
+                           "fsdp_lifecycle": ["per_microbatch", "accumulate"],
+                           "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]})
+    job = k3opt.Job.model_validate(spec)
+    rows = _enumerate(job, tiny, slower, allowed, tuple(FsdpLifecycle))
+    assert {r[0].vp for r in rows} == {1, 2}
+    checked = 0
+    for f in {r[0] for r in rows}:
+        mine = [r for r in rows if r[0] == f]
+        best = min(mine, key=lambda r: r[2])
+        assert best[5] > 0.3 * best[2]  # the excess is a third of the step or more
+        shape = [frame_lower_bound(job, f, tiny, slower)[0], frame_dp_bound(job, f, tiny, slower)[0]]
+        if f.vp > 1:
+            shape.append(group_frame_bound(job, (f,), tiny, slower))
+        for t in shape:
+            assert t <= best[2] + 1e-9, (f, t, best[2])
+            # A shape bound is the least over both lifecycles. Under optim_grads the per-microbatch one moves the
+            # gradients' reduce-scatter out of the update (into every microbatch's stage), so its exchange is
+            # smaller; under optim both reduce-scatter the gradient buffer once per update.
+            if f.dense_sharding == ShardingPolicy.OPTIM:
+                assert t > best[2] - best[5], (f, t, best[2], best[5])
+                checked += 1
+        for rc in (Recompute.NONE, Recompute.FULL):
+            node = [r for r in mine if r[1] == rc]
+            if not node:
+                continue
+            nb = min(node, key=lambda r: r[2])
+            assert min(tight_node_bound(job, f, rc, lc, tiny, slower) for lc in FsdpLifecycle) <= nb[2] + 1e-9
+            if nb[5] == 0:
+                continue  # (recompute 'none' of the optim_grads shapes: no exposed exchange in its best layout)
+            for lc in FsdpLifecycle:
+                # A node of one lifecycle is at most the best of both (the enumeration does not keep the lifecycle).
+                bounds = [node_lower_bound(job, f, rc, lc, tiny, slower)[0],
+                          tight_node_bound(job, f, rc, lc, tiny, slower)]
+                if f.vp > 1:
+                    bounds.append(group_node_bound(job, (f,), rc, lc, tiny, slower))
+                for t in bounds:
+                    assert t > nb[2] - nb[5], (f, rc, lc, t, nb[2], nb[5])
+                    checked += 1
+    assert checked >= 30
+    # The interleaved relaxation prices the excess at its own stage (the stage that memory and whole layers force
+    # on it), above the shape's whole-layer bound: 35.41 s against 34.05 s on PP2 VP2 under recompute 'none'
+    # (the best layout: 38.77 s, 17.56 s of it the excess); without the excess in its objective it was 34.05 s.
+    (f,) = [f for f in {r[0] for r in rows} if f.vp == 2 and f.dense_sharding == ShardingPolicy.OPTIM]
+    lp = tight_node_bound(job, f, Recompute.NONE, FsdpLifecycle.PER_MICROBATCH, tiny, slower)
+    assert lp > 1.02 * frame_dp_bound(job, f, tiny, slower)[0]
+
+
+def test_step_floor_takes_the_least_over_every_longer_stage():
+    """step_floor(slots, stage, update, exchange, window) = least over S >= stage of
+    slots x S + update + max(0, exchange - window x S), by hand."""
+    from k3opt.search.ranking import step_floor
+
+    # 10 slots of 1 s, 0.5 s update, 3 s exchange hiding under 1 stage: 10 + 0.5 + (3 - 1).
+    assert step_floor(10, 1.0, 0.5, 3.0, 1.0) == pytest.approx(12.5)
+    # Hidden: 10 + 0.5.
+    assert step_floor(10, 1.0, 0.5, 0.8, 1.0) == pytest.approx(10.5)
+    # A window of 20 stages over 10 slots: a longer stage hides more than it costs, down to S = 30 / 20 = 1.5 s,
+    # 15 + 0.5 (at S = 1: 10 + 0.5 + 10 = 20.5).
+    assert step_floor(10, 1.0, 0.5, 30.0, 20.0) == pytest.approx(15.5)
+    assert step_floor(10, 2.0, 0.5, 30.0, 20.0) == pytest.approx(20.5)  # past 1.5 s it only grows
+    assert step_floor(10, math.inf, 0.5, 3.0, 1.0) == math.inf

@@ -28,7 +28,7 @@ from k3opt.search.frames import (
     undominated_modes,
 )
 from k3opt.search.lp_bound import _schedule_terms, granular_stage, interleaved_lp_bound, needs_offload
-from k3opt.search.ranking import coarse_work_floor, work_floor  # work floors over the activation toggles
+from k3opt.search.ranking import coarse_work_floor, step_floor, update_means, work_floor
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
     ClusterSpec,
@@ -47,7 +47,9 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     Time: the slowest rank carries at least the mean tensor-core work, and recompute 'none' without the
     chunked cross-entropy is the least work but for the memory-bound kernels, which the activation toggles lower
     (`coarse_work_floor`: those at their least over every mode; a frame the search reaches is tightened with
-    `frame_dp_bound`); the update is at least the mean Newton-Schulz time.
+    `frame_dp_bound`); the update is at least the mean Newton-Schulz time, and its data-parallel exchange at least
+    its mean under the per-microbatch lifecycle (the accumulate lifecycle adds the FP32 buffer's reduce-scatter),
+    of which one window of stage-microbatches hides (`ranking.step_floor`).
     Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
     host under pipeline ZeRO-2), which no toggle removes."""
     base = ActMode(Recompute.NONE, False, False, False, False)
@@ -56,7 +58,8 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     p = f.pp
     stage = float(cf.time["tensor"].sum()) / p
     update = float(cf.update["tensor"].sum()) / p
-    t_lb = schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
+    _, hidden = update_means({}, cf.update_hidden, p)
+    t_lb = step_floor(schedule_slots(f.pp, f.vp, f.microbatches), stage, update, hidden, cf.update_hidden_stages)
     persistent = float((cf.master + cf.optimizer + cf.bf16_view).sum())
     if "pipeline_zero2_host_grads" not in _allowed_on(job):
         persistent += float(cf.grads.sum())
@@ -74,7 +77,10 @@ def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpe
 
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
     """A rough step time of frame f (not a bound): slots x the mean per-rank work of its busiest resource plus
-    the mean update, under recompute 'none', no toggles. Orders the frames the incumbent heuristics visit."""
+    the mean update, under recompute 'none', no toggles. Orders the frames the incumbent heuristics visit. (The
+    update's exposed exchange is left out: it grows with the FSDP degrees, and with it the order put the least
+    sharded shapes first, whose memory then forces heavy recompute: at 8,192 GPUs the heuristic pass found 25.6 s
+    where it finds 19.2 s without.)"""
     base = ActMode(Recompute.NONE, False, False, False, False)
     cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / f.pp
@@ -108,7 +114,8 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
     lcf = _memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
-    update = max(float(cf.update[res].sum()) for res in cf.update) / p
+    update, hidden = update_means(cf.update, cf.update_hidden, p)
+    hs = cf.update_hidden_stages
     peak = _peak_lower_bound(job, f, lcf, cluster, allowed)
     cap = allocated_capacity_bytes(job, f, model, cluster)
     if f.vp == 1 and job.search.split is None:
@@ -116,7 +123,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
             if "activation_offload" in allowed else None
         stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
         _DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
-        return (cf.slots * stage + update if math.isfinite(stage) else math.inf), max(peak, dp_peak)
+        return step_floor(cf.slots, stage, update, hidden, hs), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
     if "activation_offload" in allowed:
         ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster)
@@ -127,7 +134,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         if host > stage and (_peak_lower_bound(job, f, lcf, cluster, allowed - {"activation_offload"}) > cap
                              or (f.vp > 1 and needs_offload(job, f, lcf, cap))):
             stage = host
-    return cf.slots * stage + update, peak
+    return step_floor(cf.slots, stage, update, hidden, hs), peak
 
 
 def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
@@ -144,7 +151,6 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
     cf = _floor(job, f, recs[0], lcs[0], model, cluster, recs=tuple(recs), lcs=tuple(lcs))
-    update = cf.update
     lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
             for rc in recs for lc in lcs]
     mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
@@ -157,8 +163,8 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
                                      "host_link": np.min([o.time["host_link"] for o in offs], axis=0)})
     cap = allocated_capacity_bytes(job, f, model, cluster)
     stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed)
-    upd = max(float(update[res].sum()) for res in update) / f.pp
-    return (cf.slots * stage + upd if math.isfinite(stage) else math.inf), peak
+    return step_floor(cf.slots, stage, *update_means(cf.update, cf.update_hidden, f.pp),
+                      cf.update_hidden_stages), peak
 
 
 def group_frame_bound(job: Job, members: tuple[Frame, ...], model: ModelSpec, cluster: ClusterSpec,
@@ -194,9 +200,18 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
             return 0.0
         stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
-        update = min(max(float(c.update[res].sum()) for res in c.update) for c in cheap) / f.pp
+        # Each member's own (mean stage, update, exchange) with the group's stage bound: the least update is the
+        # most sharded member's, whose exchange is the largest (and under optim_grads its stage).
+        nodes = list(dict.fromkeys((max(float(c.time[res].sum()) for res in c.time) / f.pp,
+                                    *update_means(c.update, c.update_hidden, f.pp)) for c in cheap))
+        update = min(u for _, u, _ in nodes)
+        hs = max(c.update_hidden_stages for c in cheap)
         slots = cheap[0].slots
-        if slots * stage + update >= best:
+
+        def floor(stage: float, slots: float = slots, hs: float = hs, nodes: list = nodes) -> float:
+            return min(step_floor(slots, max(stage, s), u, h, hs) for s, u, h in nodes)
+
+        if floor(stage) >= best:
             continue
         # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
         # the least so far or the line (either is all the search needs to know).
@@ -204,7 +219,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
                                           cheap[0].n_layers, f.pp, f.vp,
                                           stop=(line - update) / slots if math.isfinite(line) else math.inf))
-        if slots * stage + update >= best:
+        if floor(stage) >= best:
             continue
         if "activation_offload" in allowed and rc != Recompute.FULL:
             # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
@@ -223,7 +238,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                     moonep_buffers=min(vw.moonep_buffers for vw in views))
                 if needs_offload(job, f, merged, cap):
                     stage = host
-        best = min(best, slots * stage + update)
+        best = min(best, floor(stage))
     return best
 
 
@@ -249,17 +264,17 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     variants = []
     for md in modes:
         cf = coefficients(frame_shape(job, f, md, lc), model, cluster)
-        update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+        update, hidden = update_means(cf.update, cf.update_hidden, f.pp)
         for off_on, bal_on in itertools.product(offloads, balances):
             # Offload and balancing are global decisions: every rank pays them or none does.
             off = coefficients(frame_shape(job, f, md, lc, activation_offload=True), model, cluster) if off_on \
                 else None
-            floor = cf.slots * _mean_stage(cf, off) + update
-            variants.append((floor, len(variants), md, cf, update, off, bal_on))
+            floor = step_floor(cf.slots, _mean_stage(cf, off), update, hidden, cf.update_hidden_stages)
+            variants.append((floor, len(variants), md, cf, (update, hidden), off, bal_on))
     best = math.inf
     # Cheapest floor first: a variant whose floor is at or above the best program so far cannot lower the least
     # (its program is at least its floor; the margin covers the rounding of the two sums), so it is not run.
-    for floor, _, md, cf, update, off, bal_on in sorted(variants, key=lambda v: v[:2]):
+    for floor, _, md, cf, (update, hidden), off, bal_on in sorted(variants, key=lambda v: v[:2]):
         if floor * (1 - 1e-9) >= best:
             break
         variant = (allowed - {"activation_offload", "balance_activations"}) | (
@@ -268,7 +283,7 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         # A program whose stage work reaches this cannot lower the least either: it stops there.
         stop = (best - update) / cf.slots * (1 + 1e-9) if math.isfinite(best) else math.inf
         stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True, stop_at=stop)
-        best = min(best, cf.slots * stage + update)
+        best = min(best, step_floor(cf.slots, stage, update, hidden, cf.update_hidden_stages))
     return best
 
 

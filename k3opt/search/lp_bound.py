@@ -14,7 +14,8 @@ at the mean load, 18.12 s, when every fitting layout needs full-recompute-like s
   same sum of per-layer update work. The replayed schedule (`StepTime.rank_time_s` ranks by the larger of the step
   formula and the replay): each chunk's replayed time is bounded below as in the node model (`_replay_terms`) and
   every replay path of `replay_bound` bounds the makespan. Objective: max((M + (p - 1)/v) x the slowest rank,
-  replay) + the slowest rank's update (`schedule_slots`, as in the node model).
+  replay) + the slowest rank's update + the excess of its update communication over `update_hidden_stages` x
+  the slowest rank (`schedule_slots`, as in the node model).
 - memory: every rank's activation phase for every in-flight composition it passes through (persistent bytes of
   its layers + count x saved bytes of each chunk's layers + the smallest working set + the packets and expert
   buffers every such rank must hold) and its optimizer phase, under the allocated budget; the AttnRes bank is
@@ -37,6 +38,7 @@ past it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -61,6 +63,7 @@ from k3opt.search.frames import (
     undominated_modes,
 )
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
+from k3opt.search.ranking import step_floor, update_means
 from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 
 STOP_ROUNDING = 1e-8
@@ -92,6 +95,15 @@ class _Arrays:
     ep_min: float
     hi: np.ndarray
     """Per layer, at or above its busiest-resource work under every setting this stands for (the replay's U_r)."""
+    hidden: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """The update's communication per resource (`Coefficients.update_hidden`): only its excess over
+    `hidden_stages` x stage adds to the step."""
+    hidden_stages: float = 0.0
+    updates: tuple[tuple[float, float, float], ...] = ()
+    """Per node these arrays stand for (a group's members, each variant), its (stage, update compute, update
+    communication) at least their means over the ranks (`ranking.update_means`): one node's triple bounds its
+    layouts, while the merged arrays pair the least update of one member (the most sharded) with the least
+    exchange and stage of others."""
 
 
 VARIANT_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
@@ -119,7 +131,10 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
     arrays = _Arrays(time=dict(c0.time), update=dict(c0.update), persistent=persistent, opt=opt, act=c0.act,
                      ws_min=float(c0.working_set[:L].min()), nsws_min=float(c0.ns_working_set[:L].min()),
                      logits=float(c0.logits), ep_min=float(ep),
-                     hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0))
+                     hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
+                     hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
+                     updates=((max(float(t.sum()) for t in c0.time.values()) / f.pp,
+                               *update_means(c0.update, c0.update_hidden, f.pp)),))
     return arrays, c0
 
 
@@ -174,7 +189,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
         c0 = built[0][1]
         stage = max(float(t.sum()) for t in a.time.values()) / f.pp
-        return c0.slots * stage + _mean_update(a, f.pp), next(count), md, tg, a, c0
+        return _floor(c0.slots, stage, a, f.pp), next(count), md, tg, a, c0
 
     # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
     # gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
@@ -212,7 +227,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         line = min(best, stop_at)
         stage = granular_stage(a.time, c.n_layers, f.pp, f.vp,
                                stop=(line - upd) / c.slots if math.isfinite(line) else math.inf)
-        return max(floor, c.slots * stage + upd)
+        return max(floor, _floor(c.slots, stage, a, f.pp))
 
     best = math.inf
     capped = math.inf
@@ -289,7 +304,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         slots = variants[0][5].slots
         stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp,
                                stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
-        best = max(best, slots * stage + update)
+        best = max(best, _floor(slots, stage, merged, f.pp))
     return best
 
 
@@ -304,7 +319,14 @@ def _schedule_terms(c: Coefficients) -> tuple:
 
 def _mean_update(a: _Arrays, p: int) -> float:
     """The slowest rank's update compute is at least its mean over the p ranks: max over resources of sum / p."""
-    return max(float(u.sum()) for u in a.update.values()) / p
+    return update_means(a.update, {}, p)[0]
+
+
+def _floor(slots: float, stage: float, a: _Arrays, p: int) -> float:
+    """`ranking.step_floor` of a stage bound (at or below every node's the arrays stand for), raised to each node's
+    own mean stage, with that node's update and exchange (`_Arrays.updates`): the least over the nodes."""
+    nodes = a.updates or ((stage, *update_means(a.update, a.hidden, p)),)
+    return min(step_floor(slots, max(stage, s), u, h, a.hidden_stages) for s, u, h in nodes)
 
 
 MAX_GRANULAR_STATES = 4096
@@ -416,6 +438,9 @@ def _merge(arrays: list[_Arrays]) -> _Arrays:
     return _Arrays(
         time={res: np.min([a.time[res] for a in arrays], axis=0) for res in first.time},
         update={res: np.min([a.update[res] for a in arrays], axis=0) for res in first.update},
+        hidden={res: np.min([a.hidden[res] for a in arrays], axis=0) for res in first.hidden},
+        hidden_stages=max(a.hidden_stages for a in arrays),  # the step only falls as it grows
+        updates=tuple(dict.fromkeys(u for a in arrays for u in a.updates)),
         **{k: np.min([getattr(a, k) for a in arrays], axis=0) for k in ("persistent", "opt", "act")},
         **{k: min(getattr(a, k) for a in arrays) for k in ("ws_min", "nsws_min", "logits", "ep_min")},
         hi=np.max([a.hi for a in arrays], axis=0),
@@ -431,18 +456,22 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     umax = a.hi
     # Per-layer columns used by the LP; layers with equal columns form one kind.
     cols = [time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
+    cols += [a.hidden[r][:L] for r in a.hidden]
     cols += [umax[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
     kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
-    nk, n_res = len(kinds), len(res_names)
-    kt, ku = kinds[:, :n_res], kinds[:, n_res:n_res + len(a.update)]
+    nk, n_res, n_up = len(kinds), len(res_names), len(a.update)
+    kt, ku = kinds[:, :n_res], kinds[:, n_res:n_res + n_up]
+    kh = kinds[:, n_res + n_up:n_res + n_up + len(a.hidden)]
     kmax, kp, kopt, kact = kinds[:, -4], kinds[:, -3], kinds[:, -2], kinds[:, -1]
     # Columns: x[r, k, t] (layers of kind t in rank r's k-th chunk) at (r * v + k) * nk + t, then S, U; then the
-    # replay's terms: T[r] per rank, cl[g] per global chunk g = k p + r, the replay bound R and Z = max(slots S, R).
+    # replay's terms: T[r] per rank, cl[g] per global chunk g = k p + r, the replay bound R and Z = max(slots S, R);
+    # last E, the update communication's excess over its window, max(0, max_r hidden_r - hidden_stages x S).
     n = p * v * nk
     S_col, U_col = n, n + 1
     T0, CL0 = n + 2, n + 2 + p
     R_col, Z_col = CL0 + K, CL0 + K + 1
-    ncol = Z_col + 1
+    E_col = Z_col + 1
+    ncol = E_col + 1
 
     def col(r: int, k: int) -> slice:
         return slice((r * v + k) * nk, (r * v + k + 1) * nk)
@@ -478,6 +507,10 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
             e = edge(a.update[res], r)
             if ku[:, ui].any() or e:
                 le([ku[:, ui]] * v, r, -e, {U_col: -1.0})
+        for hi_, res in enumerate(a.hidden):
+            e = edge(a.hidden[res], r)
+            if kh[:, hi_].any() or e:
+                le([kh[:, hi_]] * v, r, -e, {S_col: -a.hidden_stages, E_col: -1.0})
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kp, kopt, kact)
     for row_x, b in zip(mem_rows, mem_rhs, strict=True):
         row = np.zeros(ncol)
@@ -542,6 +575,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     cost = np.zeros(ncol)
     cost[Z_col] = 1.0
     cost[U_col] = 1.0
+    cost[E_col] = 1.0
     value = _glop(cost, a_ub, b_ub, a_eq, counts.astype(float), upper)
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
     return value * (1 - FEAS_TOL) if math.isfinite(value) else value

@@ -9,6 +9,8 @@ unchanged; without one they are the peak roofline's. Memory arrays are the cost 
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import lru_cache
 
@@ -28,6 +30,29 @@ def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) ->
 def _ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
     cluster, rates = specs_of_key(cluster_json, rates_json)
     return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
+
+
+def update_means(update: Mapping[str, np.ndarray], hidden: Mapping[str, np.ndarray], p: int) -> tuple[float, float]:
+    """(update compute, update communication) of the slowest rank, at least their means over the p ranks: per
+    field the max over resources of the sum over every layer and edge, / p (0 for a field with no resource)."""
+    u = max((float(a.sum()) for a in update.values()), default=0.0) / p
+    h = max((float(a.sum()) for a in hidden.values()), default=0.0) / p
+    return u, h
+
+
+def step_floor(slots: float, stage: float, update: float, hidden: float, hidden_stages: float) -> float:
+    """Least of the search's step formula (ranking_view), slots x S + update + max(0, hidden - hidden_stages x S),
+    over every stage S >= `stage`, given a rank's update compute `update` and update communication `hidden`
+    (lower bounds of the slowest rank's, e.g. update_means). The formula is nondecreasing in S while
+    slots >= hidden_stages; otherwise it falls until the communication is hidden, at S = hidden / hidden_stages.
+    Without the communication term a bound at 8,192 GPUs left out the 0.2-0.4 s of the update's data-parallel
+    exchange that one stage-microbatch of compute does not hide (2% of the step)."""
+    if not math.isfinite(stage):
+        return math.inf
+    s = stage
+    if hidden_stages > slots and hidden > 0.0:
+        s = max(stage, hidden / hidden_stages)
+    return slots * s + update + max(0.0, hidden - hidden_stages * s)
 
 
 FLOOR_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
@@ -71,12 +96,14 @@ def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...]
         parts = [_least_arrays(sh, free, model_json, cluster_json, rates_json) for sh in shapes]
         time = {res: np.minimum.reduce([t[res] for t, _ in parts]) for res in parts[0][0]}
         update = {res: np.minimum.reduce([u[res] for _, u in parts]) for res in parts[0][1]}
-        return with_fields(view, time=time, update=update)
+        return with_fields(view, time=time, update=update, update_hidden=_least_hidden(shapes, model_json,
+                                                                                        cluster_json, rates_json))
     cluster, rates = specs_of_key(cluster_json, rates_json)
     vector_only = tuple(t for t in free if t in VECTOR_ONLY)
     others = tuple(t for t in free if t not in VECTOR_ONLY)
     time: dict[str, np.ndarray] = {}
     update: dict[str, np.ndarray] = {}
+    hidden: dict[str, np.ndarray] = {}
     # Per setting of the free toggles that reach other arrays too (the dispatch recompute: the all-to-all), the
     # least of the rest over the recompute modes and lifecycles, with the least vector time of the others' modes.
     for flags in itertools.product((False, True), repeat=len(others)):
@@ -89,10 +116,19 @@ def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...]
         upd = {res: np.minimum.reduce([r.update_achievable[res] for r in mode_raws])
                for res in mode_raws[0].update_achievable}
         fv = ranking_view(with_fields(mode_raws[0], achievable=ach, update_achievable=upd), cluster, rates)
-        for dst, src in ((time, fv.time), (update, fv.update)):
+        for dst, src in ((time, fv.time), (update, fv.update), (hidden, fv.update_hidden)):
             for res, arr in src.items():
                 dst[res] = np.minimum(dst[res], arr) if res in dst else arr
-    return with_fields(view, time=time, update=update)
+    return with_fields(view, time=time, update=update, update_hidden=hidden)
+
+
+def _least_hidden(shapes: list[Shape], model_json: str, cluster_json: str, rates_json: str
+                  ) -> dict[str, np.ndarray]:
+    """Elementwise least update communication (`update_hidden`) of the shapes' ranked views. The activation
+    toggles do not reach it (k3opt.coefficients: the update's exchange reads the sharding, the lifecycle and P2P
+    Muon), so the shapes' own settings stand for every combination of them."""
+    views = [_ranked(sh, model_json, cluster_json, rates_json) for sh in shapes]
+    return {res: np.minimum.reduce([v.update_hidden[res] for v in views]) for res in views[0].update_hidden}
 
 
 ACT_TRAFFIC = ("activation_offload", "balance_activations")
