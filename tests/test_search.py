@@ -655,3 +655,48 @@ def test_a_node_bound_stopped_at_the_line_closes_it(tiny, slow, monkeypatch):
     plan = k3opt.plan(interleaved_small_job(), model=tiny, cluster=slow, top=1, pareto=False, gap=0.01)
     assert plan.frames_solved == 0
     assert plan.status == "OPTIMAL" and plan.gap <= 0.01 + 1e-8
+
+
+@pytest.mark.parametrize("reserve", [2.0, 2.2])
+def test_offload_bounds_per_dispatch_recompute_setting_stay_below_every_layout(tiny, tmp_path, reserve):
+    """PP2 VP2 with the dispatch recompute, FP8 activations and offload searchable, under budgets where offload is
+    needed and a host link slow enough that its traffic passes the mean load: the shape and node bounds take whole
+    layers with the offload's traffic per setting of the dispatch recompute (it saves less and replays the
+    all-to-all, so the least work and the least traffic are two modes); each stays below every enumerated layout
+    it stands for (the larger of the two settings' values did not)."""
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound
+
+    text = (DATA / "slow-cluster.toml").read_text()
+    assert "host_link_gbps = 5\n" in text
+    path = tmp_path / "slow-host.toml"
+    path.write_text(text.replace("host_link_gbps = 5\n", "host_link_gbps = 0.5\n"))
+    slow = k3opt.load_cluster(path)
+
+    allowed = ("fp8_activations", "dispatch_recompute", "activation_offload")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(path), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    rows = []
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        for flags in itertools.product([False, True], repeat=len(allowed)):
+            toggles = dict(zip(allowed, flags, strict=True))
+            for split in _splits(tiny.num_layers, 4):
+                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
+                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
+                                  reserve_gib=reserve)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits:
+                    rows.append((rc, lc, toggles, ev.step.rank_time_s))
+    assert rows and all(r[2]["activation_offload"] for r in rows if r[0] == Recompute.NONE)
+    assert {r[2]["dispatch_recompute"] for r in rows} == {False, True}
+    best = min(r[3] for r in rows)
+    assert max(frame_lower_bound(job, f, tiny, slow)[0], frame_dp_bound(job, f, tiny, slow)[0]) <= best + 1e-9
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        node = [r[3] for r in rows if r[0] == rc and r[1] == lc]
+        if node:
+            assert node_lower_bound(job, f, rc, lc, tiny, slow)[0] <= min(node) + 1e-9, (rc, lc)
