@@ -254,8 +254,8 @@ def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None
     """The coefficients a search ranks by: the achievable arrays (RankingArrays) in the `time` / `update` /
     `pp_seconds_per_byte` fields and the update's communication in `update_hidden`, every memory array unchanged;
     `cf` itself without a rates file (the search then ranks by the peak roofline). A search's step on this view,
-    slots x max_r stage_r + max_r update_r + max(0, max_r hidden_r - hidden_stages x stage), is achievable_step's.
-    `update` alone (without the hidden part) is a lower bound of the update, as the search's bounds read it. Under
+    slots x max_r stage_r + max_r update_r + max(0, max_r hidden_r - hidden_stages x stage), is achievable_step's
+    (the search's bounds take its least over stages at or above theirs: `search.ranking.step_floor`). Under
     an EP overlap schedule (a layout field no search sets) the view leaves out the unpaired microbatches'
     all-to-all (unpaired_ep_s), and is a lower bound."""
     rates = rates if rates is not None else rates_for(cluster)
