@@ -222,12 +222,9 @@ def test_members_that_cannot_fit_are_left_out(tiny, slow, monkeypatch):
     assert group_node_bound(job, tuple(out), rc, LC, tiny, slow) == math.inf
 
 
-def test_a_group_bound_pairs_each_members_update_with_its_own_exchange():
-    """K3 at 8,192 GPUs, PP8 VP4 EP64: more FSDP shards the Newton-Schulz update over more ranks (less update
-    compute per rank) and grows the update's exchange past the stage-microbatch it hides under. A group's bound over
-    eFSDP8 dFSDP1 and eFSDP16 dFSDP1024 (both fitting without offload) takes each member's update with that member's
-    own exchange: it is the lesser member's own shape bound (18.25 s). Pairing the least update of one with the
-    least exchange of the other gave 18.10 s, under both members."""
+def _k3_8192_pp8_vp4_ep64(degrees: tuple[tuple[int, int], ...]) -> tuple:
+    """(job, model, cluster, frames): the default job scaled to 8,192 GPUs (32,768 tokens per GPU per update) and
+    its PP8 VP4 EP64 M64 frames (optim / optim sharding) of the given (expert FSDP, dense FSDP) degrees."""
     from k3opt.search.frames import Frame
     from k3opt.specs import ShardingPolicy
 
@@ -237,7 +234,17 @@ def test_a_group_bound_pairs_each_members_update_with_its_own_exchange():
     job = k3opt.Job.model_validate({**base.model_dump(), "gpus": 8192, "tokens_per_update": 32768 * 8192})
     members = tuple(Frame(pp=8, vp=4, cp=1, ep=64, expert_fsdp=fe, dense_fsdp=fd, microbatches=64, gpus=8192,
                           dense_sharding=ShardingPolicy.OPTIM, expert_sharding=ShardingPolicy.OPTIM,
-                          domain_gpus_used=64) for fe, fd in ((8, 1), (16, 1024)))
+                          domain_gpus_used=64) for fe, fd in degrees)
+    return job, model, cluster, members
+
+
+def test_a_group_bound_pairs_each_members_update_with_its_own_exchange():
+    """K3 at 8,192 GPUs, PP8 VP4 EP64: more FSDP shards the Newton-Schulz update over more ranks (less update
+    compute per rank) and grows the update's exchange past the stage-microbatch it hides under. A group's bound over
+    eFSDP8 dFSDP1 and eFSDP16 dFSDP1024 (both fitting without offload) takes each member's update with that member's
+    own exchange: it is the lesser member's own shape bound (18.25 s). Pairing the least update of one with the
+    least exchange of the other gave 18.10 s, under both members."""
+    job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((8, 1), (16, 1024)))
     own = [frame_dp_bound(job, m, model, cluster)[0] for m in members]
     group = group_frame_bound(job, members, model, cluster)
     assert group <= min(own) + 1e-9
@@ -250,16 +257,7 @@ def test_a_group_relaxation_floors_each_member_on_its_own_update():
     eFSDP2 dFSDP64 (its own relaxation 18.46 s) and eFSDP8 dFSDP128 (18.64 s): the group's is the lesser, 18.46 s.
     Floored on the merged arrays alone (the least update of one member beside the least exchange of another) it
     was 18.36 s."""
-    from k3opt.search.frames import Frame
-    from k3opt.specs import ShardingPolicy
-
-    base = k3opt.load_job("k3-512-4k")
-    model = k3opt.load_model(base.model)
-    cluster = k3opt.load_cluster(base.cluster)
-    job = k3opt.Job.model_validate({**base.model_dump(), "gpus": 8192, "tokens_per_update": 32768 * 8192})
-    members = tuple(Frame(pp=8, vp=4, cp=1, ep=64, expert_fsdp=fe, dense_fsdp=fd, microbatches=64, gpus=8192,
-                          dense_sharding=ShardingPolicy.OPTIM, expert_sharding=ShardingPolicy.OPTIM,
-                          domain_gpus_used=64) for fe, fd in ((2, 64), (8, 128)))
+    job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((2, 64), (8, 128)))
     own = [tight_node_bound(job, m, Recompute.SELECTIVE, LC, model, cluster) for m in members]
     group = group_node_bound(job, members, Recompute.SELECTIVE, LC, model, cluster)
     assert group <= min(own) + 1e-9

@@ -194,17 +194,23 @@ def test_without_rates_the_plan_ranks_by_the_roofline():
     assert "(peak roofline: no rates file)" in k3opt.report.plan_text(plan)
 
 
-def test_update_communication_beyond_its_window_is_ranked(rated, tmp_path):
-    """A cluster whose links are so slow that the FSDP all-gather / reduce-scatter of the update outlasts the one
-    stage-microbatch it hides under (Megatron's overlap_param_gather / overlap_grad_reduce): only the excess adds to
-    the step, and the search's optimum still equals enumeration through evaluate()."""
-    tiny, _ = rated
+def _slower_links(tmp_path: Path) -> tuple[Path, k3opt.ClusterSpec]:
+    """The slow test cluster with links so slow (NIC 0.01, NVLink 0.02 GB/s) that the update's FSDP exchange
+    outlasts the stage-microbatch it hides under: (its file, the cluster)."""
     text = (DATA / "slow-cluster.toml").read_text().replace("nic_gbps = 2\n", "nic_gbps = 0.01\n")
     text = text.replace("nvlink_gbps = 20\n", "nvlink_gbps = 0.02\n")
     assert "nic_gbps = 0.01" in text and "nvlink_gbps = 0.02" in text
     path = tmp_path / "slower.toml"
     path.write_text(text)
-    slower = k3opt.load_cluster(path)
+    return path, k3opt.load_cluster(path)
+
+
+def test_update_communication_beyond_its_window_is_ranked(rated, tmp_path):
+    """A cluster whose links are so slow that the FSDP all-gather / reduce-scatter of the update outlasts the one
+    stage-microbatch it hides under (Megatron's overlap_param_gather / overlap_grad_reduce): only the excess adds to
+    the step, and the search's optimum still equals enumeration through evaluate()."""
+    tiny, _ = rated
+    path, slower = _slower_links(tmp_path)
     allowed = ("fused_situ", "p2p_muon")
     spec = _job().model_dump(mode="json", exclude_none=True)
     spec["cluster"] = str(path)
@@ -230,11 +236,7 @@ def test_bounds_count_the_update_communication_beyond_its_window(rated, tmp_path
     from k3opt.search.bounds import group_frame_bound, group_node_bound
 
     tiny, _ = rated
-    text = (DATA / "slow-cluster.toml").read_text().replace("nic_gbps = 2\n", "nic_gbps = 0.01\n")
-    text = text.replace("nvlink_gbps = 20\n", "nvlink_gbps = 0.02\n")
-    path = tmp_path / "slower.toml"
-    path.write_text(text)
-    slower = k3opt.load_cluster(path)
+    path, slower = _slower_links(tmp_path)
     allowed = ("fused_situ", "p2p_muon")
     spec = _job().model_dump(mode="json", exclude_none=True)
     spec["cluster"] = str(path)

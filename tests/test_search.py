@@ -504,6 +504,19 @@ def test_job_search_narrows_sharding_dtype_and_precision(tiny):
     assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding, f.grad_dtype, f.precision) for f in narrow} == {
         (1, "optim_grads_params", "no_shard", "bf16", "fp8"), (2, "optim_grads_params", "no_shard", "bf16", "fp8"),
         (2, "optim_grads_params", "optim", "bf16", "fp8")}
+def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
+    """(toggles, evaluation) of every fitting layout of the PP2 VP2 EP2 dense-FSDP-2 frame `f` on 8 GPUs under
+    (rc, lc): every setting of the `allowed` toggles on every split of the layers into 4 chunks."""
+    for flags in itertools.product([False, True], repeat=len(allowed)):
+        toggles = dict(zip(allowed, flags, strict=True))
+        for split in _splits(tiny.num_layers, 4):
+            lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
+                              split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles, reserve_gib=reserve)
+            ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+            if ev.fits:
+                yield toggles, ev
+
+
 @pytest.mark.parametrize("reserve", [2.2, 2.5])
 def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
@@ -530,18 +543,11 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     for rc, lc in itertools.product(Recompute, FsdpLifecycle):
         best = None
         without_offload = with_offload = False
-        for flags in itertools.product([False, True], repeat=len(allowed)):
-            toggles = dict(zip(allowed, flags, strict=True))
-            for split in _splits(tiny.num_layers, 4):
-                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
-                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
-                                  reserve_gib=reserve)
-                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits:
-                    with_offload |= toggles["activation_offload"]
-                    without_offload |= not toggles["activation_offload"]
-                    if best is None or ev.step.rank_time_s < best:
-                        best = ev.step.rank_time_s
+        for toggles, ev in _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
+            with_offload |= toggles["activation_offload"]
+            without_offload |= not toggles["activation_offload"]
+            if best is None or ev.step.rank_time_s < best:
+                best = ev.step.rank_time_s
         lp = tight_node_bound(job, f, rc, lc, tiny, slow)
         mean = node_lower_bound(job, f, rc, lc, tiny, slow)[0]
         if best is not None:
@@ -683,15 +689,8 @@ def test_offload_bounds_per_dispatch_recompute_setting_stay_below_every_layout(t
     (f,) = enumerate_frames(job, tiny, 8)
     rows = []
     for rc, lc in itertools.product(Recompute, FsdpLifecycle):
-        for flags in itertools.product([False, True], repeat=len(allowed)):
-            toggles = dict(zip(allowed, flags, strict=True))
-            for split in _splits(tiny.num_layers, 4):
-                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
-                                  context=2048, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
-                                  reserve_gib=reserve)
-                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
-                if ev.fits:
-                    rows.append((rc, lc, toggles, ev.step.rank_time_s))
+        rows += [(rc, lc, toggles, ev.step.rank_time_s)
+                 for toggles, ev in _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow)]
     assert rows and all(r[2]["activation_offload"] for r in rows if r[0] == Recompute.NONE)
     assert {r[2]["dispatch_recompute"] for r in rows} == {False, True}
     best = min(r[3] for r in rows)
