@@ -87,7 +87,7 @@ def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -
     base = ActMode(Recompute.NONE, False, False, False, False)
     cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / f.pp
-    update = max(float(cf.update[res].sum()) for res in cf.update) / f.pp
+    update = update_means(cf.update, {}, f.pp)[0]
     return schedule_slots(f.pp, f.vp, f.microbatches) * stage + update
 
 
