@@ -133,9 +133,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         # leanest activation mode's traffic (offload moves the saved set, least under the leanest mode), per
         # setting of the dispatch recompute (`_offload_stage`). The memory tests (the second a linear program) only
         # matter when that traffic exceeds the mean load.
-        offs = {dr: [coefficients(frame_shape(job, f, replace(lean, dispatch_recompute=dr), lc,
-                                              activation_offload=True), model, cluster).time["host_link"]]
-                for dr in _choices(job, "dispatch_recompute")}
+        offs = _offload_traffic(job, [f], lean, [lc], model, cluster)
         means = [float(arrs[0].sum()) / p for arrs in offs.values()]
         if max(means) > stage and (_peak_lower_bound(job, f, lcf, cluster, allowed - {"activation_offload"}) > cap
                                    or (f.vp > 1 and needs_offload(job, f, lcf, cap))):
@@ -237,11 +235,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
             # (Full recompute saves the fewest bytes; its memory test is left to the nodes, which keeps this
             # bound valid and saves a linear program per shape.) The memory test only matters when the offload's
             # traffic exceeds the mean load (at 4K context it rarely does): the program is solved only then.
-            # Per setting of the dispatch recompute, the offload traffic of its leanest mode (the other activation
-            # toggles on: they only shrink the saved set); the dispatch recompute's own setting on is the leanest.
-            offs = {dr: [coefficients(frame_shape(job, g, replace(lean, dispatch_recompute=dr), lc,
-                                                  activation_offload=True), model, cluster).time["host_link"]
-                         for g in group for lc in lcs] for dr in _choices(job, "dispatch_recompute")}
+            offs = _offload_traffic(job, group, lean, lcs, model, cluster)
             means = {dr: min(float(o.sum()) for o in arrs) / f.pp for dr, arrs in offs.items()}
             host = min(means.values())
             if max(means.values()) > mean_stage:
@@ -257,6 +251,16 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                     stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
         best = min(best, floor(stage))
     return best
+
+
+def _offload_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[FsdpLifecycle], model: ModelSpec,
+                     cluster: ClusterSpec) -> dict[bool, list[np.ndarray]]:
+    """Per allowed setting of the dispatch recompute, the per-layer host-link time under offload of its leanest
+    mode (`lean` with that setting: the other activation toggles on, which only shrink the saved set), for every
+    member of `group` and lifecycle of `lcs`."""
+    return {dr: [coefficients(frame_shape(job, g, replace(lean, dispatch_recompute=dr), lc, activation_offload=True),
+                              model, cluster).time["host_link"] for g in group for lc in lcs]
+            for dr in _choices(job, "dispatch_recompute")}
 
 
 def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLifecycle], model: ModelSpec,
