@@ -135,3 +135,77 @@ def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2
     deadline, stop = calls[0]
     assert before < deadline <= before + limit + 0.05  # plan() starts its clock a few ms after `before`
     assert callable(stop) and stop() is False
+
+
+def _k3_8192(fe: int, fd: int, zero2: bool) -> k3opt.Layout:
+    """K3 at 8,192 GPUs (the default job's 32,768 tokens per GPU per update), PP8 VP4 EP64 M64, optim / optim
+    sharding, selective recompute, offload on: the layout the 8,192-GPU search found first (eFSDP8 dFSDP128, its
+    split and toggles), with the FSDP degrees and the ZeRO-2 host gradients toggle given."""
+    return make_layout(
+        gpus=8192, pp=8, vp=4, ep=64, expert_fsdp=fe, dense_fsdp=fd, microbatches=64, context=4096, rows=1,
+        split=[3] * 28 + [2, 3, 2, 2], recompute="selective", fsdp_lifecycle="per_microbatch",
+        toggles=dict(fp8_activations=True, activation_offload=True, balance_activations=True,
+                     moe_backward_rewrite=True, dispatch_recompute=True, fused_situ=True,
+                     pipeline_zero2_host_grads=zero2, fused_cross_entropy=True),
+        reserve_gib=4.0, domain_gpus_used=64, dense_sharding="optim", expert_sharding="optim",
+        runtime="megatron-te-hybridep-gb200")
+
+
+def test_spread_prices_a_sibling_without_the_memory_toggles_its_source_gets_for_free():
+    """A memory toggle that costs the source nothing can cost a sibling seconds. K3 at 8,192 GPUs: eFSDP8 dFSDP128
+    takes the same step with or without the ZeRO-2 host gradients (its host traffic hides) and keeps them, being
+    leaner; on the eFSDP2 dFSDP64 sibling they add seconds. The sibling is priced without them too, at its own
+    evaluate() time under the source's split (18.58 s against 18.76 s for the source when measured)."""
+    base = k3opt.load_job("k3-512-4k")
+    model, cluster = k3opt.load_model(base.model), k3opt.load_cluster(base.cluster)
+    job = k3opt.Job.model_validate({**base.model_dump(), "gpus": 8192, "tokens_per_update": 32768 * 8192})
+    src = k3opt.evaluate(_k3_8192(8, 128, True), model=model, cluster=cluster)
+    src_off = k3opt.evaluate(_k3_8192(8, 128, False), model=model, cluster=cluster)
+    on = k3opt.evaluate(_k3_8192(2, 64, True), model=model, cluster=cluster)
+    off = k3opt.evaluate(_k3_8192(2, 64, False), model=model, cluster=cluster)
+    # The premise: free on the source (same step, less memory), seconds on the sibling, which fits without it.
+    assert src.fits and src_off.fits and src_off.step.rank_time_s == src.step.rank_time_s
+    assert src.peak_bytes < src_off.peak_bytes
+    assert off.fits and off.step.rank_time_s < src.step.rank_time_s
+    assert not on.fits or on.step.rank_time_s > 1.1 * off.step.rank_time_s
+    f, g = frame_of(src.layout), frame_of(off.layout)
+    got = spread(job, {f: PlanItem(src.layout, src)}, [f, g], model, cluster, deadline=float("inf"))
+    assert set(got) == {g}
+    assert not got[g].layout.toggles.pipeline_zero2_host_grads
+    assert got[g].rank_time_s == off.step.rank_time_s
+
+
+def test_seed_walks_one_frame_per_shape_and_prices_its_siblings(tiny, slow, pp2_job, monkeypatch):
+    """The seeding walks one frame per shape up to the FSDP degrees and sharding policies (`_siblings_key`); the
+    siblings are priced under the configurations found, not walked. At 8,192 GPUs eight walks of PP4 VP4 EP64
+    siblings took the seeding's time and the faster PP8 VP4 shape was never visited. With no time share on the walks
+    (every frame visited may walk), the six-layer model's frames are walked once per (VP) shape."""
+    import math
+
+    import k3opt.search.incumbents as inc
+
+    frames = enumerate_frames(pp2_job, tiny, 8)
+    walks: list = []
+    priced: list = []
+    real_walk, real_price = inc.frame_walk, inc.price_configs
+
+    def walk(job, f, *a, **k):
+        walks.append(f)
+        return real_walk(job, f, *a, **k)
+
+    def price(job, f, *a, **k):
+        priced.append(f)
+        return real_price(job, f, *a, **k)
+
+    monkeypatch.setattr(inc, "frame_walk", walk)
+    monkeypatch.setattr(inc, "price_configs", price)
+    monkeypatch.setattr(inc, "WALK_SHARE", math.inf)
+    vp2 = [f for f in frames if f.vp == 2]
+    src = _layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
+        update={"microbatches": vp2[0].microbatches})
+    ev = k3opt.evaluate(src, model=tiny, cluster=slow)
+    inc.seed(pp2_job, frames, tiny, slow, {frame_of(ev.layout): PlanItem(ev.layout, ev)}, math.inf,
+             walk_first=False)
+    keys = [inc._siblings_key(f) for f in walks]
+    assert len(keys) == len(set(keys)) == len({inc._siblings_key(f) for f in frames}) == 2
+    assert len(set(priced)) > len(walks)  # the siblings of the walked frames are priced all the same
