@@ -743,8 +743,10 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
     split priced by evaluate() on the frames of `frames` that differ from theirs in the FSDP degrees and sharding
     policies only: the split climbed on one frame is rarely reached on its siblings by their own heuristics (on
     the default job the fastest PP8 VP4 EP64 layout, dense FSDP 32, is 18.634 s; its configuration and split give
-    the dense-FSDP-64 frames 18.624 s, against 18.72 s from their own seeding). Returns, per frame, the fitting
-    layout faster than its entry in `found`. Stops at the monotonic `deadline` or when `stop()` (Ctrl-C)."""
+    the dense-FSDP-64 frames 18.624 s, against 18.72 s from their own seeding). A sibling that does not fit, or is
+    more than `within` slower than its source, is priced again without the memory toggles that cost the source
+    nothing (`_costs_nothing`). Returns, per frame, the fitting layout faster than its entry in `found`. Stops at
+    the monotonic `deadline` or when `stop()` (Ctrl-C)."""
     runtime = runtime if runtime is not None else (_runtime(job.runtime) if job.runtime is not None else None)
     ranked = sorted(found.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
     if not ranked:
@@ -780,7 +782,7 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
                                                                                        mine.peak_bytes)):
                     out[g] = PlanItem(ev.layout, ev)
                 if ev.fits and ev.step.rank_time_s <= src.rank_time_s * (1 + within):
-                    break  # as fast as its source: the toggles cost it nothing either
+                    break  # within `within` of its source: the source's toggles cost it little
     return out
 
 
