@@ -304,7 +304,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # 2 x budget from its start, not from the plan's: the walks of the three fastest shapes take about 4 s on
         # the default job, and a first pass that ran long used to cut the second walk short.
         best_of.update(seed(job, [], model, cluster, best_of, _time.monotonic() + 2 * budget, stop=lambda: ctrl_c.flag,
-                            walked=walked, configs=configs))
+                            walked=walked, configs=configs, gain=SEED_GAIN * gap))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         prefetch.set_line(stop_line(kth()))

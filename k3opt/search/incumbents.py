@@ -495,7 +495,8 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             # configuration has at least CLIMB_MIN_S (the share is checked once per frame: a frame's climbs may
             # pass it by up to CLIMB_CONFIGS x CLIMB_MIN_S, within the seeding's deadline).
             share_left = max(CLIMB_SHARE * (now - t_start) - climbing, 0.0) + CLIMB_MIN_S
-            keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop)])
+            keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop,
+                              min_gain=gain)])
             climbing += _time.monotonic() - now
 
     def lead_library(lead: list[PlanItem]) -> list[_Config]:
@@ -607,13 +608,15 @@ class SeedState:
 
 
 def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
-                runtime: RuntimeSpec | None = None, stop: Callable[[], bool] | None = None) -> PlanItem:
+                runtime: RuntimeSpec | None = None, stop: Callable[[], bool] | None = None,
+                min_gain: float = 0.0) -> PlanItem:
     """A faster split of `item`'s layout, its frame and configuration kept (or `item`): local search by moves of
     one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
     one layer). Candidates are screened by the ranked stage time their coefficients give (max over ranks and
     resources of achievable._rank_sums, what the search's model sums) and priced by evaluate(), least stage first;
     of the first that ranks faster and fits and the moves tied with it in the screen, the fastest is taken.
-    Stops when no move improves, at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
+    Stops when no move improves, or a move gains less than `min_gain` (relative: the seeding passes its stall
+    gain, a tenth of the search's gap), at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
     slowest stage are screened in only when they do not raise it, so a layout ranked by its replayed schedule
     rather than its formula improves only as far as such moves reach.
     The heuristic splits balance each layer's busiest resource, not each rank's; a rank bound by its host link
@@ -650,6 +653,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
             if over():
                 return best
         taken: tuple[float, ...] | None = None
+        before = best.rank_time_s
         for key, s in sorted(cands, key=lambda c: c[0]):
             if over():
                 return best
@@ -662,7 +666,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
                 # edges and the replayed order (K3 PP8 VP4: 18.84 s or 18.63 s for one layer moved from rank 4 to
                 # rank 5, from chunk 4 or from chunk 28).
                 best, cur, taken = PlanItem(ev.layout, ev), s, key
-        if taken is None:
+        if taken is None or best.rank_time_s > before * (1 - min_gain):
             return best
         now = list(loads(cur))
     return best
