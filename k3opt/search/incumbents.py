@@ -544,7 +544,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     """One walk per shape up to its FSDP degrees and sharding policies (`_siblings_key`): its siblings are priced
     under the configurations found, and `spread` prices the climbed split on them. At 8,192 GPUs the walks of eight
     PP4 VP4 EP64 siblings (each 0.3-0.5 s, each 0.1% faster than the last) took the seeding's time, and PP8 VP4,
-    1.2 s faster, was never visited."""
+    0.6 s faster (18.58 s against 19.14 s), was never visited."""
     while first or queue:
         if over() or patience.out(fastest()):
             break
