@@ -543,7 +543,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     walked_keys = {_siblings_key(g) for g in walked}
     """One walk per shape up to its FSDP degrees and sharding policies (`_siblings_key`): its siblings are priced
     under the configurations found, and `spread` prices the climbed split on them. At 8,192 GPUs the walks of eight
-    PP4 VP4 EP64 siblings (each 0.3-0.5 s, each 0.1% faster than the last) took the seeding's time, and PP8 VP4,
+    PP4 VP4 EP64 siblings (each 0.3-0.5 s, each at most 0.5% faster than the last) took the seeding's time, and PP8 VP4,
     0.6 s faster (18.58 s against 19.14 s), was never visited."""
     while first or queue:
         if over() or patience.out(fastest()):
