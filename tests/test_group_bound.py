@@ -242,7 +242,8 @@ def test_a_group_bound_pairs_each_members_update_with_its_own_exchange():
     """K3 at 8,192 GPUs, PP8 VP4 EP64: more FSDP shards the Newton-Schulz update over more ranks (less update
     compute per rank) and grows the update's exchange past the stage-microbatch it hides under. A group's bound over
     eFSDP8 dFSDP1 and eFSDP16 dFSDP1024 (both fitting without offload) takes each member's update with that member's
-    own exchange: it is the lesser member's own shape bound (18.25 s). Pairing the least update of one with the
+    own exchange: it is the lesser member's own shape bound (18.74 s; 18.25 s before the layouts without offload
+    were priced by their memory, `lp_bound.no_offload_bound`). Pairing the least update of one with the
     least exchange of the other gave 18.10 s, under both members."""
     job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((8, 1), (16, 1024)))
     own = [frame_dp_bound(job, m, model, cluster)[0] for m in members]
@@ -262,3 +263,25 @@ def test_a_group_relaxation_floors_each_member_on_its_own_update():
     group = group_node_bound(job, members, Recompute.SELECTIVE, LC, model, cluster)
     assert group <= min(own) + 1e-9
     assert group >= min(own) * (1 - 1e-3), (group, own)
+
+
+def test_the_k3_8192_shape_bound_pairs_the_layouts_without_offload_with_their_memory():
+    """K3 at 8,192 GPUs, PP8 VP4 EP64 under optim sharding: eFSDP2 dFSDP64 must offload, eFSDP8 dFSDP128 fits
+    without (its memory rows say so). The shape bound of the pair is the least of the offload's traffic floor and,
+    for layouts without offload, `lp_bound.no_offload_bound`: their early ranks hold 64 + 7 microbatches in flight,
+    so their layers pile onto the late ranks (selective recompute: 27.8 s). It stays below the eFSDP2 dFSDP64
+    layout the search finds (18.578 s, evaluate()) and within 1% of it: that shape is proven without its nodes.
+    Taking the no-offload member's mean load instead, as when its memory was left out, gave 17.96 s (3.3% under)."""
+    job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((2, 64), (8, 128)))
+    layout = make_layout(
+        gpus=8192, pp=8, vp=4, ep=64, expert_fsdp=2, dense_fsdp=64, microbatches=64, context=4096, rows=1,
+        split=[3] * 28 + [2, 3, 2, 2], recompute="selective", fsdp_lifecycle="per_microbatch",
+        toggles=dict(fp8_activations=True, activation_offload=True, balance_activations=True,
+                     moe_backward_rewrite=True, dispatch_recompute=True, fused_situ=True, fused_cross_entropy=True),
+        reserve_gib=4.0, domain_gpus_used=64, dense_sharding="optim", expert_sharding="optim",
+        runtime="megatron-te-hybridep-gb200")
+    ev = k3opt.evaluate(layout, model=model, cluster=cluster)
+    assert ev.fits and ev.step.rank_time_s == pytest.approx(18.578, abs=1e-3)
+    group = group_frame_bound(job, members, model, cluster)
+    assert group <= ev.step.rank_time_s
+    assert group >= 0.99 * ev.step.rank_time_s, group

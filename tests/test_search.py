@@ -567,6 +567,54 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     assert infinite if reserve == 2.5 else forced_with_fit
 
 
+@pytest.mark.parametrize("reserve", [1.5, 2.0])
+def test_interleaved_shape_bound_prices_the_layouts_without_offload_by_their_memory(tiny, slow, reserve, monkeypatch):
+    """PP2 VP2 with offload searchable on a host link of 1 GB/s, where offloading costs more than the mean load:
+    the shape bound (`frame_dp_bound`, v > 1) takes the least of the offload's traffic floor and, for the layouts
+    without offload, `lp_bound.no_offload_bound` (the memory rows spread the layers over the ranks). Per recompute
+    mode the latter stays below every enumerated layout without offload (inf only where none fits), and the shape
+    bound below every layout of the frame. At a 2.0 GiB reserve no layout without offload fits but under full
+    recompute (5.000 s, the optimum): the bound is 4.48 s. Without the memory rows it was the mean load, 3.78 s."""
+    import k3opt.search.bounds as bounds
+
+    allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
+               "p2p_muon", "fused_cross_entropy")
+    cluster = slow.model_copy(update={"host_link_gbps": 1.0})
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+    })
+    (f,) = enumerate_frames(job, tiny, 8)
+    seen: list[tuple[Recompute, float]] = []
+    real = bounds.no_offload_bound
+
+    def spy(job_, f_, floors, views, cap, cluster_):
+        value = real(job_, f_, floors, views, cap, cluster_)
+        seen.append((floors[0].shape.recompute, value))
+        return value
+
+    monkeypatch.setattr(bounds, "no_offload_bound", spy)
+    bound = bounds.frame_dp_bound(job, f, tiny, cluster)[0]
+    best: dict[tuple[Recompute, bool], float] = {}
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        for toggles, ev in _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, cluster):
+            key = (rc, toggles["activation_offload"])
+            best[key] = min(best.get(key, math.inf), ev.step.rank_time_s)
+    assert {rc for rc, _ in seen} == {Recompute.SELECTIVE, Recompute.NONE}
+    for rc, value in seen:
+        assert value <= best.get((rc, False), math.inf) + 1e-9, (rc, value, best)
+        assert math.isfinite(value) or (rc, False) not in best
+    optimum = min(best.values())
+    assert bound <= optimum + 1e-9
+    if reserve == 2.0:
+        assert optimum == pytest.approx(5.000, abs=1e-3) and (Recompute.FULL, False) in best
+        assert not any((rc, False) in best for rc in (Recompute.SELECTIVE, Recompute.NONE))
+        assert bound >= 0.88 * optimum, bound
+
+
 @pytest.mark.parametrize("nic_gbps", [0.03, 0.01])
 def test_interleaved_bounds_below_every_layout_when_pp_packets_bind(tiny, slow, nic_gbps):
     """PP2 VP2 on a cluster whose NIC makes the pipeline packets the slowest resource of a rank (the PP hop

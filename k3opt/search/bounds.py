@@ -27,7 +27,13 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.lp_bound import _schedule_terms, granular_stage, interleaved_lp_bound, needs_offload
+from k3opt.search.lp_bound import (
+    _schedule_terms,
+    granular_stage,
+    interleaved_lp_bound,
+    needs_offload,
+    no_offload_bound,
+)
 from k3opt.search.ranking import coarse_work_floor, step_floor, update_means, work_floor
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.specs import (
@@ -186,12 +192,13 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                              stop_at: float = math.inf, members: tuple[Frame, ...] | None = None,
                              deadline: float = math.inf) -> float:
     """One step-time bound for every node of an interleaved frame: per recompute mode the least over lifecycles
-    of the mean load (`node_lower_bound`'s), raised to the offload's host-link mean where no split fits without
-    offload under the bytes of the leanest mode and the least of the lifecycles (`lp_bound.needs_offload`); the
+    of the mean load (`node_lower_bound`'s); where the offload's traffic exceeds that load, the lesser of the
+    offload's floor (the layouts that offload) and `lp_bound.no_offload_bound` (those that do not: every rank's
+    memory rows under the leanest mode's bytes, the least of the lifecycles' work; inf where none fits); the
     least over recompute modes. Modes that cannot undercut the best one so far skip the memory test. `members`:
     the least over these frames too (`group_frame_bound`).
 
-    Where offload is forced, whole layers with its traffic on the host link, per setting of the dispatch
+    The offload's floor: whole layers with its traffic on the host link, per setting of the dispatch
     recompute (`_offload_stage`): that toggle trades the other way from the rest (it saves the dispatched tokens
     and replays the all-to-all), so the least work (off) and the least offload traffic (on) are two modes, and one
     floor over both would put the one's work beside the other's traffic."""
@@ -249,6 +256,15 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                     moonep_buffers=min(vw.moonep_buffers for vw in views))
                 if needs_offload(job, f, merged, cap):
                     stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
+                else:
+                    # A layout without offload holds its saved bytes, which the memory rows of `no_offload_bound`
+                    # spread over the ranks; one with offload pays the offload's traffic.
+                    without = max(floor(stage), no_offload_bound(job, f, cheap, views, cap, cluster))
+                    if without > floor(stage):
+                        offload = floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
+                                                                        stop)))
+                        best = min(best, offload, without)
+                        continue
         best = min(best, floor(stage))
     return best
 
