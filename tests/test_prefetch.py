@@ -173,3 +173,32 @@ def test_the_plan_with_the_helper_process_matches_one_without(tiny, slow, pp2_jo
     assert [it.layout for it in helped.layouts] == [it.layout for it in alone.layouts]
     assert helped.status == alone.status == "OPTIMAL"
     assert helped.bound <= helped.layouts[0].rank_time_s
+
+
+def test_the_helper_bounds_every_interleaved_group_before_its_members(tiny, slow, pp2_job) -> None:
+    """The helper's order (driver._pass_tasks): every sharding group's program comes before the frame programs of
+    the members of an interleaved group (one group program lifts all of them; a member's own is needed only where
+    it does not), while the v = 1 frames, which no group program bounds, keep their place by frame bound."""
+    import math
+
+    from k3opt.search.bounds import frame_lower_bound
+    from k3opt.search.frames import enumerate_frames, sharding_group
+
+    frames = enumerate_frames(pp2_job, tiny, 8, slow)
+    members_of: dict[tuple, list] = {}
+    for f in frames:
+        members_of.setdefault(sharding_group(f), []).append(f)
+    grouped = {f for mem in members_of.values() if len(mem) > 1 and mem[0].vp > 1 for f in mem}
+    assert grouped and any(f.vp == 1 for f in frames)
+    lbs = {f: frame_lower_bound(pp2_job, f, tiny, slow) for f in frames}
+    tasks = driver._pass_tasks(pp2_job, tiny, slow, frames, members_of, list(driver.Recompute)[:1],
+                               list(driver.FsdpLifecycle)[:1], lbs, driver._Caps(pp2_job, tiny, slow), math.inf)
+    keys = [key for key, _ in tasks]
+    last_group = max(i for i, k in enumerate(keys) if k[0] == "frame")
+    first_member = min(i for i, k in enumerate(keys) if k[0] in ("dp", "nodes") and k[1] in grouped)
+    assert last_group < first_member
+    # Before the members: the group programs and the v = 1 frames' programs, together by frame bound.
+    ahead = [min(lbs[f][0] for f in members_of[k[1]]) if k[0] == "frame" else lbs[k[1]][0]
+             for k in keys[:first_member]]
+    assert ahead == sorted(ahead)
+    assert {k[1] for k in keys[:first_member] if k[0] == "dp"} == {f for f in frames if f not in grouped}
