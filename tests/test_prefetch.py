@@ -202,3 +202,45 @@ def test_the_helper_bounds_every_interleaved_group_before_its_members(tiny, slow
              for k in keys[:first_member]]
     assert ahead == sorted(ahead)
     assert {k[1] for k in keys[:first_member] if k[0] == "dp"} == {f for f in frames if f not in grouped}
+
+
+def test_the_helper_runs_until_the_first_cp_sat_solve(tiny, slow, pp2_job, monkeypatch) -> None:
+    """The helper bounds on after the seeding (at 8,192 GPUs the bounding after it solves no model) and stops
+    before the first CP-SAT solve, which takes both cores: with the node models forced (gap 0) and no bounding pass
+    (the node bounds then come after the seeding), every solve comes after the close, and the close after the last
+    seeding call (`spread`) and node bounds computed after it."""
+    events: list[str] = []
+
+    class Spy(Prefetch):
+        def close(self) -> None:
+            if self._proc is not None:
+                events.append("close")
+            super().close()
+
+    real_solve, real_spread = driver.solve_frame, driver.spread
+
+    def solve(*a, **k):
+        events.append("solve")
+        return real_solve(*a, **k)
+
+    def spread(*a, **k):
+        events.append("spread")
+        return real_spread(*a, **k)
+
+    real_bound = driver.tight_node_bound
+
+    def bound(*a, **k):
+        events.append("bound")
+        return real_bound(*a, **k)
+
+    monkeypatch.setattr(driver, "Prefetch", Spy)
+    monkeypatch.setattr(driver, "solve_frame", solve)
+    monkeypatch.setattr(driver, "spread", spread)
+    monkeypatch.setattr(driver, "tight_node_bound", bound)
+    monkeypatch.setattr(driver, "BOUND_SHARE", 0.0)  # no bounding pass: the node bounds come after the seeding
+    plan = driver.plan(pp2_job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0)
+    assert plan.status == "OPTIMAL"
+    assert "solve" in events and "close" in events
+    assert events.index("spread") < events.index("close") < events.index("solve")
+    # Bounding after the seeding, with the helper still open.
+    assert "bound" in events[events.index("spread"):events.index("close")]

@@ -394,7 +394,6 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 best_of.update(spread(job, best_of, list(estimates), model, cluster,
                                       min(_time.monotonic() + budget, t0 + time_limit),
                                       most=max(top, SPREAD_SOURCES), stop=lambda: ctrl_c.flag))
-                prefetch.close()  # the solves take both cores; the values already computed stay
             while heap:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
                 k = kth()
@@ -523,6 +522,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     current = math.inf
                     dive = None
                     continue
+                # The helper bounds on until the first CP-SAT solve, which takes both cores (the values it has
+                # computed stay): at 8,192 GPUs the bounding after the seeding (15 s) solves nothing.
+                prefetch.close()
                 hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
                                        deadline=t0 + time_limit) if attempt == 0 else None
                 if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
