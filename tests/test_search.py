@@ -504,6 +504,22 @@ def test_job_search_narrows_sharding_dtype_and_precision(tiny):
     assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding, f.grad_dtype, f.precision) for f in narrow} == {
         (1, "optim_grads_params", "no_shard", "bf16", "fp8"), (2, "optim_grads_params", "no_shard", "bf16", "fp8"),
         (2, "optim_grads_params", "optim", "bf16", "fp8")}
+PP2_VP2_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
+                   "p2p_muon", "fused_cross_entropy")
+"""The toggles the PP2 VP2 memory tests search: offload, balancing and every rank toggle that trades work for bytes."""
+
+
+def _pp2_vp2_job(reserve: float) -> k3opt.Job:
+    """PP2 VP2 EP2 dense FSDP 2 (optim_grads_params) on 8 slow-cluster GPUs with PP2_VP2_TOGGLES searchable."""
+    return k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
+    })
+
+
 def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
     """(toggles, evaluation) of every fitting layout of the PP2 VP2 EP2 dense-FSDP-2 frame `f` on 8 GPUs under
     (rc, lc): every setting of the `allowed` toggles on every split of the layers into 4 chunks."""
@@ -528,15 +544,8 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     from k3opt.search.frames import ActMode, _memory_view, allocated_capacity_bytes
     from k3opt.search.lp_bound import needs_offload
 
-    allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
-               "p2p_muon", "fused_cross_entropy")
-    job = k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
-    })
+    allowed = PP2_VP2_TOGGLES
+    job = _pp2_vp2_job(reserve)
     (f,) = enumerate_frames(job, tiny, 8)
     cap = allocated_capacity_bytes(job, f, tiny, slow)
     infinite = above_mean = forced_with_fit = 0
@@ -577,16 +586,9 @@ def test_interleaved_shape_bound_prices_the_layouts_without_offload_by_their_mem
     recompute (5.000 s, the optimum): the bound is 4.48 s. Without the memory rows it was the mean load, 3.78 s."""
     import k3opt.search.bounds as bounds
 
-    allowed = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
-               "p2p_muon", "fused_cross_entropy")
+    allowed = PP2_VP2_TOGGLES
     cluster = slow.model_copy(update={"host_link_gbps": 1.0})
-    job = k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
-    })
+    job = _pp2_vp2_job(reserve)
     (f,) = enumerate_frames(job, tiny, 8)
     seen: list[tuple[Recompute, float]] = []
     real = bounds.no_offload_bound
