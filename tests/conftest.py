@@ -103,6 +103,26 @@ def slow() -> k3opt.ClusterSpec:
 INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
 
 
+PP2_VP2_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
+                   "p2p_muon", "fused_cross_entropy")
+"""The toggles the PP2 VP2 memory tests search: offload, balancing and every rank toggle that trades work for bytes."""
+
+
+def pp2_vp2_memory_job(reserve: float) -> k3opt.Job:
+    """PP2 VP2 EP2 dense FSDP 2 (optim_grads_params) on 8 slow-cluster GPUs with PP2_VP2_TOGGLES searchable: the
+    job of the linear relaxation's memory and early-exit tests."""
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data"
+    return k3opt.Job.model_validate({
+        "model": str(data / "tiny-moe.toml"), "cluster": str(data / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"],
+                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
+    })
+
+
 def interleaved_small_job() -> k3opt.Job:
     """PP2 VP2 on the small model (tests/data/tiny-moe.toml on slow-cluster.toml, 8 GPUs), no / full recompute,
     four activation toggles free: the interleaved job the search and replay-bound tests enumerate."""

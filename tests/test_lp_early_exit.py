@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import PP2_VP2_TOGGLES, pp2_vp2_memory_job
 
 import k3opt
 from k3opt.search import enumerate_frames
@@ -36,18 +37,8 @@ from k3opt.search.lp_bound import (
 from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
-ALLOWED = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
-           "fused_cross_entropy")
-
-
-def _job(reserve: float) -> k3opt.Job:
-    return k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]},
-    })
+ALLOWED = PP2_VP2_TOGGLES
+_job = pp2_vp2_memory_job
 
 
 @pytest.mark.parametrize("reserve", [1.5, 2.5, 2.8])

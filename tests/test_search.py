@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import INTERLEAVED_TOGGLES, interleaved_small_job
+from conftest import INTERLEAVED_TOGGLES, PP2_VP2_TOGGLES, interleaved_small_job, pp2_vp2_memory_job
 
 import k3opt
 from k3opt.cli import main
@@ -504,22 +504,6 @@ def test_job_search_narrows_sharding_dtype_and_precision(tiny):
     assert {(f.expert_fsdp, f.dense_sharding, f.expert_sharding, f.grad_dtype, f.precision) for f in narrow} == {
         (1, "optim_grads_params", "no_shard", "bf16", "fp8"), (2, "optim_grads_params", "no_shard", "bf16", "fp8"),
         (2, "optim_grads_params", "optim", "bf16", "fp8")}
-PP2_VP2_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "pipeline_zero2_host_grads",
-                   "p2p_muon", "fused_cross_entropy")
-"""The toggles the PP2 VP2 memory tests search: offload, balancing and every rank toggle that trades work for bytes."""
-
-
-def _pp2_vp2_job(reserve: float) -> k3opt.Job:
-    """PP2 VP2 EP2 dense FSDP 2 (optim_grads_params) on 8 slow-cluster GPUs with PP2_VP2_TOGGLES searchable."""
-    return k3opt.Job.model_validate({
-        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
-        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
-    })
-
-
 def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
     """(toggles, evaluation) of every fitting layout of the PP2 VP2 EP2 dense-FSDP-2 frame `f` on 8 GPUs under
     (rc, lc): every setting of the `allowed` toggles on every split of the layers into 4 chunks."""
@@ -545,7 +529,7 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     from k3opt.search.lp_bound import needs_offload
 
     allowed = PP2_VP2_TOGGLES
-    job = _pp2_vp2_job(reserve)
+    job = pp2_vp2_memory_job(reserve)
     (f,) = enumerate_frames(job, tiny, 8)
     cap = allocated_capacity_bytes(job, f, tiny, slow)
     infinite = above_mean = forced_with_fit = 0
@@ -588,7 +572,7 @@ def test_interleaved_shape_bound_prices_the_layouts_without_offload_by_their_mem
 
     allowed = PP2_VP2_TOGGLES
     cluster = slow.model_copy(update={"host_link_gbps": 1.0})
-    job = _pp2_vp2_job(reserve)
+    job = pp2_vp2_memory_job(reserve)
     (f,) = enumerate_frames(job, tiny, 8)
     seen: list[tuple[Recompute, float]] = []
     real = bounds.no_offload_bound
