@@ -682,9 +682,9 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
     merged = _merge(arrays) if len(arrays) > 1 else arrays[0]
     c0 = views[0]
     no_paths = np.zeros((0, f.pp * f.vp))
-    return min((_solve(f, merged, c0, cap, cluster.host_memory_bytes, False, bal, no_paths)
-                for bal in _choices(job, "balance_activations") if not bal or c0.balanced_inflight is not None),
-               default=math.inf)
+    # (Balancing without a balanced count, which `_memory_rows` then leaves at the full count, still bounds.)
+    return min(_solve(f, merged, c0, cap, cluster.host_memory_bytes, False, bal, no_paths)
+               for bal in _choices(job, "balance_activations"))
 
 
 def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
