@@ -268,8 +268,9 @@ def test_a_group_relaxation_floors_each_member_on_its_own_update():
 def test_the_k3_8192_shape_bound_pairs_the_layouts_without_offload_with_their_memory():
     """K3 at 8,192 GPUs, PP8 VP4 EP64 under optim sharding: eFSDP2 dFSDP64 must offload, eFSDP8 dFSDP128 fits
     without (its memory rows say so). The shape bound of the pair is the least of the offload's traffic floor and,
-    for layouts without offload, `lp_bound.no_offload_bound`: their early ranks hold 64 + 7 microbatches in flight,
-    so their layers pile onto the late ranks (selective recompute: 27.8 s). It stays below the eFSDP2 dFSDP64
+    for layouts without offload, `lp_bound.no_offload_bound`: rank 0 holds up to 39 chunk-microbatches in flight
+    (rank 7: 25), so their layers pile onto the late ranks (over the whole group of 55, selective recompute: 27.8
+    s). It stays below the eFSDP2 dFSDP64
     layout the search finds (18.578 s, evaluate()) and within 1% of it: that shape is proven without its nodes.
     Taking the no-offload member's mean load instead, as when its memory was left out, gave 17.96 s (3.3% under)."""
     job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((2, 64), (8, 128)))
