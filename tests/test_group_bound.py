@@ -225,6 +225,13 @@ def test_members_that_cannot_fit_are_left_out(tiny, slow, monkeypatch):
 def _k3_8192_pp8_vp4_ep64(degrees: tuple[tuple[int, int], ...]) -> tuple:
     """(job, model, cluster, frames): the default job scaled to 8,192 GPUs (32,768 tokens per GPU per update) and
     its PP8 VP4 EP64 M64 frames (optim / optim sharding) of the given (expert FSDP, dense FSDP) degrees."""
+    return _k3_8192(8, 4, 64, 64, "optim", degrees)
+
+
+def _k3_8192(pp: int, vp: int, ep: int, microbatches: int, policy: str,
+             degrees: tuple[tuple[int, int], ...]) -> tuple:
+    """(job, model, cluster, frames): the default job scaled to 8,192 GPUs and its frames of these degrees, under
+    one sharding policy for the dense and expert groups."""
     from k3opt.search.frames import Frame
     from k3opt.specs import ShardingPolicy
 
@@ -232,8 +239,8 @@ def _k3_8192_pp8_vp4_ep64(degrees: tuple[tuple[int, int], ...]) -> tuple:
     model = k3opt.load_model(base.model)
     cluster = k3opt.load_cluster(base.cluster)
     job = k3opt.Job.model_validate({**base.model_dump(), "gpus": 8192, "tokens_per_update": 32768 * 8192})
-    members = tuple(Frame(pp=8, vp=4, cp=1, ep=64, expert_fsdp=fe, dense_fsdp=fd, microbatches=64, gpus=8192,
-                          dense_sharding=ShardingPolicy.OPTIM, expert_sharding=ShardingPolicy.OPTIM,
+    members = tuple(Frame(pp=pp, vp=vp, cp=1, ep=ep, expert_fsdp=fe, dense_fsdp=fd, microbatches=microbatches,
+                          gpus=8192, dense_sharding=ShardingPolicy(policy), expert_sharding=ShardingPolicy(policy),
                           domain_gpus_used=64) for fe, fd in degrees)
     return job, model, cluster, members
 
@@ -286,3 +293,44 @@ def test_the_k3_8192_shape_bound_pairs_the_layouts_without_offload_with_their_me
     group = group_frame_bound(job, members, model, cluster)
     assert group <= ev.step.rank_time_s
     assert group >= 0.99 * ev.step.rank_time_s, group
+
+
+def _one_lifecycle(job: k3opt.Job, lc: FsdpLifecycle) -> k3opt.Job:
+    return job.model_copy(update={"search": job.search.model_copy(update={"fsdp_lifecycle": [lc]})})
+
+
+def test_the_k3_8192_shape_bound_is_the_least_over_lifecycles_of_each_lifecycles_own():
+    """K3 at 8,192 GPUs under optim_grads sharding. Every layout has one FSDP lifecycle, so a shape's bound over
+    both is at least the lesser of its bounds over each alone (each lifecycle's work beside its own bytes).
+
+    PP4 VP4 EP32 eFSDP4 dFSDP64: the accumulate lifecycle keeps an FP32 buffer of the rank's unsharded gradients
+    beside its BF16 view, 6 B per parameter of the rank's layers. The four ranks' layers hold the dense parameters
+    and 1/32 of the routed ones (57.19 G + 2,722.74 G / 32 = 142.28 G), so one rank holds at least 35.57 G, 213.4 GB
+    at 6 B: over the 194.4-GB budget with nothing else counted. No accumulate layout fits: its bound is inf, and the
+    shape's is that of the per-microbatch lifecycle (18.30 s). Taking the least work of either lifecycle gave
+    18.21 s, the accumulate lifecycle's selective work (no layout of it fits).
+
+    PP16 VP4 EP64 eFSDP8 dFSDP128: the per-microbatch lifecycle reduce-scatters every microbatch (mean load over
+    30 s), the accumulate lifecycle holds the buffer, so the bytes that decide its memory rows are its own: 18.57 s,
+    where the least work of one with the least bytes of the other gave 18.07 s."""
+    job, model, cluster, (f,) = _k3_8192(4, 4, 32, 32, "optim_grads", ((4, 64),))
+    layout = make_layout(
+        gpus=8192, pp=4, vp=4, ep=32, expert_fsdp=4, dense_fsdp=64, microbatches=32, context=4096, rows=1,
+        split=[5, 5, 5, 7, 7] + [6] * 10 + [4], recompute="selective", fsdp_lifecycle="per_microbatch",
+        toggles=dict(fp8_activations=True, activation_offload=True, moe_backward_rewrite=True, fused_situ=True,
+                     p2p_muon=True, fused_cross_entropy=True),
+        reserve_gib=4.0, domain_gpus_used=64, dense_sharding="optim_grads", expert_sharding="optim_grads",
+        runtime="megatron-te-hybridep-gb200")
+    ev = k3opt.evaluate(layout, model=model, cluster=cluster)
+    assert ev.fits and ev.step.rank_time_s == pytest.approx(21.253, abs=1e-3)
+    # The premise, from the evaluation's parameter counts: the rank holding the most layers cannot hold 6 B each.
+    per_rank = (ev.params.total - ev.params.routed + ev.params.routed / 32) / 4
+    assert 6 * per_rank > ev.capacity_bytes
+    both = frame_dp_bound(job, f, model, cluster)[0]
+    assert frame_dp_bound(_one_lifecycle(job, FsdpLifecycle.ACCUMULATE), f, model, cluster)[0] == math.inf
+    assert both == pytest.approx(frame_dp_bound(_one_lifecycle(job, LC), f, model, cluster)[0], rel=1e-9)
+    assert both <= ev.step.rank_time_s
+
+    job, model, cluster, (f,) = _k3_8192(16, 4, 64, 128, "optim_grads", ((8, 128),))
+    each = [frame_dp_bound(_one_lifecycle(job, lc), f, model, cluster)[0] for lc in FsdpLifecycle]
+    assert frame_dp_bound(job, f, model, cluster)[0] == pytest.approx(min(each), rel=1e-9)
