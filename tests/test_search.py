@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,25 @@ def test_k3_on_64_gb200_is_infeasible_with_the_smallest_peak():
     job = k3opt.Job(gpus=64, tokens_per_update=64 * 4096, reserve_gib=4.0, search={"vp": [1]})
     with pytest.raises(k3opt.InfeasibleJobError, match=r"smallest worst-rank peak .* at least [\d,.]+ GiB"):
         k3opt.plan(job, top=1, pareto=False, time_limit=60)
+
+
+def test_a_job_whose_state_fits_but_whose_activations_do_not_says_so(tiny, slow):
+    """PP2 VP2 on the six-layer model at a 2.8 GiB reserve: the model state takes about half of the 1.2 GiB left,
+    and every layout is over the budget once its activations are counted (enumerated: every split, recompute
+    mode, lifecycle and toggle setting of the job's one frame). The error names the activations and what to
+    change, not a smallest peak under the usable memory (which read as a contradiction)."""
+    job = pp2_vp2_memory_job(2.8)
+    (f,) = enumerate_frames(job, tiny, 8)
+    assert not any(True for rc, lc in itertools.product(Recompute, FsdpLifecycle)
+                   for _ in _pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, 2.8, tiny, slow))
+    with pytest.raises(k3opt.InfeasibleJobError) as err:
+        k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=30)
+    text = str(err.value)
+    assert re.search(r"the model state fits \(at least ([\d.]+) of ([\d.]+) GiB usable", text), text
+    low, usable = map(float, re.search(r"at least ([\d.]+) of ([\d.]+) GiB", text).groups())
+    assert low <= usable
+    assert "activations" in text and "rows x context 1 x 2048" in text
+    assert "smallest worst-rank peak" not in text
 
 
 def test_cli_infeasible_job_exits_2(tmp_path):
@@ -520,7 +540,8 @@ def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
 @pytest.mark.parametrize("reserve", [2.2, 2.5])
 def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
-    under budgets tight enough that offload is needed (2.2 GiB reserve) or nothing fits (2.5 GiB): per (recompute,
+    under budgets tight enough that offload is needed (2.2 GiB reserve) or most nodes have no layout (2.5 GiB: only
+    full recompute under the per-microbatch lifecycle fits): per (recompute,
     lifecycle) node, the linear relaxation and the node bound stay below every enumerated layout; the memory
     program says offload is forced only where no layout without offload fits, and it does say so where only
     offload layouts fit; the relaxation is tighter than the mean load where memory binds."""

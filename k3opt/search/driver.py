@@ -821,7 +821,8 @@ def _most_sharded_first(frames: list[Frame]) -> list[Frame]:
 
 def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Frame | None,
                        lb: float) -> str:
-    """The smallest peak any layout could reach on its worst rank, against the capacity, with its terms."""
+    """The smallest peak any layout could reach on its worst rank, against the capacity, with its terms; where that
+    fits (the model state does), that the search proved every shape over the budget with its activations."""
     if f is None:
         return "no candidate shape"
     cap = allocated_capacity_bytes(job, f, model, cluster)
@@ -831,10 +832,18 @@ def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Fram
              "bf16_view": cf.bf16_view.sum() / f.pp, "grads": cf.grads.sum() / f.pp}
     top = sorted(terms.items(), key=lambda kv: -kv[1])
     state = (cf.master + cf.grads + cf.optimizer).sum() * (f.gpus // f.pp)
+    state_text = f"{state / 2**40:,.2f} TiB" if state >= 2**40 else f"{state / GIB:,.1f} GiB"
     gpus = ", ".join(str(g) for g in job.gpu_counts)
-    return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is at "
-            f"least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape PP{f.pp} EP{f.ep} "
-            f"expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
-            + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top)
-            + f" GiB per GPU; the model state alone is {state / 2**40:,.2f} TiB); use more GPUs or a larger-memory "
-            "cluster")
+    shape = (f"PP{f.pp} EP{f.ep} expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
+             + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top) + " GiB per GPU")
+    if lb > cap:
+        return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is "
+                f"at least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape {shape}; the model "
+                f"state alone is {state_text}); use more GPUs or a larger-memory cluster")
+    # The model state fits on some shape: what the search proved is that its activations, working sets and buffers
+    # do not, on every shape and node it searched.
+    return (f"no layout fits on {gpus} {cluster.name} GPUs: the model state fits (at least {lb / GIB:,.1f} of "
+            f"{cap / GIB:,.1f} GiB usable on the leanest shape, {shape}), but every shape searched was proven over "
+            f"the budget once its activations, working sets and buffers are counted; allow more recompute, "
+            f"activation offload or FP8 activations in [search], shorten the microbatch (rows x context "
+            f"{job.rows} x {job.context}), lower reserve_gib ({job.reserve_gib:g}), or use more GPUs")
