@@ -231,3 +231,34 @@ def test_a_whole_layer_floor_that_reached_the_line_skips_the_linear_programs(tin
         checked += 1
     assert checked and reached >= checked
     assert solves == 0
+
+
+@pytest.mark.parametrize("reserve", [1.5, 2.2])
+def test_the_interleaved_shape_bound_stopped_at_a_line_is_at_least_the_lesser_and_at_most_the_exact(
+        tiny, slow, reserve):
+    """The shape bound of an interleaved frame (`frame_dp_bound`, v > 1) and of a sharding group
+    (`group_frame_bound`) with the search's pruning line: at least min(exact, line) (less the 1e-9 of a program
+    stopped at the line) and at most the exact bound, for lines under, at and over it. (A node whose coarse floors
+    reach the line is settled by them; a helper's value computed against an older, higher line stays valid.) On
+    the PP2 VP2 frames of the six-layer model at FSDP 1, 2 and 4, every lifecycle and recompute mode searched."""
+    from k3opt.search.bounds import frame_dp_bound, group_frame_bound
+    from k3opt.search.frames import sharding_group
+
+    job = pp2_vp2_memory_job(reserve)
+    job = job.model_copy(update={"search": job.search.model_copy(update={"dense_fsdp": [1, 2, 4]})})
+    frames = enumerate_frames(job, tiny, 8)
+    assert len(frames) > 1 and all(f.vp == 2 for f in frames)
+    groups: dict[tuple, list] = {}
+    for f in frames:
+        groups.setdefault(sharding_group(f), []).append(f)
+    cases = [(lambda stop, f=f: frame_dp_bound(job, f, tiny, slow, stop_at=stop)[0]) for f in frames]
+    cases += [(lambda stop, mem=tuple(mem): group_frame_bound(job, mem, tiny, slow, stop_at=stop))
+              for mem in groups.values() if len(mem) > 1]
+    assert len(cases) > len(frames)
+    for bound in cases:
+        exact = bound(math.inf)
+        assert exact > 0 and math.isfinite(exact)
+        for scale in (0.5, 0.9, 0.99, 1.0, 1.01, 1.5):
+            line = exact * scale
+            got = bound(line)
+            assert min(exact, line) * (1 - 1e-8) <= got <= exact * (1 + 1e-12), (scale, got, exact)

@@ -75,14 +75,27 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
 
 def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
            recs: tuple[Recompute, ...] | None = None, lcs: tuple[FsdpLifecycle, ...] | None = None,
-           fixed: dict[str, bool] | None = None) -> Coefficients:
+           fixed: dict[str, bool] | None = None, coarse: bool = False) -> Coefficients:
     """`work_floor` of frame f under recompute rc and lifecycle lc (or the least over `recs` x `lcs`): the
     activation toggles the job leaves free range over both settings, the ones it requires stay on, those in
-    `fixed` take its value."""
+    `fixed` take its value. `coarse`: `coarse_work_floor` instead (one build, looser: only the memory-bound kernels
+    at their least over the toggles, the rest as with the free toggles off, which only add to it), except for an EP
+    overlap schedule, whose exposed exchange is not monotone in the toggles."""
     fixed = fixed or {}
     free = tuple(t for t in ACT_TOGGLES if _choices(job, t) == [False, True] and t not in fixed)
     required = ActMode(rc, *(fixed.get(t, t in job.search.require_toggles) for t in ACT_TOGGLES))
-    return work_floor(frame_shape(job, f, required, lc), model, cluster, free=free, recomputes=recs, lifecycles=lcs)
+    shape = frame_shape(job, f, required, lc)
+    if coarse and recs is None and lcs is None and not shape.ep_overlap:
+        return coarse_work_floor(shape, model, cluster, free=free)
+    return work_floor(shape, model, cluster, free=free, recomputes=recs, lifecycles=lcs)
+
+
+def _least_floor(cfs: list[Coefficients], p: int) -> float:
+    """The least over `cfs` (one floor per member frame) of `step_floor` at the member's own mean stage (its
+    busiest resource), update and exchange: the mean-load bound of the members' node."""
+    hs = max(c.update_hidden_stages for c in cfs)
+    return min(step_floor(c.slots, max(float(t.sum()) for t in c.time.values()) / p,
+                          *update_means(c.update, c.update_hidden, p), hs) for c in cfs)
 
 
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
@@ -216,6 +229,13 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     for rc, lc in itertools.product(recs, all_lcs):
         lcs = [lc]
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+        # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
+        # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, and the group programs
+        # were mostly the members' work floors.
+        rough = _least_floor([_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group], f.pp)
+        if rough >= min(best, stop_at):
+            best = min(best, rough)
+            continue
         # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
         cheap = [_floor(job, g, rc, lc, model, cluster) for g in group]
         if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
