@@ -90,12 +90,19 @@ def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpe
     return work_floor(shape, model, cluster, free=free, recomputes=recs, lifecycles=lcs)
 
 
-def _least_floor(cfs: list[Coefficients], p: int) -> float:
-    """The least over `cfs` (one floor per member frame) of `step_floor` at the member's own mean stage (its
-    busiest resource), update and exchange: the mean-load bound of the members' node."""
-    hs = max(c.update_hidden_stages for c in cfs)
-    return min(step_floor(c.slots, max(float(t.sum()) for t in c.time.values()) / p,
-                          *update_means(c.update, c.update_hidden, p), hs) for c in cfs)
+def _member_terms(cfs: list[Coefficients], p: int) -> list[tuple[float, float, float]]:
+    """Each member's (mean stage of its busiest resource, mean update, mean exchange) from its floor `cfs` (one per
+    member frame), without repeats."""
+    return list(dict.fromkeys((max(float(t.sum()) for t in c.time.values()) / p,
+                               *update_means(c.update, c.update_hidden, p)) for c in cfs))
+
+
+def _least_floor(terms: list[tuple[float, float, float]], slots: float, hidden_stages: float,
+                 stage: float = 0.0) -> float:
+    """The least over the members' `terms` of `step_floor` at the larger of `stage` and the member's own mean stage,
+    with its own update and exchange: the bound of the members' node whose stage is at least `stage`. (The least
+    update is the most sharded member's, whose exchange is the largest: each keeps its own.)"""
+    return min(step_floor(slots, max(stage, s), u, h, hidden_stages) for s, u, h in terms)
 
 
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
@@ -232,7 +239,9 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
         # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, and the group programs
         # were mostly the members' work floors.
-        rough = _least_floor([_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group], f.pp)
+        coarse = [_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group]
+        rough = _least_floor(_member_terms(coarse, f.pp), coarse[0].slots,
+                             max(c.update_hidden_stages for c in coarse))
         if rough >= min(best, stop_at):
             best = min(best, rough)
             continue
@@ -240,17 +249,15 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         cheap = [_floor(job, g, rc, lc, model, cluster) for g in group]
         if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
             return 0.0
-        stage = min(max(float(c.time[res].sum()) for res in c.time) for c in cheap) / f.pp
-        # Each member's own (mean stage, update, exchange) with the group's stage bound: the least update is the
-        # most sharded member's, whose exchange is the largest (and under optim_grads its stage).
-        nodes = list(dict.fromkeys((max(float(c.time[res].sum()) for res in c.time) / f.pp,
-                                    *update_means(c.update, c.update_hidden, f.pp)) for c in cheap))
+        # Each member's own (mean stage, update, exchange) with the group's stage bound.
+        nodes = _member_terms(cheap, f.pp)
+        stage = min(s for s, _, _ in nodes)
         update = min(u for _, u, _ in nodes)
         hs = max(c.update_hidden_stages for c in cheap)
         slots = cheap[0].slots
 
         def floor(stage: float, slots: float = slots, hs: float = hs, nodes: list = nodes) -> float:
-            return min(step_floor(slots, max(stage, s), u, h, hs) for s, u, h in nodes)
+            return _least_floor(nodes, slots, hs, stage)
 
         if floor(stage) >= best:
             continue
