@@ -140,6 +140,38 @@ def test_group_bounds_give_none_past_their_deadline(tiny, slow):
     assert group_frame_bound(job, frames, tiny, slow, deadline=-math.inf) == 0.0
 
 
+def test_a_group_node_bound_checks_its_deadline_member_by_member(tiny, slow, monkeypatch):
+    """A deadline that passes while the members are tested (`lp_bound.lean_fits`, one program each) ends the group
+    node program at the next member: no bound (0.0), no further member tested, no variant built. Checked once per
+    step, a group of tens of members ran the 8,192-GPU plan a second or two past its time limit."""
+    from types import SimpleNamespace
+
+    from k3opt.search import lp_bound
+
+    job = _job(1.5)
+    frames = tuple(enumerate_frames(job, tiny, 8))
+    assert len(frames) >= 3
+    clock = [0.0]
+    tested: list = []
+    built: list = []
+    real_fits, real_relaxed = lp_bound.lean_fits, lp_bound._relaxed
+
+    def fits(job_, g, *a, **k):
+        tested.append(g)
+        clock[0] = 10.0  # the deadline (5.0) passes during the first member's test
+        return real_fits(job_, g, *a, **k)
+
+    def relaxed(*a, **k):
+        built.append(a[1])
+        return real_relaxed(*a, **k)
+
+    monkeypatch.setattr(lp_bound, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(lp_bound, "lean_fits", fits)
+    monkeypatch.setattr(lp_bound, "_relaxed", relaxed)
+    assert group_node_bound(job, frames, Recompute.NONE, LC, tiny, slow, deadline=5.0) == 0.0
+    assert len(tested) == 1 and not built
+
+
 def test_plan_with_group_bounds_proves_the_enumerated_optimum(tiny, slow, monkeypatch):
     """The search bounds the six variants' nodes with group programs: its bound stays below the enumerated best,
     and it proves that best (OPTIMAL within a 1e-5 gap: GLOP's optimum is shaved by a relative 1e-6), with the

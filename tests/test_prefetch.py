@@ -285,3 +285,31 @@ def test_the_first_bounds_shared_with_the_helper_are_those_computed_here(tiny, s
             if cap is not None:
                 assert cap == allocated_capacity_bytes(job, f, tiny, slow)
                 assert (estimate is not None) == (lb[1] <= cap)
+
+
+def test_a_node_whose_group_program_outlasts_the_limit_goes_back_unsolved(tiny, slow, pp2_job, monkeypatch) -> None:
+    """A group node program that ends past the time limit (at 8,192 GPUs one takes seconds) returns no bound, and the
+    driver stops there: the node goes back to the queue, its own relaxation is not started (it ran the plan a
+    second or two past the limit), and the plan is FEASIBLE with a bound below its layout."""
+    import math
+
+    events: list[str] = []
+    real_tight = driver.tight_node_bound
+
+    def outlasting(*a, deadline: float = math.inf, **k) -> float:
+        while time.monotonic() <= deadline:
+            time.sleep(0.01)
+        events.append("group")
+        return 0.0
+
+    def tight(*a, **k):
+        events.append("tight")
+        return real_tight(*a, **k)
+
+    monkeypatch.setattr(driver, "Prefetch", lambda tasks, line, **k: Prefetch([], line))
+    monkeypatch.setattr(driver, "group_node_bound", outlasting)
+    monkeypatch.setattr(driver, "tight_node_bound", tight)
+    plan = driver.plan(pp2_job, tiny, slow, top=1, time_limit=8, pareto=False, gap=0)
+    assert events.count("group") == 1 and events[-1] == "group", events
+    assert plan.status == "FEASIBLE" and plan.layouts
+    assert plan.bound <= plan.layouts[0].rank_time_s

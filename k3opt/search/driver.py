@@ -514,6 +514,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                             heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
                         current = math.inf
                         continue
+                if _time.monotonic() - t0 > time_limit:
+                    # The limit passed during the group's program (seconds at 8,192 GPUs): the node goes back with
+                    # its bound, not on to its own relaxation, which ran the plan past the limit.
+                    heap.push((t_lb, m_lb, next(seq), f, rc, lc, attempt))
+                    current = math.inf
+                    timed_out = True
+                    break
                 if (f, rc, lc) not in tightened:
                     tightened.add((f, rc, lc))
                     # Past the pruning line the exact value is not needed: the node only has to be shown above it.

@@ -168,14 +168,25 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     if len({_schedule_terms(c) for c in leans}) > 1:
         return 0.0
     caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g in group]
-    kept = [i for i, (g, c) in enumerate(zip(group, leans, strict=True))
-            if lean_fits(job, g, c, caps[i], host_cap)]
+    # The deadline is checked per member here and in `variant`: a group node program over tens of members takes
+    # seconds at 8,192 GPUs, and checked once per step it let the plan run a second past its time limit.
+    kept = []
+    for i, (g, c) in enumerate(zip(group, leans, strict=True)):
+        if time.monotonic() > deadline:
+            return 0.0
+        if lean_fits(job, g, c, caps[i], host_cap):
+            kept.append(i)
     if not kept:
         return math.inf
     group = [group[i] for i in kept]
     cap = max(caps[i] for i in kept)
-    modes = list(dict.fromkeys(md for g in group for md in undominated_modes(
-        job, g, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)))
+    modes_of = []
+    for g in group:
+        if time.monotonic() > deadline:
+            return 0.0
+        modes_of.extend(undominated_modes(job, g, [md for md in act_modes(job) if md.recompute == rc], [lc], model,
+                                          cluster))
+    modes = list(dict.fromkeys(modes_of))
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
                 for flags in itertools.product(*(_choices(job, t) for t in names))]
@@ -183,8 +194,12 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
 
     def variant(md: ActMode, tg: dict[str, bool]) -> tuple:
         """(floor, order, mode, setting, the members' merged arrays, the first member's Coefficients)."""
-        built = [_relaxed(job, g, md, lc, tg, model, cluster) for g in group]
-        if len({_schedule_terms(c) for _, c in built}) > 1 or time.monotonic() > deadline:
+        built = []
+        for g in group:
+            if time.monotonic() > deadline:
+                raise _NoBound
+            built.append(_relaxed(job, g, md, lc, tg, model, cluster))
+        if len({_schedule_terms(c) for _, c in built}) > 1:
             raise _NoBound
         a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
         c0 = built[0][1]
