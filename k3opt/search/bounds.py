@@ -32,8 +32,10 @@ from k3opt.search.lp_bound import (
     granular_stage,
     interleaved_lp_bound,
     lean_fits,
+    least_floor,
     needs_offload,
     no_offload_bound,
+    node_terms,
 )
 from k3opt.search.ranking import coarse_work_floor, step_floor, update_means, work_floor
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
@@ -91,18 +93,8 @@ def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpe
 
 
 def _member_terms(cfs: list[Coefficients], p: int) -> list[tuple[float, float, float]]:
-    """Each member's (mean stage of its busiest resource, mean update, mean exchange) from its floor `cfs` (one per
-    member frame), without repeats."""
-    return list(dict.fromkeys((max(float(t.sum()) for t in c.time.values()) / p,
-                               *update_means(c.update, c.update_hidden, p)) for c in cfs))
-
-
-def _least_floor(terms: list[tuple[float, float, float]], slots: float, hidden_stages: float,
-                 stage: float = 0.0) -> float:
-    """The least over the members' `terms` of `step_floor` at the larger of `stage` and the member's own mean stage,
-    with its own update and exchange: the bound of the members' node whose stage is at least `stage`. (The least
-    update is the most sharded member's, whose exchange is the largest: each keeps its own.)"""
-    return min(step_floor(slots, max(stage, s), u, h, hidden_stages) for s, u, h in terms)
+    """Each member's `lp_bound.node_terms` from its floor `cfs` (one per member frame), without repeats."""
+    return list(dict.fromkeys(node_terms(c, p) for c in cfs))
 
 
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
@@ -240,8 +232,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, and the group programs
         # were mostly the members' work floors.
         coarse = [_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group]
-        rough = _least_floor(_member_terms(coarse, f.pp), coarse[0].slots,
-                             max(c.update_hidden_stages for c in coarse))
+        rough = least_floor(_member_terms(coarse, f.pp), coarse[0].slots,
+                            max(c.update_hidden_stages for c in coarse))
         if rough >= min(best, stop_at):
             best = min(best, rough)
             continue
@@ -257,7 +249,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         slots = cheap[0].slots
 
         def floor(stage: float, slots: float = slots, hs: float = hs, nodes: list = nodes) -> float:
-            return _least_floor(nodes, slots, hs, stage)
+            return least_floor(nodes, slots, hs, stage)
 
         if floor(stage) >= best:
             continue

@@ -43,6 +43,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,8 +134,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
                      logits=float(c0.logits), ep_min=float(ep),
                      hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
                      hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
-                     updates=((max(float(t.sum()) for t in c0.time.values()) / f.pp,
-                               *update_means(c0.update, c0.update_hidden, f.pp)),))
+                     updates=(node_terms(c0, f.pp),))
     return arrays, c0
 
 
@@ -337,11 +337,24 @@ def _mean_update(a: _Arrays, p: int) -> float:
     return update_means(a.update, {}, p)[0]
 
 
+def node_terms(c: Coefficients, p: int) -> tuple[float, float, float]:
+    """One node's (mean stage of its busiest resource, mean update, mean exchange) over the p ranks, from its
+    arrays or floor `c`: what `least_floor` pairs per node."""
+    return max(float(t.sum()) for t in c.time.values()) / p, *update_means(c.update, c.update_hidden, p)
+
+
+def least_floor(terms: Iterable[tuple[float, float, float]], slots: float, hidden_stages: float,
+                stage: float = 0.0) -> float:
+    """`ranking.step_floor` of a stage bound raised to each node's own mean stage, with that node's own update and
+    exchange (`node_terms`: the least update is the most sharded member's, whose exchange is the largest), the
+    least over the nodes."""
+    return min(step_floor(slots, max(stage, s), u, h, hidden_stages) for s, u, h in terms)
+
+
 def _floor(slots: float, stage: float, a: _Arrays, p: int) -> float:
-    """`ranking.step_floor` of a stage bound (at or below every node's the arrays stand for), raised to each node's
-    own mean stage, with that node's update and exchange (`_Arrays.updates`): the least over the nodes."""
-    nodes = a.updates or ((stage, *update_means(a.update, a.hidden, p)),)
-    return min(step_floor(slots, max(stage, s), u, h, a.hidden_stages) for s, u, h in nodes)
+    """`least_floor` of a stage bound (at or below every node's the arrays stand for) over the nodes' terms
+    (`_Arrays.updates`)."""
+    return least_floor(a.updates or ((stage, *update_means(a.update, a.hidden, p)),), slots, a.hidden_stages, stage)
 
 
 MAX_GRANULAR_STATES = 4096
@@ -678,7 +691,7 @@ def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
 def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list[Coefficients], cap: float,
                      cluster: ClusterSpec) -> float:
     """A lower bound (s) on every layout without offload of the nodes whose work floors and leanest views are
-    `floors` and `views` (pairwise, one pair per member frame and lifecycle; their schedule terms equal, f one of
+    `floors` and `views` (pairwise, one pair per member frame; their schedule terms equal, f one of
     the frames): `_solve`'s program over the least work of the floors (every activation mode's work at or above)
     beside the least bytes of the views (`lean_arrays`: every mode's bytes at or above), under every allowed
     balancing setting; inf when no such layout fits. Pairing one mode's work with another's bytes keeps it below
@@ -692,8 +705,7 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
         arrays.append(dataclasses.replace(
             lean, time=dict(cf.time), update=dict(cf.update), hidden=dict(cf.update_hidden),
             hidden_stages=cf.update_hidden_stages, hi=np.max([np.asarray(t) for t in cf.time.values()], axis=0),
-            updates=((max(float(t.sum()) for t in cf.time.values()) / f.pp,
-                      *update_means(cf.update, cf.update_hidden, f.pp)),)))
+            updates=(node_terms(cf, f.pp),)))
     merged = _merge(arrays) if len(arrays) > 1 else arrays[0]
     c0 = views[0]
     no_paths = np.zeros((0, f.pp * f.vp))
