@@ -77,6 +77,12 @@ def test_group_bound_below_every_member_and_tight(tiny, slow, reserve):
             # Tight: the members differ only in FSDP traffic and persistent bytes, which the least of their arrays
             # keeps within a few percent of the fastest member's optimum on this model.
             assert group >= 0.9 * min(times), (rc, group, min(times))
+            # Against a pruning line the members whose own floors reach it are left out of the program: the value
+            # stays below every layout of every member and at least the lesser of the exact bound and the line.
+            for scale in (0.5, 0.99, 1.01, 1.2, 2.0):
+                line = min(times) * scale
+                got = group_node_bound(job, tuple(frames), rc, LC, tiny, slow, stop_at=line)
+                assert min(group, line) * (1 - 1e-8) <= got <= min(times) + 1e-9, (rc, scale, got, group)
 
 
 @pytest.mark.parametrize("reserve", [1.5, 2.2])
@@ -90,6 +96,55 @@ def test_group_frame_bound_below_every_member(tiny, slow, reserve):
     own = [frame_dp_bound(job, f, tiny, slow)[0] for f in frames]
     assert 0 < group <= min(own) + 1e-9
     assert group <= min(best) + 1e-9
+
+
+@pytest.mark.parametrize("reserve", [1.5, 2.2])
+def test_a_group_frame_bound_lifted_by_its_node_programs_stays_below_every_layout(tiny, slow, reserve):
+    """`lift_group_bound`: the frame bound of the six variants raised by the group program of its least node. The
+    no-recompute node holds the frame bound (its mean load); its group program (memory rows, chunks, paths) is
+    higher, and full recompute's own bound higher still, so against a line the lifted bound is the lesser of that
+    program and the line. It stays below every enumerated layout of every member, and every node value it
+    returns is that node's program stopped at the line."""
+    from k3opt.search.bounds import lift_group_bound
+
+    job = _job(reserve)
+    frames = tuple(enumerate_frames(job, tiny, 8))
+    best = _enumerated(job, frames, tiny, slow)
+    fastest = min(t for t in best.values() if t is not None)
+    per_node: dict = {}
+    plain = group_frame_bound(job, frames, tiny, slow, per_node=per_node)
+    assert set(per_node) == {(rc, LC) for rc in (Recompute.NONE, Recompute.FULL)}
+    for (rc, _), bound in per_node.items():  # each node's own bound below each of that node's layouts
+        assert bound <= min(t for (_, rc2), t in best.items() if rc2 == rc and t is not None) + 1e-9, rc
+    assert min(per_node.values()) == plain == per_node[(Recompute.NONE, LC)]
+    program = group_node_bound(job, frames, Recompute.NONE, LC, tiny, slow)
+    assert plain < program < per_node[(Recompute.FULL, LC)]  # the premise: lifting the least node lifts the shape
+    for scale in (0.9, 0.99, 1.01, 1.2):
+        line = fastest * scale
+        value, lifted = lift_group_bound(job, frames, per_node, tiny, slow, stop_at=line)
+        assert min(program, line) * (1 - 1e-8) <= value <= fastest + 1e-9, (scale, value, program)
+        assert set(lifted) == {(Recompute.NONE, LC)}
+        assert lifted[(Recompute.NONE, LC)] == group_node_bound(job, frames, Recompute.NONE, LC, tiny, slow,
+                                                                 stop_at=line)
+    assert lift_group_bound(job, frames, per_node, tiny, slow, stop_at=math.inf) == (plain, {})
+
+
+@pytest.mark.parametrize("reserve", [1.5, 2.2])
+def test_each_node_bound_a_group_frame_bound_files_is_below_each_members_own(tiny, slow, reserve):
+    """`group_frame_bound`'s `per_node` under every recompute mode and both lifecycles (nodes settled by the
+    least so far among them): each node's value is at most each member's own tight bound of that node (which
+    relaxes that member's node), and their least is the frame bound."""
+    job = _job(reserve)
+    job = job.model_copy(update={"search": job.search.model_copy(update={"fsdp_lifecycle": None,
+                                                                         "recompute": None})})
+    frames = tuple(enumerate_frames(job, tiny, 8))
+    per_node: dict = {}
+    plain = group_frame_bound(job, frames, tiny, slow, per_node=per_node)
+    assert len(per_node) == len(Recompute) * len(FsdpLifecycle)
+    assert min(per_node.values()) == plain
+    for (rc, lc), bound in per_node.items():
+        own = min(tight_node_bound(job, f, rc, lc, tiny, slow) for f in frames)
+        assert bound <= own + 1e-9, (rc, lc, bound, own)
 
 
 @pytest.mark.parametrize("reserve", [0.25, 0.5])

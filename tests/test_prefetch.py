@@ -178,7 +178,9 @@ def test_the_plan_with_the_helper_process_matches_one_without(tiny, slow, pp2_jo
 def test_the_helper_bounds_every_interleaved_group_before_its_members(tiny, slow, pp2_job) -> None:
     """The helper's order (driver._pass_tasks): every sharding group's program comes before the frame programs of
     the members of an interleaved group (one group program lifts all of them; a member's own is needed only where
-    it does not), while the v = 1 frames, which no group program bounds, keep their place by frame bound."""
+    it does not), while the v = 1 frames, which no group program bounds, keep their place by frame bound. The
+    groups' lifts by their node programs (bounds.lift_group_bound) come between: after every group program, before
+    every member's."""
     import math
 
     from k3opt.search.bounds import frame_lower_bound
@@ -195,13 +197,15 @@ def test_the_helper_bounds_every_interleaved_group_before_its_members(tiny, slow
                                list(driver.FsdpLifecycle)[:1], lbs, driver._Caps(pp2_job, tiny, slow), math.inf)
     keys = [key for key, _ in tasks]
     last_group = max(i for i, k in enumerate(keys) if k[0] == "frame")
+    lifts = [i for i, k in enumerate(keys) if k[0] == "lift"]
     first_member = min(i for i, k in enumerate(keys) if k[0] in ("dp", "nodes") and k[1] in grouped)
-    assert last_group < first_member
-    # Before the members: the group programs and the v = 1 frames' programs, together by frame bound.
+    assert lifts and last_group < min(lifts) and max(lifts) < first_member
+    assert {keys[i][1] for i in lifts} == {k[1] for k in keys if k[0] == "frame"}
+    # Before the lifts: the group programs and the v = 1 frames' programs, together by frame bound.
     ahead = [min(lbs[f][0] for f in members_of[k[1]]) if k[0] == "frame" else lbs[k[1]][0]
-             for k in keys[:first_member]]
+             for k in keys[:min(lifts)]]
     assert ahead == sorted(ahead)
-    assert {k[1] for k in keys[:first_member] if k[0] == "dp"} == {f for f in frames if f not in grouped}
+    assert {k[1] for k in keys[:min(lifts)] if k[0] == "dp"} == {f for f in frames if f not in grouped}
 
 
 def test_the_helper_runs_until_the_first_cp_sat_solve(tiny, slow, pp2_job, monkeypatch) -> None:

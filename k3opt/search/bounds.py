@@ -28,6 +28,7 @@ from k3opt.search.frames import (
     undominated_modes,
 )
 from k3opt.search.lp_bound import (
+    STOP_ROUNDING,
     _schedule_terms,
     granular_stage,
     interleaved_lp_bound,
@@ -191,19 +192,60 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
 
 
 def group_frame_bound(job: Job, members: tuple[Frame, ...], model: ModelSpec, cluster: ClusterSpec,
-                      stop_at: float = math.inf, deadline: float = math.inf) -> float:
+                      stop_at: float = math.inf, deadline: float = math.inf,
+                      per_node: dict[tuple[Recompute, FsdpLifecycle], float] | None = None) -> float:
     """One step-time bound for every node of every interleaved frame in `members` (frames of one
     `frames.sharding_group`): `_frame_interleaved_bound` over the least of their floors and bytes and the largest
     of their budgets, so at most each member's own `frame_dp_bound`. 0.0 (no bound) when the members' schedules
-    differ (slots, in-flight counts) or past the monotonic `deadline`."""
+    differ (slots, in-flight counts) or past the monotonic `deadline`. `per_node` (a dict to fill): each node's
+    own bound (what `lift_group_bound` starts from)."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0
-    return _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members, deadline=deadline)
+    nodes: dict[tuple[Recompute, FsdpLifecycle], float] = {}
+    value = _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members, deadline=deadline,
+                                     per_node=nodes)
+    if per_node is not None and value != 0.0:  # 0.0: stopped part-way, its nodes' bounds incomplete
+        per_node.update(nodes)
+    return value
+
+
+def lift_group_bound(job: Job, members: tuple[Frame, ...], per_node: dict[tuple[Recompute, FsdpLifecycle], float],
+                     model: ModelSpec, cluster: ClusterSpec, stop_at: float, deadline: float = math.inf
+                     ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]]:
+    """`group_frame_bound` raised by the group programs of its nodes (`group_node_bound`): the nodes of `per_node`
+    (its per-node bounds) still under the line `stop_at`, the least first, until one stays under it (the frame
+    bound cannot then rise above that node's). Returns (the least node bound after, the node programs' values by
+    (recompute, lifecycle), for the caller to reuse). At 8,192 GPUs the 18.3-s frame bounds of PP16 VP4 EP32 and
+    PP4 VP4 EP64 are held by the members with the least exchange and the most bytes, which only the memory rows of
+    the node programs lift (to 18.46-18.53 s); lifting the group at once spares each of its 50-72 members its own
+    frame and node bounds."""
+    nodes = dict(per_node)
+    lifted: dict[tuple[Recompute, FsdpLifecycle], float] = {}
+    if not nodes or not math.isfinite(stop_at):
+        return (min(nodes.values()) if nodes else 0.0), lifted
+    for node in sorted(nodes, key=nodes.__getitem__):
+        if nodes[node] >= stop_at * (1 - STOP_ROUNDING):
+            break
+        # The node's own frame-level bound as far as the line first: `per_node` keeps what stopped each node at
+        # the least over the nodes so far, which for a no-recompute node is often that least (18.34 s at PP16
+        # VP4 EP32, 8,192 GPUs) where its own floor is at 21.9 s.
+        own = _frame_interleaved_bound(job, members[0], model, cluster, stop_at, members=members, deadline=deadline,
+                                       only=(node,))
+        nodes[node] = max(nodes[node], own)
+        if nodes[node] >= stop_at * (1 - STOP_ROUNDING):
+            continue
+        lifted[node] = group_node_bound(job, members, *node, model, cluster, stop_at=stop_at, deadline=deadline)
+        nodes[node] = max(nodes[node], lifted[node])
+        if nodes[node] < stop_at * (1 - STOP_ROUNDING):
+            break
+    return min(nodes.values()), lifted
 
 
 def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
                              stop_at: float = math.inf, members: tuple[Frame, ...] | None = None,
-                             deadline: float = math.inf) -> float:
+                             deadline: float = math.inf,
+                             per_node: dict[tuple[Recompute, FsdpLifecycle], float] | None = None,
+                             only: tuple[tuple[Recompute, FsdpLifecycle], ...] | None = None) -> float:
     """One step-time bound for every node of an interleaved frame: per (recompute mode, lifecycle) node, each with
     its own work and bytes (a layout has one of each), the mean load (`node_lower_bound`'s) with whole layers per
     rank; nothing where the node's leanest bytes fit under no setting (`lp_bound.lean_fits`); where the offload's
@@ -217,8 +259,12 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     The offload's floor: whole layers with its traffic on the host link, per setting of the dispatch
     recompute (`_offload_stage`): that toggle trades the other way from the rest (it saves the dispatched tokens
     and replays the all-to-all), so the least work (off) and the least offload traffic (on) are two modes, and one
-    floor over both would put the one's work beside the other's traffic."""
+    floor over both would put the one's work beside the other's traffic.
+
+    `per_node` (a dict to fill): each node's own bound, keyed by (recompute, lifecycle); the value is their least.
+    `only`: these nodes alone (their least)."""
     group = list(members) if members else [f]
+    per_node = {} if per_node is None else per_node
     allowed = _allowed_on(job)
     recs = sorted(job.search.recompute or list(Recompute),
                   key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
@@ -226,6 +272,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     cap = max(allocated_capacity_bytes(job, g, model, cluster) for g in group)
     best = math.inf
     for rc, lc in itertools.product(recs, all_lcs):
+        if only is not None and (rc, lc) not in only:
+            continue
         lcs = [lc]
         lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
         # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
@@ -236,6 +284,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                             max(c.update_hidden_stages for c in coarse))
         if rough >= min(best, stop_at):
             best = min(best, rough)
+            per_node[(rc, lc)] = rough
             continue
         # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
         cheap = [_floor(job, g, rc, lc, model, cluster) for g in group]
@@ -252,6 +301,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
             return least_floor(nodes, slots, hs, stage)
 
         if floor(stage) >= best:
+            per_node[(rc, lc)] = floor(stage)
             continue
         # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
         # the least so far or the line (either is all the search needs to know).
@@ -261,6 +311,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
                                           cheap[0].n_layers, f.pp, f.vp, stop=stop))
         if floor(stage) >= best:
+            per_node[(rc, lc)] = floor(stage)
             continue
         views = [_memory_view(job, g, lean, lc, model, cluster) for g in group]
         if len({_schedule_terms(vw) for vw in views}) > 1:
@@ -274,6 +325,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
             # No layout of the node fits under any setting (the leanest bytes of every member, the largest
             # budget): it bounds nothing. At 8,192 GPUs the accumulate lifecycle's unsharded FP32 buffer leaves
             # PP4 VP4 EP32's selective nodes without a layout, whose least work held the shape at 18.21 s.
+            per_node[(rc, lc)] = math.inf
             continue
         if "activation_offload" in allowed and rc != Recompute.FULL:
             # (Full recompute saves the fewest bytes; its offload test is left to the nodes, which keeps this
@@ -293,8 +345,10 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
                         offload = floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
                                                                         stop)))
                         best = min(best, offload, without)
+                        per_node[(rc, lc)] = min(offload, without)
                         continue
         best = min(best, floor(stage))
+        per_node[(rc, lc)] = floor(stage)
     return best
 
 
@@ -377,11 +431,47 @@ def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: Fs
     least of the arrays and the largest of the budgets of the members that can fit. At most each member's own tight
     bound, at the cost of one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of
     near-equal bound.
-    0.0 (no bound) past the monotonic `deadline`."""
+    0.0 (no bound) past the monotonic `deadline`.
+
+    With a finite `stop_at`, a member whose own work floor with whole layers per rank (`_own_floor`) reaches it is
+    left out of the program, whose least-of arrays it would only lower: at 8,192 GPUs the members with the least
+    exchange (the least FSDP) hold the least work and the most bytes, and of PP16 VP4 EP32's 50 FSDP variants 14
+    are under the 18.39-s line on their own floors. Over those 14 the program takes 1.2 s instead of 4-6 s, and
+    gives the same 18.53 s."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0
-    return interleaved_lp_bound(job, members[0], rc, lc, model, cluster, stop_at=stop_at, members=members,
-                                deadline=deadline)
+    kept, low = list(members), math.inf
+    if math.isfinite(stop_at) and len(members) > 1:
+        kept = []
+        for g in members:
+            if _time.monotonic() > deadline:
+                return 0.0
+            own = _own_floor(job, g, rc, lc, model, cluster, stop_at)
+            if own >= stop_at * (1 - STOP_ROUNDING):
+                low = min(low, own)
+            else:
+                kept.append(g)
+        if not kept:
+            return low
+    value = interleaved_lp_bound(job, kept[0], rc, lc, model, cluster, stop_at=stop_at, members=tuple(kept),
+                                 deadline=deadline)
+    return min(value, low) if value > 0.0 else value
+
+
+def _own_floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+               stop_at: float = math.inf) -> float:
+    """A lower bound on the step time of every layout of node (f, rc, lc): `least_floor` of the node's work floor
+    (`_floor`) at its mean stage, raised to whole layers per rank (`lp_bound.granular_stage`, run only as far as
+    `stop_at`)."""
+    cf = _floor(job, f, rc, lc, model, cluster)
+    terms = [node_terms(cf, f.pp)]
+    value = least_floor(terms, cf.slots, cf.update_hidden_stages)
+    if value >= stop_at:
+        return value
+    _, update, _ = terms[0]
+    stop = (stop_at - update) / cf.slots if math.isfinite(stop_at) else math.inf
+    stage = granular_stage(cf.time, cf.n_layers, f.pp, f.vp, stop=stop)
+    return max(value, least_floor(terms, cf.slots, cf.update_hidden_stages, stage))
 
 
 def _mean_stage(cf: Coefficients, off: Coefficients | None) -> float:

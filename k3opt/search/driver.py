@@ -20,6 +20,7 @@ from k3opt.search.bounds import (
     frame_lower_bound,
     group_frame_bound,
     group_node_bound,
+    lift_group_bound,
     node_lower_bound,
     tight_node_bound,
 )
@@ -269,6 +270,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if f.vp > 1:
             members_of.setdefault(sharding_group(f), []).append(f)
     group_bounds: dict[tuple, float] = {}
+    unlifted: dict[tuple, dict] = {}
+    """Per sharding group whose frame bound is not lifted yet (bounds.lift_group_bound), its nodes' own bounds."""
     """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
     solved = 0
     timed_out = interrupted = False
@@ -465,13 +468,31 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 if rc is None and f.vp > 1 and f not in frame_tightened:
                     # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
                     group = sharding_group(f)
+                    mem = members_of.get(group, [])
                     if group not in group_bounds:
-                        mem = members_of.get(group, [])
                         ahead = prefetch.take(("frame", group)) if len(mem) > 1 else None
-                        group_bounds[group] = ahead if ahead is not None else group_frame_bound(
-                            job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
-                            deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
+                        per_node: dict = {}
+                        if ahead is not None:
+                            group_bounds[group], per_node = ahead
+                        elif len(mem) > 1:
+                            group_bounds[group] = group_frame_bound(
+                                job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
+                                deadline=t0 + time_limit, per_node=per_node)
+                        else:
+                            group_bounds[group] = -math.inf
+                        unlifted[group] = per_node
                     gb = group_bounds[group]
+                    if gb <= t_lb + 1e-12 and group in unlifted and line is not None and math.isfinite(line):
+                        # Under the line: the group's nodes by their group programs before any member's own bounds
+                        # (bounds.lift_group_bound); each member's node, popped later, takes the programs' values.
+                        ahead = prefetch.take(("lift", group))
+                        value, lifted = ahead if ahead is not None else lift_group_bound(
+                            job, tuple(mem), unlifted.pop(group), model, cluster, stop_at=line,
+                            deadline=t0 + time_limit)
+                        unlifted.pop(group, None)
+                        for (r_, l_), v in lifted.items():
+                            group_bounds.setdefault((group, r_, l_), v)
+                        group_bounds[group] = gb = max(gb, value)
                     if gb > t_lb + 1e-12:
                         if math.isfinite(gb):
                             heap.push((gb, m_lb, next(seq), f, None, None, 0))
@@ -682,10 +703,15 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
                 ) -> list[tuple[tuple, Callable[[float], object]]]:
     """The bounding pass's programs (search/prefetch.py) in the order it needs them: the frame programs of the
     queue's `frames` (bounds.frame_dp_bound, then the node bounds it expands them into) and of their sharding groups
-    (bounds.group_frame_bound) by least frame bound, then the groups' node programs (bounds.group_node_bound). A
-    program whose frames or nodes are all at or above the line when it starts returns None: the pass would not need
-    it."""
+    (bounds.group_frame_bound) by least frame bound, then the groups' lifts by their node programs
+    (bounds.lift_group_bound), then the members' own frame programs, then the groups' node programs
+    (bounds.group_node_bound). A program whose frames or nodes are all at or above the line when it starts returns
+    None: the pass would not need it."""
     frame_value: dict[tuple, float] = {}
+    node_bounds: dict[tuple, dict[tuple[Recompute, FsdpLifecycle], float]] = {}
+    """Per group, its nodes' own bounds from its group program (bounds.group_frame_bound's `per_node`)."""
+    node_value: dict[tuple, float] = {}
+    """The group node programs the lift programs ran (bounds.lift_group_bound)."""
     dp_value: dict[Frame, float] = {}
     groups = sorted(((g, tuple(m)) for g, m in members_of.items() if len(m) > 1),
                     key=lambda gm: min(lbs[f][0] for f in gm[1]))
@@ -693,11 +719,29 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
     def under(line: float, t: float) -> bool:
         return t < line * (1 - LINE_ROUNDING)
 
-    def group_program(line: float, group: tuple, mem: tuple[Frame, ...]) -> float | None:
+    def group_program(line: float, group: tuple, mem: tuple[Frame, ...]
+                      ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
         if not any(under(line, lbs[f][0]) for f in mem):
             return None
-        frame_value[group] = group_frame_bound(job, mem, model, cluster, stop_at=line, deadline=deadline)
-        return frame_value[group]
+        per_node: dict[tuple[Recompute, FsdpLifecycle], float] = {}
+        frame_value[group] = group_frame_bound(job, mem, model, cluster, stop_at=line, deadline=deadline,
+                                               per_node=per_node)
+        node_bounds[group] = per_node
+        return frame_value[group], dict(per_node)
+
+    def lift_program(line: float, group: tuple, mem: tuple[Frame, ...]
+                     ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
+        if not math.isfinite(line):
+            return None
+        if group not in node_bounds and group_program(line, group, mem) is None:
+            return None  # (the driver took the group's program before this process reached it)
+        if not under(line, frame_value[group]):
+            return None
+        value, lifted = lift_group_bound(job, mem, node_bounds[group], model, cluster, stop_at=line,
+                                         deadline=deadline)
+        frame_value[group] = max(frame_value[group], value)
+        node_value.update({(group, *node): v for node, v in lifted.items()})
+        return value, lifted
 
     def dp_program(line: float, f: Frame) -> tuple[float, float] | None:
         if not under(line, max(lbs[f][0], frame_value.get(sharding_group(f), -math.inf))):
@@ -710,6 +754,8 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
                      lc: FsdpLifecycle) -> float | None:
         if not under(line, frame_value.get(group, -math.inf)):
             return None
+        if (group, rc, lc) in node_value:
+            return node_value[(group, rc, lc)]
         nodes = [node_lower_bound(job, f, rc, lc, model, cluster) for f in mem]
         if not any(under(line, max(nt, dp_value.get(f, -math.inf))) and nm <= caps[f]
                    for (nt, nm), f in zip(nodes, mem, strict=True)):
@@ -730,8 +776,11 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
     for i, (group, mem) in enumerate(groups):
         first.append((0, min(lbs[f][0] for f in mem), i, ("frame", group),
                       partial(group_program, group=group, mem=mem)))
+    for i, (group, mem) in enumerate(groups):
+        first.append((1, min(lbs[f][0] for f in mem), i, ("lift", group),
+                      partial(lift_program, group=group, mem=mem)))
     for i, f in enumerate(frames):
-        tier = int(f in grouped)
+        tier = 2 * int(f in grouped)
         first.append((tier, lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(dp_program, f=f)))
         first.append((tier, lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(nodes_program, f=f)))
     first.sort(key=lambda x: x[:3])

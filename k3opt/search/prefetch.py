@@ -1,12 +1,13 @@
 """Bound programs computed ahead on a second core: `Prefetch`.
 
 The driver's heuristics (the seeding) and its bounding pass both run on one core; the programs the pass needs (the
-frame bounds bounds.frame_dp_bound and bounds.group_frame_bound, the node bounds bounds.node_lower_bound, the group
-node bounds bounds.group_node_bound) depend only on the queue, known once the frames are bounded. A forked process
-works through them while the driver seeds, against the pruning line the driver publishes (`set_line`); the pass then
-takes their values instead of solving them. A program given to it must return at most min(exact bound, line) when it
-stops at the line (the bound programs above do: they stop once the bound is shown at or above the line), so a value
-computed against an older, higher line is as valid as one computed now, only possibly tighter."""
+frame bounds bounds.frame_dp_bound and bounds.group_frame_bound, their lifts bounds.lift_group_bound, the node
+bounds bounds.node_lower_bound, the group node bounds bounds.group_node_bound) depend only on the queue, known once
+the frames are bounded. A forked process works through them while the driver seeds, against the pruning line the
+driver publishes (`set_line`); the pass then takes their values instead of solving them. A program given to it must
+return a lower bound of every layout it stands for whatever the line (the bound programs above do: they stop once
+the bound is shown at or above the line, or leave out what the line already bounds), so a value computed against an
+older, higher line is as valid as one computed now, only possibly tighter."""
 
 from __future__ import annotations
 
