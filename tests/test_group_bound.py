@@ -132,19 +132,23 @@ def test_a_group_frame_bound_lifted_by_its_node_programs_stays_below_every_layou
 @pytest.mark.parametrize("reserve", [1.5, 2.2])
 def test_each_node_bound_a_group_frame_bound_files_is_below_each_members_own(tiny, slow, reserve):
     """`group_frame_bound`'s `per_node` under every recompute mode and both lifecycles (nodes settled by the
-    least so far among them): each node's value is at most each member's own tight bound of that node (which
-    relaxes that member's node), and their least is the frame bound."""
+    least so far among them, and, against a line under them all, by their coarse floors): each node's value is at
+    most each member's own tight bound of that node (which relaxes that member's node), and their least is the
+    frame bound."""
     job = _job(reserve)
     job = job.model_copy(update={"search": job.search.model_copy(update={"fsdp_lifecycle": None,
                                                                          "recompute": None})})
     frames = tuple(enumerate_frames(job, tiny, 8))
-    per_node: dict = {}
-    plain = group_frame_bound(job, frames, tiny, slow, per_node=per_node)
-    assert len(per_node) == len(Recompute) * len(FsdpLifecycle)
-    assert min(per_node.values()) == plain
-    for (rc, lc), bound in per_node.items():
-        own = min(tight_node_bound(job, f, rc, lc, tiny, slow) for f in frames)
-        assert bound <= own + 1e-9, (rc, lc, bound, own)
+    own = {(rc, lc): min(tight_node_bound(job, f, rc, lc, tiny, slow) for f in frames)
+           for rc in Recompute for lc in FsdpLifecycle}
+    exact = group_frame_bound(job, frames, tiny, slow)
+    for line in (math.inf, 0.5 * exact):
+        per_node: dict = {}
+        plain = group_frame_bound(job, frames, tiny, slow, stop_at=line, per_node=per_node)
+        assert set(per_node) == set(own)
+        assert min(per_node.values()) == plain
+        for node, bound in per_node.items():
+            assert bound <= own[node] + 1e-9, (node, line, bound, own[node])
 
 
 @pytest.mark.parametrize("reserve", [0.25, 0.5])
