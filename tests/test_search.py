@@ -537,6 +537,86 @@ def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
                 yield toggles, ev
 
 
+@pytest.mark.parametrize("reserve", [2.4, 2.6])
+def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserve):
+    """`lp_bound.contiguous_fits` (the leanest bytes' memory rows over whole layers in contiguous chunks): per
+    (recompute, lifecycle) node of the PP2 VP2 job it never says no where an enumerated layout fits (every split of
+    the six layers into 4 chunks under every toggle setting), and it does say no to nodes the fractional test over
+    the same bytes (`lean_fits`) lets through (at 2.4 GiB reserved the accumulate lifecycle's no-recompute and
+    selective nodes, at 2.6 GiB three nodes)."""
+    from k3opt.search.frames import ACT_TOGGLES, ActMode, _choices, _memory_view, allocated_capacity_bytes
+    from k3opt.search.lp_bound import contiguous_fits, lean_fits
+
+    job = pp2_vp2_memory_job(reserve)
+    (f,) = enumerate_frames(job, tiny, 8)
+    cap = float(allocated_capacity_bytes(job, f, tiny, slow))
+    sharper = 0
+    for rc, lc in itertools.product(Recompute, FsdpLifecycle):
+        contiguous = contiguous_fits(job, f, rc, lc, tiny, slow, 30.0)
+        assert contiguous is not None, (rc, lc)
+        fitting = next(_pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, reserve, tiny, slow), None)
+        if fitting is not None:
+            assert contiguous, (rc, lc, fitting[0])
+        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
+        sharper += lean_fits(job, f, lean, cap, slow.host_memory_bytes) and not contiguous
+    assert sharper >= 2
+
+
+def test_contiguity_is_what_leaves_a_k3_128k_node_without_a_split():
+    """K3 at 128K context, PP8 VP2 CP16 EP32 eFSDP2 dFSDP4 M32 under selective recompute and the per-microbatch
+    lifecycle, the node that held the shipped job's bound: the fractional memory rows over its leanest bytes fit
+    (with offload), so its relaxation bounds it at 31.6 s and CP-SAT's bound stalls there; in whole layers over
+    contiguous chunks they do not. (The node model with its objective cleared proves the same in about 30 s on 2
+    cores: measured, not run here.) On the six-layer model no node separates the two, hence this one."""
+    from k3opt.search.frames import ACT_TOGGLES, ActMode, _choices, _memory_view, allocated_capacity_bytes
+    from k3opt.search.lp_bound import contiguous_fits, lean_fits
+
+    job = k3opt.load_job("k3-512-128k")
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    f = next(f for f in enumerate_frames(job, model, 512, cluster)
+             if (f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, f.microbatches) == (8, 2, 16, 32, 2, 4, 32)
+             and f.dense_sharding.value == f.expert_sharding.value == "optim_grads")
+    rc, lc = Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH
+    lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+    assert lean_fits(job, f, lean, float(allocated_capacity_bytes(job, f, model, cluster)),
+                     cluster.host_memory_bytes)
+    assert contiguous_fits(job, f, rc, lc, model, cluster, 60.0) is False
+
+
+def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, slow, monkeypatch):
+    """A node whose CP-SAT slice found no layout (status UNKNOWN) has its contiguous whole-layer fit tested once
+    (`lp_bound.contiguous_fits`); proven impossible, the node leaves the queue instead of returning for a doubled
+    slice. Faked here: every interleaved node's slice finds nothing, and no contiguous split fits; then no node is
+    solved twice, and the plan (gap 0, so that nodes reach CP-SAT) keeps its v = 1 layouts."""
+    from k3opt.search import driver
+    from k3opt.search.node_model import FrameResult
+
+    solves: list[tuple] = []
+    tested: list[tuple] = []
+    real = driver.solve_frame
+
+    def stalled(job, f, model, cluster, time_limit, *a, **k):
+        solves.append((f, k.get("recompute"), k.get("lifecycle")))
+        if f.vp > 1:
+            return FrameResult(f, "UNKNOWN", bound_step_s=0.0), None
+        return real(job, f, model, cluster, time_limit, *a, **k)
+
+    def never(job, f, rc, lc, model, cluster, time_limit):
+        tested.append((f, rc, lc))
+        return False
+
+    monkeypatch.setattr(driver, "solve_frame", stalled)
+    monkeypatch.setattr(driver, "contiguous_fits", never)
+    job = interleaved_small_job()
+    job = job.model_copy(update={"search": job.search.model_copy(update={"vp": [1, 2]})})
+    plan = driver.plan(job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0.0)
+    interleaved = [s for s in solves if s[0].vp > 1]
+    assert interleaved, "the test needs interleaved nodes to reach CP-SAT"
+    assert len(interleaved) == len(set(interleaved))
+    assert set(tested) == set(interleaved)
+    assert plan.layouts
+
+
 @pytest.mark.parametrize("reserve", [2.2, 2.5])
 def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,

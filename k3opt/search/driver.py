@@ -46,6 +46,7 @@ from k3opt.search.incumbents import (
     spread,
     visiting_order,
 )
+from k3opt.search.lp_bound import contiguous_fits
 from k3opt.search.node_model import solve_frame
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.ranking import ranked_coefficients
@@ -280,6 +281,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
     tightened: set = set()
     frame_tightened: set = set()
+    contiguity_checked: set = set()
+    """Interleaved nodes whose contiguous whole-layer fit was tested (lp_bound.contiguous_fits)."""
     base_slice = max(1.0, time_limit / 20)
 
     def kth() -> PlanItem | None:
@@ -586,6 +589,16 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     interrupted = True
                     residual = min(residual, node_bound)
                     break
+                if res.status == "UNKNOWN" and f.vp > 1 and (f, rc, lc) not in contiguity_checked:
+                    # No layout found in its slice: whole layers in contiguous chunks may not fit at all, which the
+                    # relaxation (fractional, not contiguous) cannot see and CP-SAT's bound can take minutes to show
+                    # (lp_bound.contiguous_fits). Once per node, for at most its next slice.
+                    contiguity_checked.add((f, rc, lc))
+                    left = time_limit - (_time.monotonic() - t0)
+                    if left > 0 and contiguous_fits(job, f, rc, lc, model, cluster,
+                                                    min(left, base_slice * 2 ** (attempt + 1))) is False:
+                        current = math.inf
+                        continue
                 if res.status in ("FEASIBLE", "UNKNOWN"):
                     # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
                     heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
