@@ -271,9 +271,9 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         if f.vp > 1:
             members_of.setdefault(sharding_group(f), []).append(f)
     group_bounds: dict[tuple, float] = {}
+    """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
     unlifted: dict[tuple, dict] = {}
     """Per sharding group whose frame bound is not lifted yet (bounds.lift_group_bound), its nodes' own bounds."""
-    """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
     solved = 0
     timed_out = interrupted = False
     size: dict[str, int] = {}
