@@ -24,6 +24,7 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     frame_shape,
+    lean_mode,
     lifecycles,
     undominated_modes,
 )
@@ -134,7 +135,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
     allowed = _allowed_on(job)
     cf = _floor(job, f, rc, lc, model, cluster)
-    lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+    lean = lean_mode(job, rc)
     lcf = _memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
     update, hidden = update_means(cf.update, cf.update_hidden, p)
@@ -175,13 +176,13 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
     cf = _floor(job, f, recs[0], lcs[0], model, cluster, recs=tuple(recs), lcs=tuple(lcs))
-    lean = [_memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+    lean = [_memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
             for rc in recs for lc in lcs]
     mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
     lcf = replace(lean[0], **mins)
     off = None
     if "activation_offload" in allowed:
-        offs = [coefficients(frame_shape(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc,
+        offs = [coefficients(frame_shape(job, f, lean_mode(job, rc), lc,
                                          activation_offload=True), model, cluster) for rc in recs for lc in lcs]
         off = replace(offs[0], time={**offs[0].time,
                                      "host_link": np.min([o.time["host_link"] for o in offs], axis=0)})
@@ -275,7 +276,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         if only is not None and (rc, lc) not in only:
             continue
         lcs = [lc]
-        lean = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+        lean = lean_mode(job, rc)
         # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
         # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, and the group programs
         # were mostly the members' work floors.

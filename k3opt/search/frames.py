@@ -190,6 +190,12 @@ def act_modes(job: Job) -> list[ActMode]:
     return [ActMode(r, *flags) for r in recs for flags in itertools.product(*(_choices(job, t) for t in ACT_TOGGLES))]
 
 
+def lean_mode(job: Job, rc: Recompute) -> ActMode:
+    """The activation mode of recompute rc that the memory tests take at or below every mode's saved bytes: every
+    activation toggle the job allows, on."""
+    return ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+
+
 def lifecycles(job: Job) -> list[FsdpLifecycle]:
     return job.search.fsdp_lifecycle or list(FsdpLifecycle)
 

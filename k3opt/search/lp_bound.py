@@ -54,7 +54,6 @@ from ortools.sat.python import cp_model
 from k3opt.coefficients import Coefficients, balance_moved_bytes
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
-    ACT_TOGGLES,
     ActMode,
     Frame,
     _allowed_on,
@@ -63,6 +62,7 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     frame_shape,
+    lean_mode,
     undominated_modes,
 )
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
@@ -165,8 +165,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     # no setting, which this settles without building the variants. Each member on its own: one that cannot fit
     # has no layout to bound, and leaving it out spares building its variants (on the default job, 12 of the 16
     # FSDP variants of PP4 VP4 EP64 and 8 of the 14 of PP8 VP4 EP32 fit under no setting).
-    lean_mode = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
-    leans = [_memory_view(job, g, lean_mode, lc, model, cluster) for g in group]
+    leans = [_memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
     if len({_schedule_terms(c) for c in leans}) > 1:
         return 0.0
     caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g in group]
@@ -664,8 +663,14 @@ def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: floa
     row), under each allowed offload setting (offload moves saved bytes to the host and changes no other byte,
     k3opt.coefficients). `arrays`: the lean arrays to test instead (a group's merged ones)."""
     a = arrays if arrays is not None else lean_arrays(job, f, lean)
-    bal = "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
-    return any(_fits(f, a, lean, cap, host_cap, off, bal) for off in _choices(job, "activation_offload"))
+    return any(_fits(f, a, lean, cap, host_cap, off, _lean_balance(job, lean))
+               for off in _choices(job, "activation_offload"))
+
+
+def _lean_balance(job: Job, lean: Coefficients) -> bool:
+    """Whether the lean memory rows take the in-flight counts at balancing's average: where the job allows it and
+    the schedule has one (a smaller count only lowers a row)."""
+    return "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
 
 
 def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
@@ -677,11 +682,10 @@ def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model:
     contexts a node it says fits can have no contiguous split: K3 PP8 VP2 CP16 EP32 at 128K context, where the node
     model's bound stalls for minutes (with its objective cleared it takes 31 s to prove it), is proven here in 2 s;
     dropping only contiguity, or keeping it only between virtual stages, the split fits."""
-    lean_mode = ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
-    lean = _memory_view(job, f, lean_mode, lc, model, cluster)
+    lean = _memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
     a = lean_arrays(job, f, lean)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
-    bal = "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
+    bal = _lean_balance(job, lean)
     deadline = time.monotonic() + time_limit
     undecided = False
     for off in _choices(job, "activation_offload"):
