@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 import ortools
 
 import k3opt
-from k3opt.report import degrees_text
-from k3opt.specs import Job
+from k3opt.inputs.labels import degrees_text
+from k3opt.inputs.specs import Job
 
 TOKENS_PER_GPU = 16_777_216 // 512
 

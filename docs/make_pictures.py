@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import k3opt
-from k3opt.launch import FORMATS
+from k3opt.launch import FORMATS, to_launch
 
 DOCS = Path(__file__).resolve().parent
 README = DOCS.parent / "README.md"
@@ -26,7 +26,7 @@ def write_exports(layout: k3opt.Layout) -> None:
     (DOCS / "launch").mkdir(exist_ok=True)
     readme = README.read_text()
     for fmt in FORMATS:
-        text = layout.to_launch(fmt).text
+        text = to_launch(layout, fmt).text
         (DOCS / "launch" / f"default-plan.{fmt}.txt").write_text(text)
         lang = "toml" if fmt == "torchtitan" else "bash"
         block = f"<!-- export:{fmt} -->\n```{lang}\n{text.rstrip()}\n```\n<!-- /export:{fmt} -->"
@@ -44,7 +44,7 @@ def main() -> None:
         write_exports(k3opt.load_layout(args.layout))
         print("wrote docs/launch/default-plan.*.txt and the README's export blocks")
         return
-    from k3opt.plots import ledger_plot, pareto_plot, timeline_plot
+    from k3opt.report.plots import ledger_plot, pareto_plot, timeline_plot
 
     plan = k3opt.plan(k3opt.load_job("k3-512-4k"), top=1, pareto=True, time_limit=args.time_limit)
     best = plan.layouts[0]

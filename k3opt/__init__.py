@@ -5,23 +5,12 @@ Public API (stable names):
     load_runtime, RuntimeSpec (the memory outside live tensors)
 """
 
-from k3opt.errors import InfeasibleJobError, K3optError, LayoutError, PresetNotFoundError, SpecError
-from k3opt.evaluate import Evaluation, RankEvaluation, StepTime, evaluate
-from k3opt.launch import plan  # search.plan, honouring job.target (k3opt.launch.limits)
-from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.cost.evaluate import Evaluation, RankEvaluation, StepTime, evaluate
+from k3opt.inputs.errors import InfeasibleJobError, K3optError, LayoutError, PresetNotFoundError, SpecError
+from k3opt.inputs.presets import load_cluster, load_job, load_layout, load_model, load_runtime, make_layout
+from k3opt.inputs.specs import ClusterSpec, Job, Layout, ModelSpec, RuntimeSpec, Toggles
+from k3opt.planner import plan
 from k3opt.search import Plan, PlanItem
-from k3opt.specs import (
-    ClusterSpec,
-    Job,
-    Layout,
-    ModelSpec,
-    Toggles,
-    load_cluster,
-    load_job,
-    load_layout,
-    load_model,
-    make_layout,
-)
 
 __all__ = [
     "ClusterSpec", "Evaluation", "InfeasibleJobError", "Job", "K3optError", "Layout", "LayoutError",

@@ -17,7 +17,18 @@ from typing import Any
 
 import click
 
-from k3opt.errors import InfeasibleJobError, K3optError
+from k3opt.cost.evaluate import evaluate
+from k3opt.inputs.errors import InfeasibleJobError, K3optError, SpecError
+from k3opt.inputs.labels import degrees_text, split_text
+from k3opt.inputs.presets import format_validation_error, load_job, load_layout
+from k3opt.inputs.runtime import planning_runtime
+from k3opt.inputs.specs import Job
+from k3opt.launch import check_format, to_launch
+from k3opt.planner import plan as run_plan
+from k3opt.report.text import explain_text, plan_text
+from k3opt.report.throughput import validate_throughput, validation_table
+from k3opt.report.validate import rows_text, validation_rows
+from k3opt.search.result import plan_frame
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,9 +69,6 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
             runtime_name: str | None, as_json: bool, plot_path: str | None = None,
             timeline_path: str | None = None) -> None:
     """Print LAYOUT's per-rank memory ledger and step-time breakdown (a file or a shipped layout name)."""
-    from k3opt.evaluate import evaluate
-    from k3opt.report import explain_text
-    from k3opt.specs import load_layout
 
     if reserve_gib is not None and reserve_gib < 0:
         raise click.BadParameter("must be >= 0", param_hint="--reserve-gib")
@@ -79,7 +87,7 @@ def explain(layout: str, model_name: str | None, cluster_name: str | None, reser
 def _pictures(ev, plot_path: str | None, timeline_path: str | None, quiet: bool) -> None:  # noqa: ANN001
     if not (plot_path or timeline_path):
         return
-    from k3opt import plots
+    from k3opt.report import plots
 
     for path, draw in ((plot_path, plots.ledger_plot), (timeline_path, plots.timeline_plot)):
         if path:
@@ -104,11 +112,9 @@ def _check_png(path: str) -> None:
 def export(layout: str, fmt: str, out_path: str | None, model_name: str | None) -> None:
     """Print LAYOUT as launch settings for a framework; decisions without a switch are listed as comments
     and on stderr with what to do instead."""
-    from k3opt.launch import check_format
-    from k3opt.specs import load_layout
 
     check_format(fmt)
-    _emit_launch(load_layout(layout).to_launch(fmt, model_name), out_path)
+    _emit_launch(to_launch(load_layout(layout), fmt, model_name), out_path)
 
 
 def _emit_launch(launch, out_path: str | None) -> None:  # noqa: ANN001 - k3opt.launch.Launch
@@ -132,7 +138,6 @@ def _emit_launch(launch, out_path: str | None) -> None:  # noqa: ANN001 - k3opt.
 def validate(folder: str | None, as_json: bool) -> None:
     """Modeled vs measured for every measured layout: memory figures with the kind each compares and the GAP,
     then predicted vs measured tokens/s per GPU with the mean absolute error (as `validate-throughput`)."""
-    from k3opt.validate import rows_text, validation_rows
 
     rows = validation_rows(folder)
     if as_json:
@@ -142,8 +147,6 @@ def validate(folder: str | None, as_json: bool) -> None:
                "tensors, reserved = + allocator slack, device = + memory outside the allocator)")
     click.echo(rows_text([r for r in rows if r.unit == "GiB"]))
     if any(r.figure.startswith("tokens/s") for r in rows):
-        from k3opt.throughput_validation import validate_throughput, validation_table
-
         click.echo("")
         click.echo(validation_table(validate_throughput(Path(folder) if folder else None)))
 
@@ -151,15 +154,12 @@ def validate(folder: str | None, as_json: bool) -> None:
 def _load_job(job: str | None, gpus: tuple[int, ...]):  # noqa: ANN202
     from pydantic import ValidationError
 
-    from k3opt.errors import SpecError
-    from k3opt.specs import Job, _format_validation_error, load_job
-
     j = load_job(job or "k3-512-4k")
     if gpus:
         try:
             j = Job.model_validate({**j.model_dump(), "gpus": list(gpus) if len(gpus) > 1 else gpus[0]})
         except ValidationError as err:
-            raise SpecError(_format_validation_error(err, "--gpus")) from None
+            raise SpecError(format_validation_error(err, "--gpus")) from None
     return j
 
 
@@ -214,9 +214,6 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
          show_ledger: int | None, save: tuple[int, str] | None, as_json: bool, export_fmt: str | None = None,
          target: str | None = None) -> None:
     """Rank the fastest layouts that fit every rank for JOB (default: the built-in k3-512-4k job)."""
-    from k3opt.launch import check_format
-    from k3opt.launch import plan as run_plan
-    from k3opt.report import plan_text
 
     if export_fmt is not None:
         check_format(export_fmt)
@@ -244,9 +241,9 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         if export_fmt is None:
             _write_layout(result.layouts[n - 1].layout, path)
         else:
-            launch = result.layouts[n - 1].layout.to_launch(export_fmt, j.model)
+            launch = to_launch(result.layouts[n - 1].layout, export_fmt, j.model)
     elif export_fmt is not None:
-        launch = result.layouts[0].layout.to_launch(export_fmt, j.model)
+        launch = to_launch(result.layouts[0].layout, export_fmt, j.model)
     cost = None
     if free is not None:
         best, unlimited = result.layouts[0].rank_time_s, free.layouts[0].rank_time_s
@@ -254,8 +251,6 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
                 f"({_short(free.layouts[0].layout)}); the limits cost "
                 f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
     if as_json:
-        from k3opt.runtime import planning_runtime
-
         rt = planning_runtime(result.job, result.layouts[0].evaluation.cluster)
         out = {
             "status": result.status, "bound_s": result.bound, "gap": result.gap,
@@ -290,7 +285,6 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
 
 
 def _short(layout) -> str:  # noqa: ANN001
-    from k3opt.report import degrees_text, split_text
 
     return f"{degrees_text(layout)} split {split_text(layout.split)}"
 
@@ -310,8 +304,6 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     """The Pareto front of JOB over (step time, worst-rank peak HBM), and over GPU count when the job lists
     several. The time limit counts from the command's start (start-up included); when it is too short to prove
     the front, each point says how far from proven it is."""
-    from k3opt.launch import plan as run_plan
-    from k3opt.report import plan_frame
 
     if plot_path:
         _check_png(plot_path)
@@ -326,9 +318,9 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     if csv_path:
         df.to_csv(csv_path, index=False)
     if plot_path:
-        from k3opt.plots import pareto_plot
+        from k3opt.report import plots
 
-        pareto_plot(result.pareto, plot_path, best=result.layouts[0] if result.layouts else None)
+        plots.pareto_plot(result.pareto, plot_path, best=result.layouts[0] if result.layouts else None)
         if not as_json:
             click.echo(f"wrote {plot_path}", err=True)
     if as_json:
@@ -346,8 +338,6 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     click.echo(f"Pareto front, {len(df)} layouts in {result.solve_time_s:.1f} s, {status}; ranked search "
                f"status {result.status}")
     if result.layouts:
-        from k3opt.runtime import planning_runtime
-
         click.echo(planning_runtime(result.job, result.layouts[0].evaluation.cluster).line())
     if len(df):
         click.echo(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
@@ -391,7 +381,6 @@ def _write_layout(layout, path: str) -> None:  # noqa: ANN001
 def validate_throughput_cmd(as_json: bool) -> None:
     """Predicted vs measured tokens/s per GPU for every measured layout (layouts/measured/) and their mean
     absolute error: the achievable step time, with the peak roofline beside it."""
-    from k3opt.throughput_validation import validate_throughput, validation_table
 
     v = validate_throughput()
     if as_json:

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import k3opt
-from k3opt import coefficients, comm, memory_outside, schedule, structure
+from k3opt.cost import coefficients, comm, memory_outside, schedule, structure
 from k3opt.search import node_model, ranking
 
 
@@ -49,7 +49,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _clear_caches() -> None:
-    for fn in (coefficients._static, coefficients._saved, coefficients._placement, coefficients._coefficients,
+    for fn in (coefficients._static, coefficients._saved, coefficients.placement_of, coefficients._coefficients,
                coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
                coefficients._achievable_tensor, coefficients._expert_compute, ranking._ranked, ranking._work_floor,
                ranking._coarse_work_floor, ranking._LEAST, ranking._least_vector,
@@ -119,7 +119,7 @@ def pp2_vp2_memory_job(reserve: float) -> k3opt.Job:
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
     })
 
 
@@ -135,7 +135,7 @@ def interleaved_small_job() -> k3opt.Job:
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]},
     })
 
 
@@ -154,6 +154,6 @@ def pp2_job() -> k3opt.Job:
         "search": {"pp": [2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
                    "dense_sharding": ["optim_grads_params", "optim"], "expert_sharding": ["optim_grads_params"],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES
                                       if t not in ("fp8_activations", "activation_offload")]},
     })

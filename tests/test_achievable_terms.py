@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.achievable import achievable_for, ep_overlap_stage_exposed, forward_backward, ranking_arrays
-from k3opt.coefficients import Shape, coefficients
-from k3opt.errors import SpecError
-from k3opt.rates import load_rates
+from k3opt.cost.achievable import achievable_for, ep_overlap_stage_exposed, forward_backward, ranking_arrays
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.errors import SpecError
+from k3opt.inputs.rates import load_rates
 
 # constraints/clusters/b200.toml and constraints/rates/b200.toml
 HBM, HBM_FRAC = 8000e9, 0.74
@@ -155,7 +155,7 @@ def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_th
 def test_bad_loss_switch_and_overlap_rule_are_one_clear_error(tmp_path):
     """A loss-kernel switch without its source or not a boolean, and a non-boolean stage rule are rejected by the
     loader with the key named (SpecError; the CLI prints it as one line and exits 2)."""
-    text = (k3opt.specs.preset_dir("rates") / "b200.toml").read_text()
+    text = (k3opt.inputs.presets.preset_dir("rates") / "b200.toml").read_text()
     start = text.index("[loss_kernels]")
     end = text.index("\n[", start + 1)
     cases = {
@@ -189,7 +189,7 @@ def test_routed_expert_compute_under_full_recompute_in_mxfp8():
 def test_the_slowest_rank_is_the_lowest_of_equal_loads():
     """Equal loads up to the rounding of their sums (1e-12, relative) go to the lowest rank, so the rank reported does
     not depend on the order the sums were taken in; a load 1e-9 under the largest is not a tie."""
-    from k3opt.achievable import slowest_index
+    from k3opt.cost.achievable import slowest_index
 
     assert slowest_index([1.0, 2.0 * (1 - 1e-15), 2.0, 1.5]) == 1
     assert slowest_index([1.0, 2.0, 2.0 * (1 - 1e-15)]) == 1

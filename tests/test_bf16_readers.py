@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 import k3opt
-from k3opt.coefficients import Precision, saved_per_token
-from k3opt.specs import Toggles
-from k3opt.structure import structure_of
+from k3opt.cost.coefficients import Precision, saved_per_token
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.specs import Toggles
 
 QB = 1 + 1 / 32  # MXFP8: one byte plus one E8M0 scale per 32 elements
 

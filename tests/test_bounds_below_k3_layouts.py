@@ -11,11 +11,11 @@ import math
 import pytest
 
 import k3opt
-from k3opt.coefficients import coefficients
+from k3opt.cost.coefficients import coefficients
+from k3opt.inputs.specs import FsdpLifecycle, Layout, Recompute
 from k3opt.search import bounds
 from k3opt.search.frames import ACT_TOGGLES, ActMode, Frame, frame_of, frame_shape
 from k3opt.search.ranking import coarse_work_floor, ranked_coefficients, work_floor
-from k3opt.specs import FsdpLifecycle, Layout, Recompute
 
 TOGGLES = {"fp8_activations": True, "activation_offload": True, "moe_backward_rewrite": True, "fused_situ": True}
 
@@ -162,7 +162,7 @@ def test_work_floor_is_below_every_mode_under_an_ep_overlap_schedule() -> None:
     400 Gb/s NICs, where the exchange outlasts its partner), every recompute mode and activation-toggle set."""
     from dataclasses import replace
 
-    from k3opt.coefficients import Shape
+    from k3opt.cost.coefficients import Shape
 
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
     lay = k3opt.make_layout(gpus=32, pp=1, ep=32, dense_fsdp=32, expert_fsdp=1, microbatches=4, context=4096,

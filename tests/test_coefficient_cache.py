@@ -1,6 +1,6 @@
 """The coefficient caches never hand one shape another shape's figures.
 
-The cost model shares parts of a build between shapes (k3opt.coefficients: the per-layer arrays of a LayerShape,
+The cost model shares parts of a build between shapes (k3opt.cost.coefficients: the per-layer arrays of a LayerShape,
 the achievable tensor time, the saved set, the pipeline terms; k3opt.search.ranking: the ranked views). Each part
 is keyed by the fields it reads. These tests build varied shapes of the K3 model and of smaller models through
 the caches, each right after a partner that differs from it in one field only (so a key that left that field out
@@ -17,19 +17,11 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt import coefficients as C
-from k3opt import schedule
-from k3opt.coefficients import Shape, coefficients
+from k3opt.cost import coefficients as C
+from k3opt.cost import schedule
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.specs import Dtype, FsdpLifecycle, Precision, Recompute, ShardGranularity, ShardingPolicy, Toggles
 from k3opt.search import ranking
-from k3opt.specs import (
-    Dtype,
-    FsdpLifecycle,
-    Precision,
-    Recompute,
-    ShardGranularity,
-    ShardingPolicy,
-    Toggles,
-)
 
 # Caches keyed by a spec's JSON only (the model's inventory, parsed specs): the same for every shape, kept.
 _SPEC_ONLY = {"_static", "_model_of", "_cluster_of", "_rates_from_json"}

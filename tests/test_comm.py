@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3opt import comm
+from k3opt.cost import comm
 
 
 def test_ep64_on_72_gpu_domains_straddles_racks():
@@ -46,7 +46,7 @@ def test_cp_volumes_from_the_shapes():
     """K3's MLA moves per-head K and V on TE's ring: 96 heads x (128 nope + 64 rope + 128 value) x 2 B = 61,440 B per
     token; a ring at C = 4 sends 3 (C - 1) = 9 local chunks per layer (forward C - 1, backward 2 (C - 1)). KDA's KCP
     exchanges one FP32 [96, 128, 256] tensor = 12 MiB per layer, gathered from C - 1 ranks in forward and backward."""
-    from k3opt import comm
+    from k3opt.cost import comm
 
     kv = comm.cp_mla_kv_bytes_per_token(96, 128 + 64, 128)
     assert kv == 61_440
@@ -66,10 +66,10 @@ def test_cp_prices_mla_and_kda_layers():
     FSDP traffic pattern, so the change of (MLA - KDA) NVLink time from CP = 1 to CP = 2 is exactly the difference
     of those two: (4 x 16,384 x 61,440 - 3 x 12 MiB) / 900 GB/s."""
     import k3opt
-    from k3opt.coefficients import Shape, coefficients
+    from k3opt.cost.coefficients import Shape, coefficients
 
     model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
-    lays = {c: k3opt.specs.make_layout(gpus=512, pp=8, cp=c, ep=64, dense_fsdp=32, microbatches=8 * c,
+    lays = {c: k3opt.inputs.presets.make_layout(gpus=512, pp=8, cp=c, ep=64, dense_fsdp=32, microbatches=8 * c,
                                        context=32768, split=[12] * 7 + [9], recompute="full", reserve_gib=4,
                                        domain_gpus_used=64) for c in (1, 2)}
     cf = {c: coefficients(Shape.of(lay), model, cluster) for c, lay in lays.items()}

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.runtime import planning_runtime, resolve_job_runtime
+from k3opt.inputs.runtime import planning_runtime, resolve_job_runtime
 from k3opt.search import enumerate_frames
 from k3opt.search.frames import allocated_capacity_bytes
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from k3opt import load_cluster, load_model
+from k3opt.inputs.specs import FsdpLifecycle, Job, Recompute
 from k3opt.search.frames import ActMode, enumerate_frames, frame_shape, layout_of
-from k3opt.specs import FsdpLifecycle, Job, Recompute
 
 
 @pytest.mark.parametrize(("gpus", "domain", "want"), [

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import k3opt
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import bounds as B
 from k3opt.search import frames as FR
-from k3opt.specs import FsdpLifecycle, Recompute
 
 DATA = Path(__file__).parent / "data"
 
@@ -29,7 +29,7 @@ def _splits(layers: int, chunks: int):
 @pytest.fixture(scope="module")
 def space():
     tiny, slow = k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")
-    toggles = [t for t in k3opt.specs.TOGGLE_NAMES if t not in FR.NEVER_CHOSEN + FR.FIXED_TOGGLES]
+    toggles = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in FR.NEVER_CHOSEN + FR.FIXED_TOGGLES]
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
@@ -45,14 +45,14 @@ def space():
 @pytest.mark.parametrize("force", [False, True])
 def test_stage_program_equals_brute_force_over_splits(space, force):
     job, tiny, slow, frames = space
-    allowed = FR._allowed_on(job)
+    allowed = FR.allowed_on(job)
     checked = mixed = 0
     for f in frames:
         for rc in (Recompute.NONE, Recompute.FULL):
             md = FR.ActMode(rc, False, False, False, False)
             lc = FsdpLifecycle.PER_MICROBATCH
             cf = FR.coefficients(FR.frame_shape(job, f, md, lc), tiny, slow)
-            lean = FR._memory_view(job, f, md, lc, tiny, slow)
+            lean = FR.memory_view(job, f, md, lc, tiny, slow)
             off = FR.coefficients(FR.frame_shape(job, f, md, lc, activation_offload=True), tiny, slow)
             caps = [2**40]
             for cap in caps:

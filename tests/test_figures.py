@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from k3opt import comm
-from k3opt.coefficients import Shape, coefficients, newton_schulz_flops
-from k3opt.schedule import bubble_fraction, bubble_overhead
-from k3opt.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
+from k3opt.cost import comm
+from k3opt.cost.coefficients import Shape, coefficients, newton_schulz_flops
+from k3opt.cost.schedule import bubble_fraction, bubble_overhead
+from k3opt.cost.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 
 GIB, MIB, TIB = 2**30, 2**20, 2**40
 
@@ -245,7 +245,7 @@ def test_stage_parameters_of_the_12_layer_split(reference_eval, rank, dense, rou
 
 
 def test_interleaved_inflight_megatron_formula():
-    from k3opt.schedule import inflight_interleaved, peak_inflight
+    from k3opt.cost.schedule import inflight_interleaved, peak_inflight
 
     # p = 8, v = 4: rank 0 holds 2*7 + 3*8 + 1 = 39 chunk-microbatches, rank 7 holds 25 (hardware notes).
     assert inflight_interleaved(8, 4, 64, 0) == 39

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 import k3opt
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import enumerate_frames
 from k3opt.search.front import _Facts, _Fill, _non_dominated
 from k3opt.search.result import PlanItem
-from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
 ALLOWED = ("fp8_activations", "p2p_muon")
-FORBIDDEN = [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]
+FORBIDDEN = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in ALLOWED]
 MIB = 2**20
 
 
@@ -124,15 +125,15 @@ def test_price_configs_settles_only_what_it_priced_before_its_deadline(space):
     """A configuration counts as priced on a frame (so the gap filling skips it) only when price_configs priced it
     before its deadline: with the deadline already past nothing is settled and nothing is returned; with no
     deadline every configuration is settled, and each fitting layout returned is one of them on that frame."""
-    from k3opt.search.incumbents import _config_of, price_configs
+    from k3opt.search.incumbents import config_of, price_configs
 
     job, tiny, slow, frames, layouts = space
     f = frames[0]
-    configs = list(dict.fromkeys(_config_of(it.layout) for it in layouts))[:3]
+    configs = list(dict.fromkeys(config_of(it.layout) for it in layouts))[:3]
     late: list = []
     assert price_configs(job, f, configs, tiny, slow, deadline=-math.inf, settled=late) == []
     assert late == []
     done: list = []
     found = price_configs(job, f, configs, tiny, slow, deadline=math.inf, settled=done)
     assert set(done) == set(configs)
-    assert all(_config_of(it.layout) in configs for it in found)
+    assert all(config_of(it.layout) in configs for it in found)

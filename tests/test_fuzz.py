@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 
 import k3opt
 from k3opt.cli import main
-from k3opt.runtime import load_runtime
-from k3opt.specs import resolve
+from k3opt.inputs.presets import load_runtime, resolve
 
 DATA = Path(__file__).parent / "data"
 TINY_MODEL = DATA / "tiny-moe.toml"

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients, fused_gemm_widths
-from k3opt.errors import K3optError, SpecError
-from k3opt.rates import load_gemm_table, load_rates
-from k3opt.specs import Precision
+from k3opt.cost.coefficients import Shape, coefficients, fused_gemm_widths
+from k3opt.inputs.errors import K3optError, SpecError
+from k3opt.inputs.rates import load_gemm_table, load_rates
+from k3opt.inputs.specs import Precision
 
 # The table's FP8 (f8e4m3fn x f8e4m3fn -> bf16) figures used below, TFLOP/s at (m, n, k) (the header's FLOP/s / 1e12):
 F8 = {
@@ -112,7 +112,7 @@ def test_routed_expert_gemms_pass_by_pass_on_the_table():
 
 
 def _rates_text() -> str:
-    from k3opt.specs import preset_dir
+    from k3opt.inputs.presets import preset_dir
 
     return (preset_dir("rates") / "b200.toml").read_text()
 
@@ -175,7 +175,7 @@ def test_a_relative_table_path_is_read_beside_the_rates_file(tmp_path, monkeypat
     """A user's rates file naming its own table by a relative path (`table = "tables/mine.toml"`) reads the table
     from the rates file's folder, whatever the working directory; the same table under a shipped name reads the same
     figures (the copy below is byte for byte the shipped one, so any (m, n, k) reads alike)."""
-    from k3opt.specs import preset_dir
+    from k3opt.inputs.presets import preset_dir
 
     folder = tmp_path / "site" / "rates"
     (folder / "tables").mkdir(parents=True)
@@ -262,7 +262,7 @@ def test_a_fused_gemm_quantizes_its_input_once():
     are separate linears: 99,392); the shared expert's linear_fc1 reads X once, 7168 + 2 x 2048, and its fc2
     2048 + 7168 (20,480); 8 routed experts x the same (163,840): 283,712. Per weight (X once for gate and once for
     up) it would be 7168 x 9 more: 348,224. The embedding stays BF16 and quantizes nothing."""
-    from k3opt.coefficients import _static
+    from k3opt.cost.coefficients import _static
 
     model = k3opt.load_model("deepseek-v3")
     sa = _static(model.model_dump_json())

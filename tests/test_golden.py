@@ -19,9 +19,9 @@ import pytest
 from conftest import shared_scope
 
 import k3opt
-from k3opt import comm
-from k3opt.coefficients import _static
-from k3opt.structure import structure_of
+from k3opt.cost import comm
+from k3opt.cost.coefficients import _static
+from k3opt.cost.structure import structure_of
 
 GB200 = hand.Cluster(bf16_tflops=2500, hbm_gbps=8000, nvlink_gbps=900, nic_gbps=50, host_link_gbps=200)
 STREAM = 4096 * 7168 * 2  # one BF16 [4096, 7168] stream: 58,720,256 B = 56 MiB (K3 memory lab)
@@ -393,7 +393,7 @@ def test_saved_inventory_matches_the_hand_itemization(model):
 def test_interleaved_compositions_are_every_held_vector_of_megatrons_order(p, v, m):
     """Every distinct (held chunk-microbatches per local chunk) vector a rank passes through in steady state, against
     the hand enumeration of Megatron's order (golden_k3.inflight_vectors)."""
-    from k3opt.schedule import inflight_compositions
+    from k3opt.cost.schedule import inflight_compositions
 
     for r in range(p):
         assert set(inflight_compositions(p, v, m, r)) == set(hand.inflight_vectors(p, v, m, r)), r

@@ -78,9 +78,10 @@ def test_interleaved_bound_deals_each_variant_whole_layers():
     offload, which do not fit, beside the tensor time of the variants that recompute the least) gave 18.04 s, 3.1%
     under: each variant is now dealt whole layers at its own work."""
     import k3opt
+    from k3opt.inputs.presets import load_cluster, load_model
+    from k3opt.inputs.specs import FsdpLifecycle, Recompute
     from k3opt.search.frames import enumerate_frames, frame_of
     from k3opt.search.lp_bound import interleaved_lp_bound
-    from k3opt.specs import FsdpLifecycle, Recompute, load_cluster, load_model
 
     job = k3opt.load_job("k3-512-4k")
     model, cluster = load_model(job.model), load_cluster(job.cluster)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 import k3opt
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import tight_node_bound
 from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bound
 from k3opt.search.frames import enumerate_frames, sharding_group
 from k3opt.search.prefetch import Prefetch
-from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
 ALLOWED = ("fp8_activations", "activation_offload")
@@ -36,7 +37,7 @@ def _job(reserve: float) -> k3opt.Job:
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
                    "dense_sharding": ["optim_grads_params"], "expert_sharding": ["optim_grads_params"],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in ALLOWED]},
     })
 
 
@@ -162,7 +163,7 @@ def test_group_bound_below_each_member_under_a_runtime_and_every_variant_toggle(
     job = _job(reserve).model_copy(update={"runtime": "megatron-te-hybridep-gb200"})
     job = job.model_copy(update={"search": job.search.model_copy(update={
         "fsdp_lifecycle": None, "recompute": None,
-        "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in (*ALLOWED, *VARIANT_TOGGLES)]})})
+        "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in (*ALLOWED, *VARIANT_TOGGLES)]})})
     frames = tuple(enumerate_frames(job, tiny, 8))
     assert len(frames) == 6
     finite = 0
@@ -323,8 +324,8 @@ def _k3_8192(pp: int, vp: int, ep: int, microbatches: int, policy: str,
              degrees: tuple[tuple[int, int], ...]) -> tuple:
     """(job, model, cluster, frames): the default job scaled to 8,192 GPUs and its frames of these degrees, under
     one sharding policy for the dense and expert groups."""
+    from k3opt.inputs.specs import ShardingPolicy
     from k3opt.search.frames import Frame
-    from k3opt.specs import ShardingPolicy
 
     base = k3opt.load_job("k3-512-4k")
     model = k3opt.load_model(base.model)

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.errors import SpecError, UnknownTargetError
+from k3opt.inputs.errors import SpecError, UnknownTargetError
+from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
 from k3opt.launch.common import MEGATRON_LM_COMMIT
-from k3opt.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 
 DATA = Path(__file__).parent / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
@@ -81,7 +81,7 @@ def test_flag_file_names_its_commit():
 @pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
 def test_every_emitted_megatron_lm_flag_is_defined(layout):
     defined = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
-    emitted = _megatron_flags(layout.to_launch("megatron-lm").text)
+    emitted = _megatron_flags(to_launch(layout, "megatron-lm").text)
     assert emitted, "no flags emitted"
     assert sorted(set(emitted) - defined) == []
 
@@ -89,7 +89,7 @@ def test_every_emitted_megatron_lm_flag_is_defined(layout):
 def test_variants_reach_every_megatron_switch():
     emitted = set()
     for lay in _variants():
-        emitted |= set(_megatron_flags(lay.to_launch("megatron-lm").text))
+        emitted |= set(_megatron_flags(to_launch(lay, "megatron-lm").text))
     for flag in ("--fp8-format", "--fp8-recipe", "--fine-grained-activation-offloading", "--offload-modules",
                  "--moe-flex-dispatcher-backend", "--recompute-method", "--recompute-modules",
                  "--accumulate-allreduce-grads-in-fp32", "--pipeline-model-parallel-layout"):
@@ -97,7 +97,7 @@ def test_variants_reach_every_megatron_switch():
 
 
 def test_megatron_layout_has_the_exact_per_stage_counts():
-    text = _layout().to_launch("megatron-lm").text
+    text = to_launch(_layout(), "megatron-lm").text
     value = re.search(r"--pipeline-model-parallel-layout '([^']+)'", text).group(1)
     stages = _expand_layout(value)
     assert [s.count("t") for s in stages] == [9, 9, 10, 11, 12, 14, 14, 14]
@@ -108,7 +108,7 @@ def test_megatron_layout_has_the_exact_per_stage_counts():
 def test_interleaved_layout_stage_i_runs_on_rank_i_mod_pp():
     lay = _layout(vp=2, split=[5, 6, 7, 8, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 3], toggles={})
     value = re.search(r"--pipeline-model-parallel-layout '([^']+)'",
-                      lay.to_launch("megatron-lm").text).group(1)
+                      to_launch(lay, "megatron-lm").text).group(1)
     stages = _expand_layout(value)
     assert len(stages) == 16  # 2 virtual stages per rank: Megatron sets VPP = 16 / PP8 = 2
     # k3opt's chunk j runs on rank j mod p, Megatron's stage i on pp_rank i % PP: same list, same order.
@@ -116,7 +116,7 @@ def test_interleaved_layout_stage_i_runs_on_rank_i_mod_pp():
 
 
 def test_megatron_batch_flags_from_the_reference_batch():
-    text = _layout().to_launch("megatron-lm").text
+    text = to_launch(_layout(), "megatron-lm").text
     # Seed 000: 16,777,216 tokens per update at 4096 tokens per sequence = 4096 sequences; DP = 512 / 8 = 64,
     # so M = 4096 / (1 x 64) = 64.
     assert "--global-batch-size 4096" in text and "--micro-batch-size 1" in text
@@ -125,7 +125,7 @@ def test_megatron_batch_flags_from_the_reference_batch():
 
 
 def test_megatron_lm_lists_what_has_no_switch():
-    launch = _layout().to_launch("megatron-lm")
+    launch = to_launch(_layout(), "megatron-lm")
     decisions = " ".join(m.decision for m in launch.missing)
     # The default plan's toggles without a Megatron switch, the KDA layers, the per-microbatch lifecycle.
     for word in ("moe_backward_rewrite", "dispatch_recompute", "fused_situ", "KDA", "per_microbatch"):
@@ -140,7 +140,7 @@ def test_megatron_lm_lists_what_has_no_switch():
 
 
 def test_bridge_overrides_carry_kda_layers_and_the_layout():
-    launch = _layout().to_launch("megatron-bridge")
+    launch = to_launch(_layout(), "megatron-bridge")
     keys = dict(launch.settings)
     # K3: 93 layers, full attention at i % 4 == 3 for i < 92 plus i = 92 (24 layers) -> 69 KDA layers,
     # 1-indexed for Bridge: 1, 2, 3, 5, 6, 7, 9, ..., 91 (layer 92 (0-based), number 93, is MLA).
@@ -155,7 +155,7 @@ def test_bridge_overrides_carry_kda_layers_and_the_layout():
 
 
 def test_bridge_refusals_are_listed_in_the_export():
-    launch = _layout(vp=2, cp=2, dense_fsdp=32, split=[6] * 15 + [3], toggles={}).to_launch("megatron-bridge")
+    launch = to_launch(_layout(vp=2, cp=2, dense_fsdp=32, split=[6] * 15 + [3], toggles={}), "megatron-bridge")
     decisions = [m.decision for m in launch.missing]
     assert "vp = 2" in decisions and "cp = 2" in decisions
 
@@ -165,7 +165,7 @@ def test_every_emitted_bridge_key_is_a_config_field(layout):
     text = (DATA / "megatron_bridge_keys.txt").read_text()
     assert "067f987df03b8355b03192d88d70f1709fedf51a" in text and MEGATRON_LM_COMMIT in text
     defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
-    emitted = [k for k, _ in layout.to_launch("megatron-bridge").settings]
+    emitted = [k for k, _ in to_launch(layout, "megatron-bridge").settings]
     assert "model.kimi_kda_layers" in emitted
     assert sorted(set(emitted) - defined) == []
 
@@ -175,7 +175,7 @@ def test_every_emitted_bridge_key_is_a_config_field(layout):
 
 def test_torchtitan_toml_sections():
     lay = _layout(cp=2, dense_fsdp=32, ep=32, expert_fsdp=2, microbatches=128)
-    cfg = tomllib.loads(lay.to_launch("torchtitan").body)
+    cfg = tomllib.loads(to_launch(lay, "torchtitan").body)
     par = cfg["parallelism"]
     # FSDP mesh dp_shard x cp = dense_fsdp 32 -> dp_shard 16; the 512 / 8 = 64 stage ranks = replicate x 16 x 2:
     # replicate 2.
@@ -201,7 +201,7 @@ def test_every_emitted_torchtitan_key_is_defined(layout):
     text = (DATA / "torchtitan_keys.txt").read_text()
     assert "e347b1e5e6b6941d789d16d340145294d82dc71e" in text
     defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
-    emitted = _toml_keys(tomllib.loads(layout.to_launch("torchtitan").body))
+    emitted = _toml_keys(tomllib.loads(to_launch(layout, "torchtitan").body))
     assert emitted and sorted(set(emitted) - defined) == []
 
 

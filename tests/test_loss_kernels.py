@@ -12,13 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 import k3opt
-import k3opt.rates
+import k3opt.inputs.rates
 from k3opt.cli import main
-from k3opt.coefficients import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, Shape, coefficients
-from k3opt.errors import SpecError
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.errors import SpecError
+from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, load_rates
 
-SHIPPED = k3opt.specs.preset_dir("rates")
+SHIPPED = k3opt.inputs.presets.preset_dir("rates")
 
 
 def _old_style(value: str) -> str:
@@ -96,15 +96,15 @@ def test_cli_with_a_retired_loss_field_exits_2_with_one_line(tmp_path, monkeypat
     for f in SHIPPED.glob("*.toml"):
         (tmp_path / f.name).write_text(f.read_text())
     (tmp_path / "b200.toml").write_text(_old_style("30.0"))
-    real = k3opt.rates.preset_dir
-    monkeypatch.setattr(k3opt.rates, "preset_dir", lambda kind: tmp_path if kind == "rates" else real(kind))
-    k3opt.rates._shipped_rates.cache_clear()
+    real = k3opt.inputs.rates.preset_dir
+    monkeypatch.setattr(k3opt.inputs.rates, "preset_dir", lambda kind: tmp_path if kind == "rates" else real(kind))
+    k3opt.inputs.rates._shipped_rates.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             result = CliRunner().invoke(main, ["explain", "mb-14-deepseek-v3-b200"])
     finally:
-        k3opt.rates._shipped_rates.cache_clear()
+        k3opt.inputs.rates._shipped_rates.cache_clear()
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]

@@ -14,14 +14,16 @@ import pytest
 from conftest import PP2_VP2_TOGGLES, pp2_vp2_memory_job
 
 import k3opt
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import enumerate_frames
 from k3opt.search.frames import (
     ACT_TOGGLES,
     ActMode,
-    _choices,
-    _memory_view,
     act_modes,
     allocated_capacity_bytes,
+    choices,
+    memory_view,
     undominated_modes,
 )
 from k3opt.search.lp_bound import (
@@ -34,7 +36,6 @@ from k3opt.search.lp_bound import (
     lean_arrays,
     lean_fits,
 )
-from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
 ALLOWED = PP2_VP2_TOGGLES
@@ -53,13 +54,13 @@ def test_memory_program_settles_exactly_the_infeasible_variants(tiny, slow, rese
     seen = set()
     lean_no = 0
     for rc, lc in itertools.product(Recompute, FsdpLifecycle):
-        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
+        lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
         lean_says_no = not lean_fits(job, f, lean, cap, slow.host_memory_bytes)
         lean_no += lean_says_no
         modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], tiny, slow)
         names = [t for t in VARIANT_TOGGLES if t in ALLOWED]
         for md in modes:
-            for flags in itertools.product(*(_choices(job, t) for t in names)):
+            for flags in itertools.product(*(choices(job, t) for t in names)):
                 tg = dict(zip(names, flags, strict=True))
                 off, bal = tg["activation_offload"], tg["balance_activations"]
                 a, c0 = _relaxed(job, f, md, lc, tg, tiny, slow)
@@ -123,14 +124,14 @@ def test_early_exit_at_the_line_stays_below_the_exact_bound_and_every_layout(tin
 def _assert_lean_below_every_variant(job, f, model, cluster) -> int:
     """`lean_arrays` at or below every variant's (`_relaxed`) bytes, and the node-level terms `_memory_rows` reads
     from the leanest coefficients (packets, routing map, in-flight compositions) at or below each variant's."""
-    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames._allowed_on(job)]
+    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames.allowed_on(job)]
     n = 0
     for rc, lc in itertools.product(job.search.recompute or list(Recompute), FsdpLifecycle):
-        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model,
+        lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, model,
                             cluster)
         la = lean_arrays(job, f, lean)
         for md in [md for md in act_modes(job) if md.recompute == rc]:
-            for flags in itertools.product(*(_choices(job, t) for t in names)):
+            for flags in itertools.product(*(choices(job, t) for t in names)):
                 a, c0 = _relaxed(job, f, md, lc, dict(zip(names, flags, strict=True)), model, cluster)
                 for k in ("persistent", "opt", "act"):
                     assert (getattr(la, k) <= getattr(a, k) * (1 + 1e-12)).all(), (rc, lc, md, flags, k)
@@ -164,14 +165,14 @@ def _assert_base_below_its_key(job, f, model, cluster) -> int:
     """Every variant's (`_relaxed`) time and update arrays at or above its key's base: the same activation mode,
     offload and balancing, with ZeRO-2 host gradients, P2P Muon and the chunked cross entropy at their least-work
     choice (`interleaved_lp_bound` settles a key on its base's floors before building the rest)."""
-    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames._allowed_on(job)]
+    names = [t for t in VARIANT_TOGGLES if t in k3opt.search.frames.allowed_on(job)]
     memory_only = [t for t in names if t not in ("activation_offload", "balance_activations")]
     n = 0
     for rc, lc in itertools.product(job.search.recompute or list(Recompute), FsdpLifecycle):
         for md in [md for md in act_modes(job) if md.recompute == rc]:
-            for flags in itertools.product(*(_choices(job, t) for t in names)):
+            for flags in itertools.product(*(choices(job, t) for t in names)):
                 tg = dict(zip(names, flags, strict=True))
-                base = {**tg, **{t: min(_choices(job, t)) for t in memory_only}}
+                base = {**tg, **{t: min(choices(job, t)) for t in memory_only}}
                 a, _ = _relaxed(job, f, md, lc, tg, model, cluster)
                 b, _ = _relaxed(job, f, md, lc, base, model, cluster)
                 for field in ("time", "update"):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape
-from k3opt.memory_outside import allocated_budget_bytes, allocated_budgets_bytes, kinds, runtime_items
-from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.cost.coefficients import Shape
+from k3opt.cost.memory_outside import allocated_budget_bytes, allocated_budgets_bytes, kinds, runtime_items
+from k3opt.inputs.presets import load_runtime
+from k3opt.inputs.specs import RuntimeSpec
 
 GIB, MIB = 2**30, 2**20
 RT = "megatron-te-hybridep-gb200"
@@ -130,7 +131,7 @@ def test_budget_is_tight_and_matches_evaluate(model, cluster, rt):
 
 
 def test_expandable_segments_needs_its_own_slack(tmp_path):
-    text = k3opt.specs.resolve(RT, "runtime").read_text().replace(
+    text = k3opt.inputs.presets.resolve(RT, "runtime").read_text().replace(
         "expandable_segments = false", "expandable_segments = true")
     p = tmp_path / "rt.toml"
     p.write_text(text)
@@ -146,7 +147,7 @@ def test_unknown_runtime_preset():
 def test_plan_frame_carries_the_three_kinds_per_rank(rt):
     from types import SimpleNamespace
 
-    from k3opt.report import plan_frame
+    from k3opt.search.result import plan_frame
 
     lay = k3opt.make_layout(**PLAN, reserve_gib=1.0, runtime=RT)
     ev = k3opt.evaluate(lay)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.errors import SpecError
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.errors import SpecError
 
 
 def _params(name: str):
@@ -90,7 +90,7 @@ def test_mtp_adds_a_head_pass_without_head_parameters():
 
 
 def test_both_softmax_tables_is_an_error(tmp_path):
-    text = (k3opt.specs.preset_dir("model") / "deepseek-v3.toml").read_text()
+    text = (k3opt.inputs.presets.preset_dir("model") / "deepseek-v3.toml").read_text()
     bad = tmp_path / "both.toml"
     bad.write_text(text + "\n[gqa]\nnum_heads = 8\nnum_kv_heads = 2\nhead_dim = 64\n")
     with pytest.raises(SpecError, match=r"\[mla\] or \[gqa\], not both"):
@@ -98,7 +98,7 @@ def test_both_softmax_tables_is_an_error(tmp_path):
 
 
 def test_gqa_heads_must_group(tmp_path):
-    text = (k3opt.specs.preset_dir("model") / "llama3-70b.toml").read_text().replace("num_kv_heads = 8",
+    text = (k3opt.inputs.presets.preset_dir("model") / "llama3-70b.toml").read_text().replace("num_kv_heads = 8",
                                                                                        "num_kv_heads = 7")
     bad = tmp_path / "groups.toml"
     bad.write_text(text)
@@ -109,7 +109,7 @@ def test_gqa_heads_must_group(tmp_path):
 def test_cost_model_prices_the_mtp_module_and_its_moe_on_the_last_chunk():
     """DeepSeek-V3: the last chunk's edge carries the LM head and the MTP module (eh_proj, one MLA + MoE layer, a
     second pass through the shared head); its FLOPs and its EP traffic are priced from shapes."""
-    from k3opt.coefficients import Shape, coefficients
+    from k3opt.cost.coefficients import Shape, coefficients
 
     model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72")
     lay = k3opt.make_layout(gpus=256, pp=4, vp=4, ep=64, dense_fsdp=64, microbatches=64, context=4096,

@@ -1,4 +1,4 @@
-"""The achievable-rate arrays (k3opt.coefficients, at the measured fractions of a rates file) pinned per resource:
+"""The achievable-rate arrays (k3opt.cost.coefficients, at the measured fractions of a rates file) pinned per resource:
 the tensor time of one MXFP8 MoE layer and of the LM head of Qwen3-30B-A3B on B200 derived GEMM by GEMM from
 the config's shapes, every byte resource against the bytes of the peak roofline at the rates file's fractions
 (constraints/rates/b200.toml: each fraction with its source there), and the achievable MFU."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 # constraints/clusters/b200.toml (NVIDIA B200 datasheet): dense peaks and link rates per GPU.
 BF16_PEAK, MXFP8_PEAK = 2250e12, 4500e12

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.errors import LayoutError
-from k3opt.evaluate import memory_comparisons
-from k3opt.specs import Measured
+from k3opt.cost.evaluate import memory_comparisons
+from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.specs import Measured
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Link bytes and per-policy buffers of the cost model (k3opt.coefficients) on layouts no golden test covers,
+"""Link bytes and per-policy buffers of the cost model (k3opt.cost.coefficients) on layouts no golden test covers,
 each figure derived from the configs' shapes: the hierarchical EP dispatcher (HybridEP / DeepEP) against the flat
 all-to-all across two NVLink domains, context-parallel traffic on the NIC and on NVLink, an expert group that
 shards nothing under expert FSDP 2, the accumulation buffer of a group whose gradients are not sharded, and the
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 # Qwen/Qwen3-30B-A3B config.json: d 2048, q 32 x 128, kv 4 x 128, 128 experts [768, 2048], top 8, no latent.
 DENSE = 2 * 4096 * 2048 + 2 * 512 * 2048 + 2 * 128 + 128 * 2048 + 2 * 2048  # q, o; k, v; q/k norms; router; norms

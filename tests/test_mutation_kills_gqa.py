@@ -5,13 +5,13 @@ the AdamW assignment by name that no shipped preset uses."""
 from __future__ import annotations
 
 import k3opt
-from k3opt.structure import Structure
+from k3opt.cost.structure import Structure
 
 M, A = "muon", "adamw"
 
 
 def _qwen3_30b_variant(tmp_path, extra: str = "", bias: bool = False) -> k3opt.ModelSpec:
-    text = (k3opt.specs.preset_dir("model") / "qwen3-30b-a3b.toml").read_text()
+    text = (k3opt.inputs.presets.preset_dir("model") / "qwen3-30b-a3b.toml").read_text()
     if bias:
         text = text.replace("qk_norm = true", "qk_norm = true\nattention_bias = true")
     path = tmp_path / "variant.toml"
@@ -68,7 +68,7 @@ def test_attention_bias_adds_q_k_v_vectors(tmp_path):
 
 
 def test_adamw_matrices_move_each_gqa_projection_by_name(tmp_path):
-    """optimizer.adamw_matrices names the GQA projections as k3opt.structure spells them; each named one moves
+    """optimizer.adamw_matrices names the GQA projections as k3opt.cost.structure spells them; each named one moves
     to AdamW, the others stay on Muon."""
     for name in ("gqa.q_proj", "gqa.k_proj", "gqa.v_proj", "gqa.o_proj"):
         model = _qwen3_30b_variant(tmp_path, extra=f'\n[optimizer]\nadamw_matrices = ["{name}"]\n')

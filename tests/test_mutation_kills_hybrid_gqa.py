@@ -5,7 +5,7 @@ ModelSpec accepts [gqa] with [kda]): only the layers in full_attention_layers ge
 from __future__ import annotations
 
 import k3opt
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
 
 
 def _hybrid() -> k3opt.ModelSpec:

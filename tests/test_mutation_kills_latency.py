@@ -1,4 +1,4 @@
-"""NCCL's per-call latency (the alpha term, k3opt.coefficients.collective_latency) on a layout whose three groups
+"""NCCL's per-call latency (the alpha term, k3opt.cost.coefficients.collective_latency) on a layout whose three groups
 sit differently on B200's 8-GPU NVLink domains: EP8 inside one domain, dense FSDP 16 over two, expert FSDP 2 with
 its two members in different domains. Each call costs NCCL's ring latency (constraints/rates/b200.toml, from
 NVIDIA/nccl src/graph/tuning.cc): base 8.4 us + 3.4 us per NVLink hop + 14.0 us per network hop."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 US = 1e-6
 EP8 = (8.4 + 7 * 3.4) * US                  # 8 ranks in one domain: 7 NVLink hops, on NVLink

@@ -5,7 +5,7 @@ token, bytes per value, GEMM input, recomputable, role)."""
 from __future__ import annotations
 
 import k3opt
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
 
 BF16, FP32, INT64 = 2, 4, 8
 

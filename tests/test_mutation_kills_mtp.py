@@ -7,7 +7,7 @@ a hybrid model (seed 003's K3 proxy: KDA layers 0-2, MLA layer 3) is not the lay
 from __future__ import annotations
 
 import k3opt
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
 
 
 def test_deepseek_v3_mtp_module_tensors():

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 NVLINK, NIC = 900e9, 50e9            # B/s per GPU and direction
 NVLINK_FRAC, NIC_FRAC = 0.65, 0.92   # collective_nvlink, collective_nic

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients, quantized_gemm
-from k3opt.rates import load_rates
-from k3opt.specs import Precision
-from k3opt.structure import structure_of
+from k3opt.cost.coefficients import Shape, coefficients, quantized_gemm
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.rates import load_rates
+from k3opt.inputs.specs import Precision
 
 # MXFP8: 1 byte per element plus one E8M0 scale per 32 elements (OCP MX spec): 1 + 1/32 B.
 QB = 1 + 1 / 32

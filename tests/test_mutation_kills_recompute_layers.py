@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 
 def _tensor(recompute: str):

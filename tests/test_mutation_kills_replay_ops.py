@@ -1,4 +1,4 @@
-"""Every operation of the pipeline replay (k3opt.schedule.replay_ops: rank, forward?, global chunk, microbatch,
+"""Every operation of the pipeline replay (k3opt.cost.schedule.replay_ops: rank, forward?, global chunk, microbatch,
 start, end), worked by hand on two small schedules; the pipeline picture draws these tuples, the makespan is only
 their latest end."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k3opt.schedule import replay_ops
+from k3opt.cost.schedule import replay_ops
 
 
 def test_1f1b_two_ranks_two_microbatches():

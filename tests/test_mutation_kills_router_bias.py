@@ -6,7 +6,7 @@ value per expert, kept under AdamW like every vector and never multiplied by a t
 from __future__ import annotations
 
 import k3opt
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
 
 
 def test_deepseek_v3_moe_block_inventory():

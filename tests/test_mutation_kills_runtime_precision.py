@@ -91,7 +91,7 @@ def test_eager_optimizer_state_is_resident_before_the_first_step():
 
 
 def _qwen_b200_coefficients(precision: str):
-    from k3opt.coefficients import Shape, coefficients
+    from k3opt.cost.coefficients import Shape, coefficients
 
     lay = _qwen_b200_mxfp8().model_copy(update={"precision": precision})
     return coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"))

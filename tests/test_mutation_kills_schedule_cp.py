@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt import comm
-from k3opt.coefficients import Shape, _context_parallel, coefficients
-from k3opt.evaluate import chunk_times_s
-from k3opt.schedule import pipeline_order, replay_makespan
+from k3opt.cost import comm
+from k3opt.cost.coefficients import Shape, _context_parallel, coefficients
+from k3opt.cost.evaluate import chunk_times_s
+from k3opt.cost.schedule import pipeline_order, replay_makespan
 
 
 def _forwards_before_the_first_backward(ops) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.errors import LayoutError
-from k3opt.evaluate import _policy_formulas, memory_comparisons
-from k3opt.specs import Measured
-from k3opt.structure import structure_of
+from k3opt.cost.evaluate import _policy_formulas, memory_comparisons
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.specs import Measured
 
 GIB = 2**30
 PROXY = "k3-4layer-dist-muon-8gpu"

@@ -1,4 +1,4 @@
-"""The coefficients' cache key: a spec's JSON, memoized per spec object (k3opt.coefficients._spec_json). A spec
+"""The coefficients' cache key: a spec's JSON, memoized per spec object (k3opt.cost.coefficients._spec_json). A spec
 object the memo has not seen (a fresh copy) takes the serializing path and must give the same key and the same
 coefficients as the original, whatever the memo held before."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
+from k3opt.cost.coefficients import Shape, coefficients
 
 
 def test_a_fresh_spec_object_gets_the_key_pydantic_serializes_and_the_same_coefficients():

@@ -9,8 +9,8 @@ from __future__ import annotations
 from math import comb
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 A2A_NIC = 43.74e9  # constraints/rates/gb200-nvl72.toml: HybridEP's measured all-to-all bandwidth across domains
 T = 4096

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.achievable import achievable_step
-from k3opt.coefficients import Shape, coefficients
-from k3opt.rates import load_rates
+from k3opt.cost.achievable import achievable_step
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import load_rates
 
 LAYOUT = dict(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8, context=4096, split=[24, 24],
               recompute="full", domain_gpus_used=8)

@@ -1,7 +1,7 @@
 """Whole-tensor sharding: the HBM check keeps the data-parallel rank owning the most bytes, and which rank that is
 depends on the byte widths of what it owns. On seed 003's 4-layer proxy, a stage holding layer 1 alone, dealt over
 a dense group of 3 ranks, has two candidate ranks that trade places: one owns a little more Muon, the other more
-AdamW. The expected states are built from the ranks' (Muon, AdamW) element counts (k3opt.sharding's deal, pinned
+AdamW. The expected states are built from the ranks' (Muon, AdamW) element counts (k3opt.cost.sharding's deal, pinned
 against the seed's tensor inventory in test_golden / test_mutation_kills_sharding) and the widths of each state."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.evaluate import _tensor_owned_state
-from k3opt.sharding import owned_per_rank, whole_params
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.cost.evaluate import _tensor_owned_state
+from k3opt.cost.sharding import owned_per_rank, whole_params
 
 # Bytes per owned element: FP32 master 4 + FP32 Muon momentum 4 (AdamW: two FP32 moments, 8) + the FP32 gradient
 # shard 4 where the policy shards gradients (optim_grads), nothing where the gradient buffer is whole (optim).

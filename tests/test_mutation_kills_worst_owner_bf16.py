@@ -3,15 +3,15 @@ owning the most bytes at 4 B master + 2 B Muon momentum (6 B) per Muon element a
 per AdamW element, the gradient buffer being whole and so not owned. On K3, a stage of layers 81-83 dealt over a
 dense group of 16 has two candidate ranks about 16 KiB apart at those widths that trade places at any other
 (7 B / 9 B, one byte more each): the widths, not the element count, decide. The ranks' (Muon, AdamW) element
-counts are k3opt.sharding's deal, pinned against the seed's tensor inventory in test_golden /
+counts are k3opt.cost.sharding's deal, pinned against the seed's tensor inventory in test_golden /
 test_mutation_kills_sharding."""
 
 from __future__ import annotations
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.evaluate import _tensor_owned_state
-from k3opt.sharding import owned_per_rank, whole_params
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.cost.evaluate import _tensor_owned_state
+from k3opt.cost.sharding import owned_per_rank, whole_params
 
 IDX = (81, 82, 83)  # stage 1 of PP3 with split 81 / 3 / 9 (K3's 93 decoder layers)
 MUON, ADAMW = 4 + 2, 4 + 2 * 2  # bytes per owned element: FP32 master + BF16 state (one momentum / two moments)

@@ -1,5 +1,5 @@
 """The interleaved bound's floor on a rank's PP packets (lp_bound._packet_floor) against the packets the cost model
-prices at real splits (achievable._rank_sums): never above them, and equal where every boundary sits as shallow
+prices at real splits (achievable.rank_sums): never above them, and equal where every boundary sits as shallow
 as it can (every chunk one layer but the last), on K3 PP4 VP4, whose AttnRes streams make deeper packets larger."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.achievable import _rank_sums
+from k3opt.cost.achievable import rank_sums
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search.frames import ActMode, Frame, frame_shape
 from k3opt.search.lp_bound import _packet_floor
 from k3opt.search.ranking import ranked_coefficients
-from k3opt.specs import FsdpLifecycle, Recompute
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def k3_pp4_vp4():
 
 def _packets(cf, split, r):
     """Rank r's packet seconds per link: its priced rank sums less its layers' own sums."""
-    with_packets = _rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r)
+    with_packets = rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r)
     edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
     k, p, L = len(split), cf.shape.pp, cf.n_layers
     idx = [i for j in range(r, k, p) for i in range(edges[j], edges[j + 1])]

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.errors import LayoutError
-from k3opt.plots import in_flight_peak, ledger_plot, pareto_plot, pipeline_schedule, timeline_plot
+from k3opt.inputs.errors import LayoutError
+from k3opt.report.plots import in_flight_peak, ledger_plot, pareto_plot, pipeline_schedule, timeline_plot
 from k3opt.search import PlanItem
 
 
@@ -68,7 +68,7 @@ def test_timeline_draws_the_replay_the_plan_is_ranked_by(reference_eval, model, 
 def test_timeline_plot_replays_the_ranked_chunks(tmp_path, reference_eval, monkeypatch):
     """timeline_plot hands pipeline_schedule each rank's chunks' forward and backward as StepTime.ranked_chunk_s
     holds them (global chunk g on rank g mod p), not layer counts."""
-    import k3opt.plots as plots
+    import k3opt.report.plots as plots
 
     seen = {}
     real = plots.pipeline_schedule

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
+from k3opt.cost.coefficients import Shape, coefficients
 
 
 def test_gb200_dense_peaks_from_the_rack_datasheet(cluster):

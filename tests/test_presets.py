@@ -12,7 +12,8 @@ import golden_k3 as hand
 import pytest
 
 import k3opt
-from k3opt.specs import MIB, preset_names
+from k3opt.inputs.presets import preset_names
+from k3opt.inputs.specs import MIB
 
 # clusters.md: HBM (nvidia-smi MiB), HBM GB/s, BF16 and FP8 TFLOP/s, NVLink GB/s, domain GPUs, NIC GB/s,
 # host memory GB per GPU, host link GB/s per GPU (GB200/GB300: C2C copy engine measured ~200; HGX: PCIe Gen5 x16 64).

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import k3opt
-import k3opt.rates
+import k3opt.inputs.rates
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import FsdpLifecycle, Recompute, ShardingPolicy
 from k3opt.search import enumerate_frames
-from k3opt.specs import FsdpLifecycle, Recompute, ShardingPolicy, make_layout
 
 DATA = Path(__file__).parent / "data"
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
@@ -26,9 +27,9 @@ ALLOWED = ("fused_situ", "moe_backward_rewrite", "dispatch_recompute")
 @pytest.fixture
 def rated(monkeypatch):
     """The slow test cluster with the GB200 rates file (fractions of its own peaks)."""
-    gb200 = k3opt.rates.load_rates("gb200-nvl72")
-    real = k3opt.rates._shipped_rates
-    monkeypatch.setattr(k3opt.rates, "_shipped_rates", lambda name: gb200 if name == "slow-test" else real(name))
+    gb200 = k3opt.inputs.rates.load_rates("gb200-nvl72")
+    real = k3opt.inputs.rates._shipped_rates
+    monkeypatch.setattr(k3opt.inputs.rates, "_shipped_rates", lambda name: gb200 if name == "slow-test" else real(name))
     return k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")
 
 
@@ -38,7 +39,7 @@ def _job() -> k3opt.Job:
         "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [1, 2], "vp": [1], "cp": [1], "ep": [2, 4], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in ALLOWED]},
     })
 
 
@@ -117,17 +118,17 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     df = plan.to_frame("layouts")
     assert list(df["ranked_step_time_s"]) == pytest.approx(want, abs=TOL_S)
     assert (df["achievable_step_time_s"] > df["step_time_s"]).all()
-    text = k3opt.report.plan_text(plan)
+    text = k3opt.report.text.plan_text(plan)
     assert "achievable_s" in text and "step_s" in text and "(achievable, rates 'gb200-nvl72')" in text
     # The status line names the largest CP-SAT model only when one was solved.
     solved = dataclasses.replace(plan, frames_solved=3, model_size={"variables": 1234, "constraints": 5678})
-    assert "3 CP-SAT models solved" in (t := k3opt.report.plan_text(solved)) and "1,234 variables, 5,678" in t
+    assert "3 CP-SAT models solved" in (t := k3opt.report.text.plan_text(solved)) and "1,234 variables, 5,678" in t
     none = dataclasses.replace(plan, status="OPTIMAL", frames_solved=0, model_size={})
-    t = k3opt.report.plan_text(none)
+    t = k3opt.report.text.plan_text(none)
     assert "0 CP-SAT models solved" in t and "largest model" not in t and "settled every shape" in t
     # Stopped (time limit or Ctrl-C) before any model solved: the line does not claim the shapes settled.
     cut = dataclasses.replace(none, status="FEASIBLE")
-    t = k3opt.report.plan_text(cut)
+    t = k3opt.report.text.plan_text(cut)
     assert "status FEASIBLE" in t and "the bounds did not settle every shape" in t
 
 
@@ -191,7 +192,7 @@ def test_without_rates_the_plan_ranks_by_the_roofline():
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
     it = plan.layouts[0]
     assert it.evaluation.step.achievable_step_time_s is None and it.rank_time_s == it.step_time_s
-    assert "(peak roofline: no rates file)" in k3opt.report.plan_text(plan)
+    assert "(peak roofline: no rates file)" in k3opt.report.text.plan_text(plan)
 
 
 def _slower_links(tmp_path: Path) -> tuple[Path, k3opt.ClusterSpec]:
@@ -216,7 +217,7 @@ def test_update_communication_beyond_its_window_is_ranked(rated, tmp_path):
     spec["cluster"] = str(path)
     spec["search"].update({"pp": [1, 2], "ep": [2], "dense_fsdp": [4, 8],
                            "fsdp_lifecycle": ["per_microbatch", "accumulate"],
-                           "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]})
+                           "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]})
     job = k3opt.Job.model_validate(spec)
     rows = _enumerate(job, tiny, slower, allowed, tuple(FsdpLifecycle))
     best = min(rows, key=lambda r: r[2])
@@ -242,7 +243,7 @@ def test_bounds_count_the_update_communication_beyond_its_window(rated, tmp_path
     spec["cluster"] = str(path)
     spec["search"].update({"pp": [1, 2], "vp": [1, 2], "ep": [2], "dense_fsdp": [4, 8],
                            "fsdp_lifecycle": ["per_microbatch", "accumulate"],
-                           "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]})
+                           "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]})
     job = k3opt.Job.model_validate(spec)
     rows = _enumerate(job, tiny, slower, allowed, tuple(FsdpLifecycle))
     assert {r[0].vp for r in rows} == {1, 2}

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.coefficients import Shape, coefficients
-from k3opt.errors import SpecError
-from k3opt.rates import load_rates, rates_for
-from k3opt.specs import preset_names
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.errors import SpecError
+from k3opt.inputs.presets import preset_names
+from k3opt.inputs.rates import load_rates, rates_for
 
 
 @pytest.mark.parametrize("name", preset_names("rates"))
@@ -31,7 +31,7 @@ def test_gb200_fractions_are_the_microbenchmarks_over_the_datasheet_peaks():
 
 def test_rates_file_errors(tmp_path):
     bad = tmp_path / "r.toml"
-    bad.write_text((k3opt.specs.preset_dir("rates") / "gb200-nvl72.toml").read_text() + "\nfudge = 1.3\n")
+    bad.write_text((k3opt.inputs.presets.preset_dir("rates") / "gb200-nvl72.toml").read_text() + "\nfudge = 1.3\n")
     with pytest.raises(SpecError, match="fudge: unknown key"):
         load_rates(str(bad))
     r = load_rates("gb200-nvl72")
@@ -112,7 +112,7 @@ def test_hierarchical_dispatcher_crosses_each_remote_domain_once():
 def test_overlapped_all_to_all_still_holds_its_sms():
     """With an EP overlap schedule the all-to-all hides under compute, but the compute beside it runs without the
     dispatcher's SMs: HybridEP was measured with 32 of a GB200's 148 SMs, so the stage keeps 32/148 of it."""
-    from k3opt.achievable import achievable_for
+    from k3opt.cost.achievable import achievable_for
 
     # MB-13's layout with the EP overlap schedule of the 067f987d recipes (its 26.04.01 release ran without it).
     lay = k3opt.load_layout("layouts/measured/mb-13-deepseek-v3-gb200.toml").model_copy(update={"ep_overlap": True})
@@ -132,7 +132,7 @@ def test_ranking_view_sums_to_the_achievable_stage():
     layout (no PP packets, EP inside one domain) their max is the achievable stage written from the raw arrays:
     exposed, max(tensor + vector, HBM, NVLink, NIC, host) + the all-to-all; overlapped, the all-to-all is one more
     resource and the compute beside it loses HybridEP's 32 of 148 SMs. The view's update keeps the compute side."""
-    from k3opt.achievable import achievable_for, ranking_view
+    from k3opt.cost.achievable import achievable_for, ranking_view
 
     lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
@@ -156,7 +156,7 @@ def test_ranking_view_sums_to_the_achievable_stage():
 def test_exposed_all_to_all_is_per_layer_when_it_crosses_domains():
     """Each layer's dispatch + combine runs its NVLink and NIC sides at once and the layers one after another, so
     the exposed time is sum over MoE layers of max(NVLink side, NIC side) (B200 row: EP 32 over 8-GPU domains)."""
-    from k3opt.achievable import achievable_for
+    from k3opt.cost.achievable import achievable_for
 
     lay = k3opt.load_layout("layouts/measured/mb-14-deepseek-v3-b200.toml").model_copy(update={"ep_overlap": False})
     model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
@@ -175,7 +175,7 @@ def test_unpaired_microbatches_of_the_ep_overlap_schedule():
     run their all-to-all exposed. Interleaved PP 4 x VP 4, 64 microbatches, rank 0: warmup 2(4 - 1) + 3 x 4 + 1 = 19
     forwards, chunks in groups of 4 microbatches (0000 1111 2222 3333 000); the last 19 backwards run last chunk
     first per group (000 | 3333 2222 1111 0000). PP 1: the first forward and the last backward."""
-    from k3opt.schedule import ep_overlap_unpaired
+    from k3opt.cost.schedule import ep_overlap_unpaired
 
     fwd, bwd = ep_overlap_unpaired(4, 4, 64, 0)
     assert fwd == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [0] * 3
@@ -190,7 +190,7 @@ def test_ep_overlap_exposes_one_microbatch_of_all_to_all_under_pp1():
     ran without overlap): the first forward's dispatch + combine and the last
     backward's run alone, one microbatch's all-to-all in all (4 payload exchanges, 2 each way), costing what the
     overlapped stage did not charge: (1 - 32/148) x its time, added once to the step. Without overlap: 0."""
-    from k3opt.achievable import achievable_for
+    from k3opt.cost.achievable import achievable_for
 
     lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml").model_copy(update={"ep_overlap": True})
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("gb200-nvl72")
@@ -202,7 +202,7 @@ def test_ep_overlap_exposes_one_microbatch_of_all_to_all_under_pp1():
     assert step.step_time_s == pytest.approx(16 * step.stage_time_s + step.update_time_s + step.unpaired_ep_s)
     off = lay.model_copy(update={"ep_overlap": False})
     assert achievable_for(coefficients(Shape.of(off), model, cluster), off.split, cluster).unpaired_ep_s == 0
-    text = k3opt.report.explain_text(k3opt.evaluate(lay, model=model, cluster=cluster))
+    text = k3opt.report.text.explain_text(k3opt.evaluate(lay, model=model, cluster=cluster))
     assert f"unpaired microbatches expose {step.unpaired_ep_s * 1e3:.1f} ms" in text
 
 
@@ -233,7 +233,7 @@ def test_nccl_ring_latency_is_the_tuning_models_alpha(tmp_path):
     # Without the fields (a user's rates file that leaves them out) there is no latency term.
     assert r.model_copy(update={"collective_hop_latency_nic_us": None}).ring_latency_s(64, 64) == 0.0
     bad = tmp_path / "r.toml"
-    text = (k3opt.specs.preset_dir("rates") / "gb200-nvl72.toml").read_text()
+    text = (k3opt.inputs.presets.preset_dir("rates") / "gb200-nvl72.toml").read_text()
     bad.write_text(text.replace("value = 8.4", "value = -8.4"))
     with pytest.raises(SpecError, match="collective_base_latency_us"):
         load_rates(str(bad))

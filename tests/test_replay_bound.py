@@ -14,11 +14,11 @@ from conftest import interleaved_small_job
 from ortools.sat.python import cp_model
 
 import k3opt
-from k3opt.schedule import critical_path, replay_makespan
+from k3opt.cost.schedule import critical_path, replay_makespan
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import replay_bound
 from k3opt.search.frames import act_modes, enumerate_frames, frame_shape, layout_of
 from k3opt.search.node_model import TIME_UNIT, FrameModel
-from k3opt.specs import FsdpLifecycle, Recompute
 
 DATA = Path(__file__).parent / "data"
 
@@ -235,10 +235,10 @@ def test_a_node_is_optimal_only_when_its_last_solve_proved_it(monkeypatch):
 
     # Ranked (replayed) times well above the objectives: 200 units = 200 x 1e-7 / v s, so 1 s is far above.
     ranked = iter([1.0, 1.5])
-    monkeypatch.setattr(node_model, "_item", lambda *_a: SimpleNamespace(rank_time_s=next(ranked), layout=None))
+    monkeypatch.setattr(node_model, "plan_item", lambda *_a: SimpleNamespace(rank_time_s=next(ranked), layout=None))
     monkeypatch.setattr(node_model, "_solution_path", lambda *_a: (np.zeros(1), np.zeros(1)))
     monkeypatch.setattr(node_model, "_NODE_PATHS", {})
-    res, _item = node_model._solve_with_replay_cuts(None, f, FakeModel(), None, None, 60.0, 2, True, None, 0.01,
+    res, plan_item = node_model._solve_with_replay_cuts(None, f, FakeModel(), None, None, 60.0, 2, True, None, 0.01,
                                                      ("key",))
     assert res.status == "FEASIBLE"
     assert res.bound == 204  # the better proven bound of the two solves is kept

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.coefficients import (
+from k3opt.cost.coefficients import (
     Precision,
     Shape,
     coefficients,
@@ -17,9 +17,9 @@ from k3opt.coefficients import (
     memory_bound_kernel_bytes,
     saved_per_token,
 )
-from k3opt.rates import load_rates
-from k3opt.specs import Toggles
-from k3opt.structure import structure_of
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.rates import load_rates
+from k3opt.inputs.specs import Toggles
 
 # constraints/clusters/b200.toml and constraints/rates/b200.toml
 HBM, HBM_FRAC = 8000e9, 0.74

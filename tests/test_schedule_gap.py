@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 import k3opt
-from k3opt.report import schedule_gap_lines
-from k3opt.specs import Layout
+from k3opt.inputs.specs import Layout
+from k3opt.report.text import schedule_gap_lines
 
 BASE = dict(gpus=512, pp=8, vp=2, cp=1, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, rows=1, context=4096,
             recompute="full", domain_gpus_used=64)

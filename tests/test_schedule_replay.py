@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
+from k3opt.cost.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
 
 DATA = Path(__file__).parent / "data"
 
@@ -70,7 +70,7 @@ def test_evaluate_prices_the_schedule():
     assert ev.step.update_time_s < ev.step.schedule_step_time_s <= ev.step.step_time_s * (1 + 1e-12)
     tiny = k3opt.load_model(DATA / "tiny-moe.toml")
     slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
-    lay = k3opt.specs.make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=4, context=2048,
+    lay = k3opt.inputs.presets.make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=4, context=2048,
                                   split=[1, 2, 2, 1], reserve_gib=1.5)
     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
     assert ev.step.schedule_step_time_s > ev.step.update_time_s

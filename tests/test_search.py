@@ -16,8 +16,9 @@ from conftest import INTERLEAVED_TOGGLES, PP2_VP2_TOGGLES, interleaved_small_job
 
 import k3opt
 from k3opt.cli import main
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import Frame, enumerate_frames, solve_frame
-from k3opt.specs import FsdpLifecycle, Recompute, make_layout
 
 DATA = Path(__file__).parent / "data"
 GIB, MIB = 2**30, 2**20
@@ -27,7 +28,7 @@ P2P Muon changes the optimizer-step gather, which the sharding policy also decid
 POLICIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 MAIN_POLICIES = POLICIES[1:]
 """The main space's dense policies (no_shard, dominated by optim, is enumerated in the sharding test only)."""
-FORBIDDEN = [t for t in k3opt.specs.TOGGLE_NAMES if t not in ALLOWED]
+FORBIDDEN = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in ALLOWED]
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
 
 
@@ -318,7 +319,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
     activation toggles) on one frame: the CP-SAT optimum equals enumeration, and no bound exceeds a layout."""
     from k3opt.search import FIXED_TOGGLES, NEVER_CHOSEN, frame_dp_bound, node_lower_bound, tight_node_bound
 
-    toggles = [t for t in k3opt.specs.TOGGLE_NAMES if t not in NEVER_CHOSEN + FIXED_TOGGLES]
+    toggles = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in NEVER_CHOSEN + FIXED_TOGGLES]
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
@@ -544,7 +545,7 @@ def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserv
     the six layers into 4 chunks under every toggle setting), and it does say no to nodes the fractional test over
     the same bytes (`lean_fits`) lets through (at 2.4 GiB reserved the accumulate lifecycle's no-recompute and
     selective nodes, at 2.6 GiB three nodes)."""
-    from k3opt.search.frames import ACT_TOGGLES, ActMode, _choices, _memory_view, allocated_capacity_bytes
+    from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view
     from k3opt.search.lp_bound import contiguous_fits, lean_fits
 
     job = pp2_vp2_memory_job(reserve)
@@ -557,7 +558,7 @@ def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserv
         fitting = next(_pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, reserve, tiny, slow), None)
         if fitting is not None:
             assert contiguous, (rc, lc, fitting[0])
-        lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
+        lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
         sharper += lean_fits(job, f, lean, cap, slow.host_memory_bytes) and not contiguous
     assert sharper >= 2
 
@@ -568,7 +569,7 @@ def test_contiguity_is_what_leaves_a_k3_128k_node_without_a_split():
     (with offload), so its relaxation bounds it at 31.6 s and CP-SAT's bound stalls there; in whole layers over
     contiguous chunks they do not. (The node model with its objective cleared proves the same in about 30 s on 2
     cores: measured, not run here.) On the six-layer model no node separates the two, hence this one."""
-    from k3opt.search.frames import ACT_TOGGLES, ActMode, _choices, _memory_view, allocated_capacity_bytes
+    from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view
     from k3opt.search.lp_bound import contiguous_fits, lean_fits
 
     job = k3opt.load_job("k3-512-128k")
@@ -577,7 +578,7 @@ def test_contiguity_is_what_leaves_a_k3_128k_node_without_a_split():
              if (f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, f.microbatches) == (8, 2, 16, 32, 2, 4, 32)
              and f.dense_sharding.value == f.expert_sharding.value == "optim_grads")
     rc, lc = Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH
-    lean = _memory_view(job, f, ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
+    lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
     assert lean_fits(job, f, lean, float(allocated_capacity_bytes(job, f, model, cluster)),
                      cluster.host_memory_bytes)
     assert contiguous_fits(job, f, rc, lc, model, cluster, 60.0) is False
@@ -626,7 +627,7 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
     program says offload is forced only where no layout without offload fits, and it does say so where only
     offload layouts fit; the relaxation is tighter than the mean load where memory binds."""
     from k3opt.search import node_lower_bound, tight_node_bound
-    from k3opt.search.frames import ActMode, _memory_view, allocated_capacity_bytes
+    from k3opt.search.frames import ActMode, allocated_capacity_bytes, memory_view
     from k3opt.search.lp_bound import needs_offload
 
     allowed = PP2_VP2_TOGGLES
@@ -651,7 +652,7 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
             # variant's own work and bytes, the replay and whole layers. Mixing the least work of one toggle
             # setting with the least bytes of another gave 3.976 s, 8.9% under it.
             assert lp >= 0.94 * best, (rc, lc, lp, best)
-        forced = needs_offload(job, f, _memory_view(job, f, ActMode(rc, True, False, False, False), lc, tiny, slow),
+        forced = needs_offload(job, f, memory_view(job, f, ActMode(rc, True, False, False, False), lc, tiny, slow),
                                cap)
         assert not (forced and without_offload), (rc, lc)
         forced_with_fit += forced and with_offload
@@ -717,7 +718,7 @@ def test_interleaved_bounds_below_every_layout_when_pp_packets_bind(tiny, slow, 
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 0.5,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "dense_sharding": ["optim_grads_params"], "recompute": ["none"],
-                   "fsdp_lifecycle": ["per_microbatch"], "forbid_toggles": list(k3opt.specs.TOGGLE_NAMES)},
+                   "fsdp_lifecycle": ["per_microbatch"], "forbid_toggles": list(k3opt.inputs.specs.TOGGLE_NAMES)},
     })
     (f,) = enumerate_frames(job, tiny, 8)
     times = []
@@ -761,9 +762,10 @@ def test_budget_depends_on_the_degrees_only():
     policies, gradient dtype and precision: each must equal the budget of its own shape, computed directly."""
     from dataclasses import replace
 
-    from k3opt.memory_outside import allocated_budget_bytes
+    from k3opt.cost.memory_outside import allocated_budget_bytes
+    from k3opt.inputs.presets import load_cluster, load_model
+    from k3opt.inputs.specs import Dtype, Precision, ShardingPolicy
     from k3opt.search.frames import ActMode, _runtime, allocated_capacity_bytes, frame_shape
-    from k3opt.specs import Dtype, Precision, ShardingPolicy, load_cluster, load_model
 
     job = k3opt.load_job("k3-512-4k")
     assert job.runtime is not None
@@ -820,7 +822,7 @@ def test_offload_bounds_per_dispatch_recompute_setting_stay_below_every_layout(t
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.specs.TOGGLE_NAMES if t not in allowed]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]},
     })
     (f,) = enumerate_frames(job, tiny, 8)
     rows = []

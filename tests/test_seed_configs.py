@@ -9,12 +9,12 @@ import math
 
 import k3opt
 import k3opt.search.incumbents as inc
+from k3opt.inputs.presets import make_layout
 from k3opt.search.frames import enumerate_frames, frame_of
 from k3opt.search.result import PlanItem
-from k3opt.specs import make_layout
 
 
-def _item(job, m, recompute, tiny, slow) -> PlanItem:
+def plan_item(job, m, recompute, tiny, slow) -> PlanItem:
     lay = make_layout(gpus=8, pp=2, vp=2, ep=2, expert_fsdp=2, dense_fsdp=4, microbatches=m, context=2048,
                       split=[1, 2, 2, 1], recompute=recompute, fsdp_lifecycle="per_microbatch",
                       toggles=dict(fp8_activations=True, activation_offload=True), reserve_gib=job.reserve_gib,
@@ -27,7 +27,7 @@ def _item(job, m, recompute, tiny, slow) -> PlanItem:
 def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_job, monkeypatch):
     job = pp2_job.model_copy(update={"reserve_gib": 1.0})  # room for the layout without recompute
     m = next(f for f in enumerate_frames(job, tiny, 8) if f.vp == 2).microbatches
-    fast, slower = _item(job, m, "none", tiny, slow), _item(job, m, "full", tiny, slow)
+    fast, slower = plan_item(job, m, "none", tiny, slow), plan_item(job, m, "full", tiny, slow)
     # 4.21 s without recompute, 4.89 s with full recompute (a replayed forward): distinct times, both kept.
     assert fast.rank_time_s < slower.rank_time_s
     f = frame_of(fast.layout)
@@ -39,7 +39,7 @@ def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_j
 
     monkeypatch.setattr(inc, "split_climb", record)
     monkeypatch.setattr(inc, "CLIMB_WITHIN", 0.5)  # both within reach of the fastest on this model
-    configs = {f: {inc._config_of(it.layout): it for it in (fast, slower)}}
+    configs = {f: {inc.config_of(it.layout): it for it in (fast, slower)}}
     inc.seed(job, [], tiny, slow, {f: fast}, math.inf, walk_first=False, configs=configs)
     assert sorted(climbed) == ["full", "none"]
     # Without the earlier call's configurations the climb starts from the frame's fastest layout only.

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import k3opt
-import k3opt.report
+import k3opt.report.text
 import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
 from k3opt.search.bounds import frame_lower_bound
@@ -159,9 +159,9 @@ def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job
     assert cut.holding is not None and 1 <= cut.open_shapes <= cut.frames_total
     assert cut.holding.bound_s == cut.bound and cut.holding.line_s == pytest.approx(line, rel=1e-12)
     assert cut.holding.shape.startswith("PP") and "bound" in cut.holding.kind
-    text = k3opt.report.plan_text(cut)
+    text = k3opt.report.text.plan_text(cut)
     assert f"the least, {cut.bound:.3f} s, is the {cut.holding.kind} of {cut.holding.shape}" in text
-    assert exact.open_shapes == 0 and exact.holding is None and "not proven" not in k3opt.report.plan_text(exact)
+    assert exact.open_shapes == 0 and exact.holding is None and "not proven" not in k3opt.report.text.plan_text(exact)
 
 
 def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2_job, monkeypatch):
@@ -195,7 +195,7 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
     """K3 on 512 GPUs (the default job): the first heuristic pass's first round takes each (PP, VP)'s most sharded
     shape (most EP and dense FSDP, least expert FSDP and CP), those whose peak bound is under HBM less the reserve
     first, by step-time bound; PP8 VP4 leads (it came 13th when the order was by sharding alone)."""
-    from k3opt.specs import GIB
+    from k3opt.inputs.specs import GIB
 
     job = k3opt.load_job("k3-512-4k")
     seen: list = []
@@ -280,8 +280,8 @@ def test_open_bounds_count_the_shapes_under_the_line_and_name_the_least():
     and the least entry with the kind of its bound: a shape's before and after its own whole-layer bound, a node's
     first bound, its relaxation (v > 1) or split programs (v = 1), CP-SAT's after its slices. Entries at or over the
     line and taken ones count for nothing."""
+    from k3opt.inputs.specs import FsdpLifecycle, Recompute
     from k3opt.search.frames import Frame
-    from k3opt.specs import FsdpLifecycle, Recompute
 
     a, b, c = (Frame(pp=2, vp=v, cp=1, ep=2, expert_fsdp=1, dense_fsdp=d, microbatches=4, gpus=8)
                for v, d in ((2, 2), (2, 4), (1, 4)))

@@ -5,10 +5,10 @@ hand (make_layout with the sibling's degrees and the source's split and toggles)
 from __future__ import annotations
 
 import k3opt
+from k3opt.inputs.presets import make_layout
 from k3opt.search.frames import enumerate_frames, frame_of
 from k3opt.search.incumbents import spread
 from k3opt.search.result import PlanItem
-from k3opt.specs import make_layout
 
 TOGGLES = dict(fp8_activations=True, activation_offload=True)
 

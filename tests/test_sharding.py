@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.sharding import framework_tensors, owned_per_rank, ping_pong, worst_owned
-from k3opt.structure import structure_of
-from k3opt.validate import validation_rows
+from k3opt.cost.sharding import framework_tensors, owned_per_rank, ping_pong, worst_owned
+from k3opt.cost.structure import structure_of
+from k3opt.report.validate import validation_rows
 
 GIB = 2**30
 PROXY = "k3-4layer-dist-muon-8gpu"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import k3opt
-from k3opt.specs import load_layout
+from k3opt.inputs.presets import load_layout
 
 
 def test_tensor_granularity_on_deepseek_v3_with_its_shared_mtp_head() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import k3opt
+from k3opt.inputs.presets import make_layout
 from k3opt.search.incumbents import split_climb
 from k3opt.search.result import PlanItem
-from k3opt.specs import make_layout
 
 DATA = Path(__file__).parent / "data"
 

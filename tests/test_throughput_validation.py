@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from k3opt.cli import main
-from k3opt.specs import load_layout
-from k3opt.throughput_validation import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
+from k3opt.inputs.presets import load_layout
+from k3opt.report.throughput import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
 
 # The rows of the public table (Megatron-Bridge docs/performance-summary.md at 067f987d): id -> TPS/GPU.
 PUBLIC_ROWS = {"MB-1": 5248, "MB-2": 4224, "MB-12": 4992, "MB-13": 4256, "MB-14": 3328, "MB-17": 6944,

@@ -8,7 +8,7 @@ import golden_k3 as hand
 import pytest
 
 import k3opt
-from k3opt.specs import TOGGLE_NAMES
+from k3opt.inputs.specs import TOGGLE_NAMES
 
 GB200 = hand.Cluster(bf16_tflops=2500, hbm_gbps=8000, nvlink_gbps=900, nic_gbps=50, host_link_gbps=200)
 REF = dict(gpus=512, pp=8, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=64, rows=1, context=4096,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3opt.errors import UnknownTargetError
-from k3opt.report import layout_text
-from k3opt.specs import Layout, ModelSpec
+from k3opt.inputs.errors import UnknownTargetError
+from k3opt.inputs.labels import layout_text
+from k3opt.inputs.specs import Layout, ModelSpec
 
 FORMATS: tuple[str, ...] = ("megatron-bridge", "megatron-lm", "torchtitan")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3opt.inputs.errors import InfeasibleJobError, SpecError
+from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec
 from k3opt.launch.common import (
     MEGATRON_BRIDGE_COMMIT,
     MEGATRON_LM_COMMIT,
@@ -16,7 +18,6 @@ from k3opt.launch.common import (
     check_format,
     kda_layers,
 )
-from k3opt.specs import FsdpLifecycle, Job, Layout, ModelSpec
 
 MLM = f"@ NVIDIA/Megatron-LM {MEGATRON_LM_COMMIT[:8]}"
 MB = f"@ NVIDIA-NeMo/Megatron-Bridge {MEGATRON_BRIDGE_COMMIT[:8]}"
@@ -172,7 +173,7 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
     lifecycle, and every toggle without a switch added to forbid_toggles.
 
     The derived expert-DP rule (dense_fsdp = ep x expert_fsdp) couples three degrees, which the [search] lists
-    cannot say; `k3opt.launch.plan` filters frames that break it (see launch_refusals)."""
+    cannot say; `k3opt.planner.plan` filters frames that break it (see launch_refusals)."""
     target = getattr(job, "target", None)
     if target is None:
         return job
@@ -196,15 +197,11 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
             forbid.append(ns.toggle)
     required = [t for t in s.require_toggles if t in forbid]
     if required:
-        from k3opt.errors import SpecError
-
         raise SpecError(f"job requires toggles {required} that target {target} has no switch for; "
                         "remove them from [search] require_toggles or drop the target")
     upd["forbid_toggles"] = forbid
     for name in ("vp", "cp", "fsdp_lifecycle"):
         if name in upd and not upd[name]:
-            from k3opt.errors import InfeasibleJobError
-
             raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "
                                      f"allow {name} = 1 / accumulate or drop the target")
     return job.model_copy(update={"search": s.model_copy(update=upd)})

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import shlex
 
+from k3opt.inputs.specs import Layout, ModelSpec
 from k3opt.launch.common import Launch
 from k3opt.launch.megatron_lm import megatron_settings
-from k3opt.specs import Layout, ModelSpec
 
 
 def _value(v: object) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from k3opt.inputs.specs import FsdpLifecycle, Layout, ModelSpec, Recompute
 from k3opt.launch.common import (
     Launch,
     Missing,
@@ -22,7 +23,6 @@ from k3opt.launch.common import (
     run_length_expr,
 )
 from k3opt.launch.limits import NO_SWITCH
-from k3opt.specs import FsdpLifecycle, Layout, ModelSpec, Recompute
 
 SELECTIVE_MODULES = ("moe_act", "layernorm")
 """k3opt's selective recompute replays element-wise work and keeps GEMM inputs and attention outputs; of the

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
+from k3opt.inputs.specs import Layout, ModelSpec, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
 from k3opt.launch.limits import NO_SWITCH
-from k3opt.specs import Layout, ModelSpec, Recompute
 
 
 def _toml(v: object) -> str:

@@ -10,7 +10,7 @@ program per activation mode with offload and balancing decided globally; for v >
 memory (offload forced), then a linear relaxation over fractional layers per chunk. The search stops with a
 proof once the next bound exceeds the K-th best layout found; the bound and gap it reports are that proof.
 
-Every coefficient comes from k3opt.coefficients (one call per mode combination); the model only sums them over
+Every coefficient comes from k3opt.cost.coefficients (one call per mode combination); the model only sums them over
 the split. Every layout returned is re-evaluated with `evaluate()`, and what is reported is that evaluation; a
 disagreement beyond the integer resolution raises an error instead of being rounded away.
 
@@ -21,13 +21,7 @@ model), `driver` (`plan()`: the branch and bound), `front` (the Pareto front), `
 
 from k3opt.search.bounds import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
 from k3opt.search.driver import plan
-from k3opt.search.frames import (
-    FIXED_TOGGLES,
-    NEVER_CHOSEN,
-    Frame,
-    allocated_capacity_bytes,
-    enumerate_frames,
-)
+from k3opt.search.frames import FIXED_TOGGLES, NEVER_CHOSEN, Frame, allocated_capacity_bytes, enumerate_frames
 from k3opt.search.node_model import FrameModel, solve_frame
 from k3opt.search.result import Plan, PlanItem
 

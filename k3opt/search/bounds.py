@@ -12,25 +12,25 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from k3opt.coefficients import Coefficients, balance_moved_bytes, cache_key
-from k3opt.schedule import schedule_slots
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key
+from k3opt.cost.schedule import schedule_slots
+from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.frames import (
     ACT_TOGGLES,
     ActMode,
     Frame,
-    _allowed_on,
-    _choices,
-    _memory_view,
     act_modes,
     allocated_capacity_bytes,
+    allowed_on,
+    choices,
     frame_shape,
     lean_mode,
     lifecycles,
+    memory_view,
     undominated_modes,
 )
 from k3opt.search.lp_bound import (
     STOP_ROUNDING,
-    _schedule_terms,
     granular_stage,
     interleaved_lp_bound,
     lean_fits,
@@ -38,16 +38,10 @@ from k3opt.search.lp_bound import (
     needs_offload,
     no_offload_bound,
     node_terms,
+    schedule_terms,
 )
 from k3opt.search.ranking import coarse_work_floor, step_floor, update_means, work_floor
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
-from k3opt.specs import (
-    ClusterSpec,
-    FsdpLifecycle,
-    Job,
-    ModelSpec,
-    Recompute,
-)
 
 # ------------------------------------------------------------------------------------- bounds
 
@@ -64,7 +58,7 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
     host under pipeline ZeRO-2), which no toggle removes."""
     base = ActMode(Recompute.NONE, False, False, False, False)
-    free = tuple(t for t in ACT_TOGGLES if True in _choices(job, t))
+    free = tuple(t for t in ACT_TOGGLES if True in choices(job, t))
     cf = coarse_work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster, free=free)
     p = f.pp
     stage = float(cf.time["tensor"].sum()) / p
@@ -72,7 +66,7 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     _, hidden = update_means({}, cf.update_hidden, p)
     t_lb = step_floor(schedule_slots(f.pp, f.vp, f.microbatches), stage, update, hidden, cf.update_hidden_stages)
     persistent = float((cf.master + cf.optimizer + cf.bf16_view).sum())
-    if "pipeline_zero2_host_grads" not in _allowed_on(job):
+    if "pipeline_zero2_host_grads" not in allowed_on(job):
         persistent += float(cf.grads.sum())
     return t_lb, persistent / p
 
@@ -86,7 +80,7 @@ def _floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpe
     at their least over the toggles, the rest as with the free toggles off, which only add to it), except for an EP
     overlap schedule, whose exposed exchange is not monotone in the toggles."""
     fixed = fixed or {}
-    free = tuple(t for t in ACT_TOGGLES if _choices(job, t) == [False, True] and t not in fixed)
+    free = tuple(t for t in ACT_TOGGLES if choices(job, t) == [False, True] and t not in fixed)
     required = ActMode(rc, *(fixed.get(t, t in job.search.require_toggles) for t in ACT_TOGGLES))
     shape = frame_shape(job, f, required, lc)
     if coarse and recs is None and lcs is None and not shape.ep_overlap:
@@ -119,8 +113,8 @@ def node_key(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelS
     return (job.model_dump_json(), *cache_key(model, cluster), f, rc, lc)
 
 
-_DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
-_LP_BOUNDS: dict[tuple, float] = {}
+DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+LP_BOUNDS: dict[tuple, float] = {}
 """Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 
@@ -133,10 +127,10 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     v = 1: a dynamic program over contiguous stage ranges gives the exact min-max of a relaxed stage cost (each
     rank's work on every resource; the stage must fit persistent + in-flight saved bytes, or the optimizer phase,
     under the HBM line, with offload allowed when the host holds the rest). v > 1: the mean over ranks."""
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     cf = _floor(job, f, rc, lc, model, cluster)
     lean = lean_mode(job, rc)
-    lcf = _memory_view(job, f, lean, lc, model, cluster)
+    lcf = memory_view(job, f, lean, lc, model, cluster)
     p = f.pp
     update, hidden = update_means(cf.update, cf.update_hidden, p)
     hs = cf.update_hidden_stages
@@ -146,7 +140,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
             if "activation_offload" in allowed else None
         stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
-        _DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
+        DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
         return step_floor(cf.slots, stage, update, hidden, hs), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
     if "activation_offload" in allowed:
@@ -172,11 +166,11 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
         return 0.0, 0.0
     if f.vp != 1:
         return _frame_interleaved_bound(job, f, model, cluster, stop_at), 0.0
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     recs = job.search.recompute or list(Recompute)
     lcs = lifecycles(job)
     cf = _floor(job, f, recs[0], lcs[0], model, cluster, recs=tuple(recs), lcs=tuple(lcs))
-    lean = [_memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
+    lean = [memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
             for rc in recs for lc in lcs]
     mins = {k: np.min([getattr(c, k) for c in lean], axis=0) for k in ("act", "working_set", "grad_accum", "grads")}
     lcf = replace(lean[0], **mins)
@@ -266,7 +260,7 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     `only`: these nodes alone (their least)."""
     group = list(members) if members else [f]
     per_node = {} if per_node is None else per_node
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     recs = sorted(job.search.recompute or list(Recompute),
                   key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
     all_lcs = lifecycles(job)
@@ -314,8 +308,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
         if floor(stage) >= best:
             per_node[(rc, lc)] = floor(stage)
             continue
-        views = [_memory_view(job, g, lean, lc, model, cluster) for g in group]
-        if len({_schedule_terms(vw) for vw in views}) > 1:
+        views = [memory_view(job, g, lean, lc, model, cluster) for g in group]
+        if len({schedule_terms(vw) for vw in views}) > 1:
             return 0.0  # the memory tests read the first view's schedule terms
         merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
             "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
@@ -360,7 +354,7 @@ def _offload_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[Fsdp
     member of `group` and lifecycle of `lcs`."""
     return {dr: [coefficients(frame_shape(job, g, replace(lean, dispatch_recompute=dr), lc, activation_offload=True),
                               model, cluster).time["host_link"] for g in group for lc in lcs]
-            for dr in _choices(job, "dispatch_recompute")}
+            for dr in choices(job, "dispatch_recompute")}
 
 
 def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLifecycle], model: ModelSpec,
@@ -392,9 +386,9 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         return 0.0
     if f.vp != 1:
         lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at)
-        _LP_BOUNDS[node_key(job, f, rc, lc, model, cluster)] = lp
+        LP_BOUNDS[node_key(job, f, rc, lc, model, cluster)] = lp
         return lp
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)
     modes = undominated_modes(job, f, [md for md in act_modes(job) if md.recompute == rc], [lc], model, cluster)
     offloads = [False, True] if "activation_offload" in allowed else [False]
@@ -417,7 +411,7 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
             break
         variant = (allowed - {"activation_offload", "balance_activations"}) | (
             {"activation_offload"} if off is not None else set()) | ({"balance_activations"} if bal_on else set())
-        mem = _memory_view(job, f, md, lc, model, cluster, balance=bal_on)
+        mem = memory_view(job, f, md, lc, model, cluster, balance=bal_on)
         # A program whose stage work reaches this cannot lower the least either: it stops there.
         stop = (best - update) / cf.slots * (1 + 1e-9) if math.isfinite(best) else math.inf
         stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True, stop_at=stop)

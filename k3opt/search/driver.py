@@ -10,10 +10,12 @@ import time as _time
 from collections.abc import Callable, Iterator
 from functools import partial
 
-from k3opt.coefficients import Shape, coefficients
-from k3opt.errors import InfeasibleJobError
-from k3opt.evaluate import Evaluation, evaluate
-from k3opt.report import degrees_text
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.cost.evaluate import Evaluation, evaluate
+from k3opt.inputs.errors import InfeasibleJobError
+from k3opt.inputs.labels import degrees_text
+from k3opt.inputs.presets import load_cluster, load_model
+from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.bounds import (
     frame_dp_bound,
     frame_estimate,
@@ -35,7 +37,7 @@ from k3opt.search.frames import (
     lifecycles,
     sharding_group,
 )
-from k3opt.search.front import _pareto, ranked_time_limit
+from k3opt.search.front import build_front, ranked_time_limit
 from k3opt.search.incumbents import (
     SPREAD_SOURCES,
     SeedState,
@@ -51,16 +53,6 @@ from k3opt.search.node_model import solve_frame
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import OpenBound, Plan, PlanItem
-from k3opt.specs import (
-    GIB,
-    ClusterSpec,
-    FsdpLifecycle,
-    Job,
-    ModelSpec,
-    Recompute,
-    load_cluster,
-    load_model,
-)
 
 # ------------------------------------------------------------------------------------- driver
 
@@ -627,7 +619,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
                 "raise --time-limit")
         raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
-    front, complete = (_pareto(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
+    front, complete = (build_front(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
                                           lower_bounds=lbs, over_line=over_line, estimates=estimates)
                        if pareto and not ctrl_c.flag and (unbounded or not interrupted)
                        else (ranked[:1] if interrupted else [], False))

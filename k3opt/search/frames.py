@@ -8,12 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3opt import comm
-from k3opt.coefficients import Coefficients, Shape
-from k3opt.memory_outside import allocated_budget_bytes
-from k3opt.runtime import RuntimeSpec, load_runtime
-from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
-from k3opt.specs import (
+from k3opt.cost import comm
+from k3opt.cost.coefficients import Coefficients, Shape
+from k3opt.cost.memory_outside import allocated_budget_bytes
+from k3opt.inputs.presets import load_cluster, load_runtime
+from k3opt.inputs.specs import (
     GIB,
     ClusterSpec,
     Dtype,
@@ -23,11 +22,12 @@ from k3opt.specs import (
     ModelSpec,
     Precision,
     Recompute,
+    RuntimeSpec,
     SearchSpace,
     ShardingPolicy,
     Toggles,
-    load_cluster,
 )
+from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 
 ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
 """Toggles that change the saved-for-backward set; they form one-hot activation modes with the recompute mode."""
@@ -175,7 +175,7 @@ class ActMode:
         return {t: getattr(self, t) for t in ACT_TOGGLES}
 
 
-def _choices(job: Job, name: str) -> list[bool]:
+def choices(job: Job, name: str) -> list[bool]:
     if name in job.search.require_toggles:
         return [True]
     if name in job.search.forbid_toggles:
@@ -187,13 +187,13 @@ def _choices(job: Job, name: str) -> list[bool]:
 
 def act_modes(job: Job) -> list[ActMode]:
     recs = job.search.recompute or list(Recompute)
-    return [ActMode(r, *flags) for r in recs for flags in itertools.product(*(_choices(job, t) for t in ACT_TOGGLES))]
+    return [ActMode(r, *flags) for r in recs for flags in itertools.product(*(choices(job, t) for t in ACT_TOGGLES))]
 
 
 def lean_mode(job: Job, rc: Recompute) -> ActMode:
     """The activation mode of recompute rc that the memory tests take at or below every mode's saved bytes: every
     activation toggle the job allows, on."""
-    return ActMode(rc, *(True in _choices(job, t) for t in ACT_TOGGLES))
+    return ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES))
 
 
 def lifecycles(job: Job) -> list[FsdpLifecycle]:
@@ -231,8 +231,8 @@ def sharding_group(f: Frame) -> tuple:
             f.precision, f.domain_gpus_used)
 
 
-def _allowed_on(job: Job) -> set[str]:
-    return {t for t in RANK_TOGGLES + ACT_TOGGLES if True in _choices(job, t)}
+def allowed_on(job: Job) -> set[str]:
+    return {t for t in RANK_TOGGLES + ACT_TOGGLES if True in choices(job, t)}
 
 
 def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLifecycle], model: ModelSpec,
@@ -272,11 +272,11 @@ _UNDOMINATED: dict[tuple, tuple[tuple[ActMode, ...], ModelSpec, ClusterSpec]] = 
 identity is never reused while its entry exists."""
 
 
-def _memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+def memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
                  balance: bool | None = None) -> Coefficients:
     """Coefficients for the memory side of a bound: the chunked cross-entropy on when allowed (smaller logits),
     and balancing on when allowed (so the balanced in-flight count is known; it changes no other array)."""
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     bal = ("balance_activations" in allowed) if balance is None else balance
     return coefficients(frame_shape(job, f, md, lc, fused_cross_entropy="fused_cross_entropy" in allowed,
                                     balance_activations=bal), model, cluster)
@@ -285,7 +285,7 @@ def _memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: Mode
 def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: ClusterSpec) -> int:
     """The ledger peak (live tensors) a rank may reach. Without a runtime: HBM minus the job's reserve. With one
     (`job.runtime`): the budget that keeps every rank's device peak (+ workspaces, allocator slack and the memory
-    outside the allocator, k3opt.memory_outside) under HBM minus the reserve, as evaluate() checks it. Every
+    outside the allocator, k3opt.cost.memory_outside) under HBM minus the reserve, as evaluate() checks it. Every
     capacity test of the search goes through this function."""
     if job.runtime is None:
         return cluster.hbm_bytes - int(round(job.reserve_gib * GIB))

@@ -7,7 +7,7 @@ Anytime, within the time limit (plan() gives the ranked search RANKED_SHARE of i
 
 1. Seed (SEED_SHARE of the front's time): frames are visited round-robin over (PP, VP) groups, each group by the
    driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that adds to the
-   front queued too (`_Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
+   front queued too (`Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
    `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far on every
    heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
    search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
@@ -40,41 +40,33 @@ import math
 import time as _time
 from collections.abc import Callable, Iterable, Iterator
 
-from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.inputs.presets import load_runtime
+from k3opt.inputs.specs import GIB, MIB, ClusterSpec, Job, Layout, ModelSpec, Recompute, RuntimeSpec
 from k3opt.search.bounds import frame_estimate, frame_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
     Frame,
-    _choices,
     act_modes,
     allocated_capacity_bytes,
+    choices,
     enumerate_frames,
     frame_of,
     lifecycles,
     undominated_modes,
 )
-from k3opt.search.incumbents import (  # the configuration walks, one home for the plan's and the front's seeding
-    _LEAN,
-    _Config,
-    _config_of,
-    _library,
-    _Neighbours,
+from k3opt.search.incumbents import (
+    LEAN,
+    Config,
+    Neighbours,
+    config_of,
     frame_walk,
     price_configs,
+    seed_library,
     toggle_sets,
 )
-from k3opt.search.node_model import FrameModel, _item
+from k3opt.search.node_model import FrameModel, plan_item
 from k3opt.search.result import PlanItem
-from k3opt.specs import (
-    GIB,
-    MIB,
-    ClusterSpec,
-    Job,
-    Layout,
-    ModelSpec,
-    Recompute,
-)
 
 RANKED_SHARE = 0.25
 """With the front requested, the share of the time limit the ranked search may use before the front starts (the
@@ -119,7 +111,7 @@ class _Facts:
         return max([t_lb] + [b for c, b in self.capped.get(f, []) if c >= cap_bytes])
 
 
-def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
+def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
             ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
             lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
             estimates: dict[Frame, float] | None = None) -> tuple[list[PlanItem], bool]:
@@ -167,11 +159,11 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         visits.push(f, e)
     seen: set[Frame] = set()
     walking = 0.0
-    leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
     # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
     # activation-saving ones, every memory-saving one), fastest first: the first frame is priced under all.
-    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__, reverse=True)
-    families = [_Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
+    recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__, reverse=True)
+    families = [Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
                 for rc in recs for act, rank in toggle_sets(job)]
     fill = _Fill(job, model, cluster, runtime, frames, facts, skip, fits_bound)
     filling = 0.0
@@ -184,8 +176,8 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
         nonlocal points, walking
         seen.add(f)
         before = {id(p) for p in points}
-        library = _library(points, leanest) if seen - {f} else families + _library(points, leanest)
-        settled: list[_Config] = []
+        library = seed_library(points, leanest) if seen - {f} else families + seed_library(points, leanest)
+        settled: list[Config] = []
         found = price_configs(job, f, library, model, cluster, seed_end, runtime, settled=settled)
         fill.priced.update((f, c) for c in settled)  # those cut by the seeding's deadline stay for the filling
         points = _non_dominated(points + found)
@@ -278,7 +270,7 @@ def _pareto(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Fram
                 complete = False
             facts.add(f, math.inf if cap is None else cap,
                       math.inf if res.status == "INFEASIBLE" else max(t_lb, res.bound_step_s))
-            item = _item(job, f, fm, res, model, cluster)
+            item = plan_item(job, f, fm, res, model, cluster)
             if item is None:
                 break
             if item.rank_time_s > item.evaluation.step.formula_time_s * (1 + 1e-9):
@@ -294,7 +286,7 @@ class _Fill:
     step apart in peak, or the leanest point and the least frame peak bound) is filled by a layout whose peak falls
     in it and is faster than the leaner side -- which is found, if anywhere cheap, next to the points around it.
     Each `step` takes the point beside the widest gap and prices its next candidate by evaluate() on every
-    heuristic split: first its configuration on the frames one change from its frame (`_Neighbours`: another
+    heuristic split: first its configuration on the frames one change from its frame (`Neighbours`: another
     sharding policy, FSDP degree, VP, PP, EP...), then its frame under its configuration one change away (a toggle
     switched, another recompute mode, the other lifecycle), towards the gap first (`candidates`). A candidate
     whose frame bound a point found dominates is skipped."""
@@ -303,24 +295,24 @@ class _Fill:
                  frames: list[Frame], facts: _Facts, skip: set[Frame], fits: Callable[[Frame], bool]) -> None:
         self.args = (job, model, cluster, runtime)
         self.frames, self.facts, self.skip, self.fits = frames, facts, skip, fits
-        self.priced: set[tuple[Frame, _Config]] = set()
+        self.priced: set[tuple[Frame, Config]] = set()
         """(frame, configuration) pairs priced on every split already (by the visits or here)."""
-        self.gens: dict[tuple[Frame, _Config], Iterator[tuple[Frame, _Config]]] = {}
-        self.tries: dict[tuple[Frame, _Config], int] = {}
+        self.gens: dict[tuple[Frame, Config], Iterator[tuple[Frame, Config]]] = {}
+        self.tries: dict[tuple[Frame, Config], int] = {}
         """Candidates priced around each point (its frame and configuration)."""
-        self.retry: dict[tuple[Frame, _Config], list[tuple[Frame, _Config]]] = {}
+        self.retry: dict[tuple[Frame, Config], list[tuple[Frame, Config]]] = {}
         """Candidates each point's next ones wait for: a frame next to it under a configuration one memory-saving
         change from its own, when its own did not fit that frame."""
-        self._near: _Neighbours | None = None
+        self._near: Neighbours | None = None
         self._deeper: dict[tuple, list[Frame]] | None = None
         names = ACT_TOGGLES + RANK_TOGGLES
-        self.free = [t for t in names if _choices(job, t) == [False, True]]
-        self.recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+        self.free = [t for t in names if choices(job, t) == [False, True]]
+        self.recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
         self.lcs = lifecycles(job)
 
     def near(self, f: Frame) -> list[Frame]:
         if self._near is None:
-            self._near = _Neighbours(self.frames)
+            self._near = Neighbours(self.frames)
         return self._near(f)
 
     def deeper(self, f: Frame) -> list[Frame]:
@@ -344,13 +336,13 @@ class _Fill:
             self.facts.frame[f] = frame_lower_bound(job, f, model, cluster)
         return self.facts.frame[f]
 
-    def leaner(self, c: _Config) -> list[_Config]:
+    def leaner(self, c: Config) -> list[Config]:
         """Configurations one memory-saving change from c: a toggle switched on, a leaner recompute mode."""
         i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
         return ([dataclasses.replace(c, on=c.on | {t}) for t in self.free if t not in c.on]
                 + [dataclasses.replace(c, recompute=r) for r in reversed(self.recs[:i])])
 
-    def moves(self, c: _Config, down: bool) -> list[_Config]:
+    def moves(self, c: Config, down: bool) -> list[Config]:
         """Configurations one change from c, the memory-saving ones (`leaner`) first when `down`, else the
         time-saving ones (a toggle off, a richer recompute mode, the other lifecycle) first."""
         i = self.recs.index(c.recompute) if c.recompute in self.recs else 0
@@ -360,11 +352,11 @@ class _Fill:
         other = [dataclasses.replace(c, lifecycle=lc) for lc in self.lcs if lc != c.lifecycle]
         return lean + rich + other if down else rich + other + lean
 
-    def candidates(self, p: PlanItem, down: bool) -> Iterator[tuple[Frame, _Config]]:
+    def candidates(self, p: PlanItem, down: bool) -> Iterator[tuple[Frame, Config]]:
         """Point p's configuration on the frames one change from p's frame, those towards the gap first (down:
         another sharding policy, then a lower peak bound than p's peak, leanest bound first; up: a lower time bound
         than p's step, fastest bound first); then p's frame under p's configuration one change away (`moves`)."""
-        f, c = frame_of(p.layout), _config_of(p.layout)
+        f, c = frame_of(p.layout), config_of(p.layout)
         near = [g for g in dict.fromkeys(self.deeper(f) + self.near(f)) if g not in self.skip]
         if down:
             # Another sharding policy first: it keeps every degree, hence the compute, and trades gradient or
@@ -416,8 +408,8 @@ class _Fill:
         return None
 
     @staticmethod
-    def _key(p: PlanItem) -> tuple[Frame, _Config]:
-        return frame_of(p.layout), _config_of(p.layout)
+    def _key(p: PlanItem) -> tuple[Frame, Config]:
+        return frame_of(p.layout), config_of(p.layout)
 
 
 class _Visits:

@@ -18,17 +18,18 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from k3opt.achievable import _rank_sums
-from k3opt.coefficients import Coefficients, Shape
-from k3opt.evaluate import evaluate
-from k3opt.runtime import RuntimeSpec, load_runtime
+from k3opt.cost.achievable import rank_sums
+from k3opt.cost.coefficients import Coefficients, Shape
+from k3opt.cost.evaluate import evaluate
+from k3opt.inputs.presets import load_runtime
+from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute, RuntimeSpec
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
     ActMode,
     Frame,
-    _choices,
     allocated_capacity_bytes,
+    choices,
     frame_of,
     frame_shape,
     layout_of,
@@ -37,12 +38,11 @@ from k3opt.search.frames import (
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
-from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
 
 LIBRARY = 4
 """Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
 a frame where one adds to the front is then walked through its own configurations."""
-_LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
+LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
 """Recompute modes from the least saved memory to the most."""
 
 
@@ -153,7 +153,7 @@ def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
     def pick(names: tuple[str, ...], want: set[str]) -> dict[str, bool]:
         out = {}
         for t in names:
-            ch = _choices(job, t)
+            ch = choices(job, t)
             out[t] = (t in want and True in ch) or ch == [True]
         return out
 
@@ -248,7 +248,7 @@ def incumbents(job: Job, ordered: list[tuple[tuple[bool, float], Frame]], model:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     recompute: Recompute
     lifecycle: FsdpLifecycle
     on: frozenset[str]
@@ -260,7 +260,7 @@ class _Config:
         return frame_shape(job, f, mode, self.lifecycle, **{t: t in self.on for t in RANK_TOGGLES})
 
 
-def _price(job: Job, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
+def _price(job: Job, f: Frame, cfg: Config, model: ModelSpec, cluster: ClusterSpec, runtime: RuntimeSpec | None,
            cap: int, deadline: float, out: list[PlanItem], every_split: bool = False) -> tuple[float, int, bool] | None:
     """(ranked step s, peak bytes, fits) of configuration cfg of frame f on its heuristic splits (most
     work-balanced first, search/incumbents.candidate_splits): the fastest split that fits, else the leanest
@@ -299,14 +299,14 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
     priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
     the walk starts from instead (it then only climbs)."""
-    recs = sorted(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
     lcs = lifecycles(job)
     names = ACT_TOGGLES + RANK_TOGGLES
-    free = [t for t in names if _choices(job, t) == [False, True]]
-    required = frozenset(t for t in names if _choices(job, t) == [True])
+    free = [t for t in names if choices(job, t) == [False, True]]
+    required = frozenset(t for t in names if choices(job, t) == [True])
     cap = allocated_capacity_bytes(job, f, model, cluster)
     out: list[PlanItem] = []
-    cur = _config_of(start) if start is not None else _Config(recs[0], lcs[0], required | frozenset(free))
+    cur = config_of(start) if start is not None else Config(recs[0], lcs[0], required | frozenset(free))
     now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
     while now is not None and not now[2]:
         # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
@@ -363,14 +363,14 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     return out
 
 
-def _config_of(layout: Layout) -> _Config:
-    return _Config(layout.recompute, layout.fsdp_lifecycle,
+def config_of(layout: Layout) -> Config:
+    return Config(layout.recompute, layout.fsdp_lifecycle,
                    frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)))
 
 
-def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, cluster: ClusterSpec,
+def price_configs(job: Job, f: Frame, configs: list[Config], model: ModelSpec, cluster: ClusterSpec,
                   deadline: float, runtime: RuntimeSpec | None = None, every_split: bool = True,
-                  settled: list[_Config] | None = None) -> list[PlanItem]:
+                  settled: list[Config] | None = None) -> list[PlanItem]:
     """The fitting layouts of frame f under each of `configs` (recompute, lifecycle, toggles; fastest first,
     leanest last), each on its heuristic splits (all, or up to the first that fits), priced by evaluate() until the
     monotonic `deadline`. The leanest is priced first: when it does not fit, the others are not tried. `settled`
@@ -389,13 +389,13 @@ def price_configs(job: Job, f: Frame, configs: list[_Config], model: ModelSpec, 
     return out
 
 
-def _library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[_Config]:
+def seed_library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[Config]:
     """The distinct configurations of the front's points, each followed by its variant under the `leanest`
     recompute mode (what a frame with more activation bytes needs), at most `most`, spread over the front from
     fastest to leanest."""
-    configs: list[_Config] = []
+    configs: list[Config] = []
     for it in sorted(front, key=lambda it: it.rank_time_s):
-        c = _config_of(it.layout)
+        c = config_of(it.layout)
         configs += [c, dataclasses.replace(c, recompute=leanest)]
     configs = list(dict.fromkeys(configs))
     if len(configs) <= most:
@@ -410,7 +410,7 @@ WALKED = 3
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
          deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
          walk_first: bool = True, lower: Callable[[Frame], float] | None = None, top: int | None = None,
-         gain: float = 0.0, configs: dict[Frame, dict[_Config, PlanItem]] | None = None,
+         gain: float = 0.0, configs: dict[Frame, dict[Config, PlanItem]] | None = None,
          done: Callable[[list[PlanItem]], bool] | None = None, patience_min: float | None = None,
          state: SeedState | None = None) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
@@ -433,7 +433,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     `patience_min`: the stall stop's minimum (default PATIENCE_MIN_S); `state`: where an earlier call stopped
     (updated): this call goes on from there (its `ordered` only drops frames), with its own stall stop."""
     walked = walked if walked is not None else set()
-    leanest = min(job.search.recompute or list(Recompute), key=_LEAN.__getitem__)
+    leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
     lcs = lifecycles(job)
     runtime = _runtime(job.runtime) if job.runtime is not None else None
     out: dict[Frame, PlanItem] = {}
@@ -447,7 +447,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         for it in items:
             f = frame_of(it.layout)
             per = configs.setdefault(f, {})
-            c = _config_of(it.layout)
+            c = config_of(it.layout)
             if c not in per or (it.rank_time_s, it.peak_bytes) < (per[c].rank_time_s, per[c].peak_bytes):
                 per[c] = it
             mine = best(f)
@@ -499,12 +499,12 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
                               min_gain=gain)])
             climbing += _time.monotonic() - now
 
-    def lead_library(lead: list[PlanItem]) -> list[_Config]:
+    def lead_library(lead: list[PlanItem]) -> list[Config]:
         """The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits one
         frame may not fit another), then the fastest under the leanest recompute mode, priced first by
         price_configs: when it does not fit, the others are not tried."""
-        lean = dataclasses.replace(_config_of(lead[0].layout), recompute=leanest)
-        return [c for c in dict.fromkeys(dataclasses.replace(_config_of(it.layout), lifecycle=lc)
+        lean = dataclasses.replace(config_of(lead[0].layout), recompute=leanest)
+        return [c for c in dict.fromkeys(dataclasses.replace(config_of(it.layout), lifecycle=lc)
                                          for it in lead[:2] for lc in lcs) if c != lean] + [lean]
 
     climbed = st.climbed
@@ -535,7 +535,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     known = set(ordered)
     queue = [f for f in st.queue if f in known] if st.queue is not None else list(ordered)
     pos = {f: i for i, f in enumerate(ordered)}
-    near = _Neighbours(list(ordered))
+    near = Neighbours(list(ordered))
     first = [f for f in st.first if f in known]
     """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
     visited, misfits = st.visited, st.misfits
@@ -613,7 +613,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     """A faster split of `item`'s layout, its frame and configuration kept (or `item`): local search by moves of
     one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
     one layer). Candidates are screened by the ranked stage time their coefficients give (max over ranks and
-    resources of achievable._rank_sums, what the search's model sums) and priced by evaluate(), least stage first;
+    resources of achievable.rank_sums, what the search's model sums) and priced by evaluate(), least stage first;
     of the first that ranks faster and fits and the moves tied with it in the screen, the fastest is taken.
     Stops when no move improves, or a move gains less than `min_gain` (relative: the seeding passes its stall
     gain, a tenth of the search's gap), at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
@@ -628,7 +628,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     cf = coefficients(Shape.of(lay), model, cluster)
 
     def loads(split: list[int]) -> list[float]:
-        return [max(_rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
+        return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
 
     best, cur = item, list(lay.split)
     now = loads(cur)
@@ -762,13 +762,13 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
     for src in [it for it in ranked if it.rank_time_s <= ranked[0].rank_time_s * (1 + within)][:most]:
         f = frame_of(src.layout)
         split = list(src.layout.split)
-        cfgs = [_config_of(src.layout)]
+        cfgs = [config_of(src.layout)]
         # A memory toggle that costs the source nothing can cost a sibling seconds (with other FSDP degrees its
         # traffic no longer hides), and ties in step time keep the leaner configuration, so the source carries such
         # toggles: a sibling slower than its source by more than `within` is priced without them too (at 8,192
         # GPUs the fastest layout found, eFSDP8 dFSDP128, is 18.76 s with or without the ZeRO-2 host gradients;
         # its eFSDP2 dFSDP64 sibling is 21.29 s with them, 18.58 s without).
-        free = {x for x in MEMORY_TOGGLES if x in cfgs[0].on and _choices(job, x) == [False, True]
+        free = {x for x in MEMORY_TOGGLES if x in cfgs[0].on and choices(job, x) == [False, True]
                 and _costs_nothing(job, src, f, dataclasses.replace(cfgs[0], on=cfgs[0].on - {x}), model, cluster,
                                    runtime, deadline)}
         if free:
@@ -790,7 +790,7 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
     return out
 
 
-def _costs_nothing(job: Job, src: PlanItem, f: Frame, cfg: _Config, model: ModelSpec, cluster: ClusterSpec,
+def _costs_nothing(job: Job, src: PlanItem, f: Frame, cfg: Config, model: ModelSpec, cluster: ClusterSpec,
                    runtime: RuntimeSpec | None, deadline: float) -> bool:
     """Whether src's split of frame f under configuration cfg fits and is no slower than src (before the
     monotonic deadline)."""
@@ -806,7 +806,7 @@ def _runtime(name: str) -> RuntimeSpec:
     return load_runtime(name)
 
 
-class _Neighbours:
+class Neighbours:
     """Frames one change away from a frame: one of PP, VP, CP, EP, expert FSDP, dense FSDP, the sharding pair,
     the gradient dtype or the precision (the microbatch count follows from them)."""
 

@@ -51,23 +51,23 @@ import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
-from k3opt.coefficients import Coefficients, balance_moved_bytes
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes
+from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
     ActMode,
     Frame,
-    _allowed_on,
-    _choices,
-    _memory_view,
     act_modes,
     allocated_capacity_bytes,
+    allowed_on,
+    choices,
     frame_shape,
     lean_mode,
+    memory_view,
     undominated_modes,
 )
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
 from k3opt.search.ranking import step_floor, update_means
-from k3opt.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 
 STOP_ROUNDING = 1e-8
 """Relative: `granular_stage` returns a hair under a stop it has shown reached (the stop x (1 - 1e-9)), so a floor
@@ -122,7 +122,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
     of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep two FP32 buffers of the
     largest chunk's gradient, at least 2 / v of the rank's chunk gradients; P2P Muon gathers a resident matrix
     (2 x resident) rather than the BF16 view; MoonEP (searched only when required) its buffers."""
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
     grads = 2 * c0.chunk_grad_buffer / f.vp if toggles.get("pipeline_zero2_host_grads") else c0.grads
     persistent = c0.master + c0.optimizer + c0.bf16_view + c0.grad_accum + grads
@@ -159,14 +159,14 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
     `deadline` passes while the members' arrays are built (tens of members take seconds)."""
     group = list(members or (f,))
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     host_cap = cluster.host_memory_bytes
     # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
     # no setting, which this settles without building the variants. Each member on its own: one that cannot fit
     # has no layout to bound, and leaving it out spares building its variants (on the default job, 12 of the 16
     # FSDP variants of PP4 VP4 EP64 and 8 of the 14 of PP8 VP4 EP32 fit under no setting).
-    leans = [_memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
-    if len({_schedule_terms(c) for c in leans}) > 1:
+    leans = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
+    if len({schedule_terms(c) for c in leans}) > 1:
         return 0.0
     caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g in group]
     # The deadline is checked per member here and in `variant`: a group node program over tens of members takes
@@ -190,7 +190,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     modes = list(dict.fromkeys(modes_of))
     names = [t for t in VARIANT_TOGGLES if t in allowed]
     settings = [dict(zip(names, flags, strict=True))
-                for flags in itertools.product(*(_choices(job, t) for t in names))]
+                for flags in itertools.product(*(choices(job, t) for t in names))]
     count = itertools.count()
 
     def variant(md: ActMode, tg: dict[str, bool]) -> tuple:
@@ -200,7 +200,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
             if time.monotonic() > deadline:
                 raise _NoBound
             built.append(_relaxed(job, g, md, lc, tg, model, cluster))
-        if len({_schedule_terms(c) for _, c in built}) > 1:
+        if len({schedule_terms(c) for _, c in built}) > 1:
             raise _NoBound
         a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
         c0 = built[0][1]
@@ -209,7 +209,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
 
     # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
     # gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
-    # only adds work (k3opt.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
+    # only adds work (k3opt.cost.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
     # entropy one more LM-head forward; tests/test_lp_early_exit.py checks it), so the key's base, each of them at
     # its least-work choice, has every time and update array at or below each variant of the key's: a floor of the
     # base that reaches the least so far or the line settles the key before its other variants are built (on the
@@ -219,7 +219,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         for tg in settings:
             keys.setdefault((md, tg.get("activation_offload", False), tg.get("balance_activations", False)),
                             []).append(tg)
-    least = {t: min(_choices(job, t)) for t in names if t not in ("activation_offload", "balance_activations")}
+    least = {t: min(choices(job, t)) for t in names if t not in ("activation_offload", "balance_activations")}
     try:
         base = {key: variant(key[0], next(tg for tg in tgs if all(tg[t] == v for t, v in least.items())))
                 for key, tgs in keys.items()}
@@ -324,7 +324,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     return best
 
 
-def _schedule_terms(c: Coefficients) -> tuple:
+def schedule_terms(c: Coefficients) -> tuple:
     """What the programs read from a node's Coefficients besides the merged arrays (`_solve`, `_memory_rows`,
     `_packet_floor`): equal over the members of a group bound, or the group is not bounded at once."""
     return (c.n_layers, c.slots, tuple(tuple(tuple(x) for x in comps) for comps in c.compositions),
@@ -661,16 +661,16 @@ def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: floa
     """Whether any variant of a node of interleaved frame f might fit: `_fits` over `lean_arrays` (at or below every
     variant's bytes), the in-flight counts at balancing's average where allowed (a smaller count only lowers a
     row), under each allowed offload setting (offload moves saved bytes to the host and changes no other byte,
-    k3opt.coefficients). `arrays`: the lean arrays to test instead (a group's merged ones)."""
+    k3opt.cost.coefficients). `arrays`: the lean arrays to test instead (a group's merged ones)."""
     a = arrays if arrays is not None else lean_arrays(job, f, lean)
     return any(_fits(f, a, lean, cap, host_cap, off, _lean_balance(job, lean))
-               for off in _choices(job, "activation_offload"))
+               for off in choices(job, "activation_offload"))
 
 
 def _lean_balance(job: Job, lean: Coefficients) -> bool:
     """Whether the lean memory rows take the in-flight counts at balancing's average: where the job allows it and
     the schedule has one (a smaller count only lowers a row)."""
-    return "balance_activations" in _allowed_on(job) and lean.balanced_inflight is not None
+    return "balance_activations" in allowed_on(job) and lean.balanced_inflight is not None
 
 
 def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
@@ -682,13 +682,13 @@ def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model:
     contexts a node it says fits can have no contiguous split: K3 PP8 VP2 CP16 EP32 at 128K context, where the node
     model's bound stalls for minutes (with its objective cleared it takes 31 s to prove it), is proven here in 2 s;
     dropping only contiguity, or keeping it only between virtual stages, the split fits."""
-    lean = _memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
+    lean = memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
     a = lean_arrays(job, f, lean)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
     bal = _lean_balance(job, lean)
     deadline = time.monotonic() + time_limit
     undecided = False
-    for off in _choices(job, "activation_offload"):
+    for off in choices(job, "activation_offload"):
         left = deadline - time.monotonic()
         if left <= 0:
             return None
@@ -742,11 +742,11 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
 
 def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
     """The memory side of `_relaxed` at or below every variant of a node, from `lean`, its leanest mode with the
-    chunked cross-entropy and balancing on where allowed (`frames._memory_view`: the least saved and working-set
+    chunked cross-entropy and balancing on where allowed (`frames.memory_view`: the least saved and working-set
     bytes of any mode, as `needs_offload` takes them): the gradients at the lesser of the FP32 shard and ZeRO-2's
     two chunk buffers, the step gather at the lesser of the BF16 view and P2P Muon's resident matrix, MoonEP's
     buffers where allowed, no Newton-Schulz working set. No work (the memory rows read none)."""
-    allowed = _allowed_on(job)
+    allowed = allowed_on(job)
     L = lean.n_layers
     grads = lean.grads
     if "pipeline_zero2_host_grads" in allowed:
@@ -785,7 +785,7 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
     no_paths = np.zeros((0, f.pp * f.vp))
     # (Balancing without a balanced count, which `_memory_rows` then leaves at the full count, still bounds.)
     return min(_solve(f, merged, c0, cap, cluster.host_memory_bytes, False, bal, no_paths)
-               for bal in _choices(job, "balance_activations"))
+               for bal in choices(job, "balance_activations"))
 
 
 def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
@@ -827,7 +827,7 @@ def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
 
 
 def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:
-    """Per rank, a floor on its PP packets' seconds per microbatch on each link (achievable._rank_sums prices them:
+    """Per rank, a floor on its PP packets' seconds per microbatch on each link (achievable.rank_sums prices them:
     (1 + AttnRes streams open at the boundary) x stream_bytes, in and out of every chunk but the model's ends).
     The boundary before global chunk g lies at layer g or deeper (every chunk holds a layer), and the open streams
     only grow with depth, so each boundary carries at least its shallowest possible packet."""
@@ -917,8 +917,8 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
     """True when no split of the interleaved frame f fits its activation phase under `cap` without offload (with
     balancing, if allowed), by the memory rows of the relaxation alone (layers fractional over chunks, each chunk
     holding at least one layer, every undominated in-flight composition of every rank). `lean`: the leanest
-    mode's coefficients (`frames._memory_view`); its saved and working-set bytes are the least of any mode."""
-    allowed = _allowed_on(job)
+    mode's coefficients (`frames.memory_view`); its saved and working-set bytes are the least of any mode."""
+    allowed = allowed_on(job)
     L, p, v = lean.n_layers, f.pp, f.vp
     grads = lean.grads
     if "pipeline_zero2_host_grads" in allowed:

@@ -13,20 +13,21 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from k3opt.coefficients import Coefficients, Shape, balance_moved_bytes
-from k3opt.errors import LayoutError
-from k3opt.evaluate import Evaluation, evaluate
-from k3opt.schedule import chunk_times, critical_path, pipeline_order
+from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
+from k3opt.cost.evaluate import Evaluation, evaluate
+from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order
+from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.specs import MIB, ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
 from k3opt.search import replay_bound
-from k3opt.search.bounds import _DP_HINTS, _LP_BOUNDS, node_key, node_lower_bound
+from k3opt.search.bounds import DP_HINTS, LP_BOUNDS, node_key, node_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
     ActMode,
     Frame,
-    _choices,
     act_modes,
     allocated_capacity_bytes,
+    choices,
     frame_shape,
     layout_of,
     lifecycles,
@@ -34,15 +35,6 @@ from k3opt.search.frames import (
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
-from k3opt.specs import (
-    MIB,
-    ClusterSpec,
-    FsdpLifecycle,
-    Job,
-    Layout,
-    ModelSpec,
-    Recompute,
-)
 
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
@@ -137,7 +129,7 @@ class FrameModel:
         self.tv = {}
         for t in RANK_TOGGLES:
             var = m.new_bool_var(t)
-            ch = _choices(self.job, t)
+            ch = choices(self.job, t)
             if len(ch) == 1:
                 m.add(var == int(ch[0]))
             self.tv[t] = var
@@ -528,8 +520,8 @@ class FrameModel:
             if "host_link" in c0.time:
                 # The host link under offload / ZeRO-2 host gradients, each state under its literals.
                 for o_on, z_on in ((True, False), (False, True), (True, True)):
-                    if (o_on and True not in _choices(self.job, "activation_offload")) or (
-                            z_on and True not in _choices(self.job, "pipeline_zero2_host_grads")):
+                    if (o_on and True not in choices(self.job, "activation_offload")) or (
+                            z_on and True not in choices(self.job, "pipeline_zero2_host_grads")):
                         continue
                     rows = []
                     for md, cf in zip(mds, cfs, strict=True):
@@ -768,16 +760,16 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
     fm = FrameModel(job, f, model, cluster, modes=modes, lcs=lcs)
     if recompute is not None and lifecycle is not None:
         key = node_key(job, f, recompute, lifecycle, model, cluster)
-        if key not in _DP_HINTS:
+        if key not in DP_HINTS:
             node_lower_bound(job, f, recompute, lifecycle, model, cluster)
-        stage_lb, split = _DP_HINTS.get(key, (0.0, None))
+        stage_lb, split = DP_HINTS.get(key, (0.0, None))
         fm.add_stage_bound(stage_lb, split)
-        fm.add_step_bound(_LP_BOUNDS.get(key, 0.0))
+        fm.add_step_bound(LP_BOUNDS.get(key, 0.0))
     if hint is not None:
         fm.add_layout_hint(hint)
     if f.vp == 1:
         res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
-        return res, _item(job, f, fm, res, model, cluster)
+        return res, plan_item(job, f, fm, res, model, cluster)
     return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, peak_cap_mib,
                                    relative_gap, node_key(job, f, recompute, lifecycle, model, cluster))
 
@@ -805,7 +797,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     while True:
         res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, peak_cap_mib, relative_gap)
         last_status = res.status
-        item = _item(job, f, fm, res, model, cluster)
+        item = plan_item(job, f, fm, res, model, cluster)
         bound = max(bound, res.bound or 0)
         if best is None or (item is not None and (best[1] is None or item.rank_time_s < best[1].rank_time_s)):
             best = (res, item)
@@ -855,7 +847,7 @@ def _solution_path(fm: FrameModel, res: FrameResult, model: ModelSpec, cluster: 
     return critical_path(p, fm.f.vp, fm.f.microbatches, fwd, bwd)
 
 
-def _item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec,
+def plan_item(job: Job, f: Frame, fm: FrameModel, res: FrameResult, model: ModelSpec,
           cluster: ClusterSpec) -> PlanItem | None:
     if res.split is None or res.shape is None:
         return None

@@ -1,6 +1,6 @@
 """Where the search takes its coefficients: the view it ranks by.
 
-Plans rank by the achievable step time (k3opt.achievable): with a rates file for the cluster, the search's
+Plans rank by the achievable step time (k3opt.cost.achievable): with a rates file for the cluster, the search's
 `time` / `update` / `pp_seconds_per_byte` arrays are the achievable ones in the roofline's form
 (achievable.ranking_view), so the node model, the bounds and the incumbents optimize the achievable step
 unchanged; without one they are the peak roofline's. Memory arrays are the cost model's either way.
@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from k3opt.achievable import ranking_view, with_fields
-from k3opt.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
-from k3opt.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
+from k3opt.cost.achievable import ranking_view, with_fields
+from k3opt.cost.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
+from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
 
 
 def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
@@ -69,7 +69,7 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec, free: tuple
     each at or above these, so every bound built from the floor (sums per rank, then the max over resources, as
     the step formula takes them) stays below it. Memory arrays and the schedule's terms are the shape's.
 
-    With a rates file: the achievable arrays (k3opt.achievable) of the shape with the free toggles off, least over
+    With a rates file: the achievable arrays (k3opt.cost.achievable) of the shape with the free toggles off, least over
     the recompute modes and lifecycles, except the memory-bound kernels (`vector`), which the activation toggles
     lower (fused SiTU, the MoE backward rewrite, FP8 storage shrink the saved set they stream): those at their
     least over the toggle combinations (`_least_vector`); every other achievable array the free activation
@@ -125,7 +125,7 @@ def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...]
 def _least_hidden(shapes: list[Shape], model_json: str, cluster_json: str, rates_json: str
                   ) -> dict[str, np.ndarray]:
     """Elementwise least update communication (`update_hidden`) of the shapes' ranked views. The activation
-    toggles do not reach it (k3opt.coefficients: the update's exchange reads the sharding, the lifecycle and P2P
+    toggles do not reach it (k3opt.cost.coefficients: the update's exchange reads the sharding, the lifecycle and P2P
     Muon), so the shapes' own settings stand for every combination of them."""
     views = [_ranked(sh, model_json, cluster_json, rates_json) for sh in shapes]
     return {res: np.minimum.reduce([v.update_hidden[res] for v in views]) for res in views[0].update_hidden}
@@ -149,7 +149,7 @@ def _least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_
                   rates_json: str) -> np.ndarray:
     """Per layer, the least achievable memory-bound kernel (`vector`) time over every combination of the `free`
     toggles (the shape's others kept), less VECTOR_MARGIN. Those kernels stream the saved set, the FP8 quantize
-    traffic and the MoE rewrite's extra read (k3opt.coefficients): they read the local tokens, the activation
+    traffic and the MoE rewrite's extra read (k3opt.cost.coefficients): they read the local tokens, the activation
     toggles, the recompute mode, the precision and the FP8 block, never the parallel degrees, the sharding or the
     schedule; so one shape per such key is built, on one GPU group of the CP degree (`_vector_shape`)."""
     key = _vector_shape(shape)

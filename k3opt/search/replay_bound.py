@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from k3opt.schedule import BACKWARD_OVER_FORWARD, backward_over_forward, chunk_times, critical_path, pipeline_order
+from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, backward_over_forward, chunk_times, critical_path, pipeline_order
 
 SCALE = 12
 """Integer scale of the path coefficients: 12 (nF + beta nB) / (1 + beta) is an integer for beta = 2 and 3."""

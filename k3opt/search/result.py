@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3opt.evaluate import Evaluation
-from k3opt.specs import (
-    Job,
-    Layout,
-)
+import pandas as pd
+
+from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
+from k3opt.inputs.specs import GIB, TOGGLE_NAMES, Job, Layout
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,55 @@ class Plan:
     holding: OpenBound | None = None
     """The least bound left when the search stopped short of its gap (None when OPTIMAL)."""
 
-    def to_frame(self, which: str = "pareto"):  # noqa: ANN201 - pandas DataFrame
+    def to_frame(self, which: str = "pareto") -> pd.DataFrame:
         """The CSV schema: one row per layout, every decision and every ledger term a column, units in names."""
-        from k3opt.report import plan_frame
-
         return plan_frame(self.pareto if which == "pareto" and self.pareto else self.layouts)
+
+
+def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
+    """One row per layout: every decision and every ledger term a column, units in the column names.
+    Ledger columns are the worst rank's (the rank that sets the peak)."""
+    rows = []
+    for rank, it in enumerate(items, start=1):
+        lay, ev = it.layout, it.evaluation
+        worst = ev.ranks[ev.worst_rank]
+        row: dict = {
+            "rank": rank, "gpus": lay.gpus, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep,
+            "expert_fsdp": lay.expert_fsdp, "dense_fsdp": lay.dense_fsdp, "microbatches": lay.microbatches,
+            "rows": lay.rows, "context_tokens": lay.context, "split_layers": " ".join(map(str, lay.split)),
+            "recompute": lay.recompute.value, "fsdp_lifecycle": lay.fsdp_lifecycle.value,
+            "dense_sharding": lay.dense_sharding.value, "expert_sharding": lay.expert_sharding.value,
+            "optimizer_shard_granularity": lay.optimizer_shard_granularity.value,
+            "grad_dtype": lay.grad_dtype.value, "optimizer_state_dtype": lay.optimizer_state_dtype.value,
+            "runtime": ev.runtime.name if ev.runtime is not None else "",
+        }
+        row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
+        s = ev.step
+        row.update({
+            "step_time_s": s.step_time_s, "serial_step_time_s": s.serial_step_time_s,
+            "tokens_per_update": s.tokens_per_update, "tokens_per_s": s.tokens_per_s,
+            "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "mfu_pct": 100 * s.mfu,
+            "precision": lay.precision.value,
+            "achievable_step_time_s": s.achievable_step_time_s,
+            "achievable_schedule_step_time_s": s.achievable_schedule_step_time_s,
+            "schedule_step_time_s": s.schedule_step_time_s,
+            "achievable_tokens_per_s_per_gpu": s.achievable_tokens_per_s_per_gpu,
+            "achievable_mfu_pct": None if s.achievable_mfu is None else 100 * s.achievable_mfu,
+            "achievable_binding_resource": s.achievable_binding,
+            "ranked_step_time_s": s.rank_time_s,
+            "ranked_tokens_per_s": s.tokens_per_update / s.rank_time_s,
+            "ranked_mfu_pct": 100 * s.mfu * s.step_time_s / s.rank_time_s,  # MFU scales as 1 / step time
+            "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
+            "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
+            "peak_gib": ev.peak_bytes / GIB, "peak_allocated_gib": ev.peak_allocated_bytes / GIB,
+            "peak_reserved_gib": ev.peak_reserved_bytes / GIB, "peak_device_gib": ev.peak_device_bytes / GIB,
+            "capacity_gib": ev.capacity_bytes / GIB,
+            "headroom_gib": ev.headroom_bytes / GIB, "host_gib_max": max(r.host_bytes for r in ev.ranks) / GIB,
+        })
+        for key in PERSISTENT + ACTIVATION + OPTIMIZER:
+            row[f"{key}_gib"] = worst.ledger[key] / GIB
+        row.update({f"rank{r.rank}_peak_gib": r.peak_bytes / GIB for r in ev.ranks})
+        for kind in ("allocated", "reserved", "device"):
+            row.update({f"rank{r.rank}_{kind}_gib": getattr(r, f"{kind}_bytes") / GIB for r in ev.ranks})
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -4,42 +4,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from k3opt.coefficients import RESOURCES
-from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
-from k3opt.runtime import planning_runtime
-from k3opt.specs import GIB, MIB, TOGGLE_NAMES, Layout
-from k3opt.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
-
-
-def split_text(split: list[int] | tuple[int, ...]) -> str:
-    """Run-length form of a split: [12]*7 + [9] -> '12x7+9'."""
-    out: list[str] = []
-    i = 0
-    while i < len(split):
-        j = i
-        while j < len(split) and split[j] == split[i]:
-            j += 1
-        out.append(f"{split[i]}x{j - i}" if j - i > 1 else str(split[i]))
-        i = j
-    return "+".join(out)
-
-
-def toggles_text(layout: Layout) -> str:
-    on = [t for t in TOGGLE_NAMES if getattr(layout.toggles, t)]
-    return ",".join(on) if on else "none"
-
-
-def degrees_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
-    """A parallel shape's degrees in the plan table's terms (the CLI, the plots, the search's open bound)."""
-    return (f"PP{shape.pp} VP{shape.vp} CP{shape.cp} EP{shape.ep} eFSDP{shape.expert_fsdp} dFSDP{shape.dense_fsdp} "
-            f"M{shape.microbatches}")
-
-
-def layout_text(layout: Layout) -> str:
-    return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
-            f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "
-            f"split {split_text(layout.split)} recompute={layout.recompute.value} "
-            f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")
+from k3opt.cost.coefficients import RESOURCES
+from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
+from k3opt.cost.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
+from k3opt.inputs.errors import K3optError
+from k3opt.inputs.labels import layout_text, split_text, toggles_text
+from k3opt.inputs.runtime import planning_runtime
+from k3opt.inputs.specs import GIB, MIB
+from k3opt.search.result import plan_frame
 
 
 def ledger_frame(ev: Evaluation) -> pd.DataFrame:
@@ -183,57 +155,6 @@ def mib(x: float) -> str:
     return f"{x / MIB:,.1f} MiB"
 
 
-def plan_frame(items: list) -> pd.DataFrame:  # noqa: ANN001 - list[PlanItem]
-    """One row per layout: every decision and every ledger term a column, units in the column names.
-    Ledger columns are the worst rank's (the rank that sets the peak)."""
-    from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT
-
-    rows = []
-    for rank, it in enumerate(items, start=1):
-        lay, ev = it.layout, it.evaluation
-        worst = ev.ranks[ev.worst_rank]
-        row: dict = {
-            "rank": rank, "gpus": lay.gpus, "pp": lay.pp, "vp": lay.vp, "cp": lay.cp, "ep": lay.ep,
-            "expert_fsdp": lay.expert_fsdp, "dense_fsdp": lay.dense_fsdp, "microbatches": lay.microbatches,
-            "rows": lay.rows, "context_tokens": lay.context, "split_layers": " ".join(map(str, lay.split)),
-            "recompute": lay.recompute.value, "fsdp_lifecycle": lay.fsdp_lifecycle.value,
-            "dense_sharding": lay.dense_sharding.value, "expert_sharding": lay.expert_sharding.value,
-            "optimizer_shard_granularity": lay.optimizer_shard_granularity.value,
-            "grad_dtype": lay.grad_dtype.value, "optimizer_state_dtype": lay.optimizer_state_dtype.value,
-            "runtime": ev.runtime.name if ev.runtime is not None else "",
-        }
-        row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
-        s = ev.step
-        row.update({
-            "step_time_s": s.step_time_s, "serial_step_time_s": s.serial_step_time_s,
-            "tokens_per_update": s.tokens_per_update, "tokens_per_s": s.tokens_per_s,
-            "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "mfu_pct": 100 * s.mfu,
-            "precision": lay.precision.value,
-            "achievable_step_time_s": s.achievable_step_time_s,
-            "achievable_schedule_step_time_s": s.achievable_schedule_step_time_s,
-            "schedule_step_time_s": s.schedule_step_time_s,
-            "achievable_tokens_per_s_per_gpu": s.achievable_tokens_per_s_per_gpu,
-            "achievable_mfu_pct": None if s.achievable_mfu is None else 100 * s.achievable_mfu,
-            "achievable_binding_resource": s.achievable_binding,
-            "ranked_step_time_s": s.rank_time_s,
-            "ranked_tokens_per_s": s.tokens_per_update / s.rank_time_s,
-            "ranked_mfu_pct": 100 * s.mfu * s.step_time_s / s.rank_time_s,  # MFU scales as 1 / step time
-            "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
-            "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,
-            "peak_gib": ev.peak_bytes / GIB, "peak_allocated_gib": ev.peak_allocated_bytes / GIB,
-            "peak_reserved_gib": ev.peak_reserved_bytes / GIB, "peak_device_gib": ev.peak_device_bytes / GIB,
-            "capacity_gib": ev.capacity_bytes / GIB,
-            "headroom_gib": ev.headroom_bytes / GIB, "host_gib_max": max(r.host_bytes for r in ev.ranks) / GIB,
-        })
-        for key in PERSISTENT + ACTIVATION + OPTIMIZER:
-            row[f"{key}_gib"] = worst.ledger[key] / GIB
-        row.update({f"rank{r.rank}_peak_gib": r.peak_bytes / GIB for r in ev.ranks})
-        for kind in ("allocated", "reserved", "device"):
-            row.update({f"rank{r.rank}_{kind}_gib": getattr(r, f"{kind}_bytes") / GIB for r in ev.ranks})
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 SCHEDULE_GAP_SHOWN = 0.02
 """Relative excess of the replayed schedule over the step formula above which the plan says that a row ranks by its
 replay: a display threshold only; a row with a smaller excess ranks by its replay too, without the line."""
@@ -320,8 +241,6 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines += schedule_gap_lines(plan.layouts)
     if show_ledger is not None:
         if not 1 <= show_ledger <= len(plan.layouts):
-            from k3opt.errors import K3optError
-
             raise K3optError(f"--show-ledger {show_ledger}: the plan has layouts 1..{len(plan.layouts)}")
         lines += ["", explain_text(plan.layouts[show_ledger - 1].evaluation, terms=False)]
     return "\n".join(lines)

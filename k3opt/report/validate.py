@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3opt.evaluate import Comparison, evaluate
-from k3opt.specs import load_layout, preset_dir
+from k3opt.cost.evaluate import Comparison, evaluate
+from k3opt.inputs.presets import load_layout, preset_dir
 
 
 @dataclass(frozen=True)

@@ -25,23 +25,28 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, StrictBool, ValidationError, model_validator
 
-from k3opt.errors import K3optError, PresetNotFoundError, SpecError
-from k3opt.specs import (
-    ClusterSpec,
-    PosFloat,
-    Precision,
-    _format_validation_error,
-    _load,
-    _read_toml,
-    _Strict,
-    preset_dir,
-    resolve,
+from k3opt.inputs.errors import K3optError, PresetNotFoundError, SpecError
+from k3opt.inputs.presets import format_validation_error, load_spec, preset_dir, read_toml, resolve
+from k3opt.inputs.specs import BF16, FP32, ClusterSpec, PosFloat, Precision, StrictModel
+
+# NVIDIA/TransformerEngine@d0067d0da6cb01811b8072a7d304f0e00344ce2b transformer_engine/common/triton/cross_entropy.py,
+# the fused cross entropy Megatron runs with cross_entropy_fusion_impl = 'te' (the Megatron-Bridge perf recipes'
+# default, src/megatron/bridge/perf_recipes/_common.py@067f987d). The logits' write by the LM-head GEMM and its
+# backward GEMMs' reads are GEMM traffic, not counted here.
+TE_CROSS_ENTROPY_BYTES_PER_LOGIT = (
+    BF16            # online_softmax_kernel reads the BF16 logits
+    + BF16 + FP32   # cross_entropy_kernel reads them again and writes the FP32 gradient
+    + FP32 + FP32   # backward element_mul_kernel scales it in place (Megatron passes a per-token loss,
+                    # megatron/core/models/common/language_module/language_module.py@d98e8a64: grad_output is not 1)
+    + FP32 + BF16   # autograd casts the FP32 gradient to the BF16 logits' dtype for the LM-head backward
 )
+"""HBM bytes TransformerEngine's fused cross entropy moves per logit element per microbatch: 22 B."""
+
 
 _RATE_KINDS = Literal["measured", "spec", "derived", "assumption"]
 
 
-class Rate(_Strict):
+class Rate(StrictModel):
     """One named achievable rate with its provenance."""
 
     value: PosFloat
@@ -55,7 +60,7 @@ class Rate(_Strict):
     while it runs beside it)."""
 
 
-class OverlapRules(_Strict):
+class OverlapRules(StrictModel):
     """What hides under compute, as the framework schedules it."""
 
     ep_exposed_without_overlap: bool = True
@@ -69,21 +74,21 @@ class OverlapRules(_Strict):
     """Memory-bound kernels run on the GEMMs' compute stream, in sequence with them."""
     ep_overlap_stages: StrictBool = False
     """Under an EP overlap schedule, each all-to-all hides only under the compute it is paired with in Megatron's
-    combined 1F1B layer schedule (k3opt.achievable.ep_overlap_stage_exposed), not under the whole layer; off: it
+    combined 1F1B layer schedule (k3opt.cost.achievable.ep_overlap_stage_exposed), not under the whole layer; off: it
     hides under the whole stage (a lower bound)."""
     source: str = Field(min_length=1)
 
 
-class LossKernels(_Strict):
+class LossKernels(StrictModel):
     """Which cross-entropy kernels run after the LM-head GEMM; the achievable step prices their HBM traffic from
-    the tensors' dtypes (k3opt.coefficients.loss_kernel_bytes)."""
+    the tensors' dtypes (k3opt.cost.coefficients.loss_kernel_bytes)."""
 
     te_fused_cross_entropy: StrictBool
     """TransformerEngine's fused cross entropy (Megatron's cross_entropy_fusion_impl = 'te'); false: unpriced."""
     source: str = Field(min_length=1)
 
 
-class SizeCurve(_Strict):
+class SizeCurve(StrictModel):
     """GEMM rate relative to the large-shape rate, by cube-equivalent edge (M N K)^(1/3), log-interpolated and
     held flat beyond the ends."""
 
@@ -100,7 +105,7 @@ class SizeCurve(_Strict):
         return self
 
 
-class GemmShapeTable(_Strict):
+class GemmShapeTable(StrictModel):
     """Measured GEMM rates by shape (constraints/rates/gemm-shapes/<name>.toml): TFLOP/s of C[m, n] = A[m, k] B[k, n]
     at every (m, n, k) of `grid`, per operand-dtype column."""
 
@@ -150,10 +155,10 @@ def load_gemm_table(name_or_path: str) -> GemmShapeTable:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in folder.glob("*.toml"))) or "none"
         raise PresetNotFoundError(f"unknown GEMM shape table '{name_or_path}'; shipped: {known} (or give a path)")
-    return _load(GemmShapeTable, path, "GEMM shape table")
+    return load_spec(GemmShapeTable, path, "GEMM shape table")
 
 
-class GemmShape(_Strict):
+class GemmShape(StrictModel):
     """How a GEMM's rate depends on its shape: a measured per-shape table (GemmShapeTable), read relative to the
     shape each class fraction was measured at, so that the size penalty already inside a fraction is not counted
     twice: rate = peak x class fraction x table(m, n, k) / table(reference shape of the class)."""
@@ -201,7 +206,7 @@ class GemmShape(_Strict):
         return tab.rate(col, m, n, k) / ref
 
 
-class RatesSpec(_Strict):
+class RatesSpec(StrictModel):
     """Achievable rates of one cluster preset."""
 
     name: str
@@ -251,8 +256,6 @@ class RatesSpec(_Strict):
         true` with a FutureWarning; any other value is one clear error (the model cannot price it)."""
         if not isinstance(data, dict) or "loss_bytes_per_logit" not in data:
             return data
-        from k3opt.coefficients import TE_CROSS_ENTROPY_BYTES_PER_LOGIT
-
         old = data["loss_bytes_per_logit"]
         value = old.get("value") if isinstance(old, dict) else old
         fix = ("replace the [loss_bytes_per_logit] table with [loss_kernels] te_fused_cross_entropy = true (or false) "
@@ -349,12 +352,12 @@ def load_rates(name_or_path: str) -> RatesSpec:
     """A rates preset name (`gb200-nvl72`) or a path to a rates TOML. A relative `gemm_shape.table` path in it is
     read against the rates file's folder, not the working directory (as the file's author wrote it)."""
     path = resolve(name_or_path, "rates")
-    data = _read_toml(path, f"rates {path.name}")
+    data = read_toml(path, f"rates {path.name}")
     data = _table_beside(data, path.parent)
     try:
         return RatesSpec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(_format_validation_error(err, f"rates {path.name}")) from None
+        raise SpecError(format_validation_error(err, f"rates {path.name}")) from None
 
 
 def _table_beside(data: dict[str, Any], folder: Path) -> dict[str, Any]:

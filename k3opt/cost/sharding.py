@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from k3opt.specs import ModelSpec
-from k3opt.structure import Block, structure_of
+from k3opt.cost.structure import Block, structure_of
+from k3opt.inputs.specs import ModelSpec
 
 _FUSED_FC1 = (("ffn.gate_proj", "ffn.up_proj"), ("moe.shared_gate", "moe.shared_up"),
               ("moe.experts.w1", "moe.experts.w3"))

@@ -1,4 +1,4 @@
-"""Pydantic models for the four input files (model, cluster, layout, job) and their TOML loading.
+"""Pydantic models for the input files (model, cluster, runtime, layout, job); k3opt.inputs.presets loads them.
 
 Every file is validated on load: unknown keys are rejected, sizes must be positive, and cross-field rules
 (divisibility of the parallel degrees) are checked here when they need no model. Rules that need the model
@@ -7,10 +7,7 @@ Every file is validated on load: unknown keys are rejected, sizes must be positi
 
 from __future__ import annotations
 
-import tomllib
 from enum import StrEnum
-from importlib import resources
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -21,15 +18,16 @@ from pydantic import (
     Field,
     PrivateAttr,
     StrictBool,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from k3opt.errors import LayoutError, PresetNotFoundError, SpecError
+from k3opt.inputs.errors import LayoutError
 
 GIB = 1 << 30
 MIB = 1 << 20
+BF16, FP32, INT64 = 2, 4, 8
+"""Bytes per element of the dtypes the ledger counts."""
 NO_RUNTIME = "none"
 """The runtime name that means no runtime: live tensors only (a job's explicit opt-out of its cluster's default)."""
 
@@ -56,14 +54,14 @@ PosFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(gt=0, strict=T
 NonNegFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True, allow_inf_nan=False)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # --------------------------------------------------------------------------------------------- model
 
 
-class KDASpec(_Strict):
+class KDASpec(StrictModel):
     """Kimi Delta Attention (linear attention) shapes."""
 
     num_heads: PosInt
@@ -76,7 +74,7 @@ class KDASpec(_Strict):
     """Chunk length of the chunked delta-rule scan; sets the scan's intra-chunk FLOPs."""
 
 
-class MLASpec(_Strict):
+class MLASpec(StrictModel):
     """Gated multi-head latent attention shapes."""
 
     num_heads: PosInt
@@ -88,7 +86,7 @@ class MLASpec(_Strict):
     output_gate: StrictBool = True
 
 
-class GQASpec(_Strict):
+class GQASpec(StrictModel):
     """Grouped-query softmax attention (Llama 3, Qwen3): H query heads share K/V across H / kv groups."""
 
     num_heads: PosInt
@@ -106,11 +104,11 @@ class GQASpec(_Strict):
         return self
 
 
-class DenseFFNSpec(_Strict):
+class DenseFFNSpec(StrictModel):
     intermediate_size: PosInt
 
 
-class MoESpec(_Strict):
+class MoESpec(StrictModel):
     """MoE FFN. With `latent_size` (latent MoE) the routed stream is compressed to that width before
     dispatch; without it the experts read the hidden state (DeepSeek-V3, Qwen3)."""
 
@@ -124,7 +122,7 @@ class MoESpec(_Strict):
     """A learned per-expert routing bias (DeepSeek-V3 e_score_correction_bias)."""
 
 
-class AttnResSpec(_Strict):
+class AttnResSpec(StrictModel):
     """Block Attention Residuals."""
 
     block_size: PosInt
@@ -134,7 +132,7 @@ class AttnResSpec(_Strict):
     """Seed 002 counts blocks over sublayers: a 12-layer stage emits 2 residual blocks."""
 
 
-class VisionSpec(_Strict):
+class VisionSpec(StrictModel):
     """MoonViT-style vision tower plus patch-merge projector (all AdamW, no per-token text work)."""
 
     num_blocks: PosInt
@@ -150,7 +148,7 @@ class VisionSpec(_Strict):
     projector_hidden_size: PosInt
 
 
-class MTPSpec(_Strict):
+class MTPSpec(StrictModel):
     """Multi-token prediction modules (DeepSeek-V3 section 2.2): each is enorm + hnorm, a [d, 2d]
     projection and one decoder layer of the last layer's kinds; embedding and output head are shared
     with the main model (no parameters) but the head is applied once more per module."""
@@ -158,12 +156,12 @@ class MTPSpec(_Strict):
     num_layers: PosInt = 1
 
 
-class OptimizerSpec(_Strict):
+class OptimizerSpec(StrictModel):
     adamw_matrices: list[str] = Field(default_factory=list)
-    """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.structure)."""
+    """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.cost.structure)."""
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """A decoder stack of KDA / MLA / GQA attention with dense or (latent) MoE FFNs, read from TOML.
 
     `full_attention_layers` lists the softmax-attention layers (MLA or GQA, whichever table is given);
@@ -262,7 +260,7 @@ def quantized_bytes_per_element(precision: Precision) -> float:
 # ------------------------------------------------------------------------------------------- cluster
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(StrictModel):
     """Per-GPU physical quantities. Bandwidths are per GPU, per direction; FLOP/s are dense peaks.
 
     Every field is a named physical quantity a user may override with a measurement (for example a
@@ -334,7 +332,7 @@ class FsdpLifecycle(StrEnum):
     """BF16 view kept; gradients accumulated in an unsharded FP32 buffer, one reduce-scatter per update."""
 
 
-class Toggles(_Strict):
+class Toggles(StrictModel):
     """Memory toggles of the K3 paper section 5.2.2 (seed 001) and seed 004; false when absent."""
 
     fp8_activations: StrictBool = False
@@ -391,7 +389,7 @@ class Dtype(StrEnum):
 
     @property
     def bytes(self) -> int:
-        return 4 if self is Dtype.FP32 else 2
+        return FP32 if self is Dtype.FP32 else BF16
 
 
 class MeasurementKind(StrEnum):
@@ -405,7 +403,7 @@ class MeasurementKind(StrEnum):
     UNSTATED = "unstated"
 
 
-class Measured(_Strict):
+class Measured(StrictModel):
     """Figures a real run measured, for validation only (never an input to the model)."""
 
     kind: MeasurementKind = MeasurementKind.UNSTATED
@@ -430,7 +428,7 @@ class Measured(_Strict):
     note: str = ""
 
 
-class Layout(_Strict):
+class Layout(StrictModel):
     """One parallel layout of a training job. `split` lists layers per chunk, p*v entries in order;
     chunk j runs on PP rank j mod p."""
 
@@ -529,7 +527,7 @@ class Layout(_Strict):
         if ranks % self.dense_fsdp:
             raise ValueError(f"dense_fsdp ({self.dense_fsdp}) must divide the {ranks} ranks of a stage")
         if (ranks // c) % self.dense_fsdp:
-            # Dense FSDP groups take dp indices at stride cp (placement in k3opt.comm).
+            # Dense FSDP groups take dp indices at stride cp (placement in k3opt.cost.comm).
             raise ValueError(f"dense_fsdp ({self.dense_fsdp}) must divide the {ranks // c} data-parallel ranks of a "
                              f"stage (gpus / (pp * cp) = {n} / ({p} * {c}))")
         edp = ranks // e
@@ -548,18 +546,11 @@ class Layout(_Strict):
             raise ValueError(f"measured.rank ({self.measured.rank}) must be a PP rank, 0..{p - 1}")
         return self
 
-    def to_launch(self, fmt: str, model: Any = None) -> Any:
-        """This layout as launch settings for `fmt` (megatron-bridge | megatron-lm | torchtitan): a
-        k3opt.launch.Launch whose .text is the flags / overrides / TOML, .missing the decisions without a switch."""
-        from k3opt.launch import to_launch
-
-        return to_launch(self, fmt, model)
-
 
 # ----------------------------------------------------------------------------------------------- job
 
 
-class SearchSpace(_Strict):
+class SearchSpace(StrictModel):
     """Optional narrowing of the search; every list is the allowed values, absent means all."""
 
     pp: list[PosInt] | None = None
@@ -595,7 +586,7 @@ class SearchSpace(_Strict):
         return v
 
 
-class Job(_Strict):
+class Job(StrictModel):
     """What a user asks the planner: GPUs, context, tokens per update, memory reserve."""
 
     model: str = "kimi-k3"
@@ -621,7 +612,7 @@ class Job(_Strict):
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
     _runtime_from: Any = PrivateAttr(default=None)
-    """Set on the job the search receives (k3opt.runtime.resolve_job_runtime): its k3opt.runtime.RuntimeChoice."""
+    """Set on the job the search receives (k3opt.inputs.runtime.resolve_job_runtime): its RuntimeChoice."""
 
     @property
     def gpu_counts(self) -> list[int]:
@@ -648,129 +639,6 @@ class Job(_Strict):
         return self
 
 
-# ------------------------------------------------------------------------------------------- loading
-
-
-def _format_validation_error(err: ValidationError, what: str) -> str:
-    first = err.errors()[0]
-    # Union members and validator chains appear in the location as "function-after[...]"; keep field names.
-    loc = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()) or "(file)"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (remove it or check its spelling)"
-    elif first["type"] == "missing":
-        msg = "required field is missing"
-    extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{what}: {loc}: {msg}{extra}"
-
-
-def _read_toml(path: Path, what: str) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise PresetNotFoundError(f"{what} file not found: {path}") from None
-    except IsADirectoryError:
-        raise SpecError(f"{what}: {path} is a directory, not a TOML file") from None
-    if not text.strip():
-        raise SpecError(f"{what}: {path} is empty; it needs at least the required fields")
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise SpecError(f"{what}: {path} is not valid TOML ({err})") from None
-
-
-_PRESET_DIRS = {"model": "constraints/models", "cluster": "constraints/clusters",
-                "job": "constraints/jobs", "layout": "layouts", "runtime": "constraints/runtimes",
-                "measured layout": "layouts/measured", "rates": "constraints/rates"}
-
-
-def preset_dir(kind: str) -> Path:
-    """The folder holding the shipped presets of one kind: inside the installed package, or the
-    repository's top-level folder when k3opt runs from a source checkout."""
-    rel = _PRESET_DIRS[kind]
-    installed = Path(str(resources.files("k3opt"))) / rel
-    if installed.is_dir():
-        return installed
-    return Path(__file__).resolve().parent.parent / rel
-
-
-def preset_names(kind: str) -> list[str]:
-    d = preset_dir(kind)
-    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
-
-
-def resolve(name_or_path: str | Path, kind: str) -> Path:
-    """A path to an existing file, or the name of a shipped preset."""
-    p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists() or "/" in str(name_or_path):
-        if p.exists():
-            return p
-        raise PresetNotFoundError(f"{kind} file not found: {p}")
-    kinds = (kind, "measured layout") if kind == "layout" else (kind,)
-    for k in kinds:
-        candidate = preset_dir(k) / f"{name_or_path}.toml"
-        if candidate.exists():
-            return candidate
-    known = ", ".join(sorted(n for k in kinds for n in preset_names(k))) or "none"
-    raise PresetNotFoundError(f"unknown {kind} preset '{name_or_path}'; known presets: {known} (or give a path)")
-
-
-def _load(cls: type[BaseModel], name_or_path: str | Path, kind: str) -> Any:
-    path = resolve(name_or_path, kind)
-    data = _read_toml(path, f"{kind} {path.name}")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(_format_validation_error(err, f"{kind} {path.name}")) from None
-
-
-def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
-    """A model preset name (`kimi-k3`) or a path to a model TOML."""
-    if isinstance(name_or_path, ModelSpec):
-        return name_or_path
-    return _load(ModelSpec, name_or_path, "model")
-
-
-def load_cluster(name_or_path: str | Path = "gb200-nvl72") -> ClusterSpec:
-    """A cluster preset name (`gb200-nvl72`) or a path to a cluster TOML. Its `default_runtime`, if named, must
-    exist."""
-    if isinstance(name_or_path, ClusterSpec):
-        return name_or_path
-    cluster = _load(ClusterSpec, name_or_path, "cluster")
-    if cluster.default_runtime not in (None, NO_RUNTIME):
-        from k3opt.runtime import load_runtime
-
-        try:
-            load_runtime(cluster.default_runtime)
-        except (PresetNotFoundError, SpecError) as err:
-            raise type(err)(f"cluster {cluster.name}: default_runtime: {err}") from None
-    return cluster
-
-
-def load_layout(name_or_path: str | Path) -> Layout:
-    """A layout file (or the name of a shipped layout, e.g. `k3-gb200-512-reference`)."""
-    return _load(Layout, name_or_path, "layout")
-
-
-def load_job(name_or_path: str | Path = "k3-512-4k") -> Job:
-    """A job file (or the name of a shipped job, e.g. `k3-512-4k`). Its runtime, if named, must exist; absent,
-    the plan uses the cluster's `default_runtime` (k3opt.runtime.resolve_job_runtime)."""
-    job = _load(Job, name_or_path, "job")
-    if job.runtime not in (None, NO_RUNTIME):
-        from k3opt.runtime import load_runtime
-
-        load_runtime(job.runtime)
-    return job
-
-
-def make_layout(**fields: Any) -> Layout:
-    """Build a Layout from keyword fields, raising LayoutError (not a pydantic error) on bad input."""
-    try:
-        return Layout.model_validate(fields)
-    except ValidationError as err:
-        raise LayoutError(_format_validation_error(err, "layout")) from None
-
-
 def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> None:
     """Rules that need the model: the split covers every layer, EP divides the experts."""
     total = sum(layout.split)
@@ -791,3 +659,93 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
 
+
+# ------------------------------------------------------------------------------------------- runtime
+# A runtime file (constraints/runtimes/*.toml) holds the sizes the memory items of k3opt.cost.memory_outside are
+# built from: the CUDA context, NCCL's per-connection and per-channel buffers, NVLS buffers, the HybridEP
+# dispatcher's buffers, cuBLAS / TransformerEngine workspaces and the caching allocator's slack, plus the
+# environment knobs that change them (NCCL_NVLS_ENABLE, NCCL_BUFFSIZE, PYTORCH_CUDA_ALLOC_CONF). Every value is a
+# field a user can override with a measurement; the shipped preset names its source beside each value.
+
+
+class RuntimeSpec(StrictModel):
+    """Per-process sizes of one training stack on one GPU generation (bytes unless the name says otherwise)."""
+
+    name: str
+    description: str = ""
+    # -- outside the caching allocator
+    cuda_context_mib: PosFloat
+    """CUDA context and lazily loaded kernel images of one process."""
+    nccl_buffsize_bytes: PosInt
+    """Simple-protocol buffer per connection (NCCL_BUFFSIZE)."""
+    nccl_ll_buffer_bytes: PosInt
+    """LL-protocol buffer per connection."""
+    nccl_ll128_buffer_bytes: PosInt
+    """LL128-protocol buffer per connection."""
+    nccl_alloc_granularity_bytes: PosInt
+    """cuMem allocation granularity the per-connection buffers are rounded up to."""
+    nccl_coll_channels: PosInt
+    """Channels of a collective (ring) communicator; one receive connection per channel."""
+    nccl_p2p_channels_per_peer: PosInt
+    """Channels per peer of a point-to-point (send/recv) connection over NVLink."""
+    nccl_p2p_channels_per_net_peer: PosInt
+    """Channels per peer over the network (NCCL_NCHANNELS_PER_NET_PEER)."""
+    nccl_p2p_chunk_bytes: PosInt
+    """P2P chunk over NVLink; a p2p buffer is chunk x NCCL_STEPS."""
+    nccl_p2p_net_chunk_bytes: PosInt
+    """P2P chunk over the network."""
+    nccl_steps: PosInt
+    """NCCL_STEPS: slots per connection buffer."""
+    nccl_nvls_enable: StrictBool
+    """NCCL_NVLS_ENABLE: NVLink SHARP buffers for communicators whose ranks share one NVLink domain."""
+    nvls_channels: PosInt
+    nvls_chunk_bytes: PosInt
+    nvls_heads: PosInt
+    """nHeads of NCCL's NVLS buffer formula (nChannels x 2 x chunk x NCCL_STEPS x nHeads)."""
+    hybridep: StrictBool = True
+    """The EP all-to-all runs through HybridEP (fixed buffers outside the allocator) instead of NCCL."""
+    hybridep_token_bytes: PosInt = 2
+    """Bytes per dispatched value in the HybridEP token buffer (BF16 dispatch)."""
+    hybridep_prob_bytes: PosInt = 4
+    """Bytes per routing probability (FP32) in the HybridEP probs buffer."""
+    # -- inside the caching allocator (counted in allocated)
+    cublas_workspace_bytes: PosInt
+    cublas_handles: PosInt
+    """(handle, stream) pairs with a cuBLAS workspace."""
+    te_workspace_bytes: PosInt
+    te_workspaces: PosInt
+    """TransformerEngine GEMM workspaces: one for plain GEMMs plus one per grouped-GEMM compute stream."""
+    # -- the caching allocator
+    expandable_segments: StrictBool = False
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
+    allocator_slack: NonNegFloat
+    """(max reserved - max allocated) / max allocated without expandable segments."""
+    allocator_slack_expandable_segments: NonNegFloat | None = None
+    """The same ratio with expandable segments (no public ratio shipped: measure it)."""
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _slack(self) -> RuntimeSpec:
+        if self.expandable_segments and self.allocator_slack_expandable_segments is None:
+            raise ValueError("expandable_segments is true but allocator_slack_expandable_segments is not given; "
+                             "measure (max reserved - max allocated) / max allocated with the flag and set it")
+        return self
+
+    @property
+    def slack(self) -> float:
+        """The allocator slack in force: reserved = allocated x (1 + slack)."""
+        if self.expandable_segments:
+            assert self.allocator_slack_expandable_segments is not None
+            return self.allocator_slack_expandable_segments
+        return self.allocator_slack
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        return int(round(self.cuda_context_mib * MIB))
+
+    @property
+    def nccl_connection_bytes(self) -> int:
+        """One collective connection: Simple + LL + LL128 buffers, rounded up to the allocation granularity."""
+        raw = self.nccl_buffsize_bytes + self.nccl_ll_buffer_bytes + self.nccl_ll128_buffer_bytes
+        g = self.nccl_alloc_granularity_bytes
+        return -(-raw // g) * g

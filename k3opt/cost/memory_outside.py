@@ -16,11 +16,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from k3opt import comm
-from k3opt.coefficients import Shape
-from k3opt.coefficients import _placement as cached_placement
-from k3opt.runtime import RuntimeSpec
-from k3opt.specs import GIB, ClusterSpec, ModelSpec
+from k3opt.cost import comm
+from k3opt.cost.coefficients import Shape
+from k3opt.cost.coefficients import placement_of as cached_placement
+from k3opt.inputs.specs import GIB, ClusterSpec, ModelSpec, RuntimeSpec
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ def _domain(shape: Shape, cluster: ClusterSpec) -> int:
     return min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
 
 
-def _placement(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
+def placement_of(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
     # The cost model's cached placement: the search asks for every frame's budget, rank by rank.
     return cached_placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
                             _domain(shape, cluster))
@@ -54,7 +53,7 @@ def _stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain
 def _rank_placement(shape: Shape, cluster: ClusterSpec, rank: int) -> comm.Placement:
     """The placement as PP rank `rank`'s own communicators see it: a rank's buffers depend on where its own
     groups sit (a stage inside one domain gets NVLS and an all-local HybridEP), not on the worst stage's."""
-    pl = _placement(shape, cluster)
+    pl = placement_of(shape, cluster)
     a, d, x = _stage_members(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp,
                              _domain(shape, cluster), rank)
     return replace(pl, ep_local=a, dense_fsdp_local=d, expert_fsdp_local=x)
@@ -178,7 +177,7 @@ def allocated_budgets_bytes(shape: Shape, model: ModelSpec, cluster: ClusterSpec
     cap = cluster.hbm_bytes - int(round(reserve_gib * GIB))
     slack = runtime.slack if runtime is not None else 0.0
     out = []
-    pl = _placement(shape, cluster) if runtime is not None else None
+    pl = placement_of(shape, cluster) if runtime is not None else None
     by_peers: dict[tuple, int] = {}
     for r in range(shape.pp):
         # Ranks differ only by their PP neighbours and their groups' members per domain: itemize and size the

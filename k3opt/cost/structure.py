@@ -13,9 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
-from k3opt.specs import ModelSpec
-
-BF16, FP32, INT64 = 2, 4, 8
+from k3opt.inputs.specs import BF16, FP32, INT64, ModelSpec
 
 
 @dataclass(frozen=True)

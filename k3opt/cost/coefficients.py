@@ -13,10 +13,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from k3opt import comm
-from k3opt.rates import RatesSpec, rates_for
-from k3opt.schedule import inflight_compositions, schedule_slots
-from k3opt.specs import (
+from k3opt.cost import comm
+from k3opt.cost.schedule import inflight_compositions, schedule_slots
+from k3opt.cost.structure import Block, Saved, Structure, Tensor, structure_of
+from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
+from k3opt.inputs.specs import (
+    BF16,
+    FP32,
     ClusterSpec,
     Dtype,
     FsdpLifecycle,
@@ -29,7 +32,6 @@ from k3opt.specs import (
     Toggles,
     quantized_bytes_per_element,
 )
-from k3opt.structure import BF16, FP32, Block, Saved, Structure, Tensor, structure_of
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class Coefficients:
     update_hidden: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     """Per-update seconds that hide under `update_hidden_stages` stage-microbatches of compute; only what exceeds
     that window adds to the step (empty in the cost model's own coefficients: the roofline exposes the whole update;
-    set by the achievable ranking view, k3opt.achievable.ranking_view)."""
+    set by the achievable ranking view, k3opt.cost.achievable.ranking_view)."""
     update_hidden_stages: float = 0.0
 
     @property
@@ -576,7 +578,7 @@ def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
 
 
 @lru_cache(maxsize=4096)
-def _placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
+def placement_of(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
     return comm.placement(gpus, p, c, e, fe, fd, domain)
 
 
@@ -624,7 +626,7 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     cluster = _cluster_of(cluster_json)
     tg = shape.toggles
     domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
-    pl = _placement(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
+    pl = placement_of(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
     terms = _layer_terms(LayerShape.of(shape, pl), model_json, cluster_json, rates_json)
     comps = _compositions(shape.pp, shape.vp, shape.microbatches)
     balanced = _balanced_inflight(shape.pp, shape.vp, shape.microbatches) if tg.balance_activations else None
@@ -1136,21 +1138,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
 # ---------------------------------------------------------------- achievable: loss kernels and the MoE expert part
 # Two per-layer terms of the achievable roofline kept apart from the rest: the cross-entropy kernels' HBM traffic
 # on the last edge, and the routed-expert share of each layer's compute that the EP overlap schedule pairs with
-# the all-to-all (k3opt.achievable.ep_overlap_stage_exposed).
-
-
-# NVIDIA/TransformerEngine@d0067d0da6cb01811b8072a7d304f0e00344ce2b transformer_engine/common/triton/cross_entropy.py,
-# the fused cross entropy Megatron runs with cross_entropy_fusion_impl = 'te' (the Megatron-Bridge perf recipes'
-# default, src/megatron/bridge/perf_recipes/_common.py@067f987d). The logits' write by the LM-head GEMM and its
-# backward GEMMs' reads are GEMM traffic, not counted here.
-TE_CROSS_ENTROPY_BYTES_PER_LOGIT = (
-    BF16            # online_softmax_kernel reads the BF16 logits
-    + BF16 + FP32   # cross_entropy_kernel reads them again and writes the FP32 gradient
-    + FP32 + FP32   # backward element_mul_kernel scales it in place (Megatron passes a per-token loss,
-                    # megatron/core/models/common/language_module/language_module.py@d98e8a64: grad_output is not 1)
-    + FP32 + BF16   # autograd casts the FP32 gradient to the BF16 logits' dtype for the LM-head backward
-)
-"""HBM bytes TransformerEngine's fused cross entropy moves per logit element per microbatch: 22 B."""
+# the all-to-all (k3opt.cost.achievable.ep_overlap_stage_exposed).
 
 
 def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The achievable step time: the same roofline-plus-bubble form as the peak step time, with the achievable
-ceilings of k3opt.rates (an empirical roofline), and the overlap rules of the rates file.
+ceilings of k3opt.inputs.rates (an empirical roofline), and the overlap rules of the rates file.
 
     stage_r  = max(tensor + vector, HBM, NVLink, NIC, host link; at achievable rates) + exposed EP all-to-all
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3opt import comm
-from k3opt.coefficients import Coefficients, balance_moved_bytes, memory_bound_forward_share
-from k3opt.rates import RatesSpec, rates_for
-from k3opt.schedule import backward_over_forward, chunk_times, ep_overlap_unpaired, replay_makespan
-from k3opt.specs import ClusterSpec, Recompute
+from k3opt.cost import comm
+from k3opt.cost.coefficients import DEFAULT_DISPATCHER, Coefficients, balance_moved_bytes, memory_bound_forward_share
+from k3opt.cost.schedule import backward_over_forward, chunk_times, ep_overlap_unpaired, replay_makespan
+from k3opt.inputs.rates import RatesSpec, rates_for
+from k3opt.inputs.specs import ClusterSpec, Recompute
 
 OVERLAPPED = ("tensor", "hbm", "nvlink", "nic", "host_link")
 
@@ -38,7 +38,6 @@ def _sm_share(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | None) -
     """Share of the SMs an overlapped all-to-all takes from compute: dispatcher SMs / GPU SMs (0 if unknown)."""
     if cluster is None or not cluster.sm_count:
         return 0.0
-    from k3opt.coefficients import DEFAULT_DISPATCHER
 
     return min(1.0, rates.a2a_sms(cf.shape.dispatcher or DEFAULT_DISPATCHER) / cluster.sm_count)
 
@@ -116,10 +115,10 @@ def chunk_rows(split: list[int] | tuple[int, ...], chunks: list[int], n_layers: 
 
 def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
     """Seconds per stage-microbatch of physical rank r on each resource at the achievable rates, EP apart."""
-    return _rank_sums(cf, cf.achievable, cf.pp_seconds_per_byte_achievable, split, r)
+    return rank_sums(cf, cf.achievable, cf.pp_seconds_per_byte_achievable, split, r)
 
 
-def _rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[float, ...],
+def rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[float, ...],
                split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
     """Rank r's sums of per-layer seconds, plus its PP packets (at `pp_spb` seconds per byte) and the activation
     balancing traffic, on the resources they ride."""
@@ -157,7 +156,6 @@ UPDATE_COMM = ("nvlink", "nic")
 class RankingArrays:
     """Per-layer (length L + 2) seconds per microbatch whose per-rank sums give the achievable stage time in the
     roofline's form, stage_r = max_res sum_{i in r} time[res][i] (+ the PP packets on nvlink / nic):
-
         time[res] = overlapped[res] + exposed          (exposed EP)    or    overlapped[res]    (overlap schedule)
 
     `overlapped` folds the memory-bound kernels into `tensor` (serial with the GEMMs) and, under an EP overlap
@@ -233,13 +231,11 @@ def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_bwd: 
     """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its paired compute, as
     Megatron's combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i)
     (NVIDIA/Megatron-LM megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
-
         comm stream:  combine bwd     | dispatch fwd, dispatch bwd | -       | combine fwd
         comp stream:  pre-dispatch fwd| mlp bwd                    | mlp fwd | pre-dispatch bwd
 
     Each stage lasts max(compute + share x comm, comm) (the all-to-all holds `share` of the SMs, as priced on the
     whole stage already), so beyond that priced part it adds max(0, (1 - share) comm - compute):
-
         exposed = max(0, (1-s) c - pre_fwd) + max(0, (1-s)(x-2) c - mlp_bwd) + max(0, (1-s) c - pre_bwd)
 
     with c = ep / x the seconds of one of the layer's x exchanges (x = 4: dispatch and combine, forward and
@@ -287,7 +283,7 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     rank_idx = [rank_indices(split, r, sh.pp, cf.n_layers, edges) for r in range(sh.pp)]
     stages = []
     for r in range(sh.pp):
-        t = _rank_sums(cf, ra.time, cf.pp_seconds_per_byte_achievable, split, r)
+        t = rank_sums(cf, ra.time, cf.pp_seconds_per_byte_achievable, split, r)
         idx = rank_idx[r]
         exposed = float(ra.exposed[idx].sum())
         binding = max(t, key=t.get)

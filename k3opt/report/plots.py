@@ -17,11 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from k3opt.errors import LayoutError  # noqa: E402
-from k3opt.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
-from k3opt.report import degrees_text  # noqa: E402
-from k3opt.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
-from k3opt.specs import GIB  # noqa: E402
+from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
+from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
+from k3opt.inputs.errors import LayoutError  # noqa: E402
+from k3opt.inputs.labels import degrees_text  # noqa: E402
+from k3opt.inputs.specs import GIB  # noqa: E402
 
 FORWARD_SHARE = 1 / (1 + BACKWARD_OVER_FORWARD)
 """Forward share of a microbatch's stage time in the timeline, from the schedule module's backward / forward
@@ -57,7 +57,7 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
                label=f"persistent + {'/'.join(OPTIMIZER)} (optimizer phase)")
     if ev.runtime is not None:
         # Measurement kinds above the live-tensor peak: allocated adds the allocator-held workspaces, reserved the
-        # allocator's slack, device the memory outside the allocator (k3opt.memory_outside).
+        # allocator's slack, device the memory outside the allocator (k3opt.cost.memory_outside).
         kinds = (("allocated: + workspaces", "peak_bytes", "allocated_bytes", "#4d4d4d"),
                  ("reserved: + allocator slack", "allocated_bytes", "reserved_bytes", "#8c8c8c"),
                  ("device: + outside the allocator", "reserved_bytes", "device_bytes", "#c7c7c7"))
@@ -135,7 +135,7 @@ class Op:
 
 def pipeline_schedule(p: int, v: int, m: int, chunk_times: list[list[float]],
                       backward_s: list[list[float]] | None = None) -> list[Op]:
-    """Start and end of every forward and backward on every rank (`k3opt.schedule.replay_ops`: each op starts when
+    """Start and end of every forward and backward on every rank (`k3opt.cost.schedule.replay_ops`: each op starts when
     its rank is free and its input has arrived). chunk_times[r][k]: seconds per microbatch of local chunk k on
     rank r, forward + backward split 1 : BACKWARD_OVER_FORWARD; or, with `backward_s` given, the forward seconds
     and backward_s[r][k] the backward's. Interleaving needs M divisible by p (Megatron's rule)."""

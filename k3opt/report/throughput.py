@@ -2,7 +2,7 @@
 
 Each measured layout (layouts/measured/*.toml with a `[measured] tokens_per_s_per_gpu`) names its source: the
 Megatron-Bridge performance table row and the perf recipe (commit 067f987d) its settings come from. The
-prediction is the achievable step time (k3opt.achievable); the peak-ceiling roofline is shown beside it. Every
+prediction is the achievable step time (k3opt.cost.achievable); the peak-ceiling roofline is shown beside it. Every
 rate the prediction uses comes from constraints/rates, never from these rows:
 
     error % = 100 x (predicted - measured) / measured          MAE = mean |error %|
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3opt.errors import K3optError
-from k3opt.evaluate import evaluate
-from k3opt.specs import load_layout
-from k3opt.validate import measured_layouts as all_measured_layouts
+from k3opt.cost.evaluate import evaluate
+from k3opt.inputs.errors import K3optError
+from k3opt.inputs.presets import load_layout
+from k3opt.report.validate import measured_layouts as all_measured_layouts
 
 NOT_EXPRESSIBLE: dict[str, str] = {
     "MB-23": "DeepSeek-V3 FP8-MX (25.11) at PP8 / VP4 / EP32: the pinned recipes hold no PP8 x VP4 pipeline layout "

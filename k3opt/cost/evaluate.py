@@ -3,7 +3,7 @@
 peak(r) = persistent(r) + max(activation-phase peak(r), optimizer-phase transient(r))   (spec section 2)
 step    = (M + (p - 1)/v) * max_r t_r + max_r update_r, t_r = max over resources       (seed 002)
 
-Every number is a sum of the per-layer coefficients in k3opt.coefficients over the layout's split.
+Every number is a sum of the per-layer coefficients in k3opt.cost.coefficients over the layout's split.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from k3opt.achievable import achievable_for, chunk_rows, rank_indices, slowest_index
-from k3opt.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
-from k3opt.errors import LayoutError
-from k3opt.memory_outside import MemoryItem, kinds, runtime_items
-from k3opt.runtime import RuntimeSpec, load_runtime
-from k3opt.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
-from k3opt.sharding import owned_per_rank, whole_params
-from k3opt.specs import (
+from k3opt.cost.achievable import achievable_for, chunk_rows, rank_indices, slowest_index
+from k3opt.cost.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
+from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
+from k3opt.cost.sharding import owned_per_rank, whole_params
+from k3opt.cost.structure import ParamCounts, structure_of
+from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.presets import load_cluster, load_model, load_runtime
+from k3opt.inputs.specs import (
     GIB,
     NO_RUNTIME,
     ClusterSpec,
@@ -28,13 +29,11 @@ from k3opt.specs import (
     MeasurementKind,
     ModelSpec,
     Recompute,
+    RuntimeSpec,
     ShardGranularity,
     ShardingPolicy,
     check_layout,
-    load_cluster,
-    load_model,
 )
-from k3opt.structure import ParamCounts, structure_of
 
 PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
               "quantized_weights")
@@ -124,7 +123,7 @@ class RankEvaluation:
     device_bytes: int = 0
     """Device-used (nvidia-smi): reserved plus the memory outside the allocator. `fits` is device <= capacity."""
     memory_items: tuple[MemoryItem, ...] = ()
-    """The runtime's items beyond the ledger (k3opt.memory_outside); empty without a runtime."""
+    """The runtime's items beyond the ledger (k3opt.cost.memory_outside); empty without a runtime."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -157,7 +156,7 @@ class StepTime:
     mfu_convention: str
     unpriced: tuple[str, ...]
     achievable_step_time_s: float | None = None
-    """Roofline plus bubble at the achievable rates of the cluster's rates file (k3opt.achievable); None
+    """Roofline plus bubble at the achievable rates of the cluster's rates file (k3opt.cost.achievable); None
     without a rates file. `step_time_s` stays the optimistic peak-ceiling bound beside it."""
     achievable_tokens_per_s_per_gpu: float | None = None
     achievable_mfu: float | None = None
@@ -463,7 +462,7 @@ def _policy_formulas(layout: Layout) -> dict[str, str]:
 
 def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...], dp_rank: int | None = None) -> dict[str, float]:
     """Master, optimizer state (and sharded gradients) a data-parallel rank owns under whole-tensor sharding, by
-    Megatron's layer-wise assignment (k3opt.sharding): of `dp_rank` (its index in the dense and in the expert shard
+    Megatron's layer-wise assignment (k3opt.cost.sharding): of `dp_rank` (its index in the dense and in the expert shard
     group), or (None) of each group's rank owning the most bytes, the HBM constraint's worst rank."""
     sh = cf.shape
     out: dict[str, float] = {"master": 0.0, "optimizer": 0.0}
@@ -618,7 +617,7 @@ def memory_comparisons(m: Any, ranks: list[RankEvaluation], owner: str = "") -> 
 
 
 def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: ClusterSpec) -> StepTime:
-    """The peak-ceiling step time with the achievable-rate step time (k3opt.achievable) beside it."""
+    """The peak-ceiling step time with the achievable-rate step time (k3opt.cost.achievable) beside it."""
     ach = achievable_for(cf, layout.split, cluster)
     if ach is None:
         return step

@@ -1,0 +1,36 @@
+"""Short text labels of a layout: its split in run-length form, its toggles, its parallel degrees."""
+
+from __future__ import annotations
+
+from k3opt.inputs.specs import TOGGLE_NAMES, Layout
+
+
+def split_text(split: list[int] | tuple[int, ...]) -> str:
+    """Run-length form of a split: [12]*7 + [9] -> '12x7+9'."""
+    out: list[str] = []
+    i = 0
+    while i < len(split):
+        j = i
+        while j < len(split) and split[j] == split[i]:
+            j += 1
+        out.append(f"{split[i]}x{j - i}" if j - i > 1 else str(split[i]))
+        i = j
+    return "+".join(out)
+
+
+def toggles_text(layout: Layout) -> str:
+    on = [t for t in TOGGLE_NAMES if getattr(layout.toggles, t)]
+    return ",".join(on) if on else "none"
+
+
+def degrees_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
+    """A parallel shape's degrees in the plan table's terms (the CLI, the plots, the search's open bound)."""
+    return (f"PP{shape.pp} VP{shape.vp} CP{shape.cp} EP{shape.ep} eFSDP{shape.expert_fsdp} dFSDP{shape.dense_fsdp} "
+            f"M{shape.microbatches}")
+
+
+def layout_text(layout: Layout) -> str:
+    return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
+            f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "
+            f"split {split_text(layout.split)} recompute={layout.recompute.value} "
+            f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")

@@ -1,0 +1,59 @@
+"""The public k3opt.plan: one entry that resolves the job's runtime and launch target for every caller (the CLI,
+launch scripts, the benchmarks), then runs the search (k3opt.search.plan)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3opt.inputs.errors import InfeasibleJobError
+from k3opt.inputs.presets import load_cluster, load_model
+from k3opt.inputs.runtime import resolve_job_runtime
+from k3opt.inputs.specs import ClusterSpec, Job, ModelSpec
+from k3opt.launch import apply_target_limits, launch_refusals
+from k3opt.search import plan as search_plan
+from k3opt.search.driver import DEFAULT_GAP, ProgressFn
+from k3opt.search.result import Plan
+
+
+def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
+         *, time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
+         progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
+    """Ranked layouts (best first) and the Pareto front of `job`, after the job takes its cluster's default
+    runtime when it names none (k3opt.inputs.runtime.resolve_job_runtime).
+
+    With a launch target the job is narrowed by apply_target_limits, and frames that break a coupled rule the
+    [search] lists cannot express (the derived expert sharding degree) are dropped from the ranking. The ranked
+    search keeps one layout per frame, and whether a frame is runnable depends only on its degrees once the toggles
+    are narrowed, so asking for more frames and filtering keeps the optimum among runnable layouts; the request
+    grows until `top` runnable ones are found or the search runs out of frames."""
+    kwargs: dict[str, Any] = dict(time_limit=time_limit, workers=workers, pareto=pareto,
+                                  pareto_step_gib=pareto_step_gib, progress=progress, gap=gap)
+    job = resolve_job_runtime(job, cluster)
+    target = getattr(job, "target", None)
+    if target is None:
+        return search_plan(job, model=model, cluster=cluster, top=top, **kwargs)
+    m = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+    c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    narrowed = apply_target_limits(job, m)
+    ask = top
+    while True:
+        res = search_plan(narrowed, model=m, cluster=c, top=ask, **kwargs)
+        ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m)]
+        exhausted = len(res.layouts) < ask
+        if len(ok) >= top or exhausted or res.status != "OPTIMAL" or ask >= 64:
+            break
+        ask *= 4
+    if not ok:
+        raise InfeasibleJobError(
+            f"no layout that {target} can run was found ({len(res.layouts)} ranked layouts all break its "
+            f"derived expert sharding rule dense_fsdp = ep x expert_fsdp); widen [search] or drop the target")
+    res.layouts = ok[:top]
+    res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m)]
+    best = res.layouts[0].rank_time_s
+    if res.status == "OPTIMAL":
+        # OPTIMAL: every node the search left has a bound of at least (1 - gap) x the last ranked layout, or x its
+        # own frame's ranked layout, and runnability depends on the frame alone; every ranked layout faster than
+        # `best` was refused, so a runnable layout takes at least (1 - gap) x best: proven within the gap.
+        res.bound = max(res.bound, best * (1 - gap))
+    res.gap = (best - res.bound) / best if best else 0.0
+    return res
