@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
 import k3opt
 from k3opt.cost import coefficients, comm, memory_outside, schedule, structure
-from k3opt.search import node_model, ranking
+from k3opt.search import driver, front, incumbents, lp_bound, node_model, policy, ranking, replay_bound
 
 
 def _mutmut_phase() -> str:
@@ -157,3 +159,16 @@ def pp2_job() -> k3opt.Job:
                    "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES
                                       if t not in ("fp8_activations", "activation_offload")]},
     })
+
+
+@pytest.fixture
+def use_policy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """use_policy(bound_share=0.0, ...): the search runs this test with those SearchPolicy fields changed (every
+    search module that reads the policy sees the same record)."""
+
+    def set_fields(**changes: float) -> None:
+        new = replace(policy.POLICY, **changes)
+        for module in (policy, driver, front, incumbents, lp_bound, node_model, replay_bound):
+            monkeypatch.setattr(module, "POLICY", new)
+
+    return set_fields

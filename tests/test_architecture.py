@@ -85,3 +85,32 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     tmp.write_text(src)
     (node, in_function), = _imports(tmp)
     assert in_function and node.module == "k3opt.cost.coefficients" and node.names[0].name == "_x"
+
+
+# Numbers at module level in k3opt/search that are not tuning knobs: units and tolerances of the models, the
+# default gap a user sets, and the helper process's OS settings.
+NOT_KNOBS = {"MEM_UNIT", "TIME_UNIT", "PEAK_TIE_UNIT", "SCALE", "LINE_ROUNDING", "STOP_ROUNDING", "FEAS_TOL",
+             "VECTOR_MARGIN", "DEFAULT_GAP", "LOCK_WAIT_S", "PIPE_BYTES"}
+
+
+def test_every_search_knob_lives_in_the_policy_with_its_reason() -> None:
+    from dataclasses import FrozenInstanceError, fields
+
+    from k3opt.search.policy import POLICY, SearchPolicy
+
+    tree = ast.parse((ROOT / "search" / "policy.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SearchPolicy")
+    documented = {a.target.id for a, doc in zip(cls.body, cls.body[1:], strict=False)
+                  if isinstance(a, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
+    assert documented == {f.name for f in fields(SearchPolicy)}
+    with pytest.raises(FrozenInstanceError):
+        POLICY.seed_share = 0.5  # type: ignore[misc]
+    stray = []
+    for path in sorted((ROOT / "search").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, (int, float)) and not isinstance(node.value.value, bool):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                stray += [f"{path.name}:{n}" for n in names if n.isupper() and n.lstrip("_") not in NOT_KNOBS
+                          and not n.startswith("_")]
+    assert not stray, f"tuning constants outside SearchPolicy: {stray}"

@@ -208,7 +208,7 @@ def test_the_helper_bounds_every_interleaved_group_before_its_members(tiny, slow
     assert {k[1] for k in keys[:min(lifts)] if k[0] == "dp"} == {f for f in frames if f not in grouped}
 
 
-def test_the_helper_runs_until_the_first_cp_sat_solve(tiny, slow, pp2_job, monkeypatch) -> None:
+def test_the_helper_runs_until_the_first_cp_sat_solve(tiny, slow, pp2_job, monkeypatch, use_policy) -> None:
     """The helper bounds on after the seeding (at 8,192 GPUs the bounding after it solves no model) and stops
     before the first CP-SAT solve, which takes both cores: with the node models forced (gap 0) and no bounding pass
     (the node bounds then come after the seeding), every solve comes after the close, and the close after the last
@@ -242,7 +242,7 @@ def test_the_helper_runs_until_the_first_cp_sat_solve(tiny, slow, pp2_job, monke
     monkeypatch.setattr(driver, "solve_frame", solve)
     monkeypatch.setattr(driver, "spread", spread)
     monkeypatch.setattr(driver, "tight_node_bound", bound)
-    monkeypatch.setattr(driver, "BOUND_SHARE", 0.0)  # no bounding pass: the node bounds come after the seeding
+    use_policy(bound_share=0.0)  # no bounding pass: the node bounds come after the seeding
     plan = driver.plan(pp2_job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0)
     assert plan.status == "OPTIMAL"
     assert "solve" in events and "close" in events

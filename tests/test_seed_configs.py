@@ -24,7 +24,7 @@ def plan_item(job, m, recompute, tiny, slow) -> PlanItem:
     return PlanItem(ev.layout, ev)
 
 
-def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_job, monkeypatch):
+def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_job, monkeypatch, use_policy):
     job = pp2_job.model_copy(update={"reserve_gib": 1.0})  # room for the layout without recompute
     m = next(f for f in enumerate_frames(job, tiny, 8) if f.vp == 2).microbatches
     fast, slower = plan_item(job, m, "none", tiny, slow), plan_item(job, m, "full", tiny, slow)
@@ -38,7 +38,7 @@ def test_a_later_call_climbs_every_configuration_priced_before(tiny, slow, pp2_j
         return it
 
     monkeypatch.setattr(inc, "split_climb", record)
-    monkeypatch.setattr(inc, "CLIMB_WITHIN", 0.5)  # both within reach of the fastest on this model
+    use_policy(climb_within=0.5)  # both within reach of the fastest on this model
     configs = {f: {inc.config_of(it.layout): it for it in (fast, slower)}}
     inc.seed(job, [], tiny, slow, {f: fast}, math.inf, walk_first=False, configs=configs)
     assert sorted(climbed) == ["full", "none"]

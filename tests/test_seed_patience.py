@@ -21,10 +21,10 @@ class _Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch):
+def clock(monkeypatch, use_policy):
     c = _Clock()
     monkeypatch.setattr(inc, "_time", SimpleNamespace(monotonic=c))  # this module's clock only
-    monkeypatch.setattr(inc, "PATIENCE_MIN_S", 8.0)  # the rule, not the shipped value
+    use_policy(patience_min_s=8.0)  # the rule, not the shipped value
     return c
 
 

@@ -16,6 +16,7 @@ import k3opt.search.driver as driver
 import k3opt.search.incumbents as inc
 from k3opt.search.bounds import frame_lower_bound
 from k3opt.search.frames import enumerate_frames
+from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
 
 
@@ -111,7 +112,7 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     assert plan.status == "OPTIMAL"
     names = [e[0] for e in events]
     assert names[:2] == ["seed", "seed"]
-    assert events[1] in (("seed", driver.FIRST_PATIENCE_S), ("seed", driver.FIRST_PATIENCE_NEAR_S))
+    assert events[1] in (("seed", POLICY.first_patience_s), ("seed", POLICY.first_patience_near_s))
     assert "done" in names and "solve" in names
     third = names.index("done")
     # A layout of 1e-9 s is under every bound (closed); no layout: not closed; one of 1e9 s is above the queue's.
@@ -183,7 +184,7 @@ def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2
     monkeypatch.setattr(driver, "spread", spread_spy)
     k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, pareto=False, time_limit=20)
     assert events[0] == ("seed", None, "none given") and events[2] == ("spread",)
-    assert events[1] in (("seed", 1, driver.FIRST_PATIENCE_S), ("seed", 1, driver.FIRST_PATIENCE_NEAR_S))
+    assert events[1] in (("seed", 1, POLICY.first_patience_s), ("seed", 1, POLICY.first_patience_near_s))
     assert all(e[1] == 2 for e in events[3:] if e[0] == "seed")  # the part after the pass: the top-th
 
 
@@ -223,7 +224,8 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
     assert len(seen) == len(frames)
 
 
-def _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above: float, first: dict | None = None) -> list[str]:
+def _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above: float,
+                       first: dict | None = None) -> list[str]:
     """The order of the driver's helper start, walk (first seed call) and heuristic passes on the PP2 job with
     ROUND_ROBIN_ABOVE set to `above`; `first`: what the first heuristic pass returns instead of its layouts."""
     events: list[str] = []
@@ -245,7 +247,7 @@ def _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above: float, first: di
             events.append("helper")
         return real_prefetch([], line)
 
-    monkeypatch.setattr(driver, "ROUND_ROBIN_ABOVE", above)
+    use_policy(round_robin_above=above)
     monkeypatch.setattr(driver, "incumbents", inc_spy)
     monkeypatch.setattr(driver, "seed", seed_spy)
     monkeypatch.setattr(driver, "Prefetch", prefetch_spy)
@@ -255,23 +257,23 @@ def _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above: float, first: di
 
 
 def test_the_second_heuristic_pass_runs_only_when_the_walks_end_far_above_the_least_bound(
-        tiny, slow, pp2_job, monkeypatch):
+        tiny, slow, pp2_job, monkeypatch, use_policy):
     """The first pass, then the helper process, then the walks; the second pass (a round-robin over the pipeline
     shapes) only when the fastest layout after the walks is more than ROUND_ROBIN_ABOVE over the queue's least
     bound, or when there is no layout at all, and the seeding's first part then has the longer minimum
     (FIRST_PATIENCE_S; FIRST_PATIENCE_NEAR_S when the walks ended near the bound). Any layout is far above a line
     at -100% of the bound, none is above one at 1e9 x it."""
-    far_first = f"seed {driver.FIRST_PATIENCE_S}"
-    far = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=-1.0)
+    far_first = f"seed {POLICY.first_patience_s}"
+    far = _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above=-1.0)
     assert far[:5] == ["pass", "helper", "seed", "pass", far_first]
     monkeypatch.undo()
-    near = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9)
-    assert near[:4] == ["pass", "helper", "seed", f"seed {driver.FIRST_PATIENCE_NEAR_S}"]
+    near = _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above=1e9)
+    assert near[:4] == ["pass", "helper", "seed", f"seed {POLICY.first_patience_near_s}"]
     assert near.count("pass") == 1
-    assert driver.FIRST_PATIENCE_NEAR_S < driver.FIRST_PATIENCE_S
+    assert POLICY.first_patience_near_s < POLICY.first_patience_s
     monkeypatch.undo()
     # No layout from the first pass (nor from the walks, which start from its layouts): the second pass runs.
-    none = _second_pass_calls(monkeypatch, tiny, slow, pp2_job, above=1e9, first={})
+    none = _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above=1e9, first={})
     assert none[:5] == ["pass", "helper", "seed", "pass", far_first]
 
 
@@ -331,4 +333,4 @@ def test_the_first_pass_takes_half_the_budget_at_most_first_pass_s(tiny, slow, p
 
     monkeypatch.setattr(driver, "incumbents", spy)
     assert k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit).layouts
-    assert calls[0] == pytest.approx(budget_s) and driver.FIRST_PASS_S == 1.5
+    assert calls[0] == pytest.approx(budget_s) and POLICY.first_pass_s == 1.5

@@ -97,7 +97,7 @@ def test_spread_replaces_a_slower_entry_and_keeps_a_strictly_faster_one(tiny, sl
     assert spread(job, found, frames, tiny, slow, deadline=float("inf"), stop=lambda: True) == {}
 
 
-def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2_job, monkeypatch):
+def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2_job, monkeypatch, use_policy):
     """The plan's call of spread: its deadline is within the plan's time limit (never the full `budget` past it) and
     it gets the Ctrl-C flag as its stop (not set in a plain run)."""
     import time
@@ -117,8 +117,8 @@ def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2
     # would run 0.8 s past it.
     limit = 2.0
     real_seed = driver.seed
-    monkeypatch.setattr(driver, "BOUND_SHARE", 0.0)
-    monkeypatch.setattr(driver, "FIRST_PATIENCE_S", 0.0)  # the first part stops at once: the second always runs
+    use_policy(bound_share=0.0)
+    use_policy(first_patience_s=0.0)  # the first part stops at once: the second always runs
     seen_done: list[bool] = []
 
     def slow_seed(*a, **k):
@@ -175,7 +175,7 @@ def test_spread_prices_a_sibling_without_the_memory_toggles_its_source_gets_for_
     assert got[g].rank_time_s == off.step.rank_time_s
 
 
-def test_seed_walks_one_frame_per_shape_and_prices_its_siblings(tiny, slow, pp2_job, monkeypatch):
+def test_seed_walks_one_frame_per_shape_and_prices_its_siblings(tiny, slow, pp2_job, monkeypatch, use_policy):
     """The seeding walks one frame per shape up to the FSDP degrees and sharding policies (`_siblings_key`); the
     siblings are priced under the configurations found, not walked. At 8,192 GPUs eight walks of PP4 VP4 EP64
     siblings took the seeding's time and the faster PP8 VP4 shape was never visited. With no time share on the walks
@@ -199,7 +199,7 @@ def test_seed_walks_one_frame_per_shape_and_prices_its_siblings(tiny, slow, pp2_
 
     monkeypatch.setattr(inc, "frame_walk", walk)
     monkeypatch.setattr(inc, "price_configs", price)
-    monkeypatch.setattr(inc, "WALK_SHARE", math.inf)
+    use_policy(seed_walk_share=math.inf)
     vp2 = [f for f in frames if f.vp == 2]
     src = _layout(2, 4, "optim_grads_params", 2, [1, 2, 2, 1], "full").model_copy(
         update={"microbatches": vp2[0].microbatches})

@@ -13,6 +13,7 @@ import pytest
 import k3opt
 from k3opt.inputs.presets import make_layout
 from k3opt.search.incumbents import split_climb
+from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
 
 DATA = Path(__file__).parent / "data"
@@ -115,7 +116,7 @@ def test_climb_prices_the_moves_its_screen_cannot_tell_apart(model, cluster):
     assert got.rank_time_s <= target.step.rank_time_s + 1e-9
 
 
-def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeypatch):
+def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeypatch, use_policy):
     """The best configuration depends on the split. K3's default PP8 VP4 EP64 dFSDP64 shape: the walk's fastest
     configuration (no dispatch recompute, 18.72 s on its heuristic split) climbs to 18.72 s only, while the
     configuration with dispatch recompute (19.01 s on the same split) climbs to 18.63 s; the seeding climbs both.
@@ -124,7 +125,7 @@ def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeyp
     import k3opt.search.incumbents as inc
     from k3opt.search.frames import frame_of
 
-    monkeypatch.setattr(inc, "CLIMB_MIN_S", 120.0)
+    use_policy(climb_min_s=120.0)
     job = k3opt.load_job("k3-512-4k")
     lay = _k3_pp8_vp4(dispatch_recompute=False)
     start = k3opt.evaluate(lay, model=model, cluster=cluster)
@@ -136,7 +137,7 @@ def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeyp
 
 
 def test_the_first_call_walks_every_lead_before_it_climbs_and_climbs_the_fastest_after_the_walks_first(
-        tiny, monkeypatch):
+        tiny, monkeypatch, use_policy):
     """The climbs' share goes to the frame the walks made fastest: frame A leads before the walks (10 s against B's
     11 s), B's walk finds a 9-s layout, so both walks come first and B is climbed before A. (On the default job the
     PP8 VP3 shape led before the walks, its climbs took the share, and PP8 VP4, fastest once walked, was left
@@ -173,7 +174,7 @@ def test_the_first_call_walks_every_lead_before_it_climbs_and_climbs_the_fastest
 
     monkeypatch.setattr(inc, "frame_walk", walk)
     monkeypatch.setattr(inc, "split_climb", climb)
-    monkeypatch.setattr(inc, "CLIMB_WITHIN", 1.0)  # both frames within reach of the fastest
+    use_policy(climb_within=1.0)  # both frames within reach of the fastest
     out = inc.seed(job, [], model, cluster, {fa: Item(a, 10.0), fb: Item(b, 11.0)}, math.inf)
     assert out[fb].rank_time_s == 9.0
     assert [kind for kind, _ in events[:2]] == ["walk", "walk"]
@@ -200,7 +201,6 @@ def test_climb_stops_after_a_move_that_gains_less_than_min_gain(tiny):
 def test_the_plan_climbs_to_a_tenth_of_its_gap(pp2_job, monkeypatch):
     """Every climb of a plan's seeding stops at moves that gain less than the seeding's stall gain, SEED_GAIN x the
     gap (on the default job at 512 GPUs one climb took 1.1-1.4 s for 18.724 -> 18.712 s, 0.06%, against a 1% gap)."""
-    import k3opt.search.driver as driver
     import k3opt.search.incumbents as inc
 
     seen: list[float] = []
@@ -214,4 +214,4 @@ def test_the_plan_climbs_to_a_tenth_of_its_gap(pp2_job, monkeypatch):
     model = k3opt.load_model(DATA / "tiny-moe.toml")
     cluster = k3opt.load_cluster(DATA / "slow-cluster.toml")
     k3opt.plan(pp2_job, model=model, cluster=cluster, top=1, pareto=False, time_limit=20, gap=0.02)
-    assert seen and all(g == driver.SEED_GAIN * 0.02 for g in seen)
+    assert seen and all(g == POLICY.seed_gain * 0.02 for g in seen)

@@ -39,7 +39,6 @@ from k3opt.search.frames import (
 )
 from k3opt.search.front import build_front, ranked_time_limit
 from k3opt.search.incumbents import (
-    SPREAD_SOURCES,
     SeedState,
     candidate_splits,
     frame_incumbent,
@@ -50,6 +49,7 @@ from k3opt.search.incumbents import (
 )
 from k3opt.search.lp_bound import contiguous_fits
 from k3opt.search.node_model import solve_frame
+from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import OpenBound, Plan, PlanItem
@@ -88,53 +88,13 @@ class _CtrlC:
         if self._prev is not None:
             signal.signal(signal.SIGINT, self._prev)
 
-SEED_SHARE = 0.15
-"""Share of the time limit the seeding (search/incumbents.seed) may price frames under the fastest configurations
-before the CP-SAT solves: evaluate() finds fast layouts of many frames for the time one node's model takes."""
 
-SEED_MIN_S = 4.0
-"""Seconds the seeding may take at least (within 30% of the limit): the walks that find the fast configurations
-take a second or two each."""
 
-SEED_GAIN = 0.1
-"""The seeding stops once it stalls (search/incumbents._Patience): a gain is a fall of the top-th fastest layout
-(or the fastest) by more than this share of the gap, or a layout added while fewer than top are at hand. A tenth:
-a fall that small moves the pruning line by a tenth of the margin the proof needs, so it prunes few more shapes,
-while the climbs' last steps (a layer moved between chunks, 0.01-0.1%) no longer keep the seeding going."""
 
-FIRST_PASS_S = 1.5
-"""The first heuristic pass's time once it has a layout (search/incumbents.incumbents): half the budget, at most
-this. The budget grows with the time limit up to 5 s (the CLI's default 300-s limit): there the pass's 2.5 s found
-no layout and no walk lead the first 1.5 s had not (the default job: 24.558 s, PP8 VP3, VP4 and VP2 to walk), and
-the plan proved its gap in 12.9-13.8 s instead of 14.3-16.5 s (top 5: 13.8 s instead of 16.7 s). At 32,768 GPUs
-(120 s) the first layout came at 4.0 s instead of 5.0 s, the gap the same (5.53-5.54% in two runs each)."""
 
-FIRST_PATIENCE_S = 2.0
-"""The stall stop's minimum (search/incumbents._Patience) for the second seeding's first part, before the bounding
-pass, when the walks ended far above the queue's least bound (ROUND_ROBIN_ABOVE): the layouts this part finds set
-the pass's line (at 8,192 GPUs it takes the fastest from 19.24 to 18.79 s; with a 0.5-s minimum the gap there
-ended at 7.35-7.55% instead of about 6.4%). The second part (after the pass, when the pass's bounds do not close
-the search yet) has the rest of the seeding's share."""
 
-FIRST_PATIENCE_NEAR_S = 0.5
-"""The first part's minimum when the walks ended within ROUND_ROBIN_ABOVE of the queue's least bound: they have met
-the shapes that lead, and the pass's line is already close (on the default job the walks' climbs find the 18.631-s
-layout that closes the search, and the first part found nothing faster in its 2 s: top 1 took 17.3-20.7 s with the
-2-s minimum, 15.0-18.6 s with this one, six runs each, side by side). The stall rule still extends it while it
-gains."""
 
-BOUND_SHARE = 0.25
-"""Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
-bounded (no CP-SAT solve) against the pruning line of the layouts found so far, so that the seeding can stop as soon
-as a layout it finds closes the search (on the default job the pass takes about 10 s and closes the search for the
-layout the seeding's first part found, so the rest of the seeding's share is saved). Checked between steps: one
-bound program may run past it."""
 
-ROUND_ROBIN_ABOVE = 0.25
-"""Relative: the second heuristic pass (a round-robin over the pipeline shapes under fixed toggle sets) runs when
-the fastest layout after the walks is more than this above the queue's least step-time bound. The walks and climbs
-move a layout by a few percent; a fastest layout that far above the bound belongs to a pipeline shape that does not
-lead (8,192 GPUs: 90% above; the default job: 9.5%)."""
 
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
@@ -155,7 +115,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     bound on their step time; a popped frame is expanded into (recompute, lifecycle) nodes with tighter bounds; a
     popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
     time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The seeding before
-    the solves is split by a bounding pass over the queue (no solve, at most BOUND_SHARE of the limit), and its
+    the solves is split by a bounding pass over the queue (no solve, at most POLICY.bound_share of the limit), and its
     second part stops once the queue's least bound closes the search for the layouts found. With `workers` > 1
     (CP-SAT's threads) the pass's bound programs also run ahead in a forked process while the seeding runs
     (search/prefetch.py; Linux only), and stop when the solves start. The search stops
@@ -215,7 +175,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         rank = {pv: (lbs[f][1] > hbm_line, lbs[f][0]) for pv, (_, f) in heads.items()}
         quick = visiting_order([((rank[(f.pp, f.vp)], -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f)
                                 for f in frames])
-        best_of.update(incumbents(job, quick, model, cluster, top, min(budget / 2, FIRST_PASS_S), t0 + budget,
+        best_of.update(incumbents(job, quick, model, cluster, top, min(budget / 2, POLICY.first_pass_s), t0 + budget,
                                   stop=lambda: ctrl_c.flag))
         if best_of:
             first_layout_s = _time.monotonic() - t0
@@ -312,7 +272,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # 2 x budget from its start, not from the plan's: the walks of the three fastest shapes take about 4 s on
         # the default job, and a first pass that ran long used to cut the second walk short.
         best_of.update(seed(job, [], model, cluster, best_of, _time.monotonic() + 2 * budget, stop=lambda: ctrl_c.flag,
-                            walked=walked, configs=configs, gain=SEED_GAIN * gap))
+                            walked=walked, configs=configs, gain=POLICY.seed_gain * gap))
         if best_of and first_layout_s is None:
             first_layout_s = _time.monotonic() - t0
         prefetch.set_line(stop_line(kth()))
@@ -324,19 +284,19 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
         rest = [e for e in ordered if e[1] not in best_of]
         # Only without a layout at hand, or while the fastest is far above the queue's least bound
-        # (ROUND_ROBIN_ABOVE): then the walks have not met the pipeline shapes that lead, and this pass's
+        # (POLICY.round_robin_above): then the walks have not met the pipeline shapes that lead, and this pass's
         # round-robin over them does (at 8,192 and 32,768 GPUs the walks end at 32.4 s, 90% above the least bound,
         # and this pass finds 19.2-s layouts in its 3 s; on the default job the walks end 9.5% above it, at
         # 18.63 s, and the pass found nothing under 24 s).
         lead = min((it.rank_time_s for it in best_of.values()), default=math.inf)  # inf: no layout at hand
-        near = bool(heap) and lead <= (1 + ROUND_ROBIN_ABOVE) * heap.top()[0]
+        near = bool(heap) and lead <= (1 + POLICY.round_robin_above) * heap.top()[0]
         if not near:
             best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
         # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
         # set the pruning line of the bounding pass below, and a lower line prunes sooner), then, after the pass,
         # for the rest of its share unless a layout it finds closes the search.
-        seed_left = min(max(SEED_MIN_S, SEED_SHARE * time_limit), 0.3 * time_limit)
+        seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * time_limit), 0.3 * time_limit)
         state = SeedState()
 
         def seeding(patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None,
@@ -358,7 +318,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             best_of.update(seed(job, frames_left, model, cluster, best_of, start + seed_left,
                                 stop=lambda: ctrl_c.flag, walked=walked, walk_first=False,
                                 lower=lambda g: max(lbs[g][0], least.get(g, -math.inf)), top=stall_top,
-                                gain=SEED_GAIN * gap, configs=configs, done=publish, patience_min=patience_min,
+                                gain=POLICY.seed_gain * gap, configs=configs, done=publish, patience_min=patience_min,
                                 state=state))
             seed_left -= _time.monotonic() - start
             if best_of and first_layout_s is None:
@@ -368,11 +328,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # the fastest are priced, which the sibling pricing does at once (on the default job, top 5: the first part
         # ran the seeding's whole share, 9 s; now 3 s, and the sibling pricing takes the fifth from 22.1 to
         # 18.66 s, under the line the pass's bounds close).
-        seeding(FIRST_PATIENCE_NEAR_S if near else FIRST_PATIENCE_S, None, 1)
+        seeding(POLICY.first_patience_near_s if near else POLICY.first_patience_s, None, 1)
         if top > 1:
             best_of.update(spread(job, best_of, list(estimates), model, cluster,
                                   min(_time.monotonic() + budget, t0 + time_limit),
-                                  most=max(top, SPREAD_SOURCES), stop=lambda: ctrl_c.flag))
+                                  most=max(top, POLICY.spread_sources), stop=lambda: ctrl_c.flag))
 
         def proven(fastest: list[PlanItem]) -> bool:
             """Whether the queue's least bound already closes the search for these layouts (fastest first)."""
@@ -383,7 +343,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
 
         # Without `top` layouts there is no line to bound against (and no proof to stop the seeding at): no pass,
         # the node models start at once.
-        bounding_end = _time.monotonic() + (BOUND_SHARE * time_limit if kth() is not None else 0.0)
+        bounding_end = _time.monotonic() + (POLICY.bound_share * time_limit if kth() is not None else 0.0)
         for solving in (False, True):
             if solving:
                 for e in ready:
@@ -401,7 +361,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 # fast at 110.0 GiB).
                 best_of.update(spread(job, best_of, list(estimates), model, cluster,
                                       min(_time.monotonic() + budget, t0 + time_limit),
-                                      most=max(top, SPREAD_SOURCES), stop=lambda: ctrl_c.flag))
+                                      most=max(top, POLICY.spread_sources), stop=lambda: ctrl_c.flag))
             while heap:
                 t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
                 k = kth()

@@ -3,17 +3,20 @@
 search/ranking.py), the peak the ledger's worst-rank peak (`Evaluation.peak_bytes`, the live tensors the search
 caps per rank).
 
-Anytime, within the time limit (plan() gives the ranked search RANKED_SHARE of it first):
+Anytime, within the time limit (plan() gives the ranked search POLICY.front_ranked_share of it first):
 
-1. Seed (SEED_SHARE of the front's time): frames are visited round-robin over (PP, VP) groups, each group by the
+1. Seed (POLICY.front_seed_share of the front's time): frames are visited round-robin over (PP, VP) groups, each group
+by the
    driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that adds to the
    front queued too (`Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
    `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far on every
    heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
    search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
-   (`frame_walk`, WALK_SHARE of the seeding time in all): each step takes the change that buys the most time
+   (`frame_walk`, POLICY.front_walk_share of the seeding time in all): each step takes the change that buys the most
+   time
    per byte, so the walk finds the fast configurations the other frames are then priced under. After the ranked
-   search's frames, the gap filling (`_Fill`, FILL_SHARE of the time while frames are left to visit) takes turns
+   search's frames, the gap filling (`_Fill`, POLICY.front_fill_share of the time while frames are left to visit)
+   takes turns
    with the visits: the point beside the widest peak gap of the front so far has its configuration priced on the
    frames one change from its frame (another sharding policy, FSDP degree, VP, PP...), then its frame under
    its configuration one change away, towards the gap first. A point the ranked search returns is often
@@ -66,27 +69,13 @@ from k3opt.search.incumbents import (
     toggle_sets,
 )
 from k3opt.search.node_model import FrameModel, plan_item
+from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
 
-RANKED_SHARE = 0.25
-"""With the front requested, the share of the time limit the ranked search may use before the front starts (the
-ranked search stops earlier when it proves its gap); the front has the rest."""
-SEED_SHARE = 0.85
-"""Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
-every frame is seeded or dominated)."""
-FILL_SHARE = 0.5
-"""Share of the seeding time after the ranked search's frames that the gap filling (`_Fill`) may take while frames
-are left to visit; the visits (which reach the pipeline shapes the front has no point of yet) have the rest."""
-WALK_SHARE = 0.4
-"""Share of the seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the front is
-walked through its own configurations while some of it is left; the other frames are priced under the front's
-configurations."""
-BUILD_GUESS_S = 1.0
-"""Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
-seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
+
 def ranked_time_limit(time_limit: float) -> float:
-    """The ranked search's share of a `plan(..., pareto=True)` time limit (RANKED_SHARE)."""
-    return RANKED_SHARE * time_limit
+    """The ranked search's share of a `plan(..., pareto=True)` time limit (POLICY.front_ranked_share)."""
+    return POLICY.front_ranked_share * time_limit
 
 
 # ------------------------------------------------------------------------------------- the front
@@ -148,10 +137,10 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
     # 1. Seed: the ranked search's frames, then the frames the driver queued (with their estimates) and the
     # frames next to any that adds to the front, spread over the pipeline depths (_Visits); each priced under the
     # configurations on the front so far, and one that adds to the front walked (frame_walk) for its own
-    # trade-off while the walks have taken less than WALK_SHARE of the seeding time.
+    # trade-off while the walks have taken less than POLICY.front_walk_share of the seeding time.
     runtime = load_runtime(job.runtime) if job.runtime is not None else None
     started = _time.monotonic()
-    seed_end = started + SEED_SHARE * max(0.0, deadline - started)
+    seed_end = started + POLICY.front_seed_share * max(0.0, deadline - started)
     est = dict(estimates or {})
     first = list(dict.fromkeys(frame_of(it.layout) for it in sorted(points, key=lambda it: it.rank_time_s)))
     visits = _Visits()
@@ -182,7 +171,7 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
         fill.priced.update((f, c) for c in settled)  # those cut by the seeding's deadline stay for the filling
         points = _non_dominated(points + found)
         now = _time.monotonic()
-        allowed = WALK_SHARE * (seed_end - started) - walking
+        allowed = POLICY.front_walk_share * (seed_end - started) - walking
         if any(id(p) not in before for p in points) and allowed > 0:
             fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
             found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime, fastest)
@@ -202,7 +191,7 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
             f: Frame | None = first.pop(0)
             if not first:
                 fill_from = _time.monotonic()  # the ranked search's frames priced: the filling starts
-        elif idle != {id(p) for p in points} and filling <= FILL_SHARE * (_time.monotonic() - fill_from):
+        elif idle != {id(p) for p in points} and filling <= POLICY.front_fill_share * (_time.monotonic() - fill_from):
             now = _time.monotonic()
             found = fill.step(points, step, seed_end, dominated)
             filling += _time.monotonic() - now
@@ -232,7 +221,7 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
             facts.frame[f] = frame_lower_bound(job, f, model, cluster)
 
     # 3. Prove: epsilon-constraint solves, frames best bound first.
-    build_s = BUILD_GUESS_S
+    build_s = POLICY.build_guess_s
     queue2 = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(facts.frame.items())) if complete else []
     for t_lb, m_lb, _, f in queue2:
         if dominated(f, t_lb, m_lb):

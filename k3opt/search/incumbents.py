@@ -36,12 +36,10 @@ from k3opt.search.frames import (
     lifecycles,
     sharding_group,
 )
+from k3opt.search.policy import POLICY
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
 
-LIBRARY = 4
-"""Configurations of the front so far tried on each further frame the seeding visits (spread fastest to leanest);
-a frame where one adds to the front is then walked through its own configurations."""
 LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
 """Recompute modes from the least saved memory to the most."""
 
@@ -389,7 +387,7 @@ def price_configs(job: Job, f: Frame, configs: list[Config], model: ModelSpec, c
     return out
 
 
-def seed_library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY) -> list[Config]:
+def seed_library(front: list[PlanItem], leanest: Recompute, most: int = POLICY.library_configs) -> list[Config]:
     """The distinct configurations of the front's points, each followed by its variant under the `leanest`
     recompute mode (what a frame with more activation bytes needs), at most `most`, spread over the front from
     fastest to leanest."""
@@ -403,8 +401,6 @@ def seed_library(front: list[PlanItem], leanest: Recompute, most: int = LIBRARY)
     return [configs[round(i * (len(configs) - 1) / (most - 1))] for i in range(most)]
 
 
-WALKED = 3
-"""Frames of the fastest layouts so far that `seed` walks through their configurations before pricing others."""
 
 
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
@@ -414,11 +410,12 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
          done: Callable[[list[PlanItem]], bool] | None = None, patience_min: float | None = None,
          state: SeedState | None = None) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
-    frames of the WALKED fastest layouts in `found` are walked through their configurations from the leanest
+    frames of the POLICY.walked_frames fastest layouts in `found` are walked through their configurations from the
+    leanest
     (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
     toggle kept on its own); then each frame of `ordered` is priced under the fastest configurations so far and
     their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far; a frame
-    whose fastest layout is within CLIMB_WITHIN of the fastest has its split climbed (`split_climb`). Returns
+    whose fastest layout is within POLICY.climb_within of the fastest has its split climbed (`split_climb`). Returns
     the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number is
     evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
     `walk_first`: False skips the first walks (their frames are still climbed); `lower`: a lower bound on a
@@ -426,11 +423,12 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
     `top`: with it, the seeding also stops once it has gone as long without a gain (the `top`-th fastest layout
     or the fastest lowered by more than `gain`, relative, or a layout added while fewer than `top` were at hand)
-    as it took to make its last gain, and at least PATIENCE_MIN_S (`_Patience`). `configs`: per frame, the fastest
+    as it took to make its last gain, and at least POLICY.patience_min_s (`_Patience`). `configs`: per frame, the
+    fastest
     layout priced under each configuration (updated; the climbs start from several): pass one dict to every call,
     so that a frame walked in one call is climbed in the next from every configuration its walk priced. `done`:
     the seeding also stops once it holds for the layouts so far, fastest first (the driver's proof is met);
-    `patience_min`: the stall stop's minimum (default PATIENCE_MIN_S); `state`: where an earlier call stopped
+    `patience_min`: the stall stop's minimum (default POLICY.patience_min_s); `state`: where an earlier call stopped
     (updated): this call goes on from there (its `ordered` only drops frames), with its own stall stop."""
     walked = walked if walked is not None else set()
     leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
@@ -465,20 +463,20 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
     climbing = st.climbing
     entered = _time.monotonic()
     t_start = entered - st.seconds  # the climbs' share counts every call's time
-    patience = _Patience(entered, top, gain, fastest(), PATIENCE_MIN_S if patience_min is None else patience_min)
+    patience = _Patience(entered, top, gain, fastest(), POLICY.patience_min_s if patience_min is None else patience_min)
 
     def climb(f: Frame) -> None:
-        """f's fastest layout so far, its split climbed (split_climb) when it is within CLIMB_WITHIN of the
-        fastest and the climbs have taken less than CLIMB_SHARE of the time so far; then, in that share, the
-        fastest layouts of f's other configurations priced here (up to CLIMB_CONFIGS in all) that are within
-        CLIMB_WITHIN too. The best configuration depends on the split: on the default job a PP8 VP4 shape is
+        """f's fastest layout so far, its split climbed (split_climb) when it is within POLICY.climb_within of the
+        fastest and the climbs have taken less than POLICY.climb_share of the time so far; then, in that share, the
+        fastest layouts of f's other configurations priced here (up to POLICY.climb_configs in all) that are within
+        POLICY.climb_within too. The best configuration depends on the split: on the default job a PP8 VP4 shape is
         18.72 s without dispatch recompute and 19.01 s with it on the heuristic split, yet 18.63 s with it once its
         split is climbed (the same climb leaves the other configuration at 18.72 s)."""
         nonlocal climbing
         mine, lead = best(f), fastest()
         now = _time.monotonic()
-        if (mine is None or not lead or mine.rank_time_s > lead[0].rank_time_s * (1 + CLIMB_WITHIN)
-                or climbing > CLIMB_SHARE * (now - t_start) or f in climbed):
+        if (mine is None or not lead or mine.rank_time_s > lead[0].rank_time_s * (1 + POLICY.climb_within)
+                or climbing > POLICY.climb_share * (now - t_start) or f in climbed):
             return
         climbed.add(f)
         starts = [mine]
@@ -487,14 +485,14 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
         for it in sorted(configs.get(f, {}).values(), key=lambda it: (it.rank_time_s, it.peak_bytes)):
             if all(abs(it.rank_time_s - s.rank_time_s) > 1e-9 * s.rank_time_s for s in starts):
                 starts.append(it)
-        for it in starts[:CLIMB_CONFIGS]:
+        for it in starts[:POLICY.climb_configs]:
             now = _time.monotonic()
-            if it.rank_time_s > lead[0].rank_time_s * (1 + CLIMB_WITHIN) or over():
+            if it.rank_time_s > lead[0].rank_time_s * (1 + POLICY.climb_within) or over():
                 break
             # The climb's own deadline keeps the climbs within their share, whatever this one would take; each
-            # configuration has at least CLIMB_MIN_S (the share is checked once per frame: a frame's climbs may
-            # pass it by up to CLIMB_CONFIGS x CLIMB_MIN_S, within the seeding's deadline).
-            share_left = max(CLIMB_SHARE * (now - t_start) - climbing, 0.0) + CLIMB_MIN_S
+            # configuration has at least POLICY.climb_min_s (the share is checked once per frame: a frame's climbs may
+            # pass it by up to POLICY.climb_configs x POLICY.climb_min_s, within the seeding's deadline).
+            share_left = max(POLICY.climb_share * (now - t_start) - climbing, 0.0) + POLICY.climb_min_s
             keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop,
                               min_gain=gain)])
             climbing += _time.monotonic() - now
@@ -515,7 +513,7 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             st.queue = queue
         return out
 
-    leads = list(dict.fromkeys(frame_of(it.layout) for it in fastest()[:WALKED]))
+    leads = list(dict.fromkeys(frame_of(it.layout) for it in fastest()[:POLICY.walked_frames]))
     for f in leads:
         if over() or patience.out(fastest()):
             return save()
@@ -570,10 +568,11 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
             tried = not over()
         # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
         # walks have taken
-        # less than WALK_SHARE of the time so far: a walk finds the frame's own fast configurations, which the
+        # less than POLICY.seed_walk_share of the time so far: a walk finds the frame's own fast configurations, which
+        # the
         # next frames are then priced under.
         now = _time.monotonic()
-        if walking <= WALK_SHARE * (now - started) and _siblings_key(f) not in walked_keys:
+        if walking <= POLICY.seed_walk_share * (now - started) and _siblings_key(f) not in walked_keys:
             walked.add(f)
             walked_keys.add(_siblings_key(f))
             keep(frame_walk(job, f, model, cluster, deadline, runtime))
@@ -672,15 +671,11 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     return best
 
 
-PATIENCE_MIN_S = 20.0
-"""Seconds `seed` goes on at least before a stall stops it (`_Patience`): at 8,192 and 32,768 GPUs the shapes of
-the fastest layouts come 10-20 s in, after hundreds of shapes of lower estimate (the seeding's share of a 120-s
-limit is 18 s), so the stop only shortens the seeding of longer limits."""
 
 
 class _Patience:
     """When a seeding with a `top` has stalled: the search's pruning line is the `top`-th fastest layout, and a
-    seeding that has gone as long without a gain as it took to make its last gain (at least PATIENCE_MIN_S from
+    seeding that has gone as long without a gain as it took to make its last gain (at least POLICY.patience_min_s from
     its start) leaves the rest to the bounds and the node models. A gain lowers the `top`-th fastest layout or the
     fastest by more than `gain` (relative; small steps count once they add up to it), or adds a layout while
     there are fewer than `top`. Without it a long time limit gave the seeding its whole share: on the default job
@@ -710,29 +705,16 @@ class _Patience:
             self.ref = (n, kth if kth < kth0 * (1 - self.gain) else kth0,
                         first if first < first0 * (1 - self.gain) else first0)
             self.last = now
-        least = PATIENCE_MIN_S if self.least is None else self.least
+        least = POLICY.patience_min_s if self.least is None else self.least
         return now - self.start >= least and now - self.last > self.last - self.start
 
 
-WALK_SHARE = 0.5
-"""Share of `seed`'s time the walks may take (each costs a few dozen evaluate() calls)."""
-
-CLIMB_WITHIN = 0.02
-"""`seed` climbs the split (split_climb) of a frame whose fastest layout is within this share of the fastest."""
-
-CLIMB_CONFIGS = 3
-"""`seed` climbs at most this many configurations of one frame (its fastest first)."""
-
-CLIMB_SHARE = 0.3
-"""Share of `seed`'s time the split climbs may take (one costs tens to hundreds of evaluate() calls)."""
-
-CLIMB_MIN_S = 0.5
-"""Seconds a climb may take beyond the share left (the first climb comes before any share has accrued)."""
 
 
-SPREAD_SOURCES = 5
-"""`spread` prices the configuration and split of at most this many of the fastest layouts on their siblings (each
-costs one evaluate() call per sibling: tens at 512 GPUs, a hundred or more at 8,192)."""
+
+
+
+
 
 
 def _siblings_key(f: Frame) -> tuple:
@@ -741,8 +723,8 @@ def _siblings_key(f: Frame) -> tuple:
 
 
 def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: ModelSpec, cluster: ClusterSpec,
-           deadline: float, runtime: RuntimeSpec | None = None, within: float = CLIMB_WITHIN,
-           most: int = SPREAD_SOURCES, stop: Callable[[], bool] | None = None) -> dict[Frame, PlanItem]:
+           deadline: float, runtime: RuntimeSpec | None = None, within: float = POLICY.climb_within,
+           most: int = POLICY.spread_sources, stop: Callable[[], bool] | None = None) -> dict[Frame, PlanItem]:
     """The fastest layouts in `found` (up to `most`, each within `within` of the fastest), their configuration and
     split priced by evaluate() on the frames of `frames` that differ from theirs in the FSDP degrees and sharding
     policies only: the split climbed on one frame is rarely reached on its siblings by their own heuristics (on

@@ -66,6 +66,7 @@ from k3opt.search.frames import (
     memory_view,
     undominated_modes,
 )
+from k3opt.search.policy import POLICY
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
 from k3opt.search.ranking import step_floor, update_means
 
@@ -358,9 +359,6 @@ def _floor(slots: float, stage: float, a: _Arrays, p: int) -> float:
     return least_floor(a.updates or ((stage, *update_means(a.update, a.hidden, p)),), slots, a.hidden_stages, stage)
 
 
-MAX_GRANULAR_STATES = 4096
-"""Largest state space (layer counts of every kind but the most numerous) `granular_stage` runs its program over;
-above it the bound is skipped (0)."""
 
 
 _GRANULAR: dict[tuple, tuple[float, bool]] = {}
@@ -395,7 +393,7 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: f
     main = int(np.argmax(counts))
     others = [t for t in range(len(counts)) if t != main]
     dims = tuple(int(counts[t]) + 1 for t in others)
-    if math.prod(dims) > MAX_GRANULAR_STATES:
+    if math.prod(dims) > POLICY.max_granular_states:
         return 0.0, True
     grid = np.indices(dims).reshape(len(dims), -1).T if dims else np.zeros((1, 0), dtype=int)  # patterns
     base = grid @ kinds[others] if others else np.zeros((1, arrs.shape[1]))

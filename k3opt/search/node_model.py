@@ -33,16 +33,13 @@ from k3opt.search.frames import (
     lifecycles,
     undominated_modes,
 )
+from k3opt.search.policy import POLICY
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
 
 MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
-MAX_DAG_OPS = 512
-"""v > 1 nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the per-chunk
-bounds (_replay_dag). On K3 PP8 VP4 M64 (4,096 operations) the start-time variables made a fixed-split solve ten
-times slower (1 s to 11 s) and did not raise the node's bound in 60 s; there the path cuts alone are used."""
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -578,7 +575,7 @@ class FrameModel:
         self.betas = replay_bound.betas(full)
         layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
         self.layer_work = layer_work
-        if 2 * p * self.f.vp * self.f.microbatches <= MAX_DAG_OPS:
+        if 2 * p * self.f.vp * self.f.microbatches <= POLICY.max_dag_ops:
             self._replay_dag()
         self.add_replay_paths(replay_bound.seed_paths(p, self.f.vp, self.f.microbatches, layer_work,
                                                       self.betas[0]))
@@ -776,8 +773,6 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
 
 _NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
 """Replay paths found at a node's solutions, kept for its next solve (a node cut by its slice is solved again)."""
-MIN_CUT_SLICE_S = 0.5
-"""Least time left for another solve after adding a replay path; less and the node returns FEASIBLE."""
 
 
 def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec, cluster: ClusterSpec,
@@ -812,7 +807,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
         _NODE_PATHS.setdefault(key, []).append(path)  # kept for the next solve of a node cut by its slice
         if res.status != "OPTIMAL":
             break
-        if deadline - time.monotonic() < MIN_CUT_SLICE_S:
+        if deadline - time.monotonic() < POLICY.min_cut_slice_s:
             timed_out = True  # the gap to the ranked time is open: solve again, with this path
             break
         fm.add_layout_hint(item.layout)

@@ -24,20 +24,20 @@ from collections.abc import Iterable
 import numpy as np
 
 from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, backward_over_forward, chunk_times, critical_path, pipeline_order
+from k3opt.search.policy import POLICY
 
 SCALE = 12
 """Integer scale of the path coefficients: 12 (nF + beta nB) / (1 + beta) is an integer for beta = 2 and 3."""
 
 
-SAMPLE_SPLITS = 24
-"""Sample splits whose longest replay paths join the classic ones in a node's path set (`seed_paths`)."""
 
 
 def seed_paths(p: int, v: int, m: int, layer_work: np.ndarray, beta: float) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The paths an interleaved node's bounds start from: the classic ones and the longest at SAMPLE_SPLITS sample
+    """The paths an interleaved node's bounds start from: the classic ones and the longest at POLICY.sample_splits
+    sample
     splits over `layer_work` (any nonnegative weights give valid paths)."""
     return classic_paths(p, v, m) + split_paths(p, v, m, layer_work,
-                                                 sample_splits(len(layer_work), p * v, SAMPLE_SPLITS), beta)
+                                                 sample_splits(len(layer_work), p * v, POLICY.sample_splits), beta)
 
 
 def betas(full_recompute: Iterable[bool]) -> list[float]:

@@ -1,0 +1,132 @@
+"""Every tuning knob of the search, in one frozen record. The knobs split the time limit between the search's
+phases and cap the work of one step; none enters a cost term, so a knob changes how soon a plan proves its gap,
+never which layout is best or what it costs. Each field says why it has the value it has.
+
+The search reads the module-level POLICY; a test or a benchmark swaps it with dataclasses.replace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SearchPolicy:
+    # -- the ranked search's phases (search/driver.py)
+    seed_share: float = 0.15
+    """Share of the time limit the seeding (search/incumbents.py) may price frames under the fastest configurations
+    before the CP-SAT solves: evaluate() finds fast layouts of many frames in the time one node's model takes."""
+
+    seed_min_s: float = 4.0
+    """Seconds the seeding may take at least (within 30% of the limit): the walks that find the fast configurations
+    take a second or two each."""
+
+    seed_gain: float = 0.1
+    """The seeding stops once it stalls (incumbents.Patience): a gain is a fall of the top-th fastest layout (or
+    the fastest) by more than this share of the gap, or a layout added while fewer than top are at hand. A tenth:
+    a fall that small moves the pruning line by a tenth of the margin the proof needs, so it prunes few more shapes,
+    while the climbs' last steps (a layer moved between chunks) no longer keep the seeding going."""
+
+    first_pass_s: float = 1.5
+    """The first heuristic pass's time once it has a layout (incumbents.incumbents): half its budget, at most this.
+    The first layouts of the leading pipeline shapes come in the first second; more time in this pass finds no walk
+    lead that the walks after it would not, and delays them."""
+
+    first_patience_s: float = 2.0
+    """The stall stop's minimum for the second seeding's first part, before the bounding pass, when the walks ended
+    far above the queue's least bound (round_robin_above): the layouts this part finds set the pass's pruning line,
+    and on large jobs the shapes that lead are met only after a second or two of round-robin pricing."""
+
+    first_patience_near_s: float = 0.5
+    """The first part's minimum when the walks ended within round_robin_above of the queue's least bound: they
+    have met the shapes that lead and the pass's line is already close; the stall rule still extends the part while
+    it gains."""
+
+    bound_share: float = 0.25
+    """Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
+    bounded (no CP-SAT solve) against the pruning line of the layouts found so far, so that the seeding can stop as
+    soon as a layout it finds closes the search. Checked between steps: one bound program may run past it."""
+
+    round_robin_above: float = 0.25
+    """Relative: the second heuristic pass (a round-robin over the pipeline shapes under fixed toggle sets) runs
+    when the fastest layout after the walks is more than this above the queue's least step-time bound. Walks and
+    climbs move a layout by a few percent; a fastest layout that far above the bound belongs to a pipeline shape
+    that does not lead."""
+
+    # -- the seeding (search/incumbents.py)
+    library_configs: int = 4
+    """Configurations of the front so far tried on each further frame the seeding visits (spread fastest to
+    leanest); a frame where one adds to the front is then walked through its own configurations."""
+
+    walked_frames: int = 3
+    """Frames of the fastest layouts so far that the seeding walks through their configurations before pricing
+    others."""
+
+    patience_min_s: float = 20.0
+    """Seconds the seeding goes on at least before a stall stops it (incumbents.Patience): on thousands of GPUs the
+    shapes of the fastest layouts come only after hundreds of shapes of lower estimate, so the stop only shortens
+    the seeding of long time limits."""
+
+    seed_walk_share: float = 0.5
+    """Share of the seeding's time the walks may take (each costs a few dozen evaluate() calls)."""
+
+    climb_within: float = 0.02
+    """The seeding climbs the split (incumbents.split_climb) of a frame whose fastest layout is within this share
+    of the fastest: a climb gains a few percent at most."""
+
+    climb_configs: int = 3
+    """The seeding climbs at most this many configurations of one frame (its fastest first)."""
+
+    climb_share: float = 0.3
+    """Share of the seeding's time the split climbs may take (one costs tens to hundreds of evaluate() calls)."""
+
+    climb_min_s: float = 0.5
+    """Seconds a climb may take beyond the share left (the first climb comes before any share has accrued)."""
+
+    spread_sources: int = 5
+    """incumbents.spread prices the configuration and split of at most this many of the fastest layouts on their
+    siblings (each costs one evaluate() call per sibling: tens at 512 GPUs, a hundred or more at 8,192)."""
+
+    # -- the Pareto front (search/front.py)
+    front_ranked_share: float = 0.25
+    """With the front requested, the share of the time limit the ranked search may use before the front starts
+    (the ranked search stops earlier when it proves its gap); the front has the rest."""
+
+    front_seed_share: float = 0.85
+    """Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
+    every frame is seeded or dominated)."""
+
+    front_fill_share: float = 0.5
+    """Share of the front's seeding time after the ranked search's frames that the gap filling may take while
+    frames are left to visit; the visits (which reach the pipeline shapes the front has no point of yet) have the
+    rest."""
+
+    front_walk_share: float = 0.4
+    """Share of the front's seeding time the walks (frame_walk, costly) may take in all: a frame that adds to the
+    front is walked through its own configurations while some of it is left; the other frames are priced under the
+    front's configurations."""
+
+    build_guess_s: float = 1.0
+    """Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
+    seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
+
+    # -- the node models and bound programs (search/node_model.py, search/lp_bound.py, search/replay_bound.py)
+    max_dag_ops: int = 512
+    """Interleaved nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the
+    per-chunk bounds. The start-time variables grow with the operations; on K3 PP8 VP4 M64 (4,096 operations) they
+    slow a fixed-split solve tenfold without raising the node's bound, so there the path cuts alone are used."""
+
+    min_cut_slice_s: float = 0.5
+    """Least time left for another solve after adding a replay path; with less the node returns FEASIBLE."""
+
+    max_granular_states: int = 4096
+    """Largest state space (layer counts of every kind but the most numerous) lp_bound.granular_stage runs its
+    program over; above it the bound is skipped (0), which only weakens the bound."""
+
+    sample_splits: int = 24
+    """Sample splits whose longest replay paths join the classic ones in a node's path set
+    (replay_bound.seed_paths)."""
+
+
+POLICY = SearchPolicy()
+"""The policy the search runs with."""
