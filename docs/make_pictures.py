@@ -1,4 +1,4 @@
-"""Regenerate the README's pictures and launch exports from the default plan.
+"""Regenerate the pictures and launch exports in docs/ from the default plan.
 
     python docs/make_pictures.py [--time-limit 300]
     python docs/make_pictures.py --layout FILE     # exports only, from a layout saved by `k3opt plan --save 1`
@@ -6,7 +6,7 @@
 Runs one search of the built-in k3-512-4k job with its Pareto front (about 5 minutes on 2 cores), then writes
 docs/ledger.png, docs/timeline.png and docs/pareto.png for the best layout and the front, and
 docs/launch/default-plan.{megatron-bridge,megatron-lm,torchtitan}.txt with the best layout's exports, which it
-also copies into the README between the <!-- export:FORMAT --> markers.
+also copies into docs/launch.md between the <!-- export:FORMAT --> markers it has.
 """
 
 from __future__ import annotations
@@ -19,20 +19,19 @@ import k3opt
 from k3opt.launch import FORMATS, to_launch
 
 DOCS = Path(__file__).resolve().parent
-README = DOCS.parent / "README.md"
+LAUNCH_DOC = DOCS / "launch.md"
 
 
 def write_exports(layout: k3opt.Layout) -> None:
     (DOCS / "launch").mkdir(exist_ok=True)
-    readme = README.read_text()
+    doc = LAUNCH_DOC.read_text()
     for fmt in FORMATS:
         text = to_launch(layout, fmt).text
         (DOCS / "launch" / f"default-plan.{fmt}.txt").write_text(text)
         lang = "toml" if fmt == "torchtitan" else "bash"
         block = f"<!-- export:{fmt} -->\n```{lang}\n{text.rstrip()}\n```\n<!-- /export:{fmt} -->"
-        readme = re.sub(rf"<!-- export:{fmt} -->.*?<!-- /export:{fmt} -->", lambda _m, b=block: b, readme,
-                        flags=re.S)
-    README.write_text(readme)
+        doc = re.sub(rf"<!-- export:{fmt} -->.*?<!-- /export:{fmt} -->", lambda _m, b=block: b, doc, flags=re.S)
+    LAUNCH_DOC.write_text(doc)
 
 
 def main() -> None:
@@ -42,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.layout:
         write_exports(k3opt.load_layout(args.layout))
-        print("wrote docs/launch/default-plan.*.txt and the README's export blocks")
+        print("wrote docs/launch/default-plan.*.txt and docs/launch.md's export block")
         return
     from k3opt.report.plots import ledger_plot, pareto_plot, timeline_plot
 
@@ -54,8 +53,8 @@ def main() -> None:
     timeline_plot(best.evaluation, DOCS / "timeline.png")
     pareto_plot(plan.pareto, DOCS / "pareto.png", best=best)
     write_exports(best.layout)
-    print("wrote docs/ledger.png, timeline.png, pareto.png, docs/launch/default-plan.*.txt and the README's "
-          "export blocks")
+    print("wrote docs/ledger.png, timeline.png, pareto.png, docs/launch/default-plan.*.txt and docs/launch.md's "
+          "export block")
 
 
 if __name__ == "__main__":

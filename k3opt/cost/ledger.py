@@ -1,0 +1,144 @@
+"""The rank ledger, declared once: every memory term a rank holds, with its phase, how it adds up over the rank's
+layers and chunks, what gates it, the per-layer (or per-rank) coefficient it reads, its kind and its formula.
+
+A rank's peak is persistent + max(activation phase, optimizer phase) (seed 001's ledger; the K3 memory lab). The
+term order below is the ledger's printed order. evaluate() (cost/evaluate.rank_ledger), the search's node model and
+bounds (search/) and the reports read these declarations; the arithmetic that several of them share is named here
+too (`persistent_layer_bytes`, `pp_packet_bytes`, `peak_inflight`, `optimizer_transient_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from k3opt.cost.coefficients import Coefficients
+
+
+class Phase(StrEnum):
+    PERSISTENT = "persistent"
+    """Held for the whole step: weights, gradients, optimizer state."""
+    ACTIVATION = "activation"
+    """Live between a microbatch's forward and its backward, and the buffers of the pipeline's steady state."""
+    OPTIMIZER = "optimizer"
+    """Live only during the optimizer step (after the last backward)."""
+
+
+class Aggregate(StrEnum):
+    """How a term's per-layer coefficient adds up to the rank's bytes."""
+
+    LAYER_SUM = "sum over the rank's layers"
+    CHUNK_PAIR = "2 x the rank's largest chunk"
+    IN_FLIGHT = "each chunk's bytes x its in-flight microbatches, at the rank's peak composition"
+    LARGEST_LAYER = "the rank's layer with the largest backward working set"
+    MOE_RANK = "once per rank that holds a MoE layer"
+    LAST_STAGE = "once, on the rank that holds the last chunk"
+    STEP = "at the optimizer step: the step's gather and the Newton-Schulz working set"
+
+
+@dataclass(frozen=True)
+class TermDecl:
+    key: str
+    phase: Phase
+    aggregate: Aggregate
+    coefficient: str
+    """The Coefficients field the term reads (per layer, or per rank for MOE_RANK and LAST_STAGE)."""
+    gate: str | None
+    """What switches the term on or off or changes its form: a toggle, the FSDP lifecycle, a sharding policy,
+    the compute precision; None: always held."""
+    kind: str
+    """derived (from shapes) | assumption (a modelling choice, named)."""
+    formula: str
+
+
+LEDGER: tuple[TermDecl, ...] = (
+    TermDecl("master", Phase.PERSISTENT, Aggregate.LAYER_SUM, "master", "dense/expert sharding policy",
+             "derived", "FP32 master shard: 4 x (D/f_d + E/(e f_e))"),
+    TermDecl("grads", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grads", "pipeline_zero2_host_grads (CHUNK_PAIR of "
+             "chunk_grad_buffer when on); sharding policy", "derived",
+             "FP32 gradient shard: 4 x resident parameters (pipeline ZeRO-2: two FP32 chunk-sized buffers, the "
+             "shards on the host)"),
+    TermDecl("optimizer", Phase.PERSISTENT, Aggregate.LAYER_SUM, "optimizer", "optimizer state dtype, granularity",
+             "derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
+    TermDecl("bf16_view", Phase.PERSISTENT, Aggregate.LAYER_SUM, "bf16_view", "sharding policy", "derived",
+             "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
+    TermDecl("moonep_slots", Phase.PERSISTENT, Aggregate.LAYER_SUM, "moonep_slots", "moonep", "derived",
+             "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
+    TermDecl("grad_accum", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grad_accum", "fsdp_lifecycle = accumulate",
+             "derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
+    TermDecl("moonep_buffers", Phase.PERSISTENT, Aggregate.MOE_RANK, "moonep_buffers", "moonep", "assumption",
+             "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers of one MoE layer at uniform "
+             "routing, allocated for the whole run"),
+    TermDecl("quantized_weights", Phase.PERSISTENT, Aggregate.LAYER_SUM, "quantized_weights", "precision",
+             "derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the local "
+             "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16)"),
+    TermDecl("activations", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "act", "recompute mode, activation toggles, "
+             "activation_offload, balance_activations", "derived",
+             "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 [T, d] layer input per "
+             "layer)"),
+    TermDecl("attnres_bank", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "closes", "balance_activations", "derived",
+             "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per in-flight microbatch"),
+    TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws", "recompute mode",
+             "derived", "saved set of the one layer being recomputed in backward"),
+    TermDecl("grad_transient", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "working_set", "CP",
+             "derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus two BF16 "
+             "[T, d] gradient streams (with CP: plus the KV ring or state-gather buffers)"),
+    TermDecl("pp_buffers", Phase.ACTIVATION, Aggregate.CHUNK_PAIR, "closes", None, "assumption",
+             "one forward and one backward packet in each direction live: 2 x max over chunks (in + out packet), "
+             "packet = (1 + R) x BF16 [T, d]"),
+    TermDecl("ep_buffers", Phase.ACTIVATION, Aggregate.MOE_RANK, "ep_buffers", None, "derived",
+             "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
+    TermDecl("routing_map", Phase.ACTIVATION, Aggregate.MOE_RANK, "routing_map", "dispatcher", "derived",
+             "HybridEP Boolean routing map gathered across EP: e x T x experts bytes"),
+    TermDecl("logits", Phase.ACTIVATION, Aggregate.LAST_STAGE, "logits", "fused_cross_entropy", "derived",
+             "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy"),
+    TermDecl("optimizer_transient", Phase.OPTIMIZER, Aggregate.STEP, "ns_working_set", "p2p_muon, sharding policy",
+             "derived", "without P2P Muon: the full BF16 parameter group all-gathered at the step (2 x (D + E/e)); "
+             "with P2P Muon: the pulled share; plus the largest Newton-Schulz working set"),
+)
+
+TERMS: dict[str, TermDecl] = {t.key: t for t in LEDGER}
+PERSISTENT: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.PERSISTENT)
+ACTIVATION: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.ACTIVATION)
+OPTIMIZER: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.OPTIMIZER)
+TERM_INFO: dict[str, tuple[str, str]] = {t.key: (t.kind, t.formula) for t in LEDGER}
+"""key -> (kind, formula), as the ledger prints them."""
+
+ALWAYS_HELD: tuple[str, ...] = tuple(t.key for t in LEDGER
+                                     if t.phase is Phase.PERSISTENT and t.aggregate is Aggregate.LAYER_SUM
+                                     and t.key not in ("grads", "moonep_slots", "grad_accum"))
+"""The persistent per-layer terms that no decision of the search switches off (master, optimizer state, BF16
+view, quantized copies): grads change form under pipeline ZeRO-2, the MoonEP slots follow their toggle and the
+accumulation buffer the FSDP lifecycle."""
+
+
+def persistent_layer_bytes(cf: Coefficients) -> np.ndarray:
+    """Per layer, the bytes of the always-held persistent terms (ALWAYS_HELD): what every rank holding that layer
+    holds for the whole step, whatever the search decides."""
+    total = np.zeros_like(cf.master, dtype=float)
+    for key in ALWAYS_HELD:
+        arr = getattr(cf, TERMS[key].coefficient)
+        if len(arr):  # quantized_weights is empty under BF16
+            total = total + arr
+    return total
+
+
+def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float | np.ndarray:
+    """One PP packet: the hidden stream plus the R AttnRes residual streams open at the boundary, (1 + R) x BF16
+    [T, d]."""
+    return (1 + streams) * stream_bytes
+
+
+def peak_inflight(compositions: Sequence[Sequence[int]]) -> int:
+    """The most chunk-microbatches a rank holds at once over its in-flight compositions."""
+    return max(sum(c) for c in compositions)
+
+
+def optimizer_transient_bytes(gather: float, ns_working_set: float, with_ns: bool) -> float:
+    """The optimizer phase: the step's BF16 gather plus the Newton-Schulz working set when both are live together
+    (the default policy), else the larger of the two (the layer-wise optimizer gathers after step() frees its
+    Newton-Schulz buffers, seed 003)."""
+    return gather + ns_working_set if with_ns else max(gather, ns_working_set)
