@@ -458,12 +458,7 @@ class _Static:
 
 @lru_cache(maxsize=16)
 def _static(model_json: str) -> _Static:
-    return _build_static(model_json)
-
-
-# The cached entry points are thin wrappers so that the bodies stay plain functions (mutation testing,
-# bench/mutation.md, only mutates undecorated functions).
-def _build_static(model_json: str) -> _Static:
+    """The shape-independent per-layer arrays of one model, built once per model JSON."""
     model = ModelSpec.model_validate_json(model_json)
     st: Structure = structure_of(model)
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
@@ -561,11 +556,6 @@ def _closes(model: ModelSpec) -> np.ndarray:
 @lru_cache(maxsize=512)
 def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
            precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
-    return _build_saved(model_json, tokens, toggles, fp8_block, precision, routed)
-
-
-def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
-                 precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge (`routed`: as in
     saved_per_token)."""
     st = structure_of(_model_of(model_json))
@@ -617,10 +607,6 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
 
 @lru_cache(maxsize=8192)
 def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
-    return _build_coefficients(shape, model_json, cluster_json, rates_json)
-
-
-def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     """One shape's coefficients: the per-layer arrays of its LayerShape (one build for every shape that differs
     only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
     cluster = _cluster_of(cluster_json)
@@ -664,10 +650,6 @@ def _compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], 
 
 @lru_cache(maxsize=256)
 def _balanced_inflight(p: int, v: int, m: int) -> float:
-    return _build_balanced_inflight(p, v, m)
-
-
-def _build_balanced_inflight(p: int, v: int, m: int) -> float:
     """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
     return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
 
@@ -1055,12 +1037,6 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
 @lru_cache(maxsize=1024)
 def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
                        full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
-    return _build_achievable_tensor(model_json, cluster_json, rates_json, T, ep, precision, full, s_eff,
-                                    fused_cross_entropy)
-
-
-def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int,
-                             precision: Precision, full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
     attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""
