@@ -25,6 +25,7 @@ from k3opt.inputs.specs import (
     FsdpLifecycle,
     Layout,
     ModelSpec,
+    MoESpec,
     Precision,
     Recompute,
     ShardGranularity,
@@ -458,12 +459,7 @@ class _Static:
 
 @lru_cache(maxsize=16)
 def _static(model_json: str) -> _Static:
-    return _build_static(model_json)
-
-
-# The cached entry points are thin wrappers so that the bodies stay plain functions (mutation testing,
-# bench/mutation.md, only mutates undecorated functions).
-def _build_static(model_json: str) -> _Static:
+    """The shape-independent per-layer arrays of one model, built once per model JSON."""
     model = ModelSpec.model_validate_json(model_json)
     st: Structure = structure_of(model)
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
@@ -561,11 +557,6 @@ def _closes(model: ModelSpec) -> np.ndarray:
 @lru_cache(maxsize=512)
 def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
            precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
-    return _build_saved(model_json, tokens, toggles, fp8_block, precision, routed)
-
-
-def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
-                 precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge (`routed`: as in
     saved_per_token)."""
     st = structure_of(_model_of(model_json))
@@ -617,10 +608,6 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
 
 @lru_cache(maxsize=8192)
 def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
-    return _build_coefficients(shape, model_json, cluster_json, rates_json)
-
-
-def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     """One shape's coefficients: the per-layer arrays of its LayerShape (one build for every shape that differs
     only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
     cluster = _cluster_of(cluster_json)
@@ -664,289 +651,486 @@ def _compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], 
 
 @lru_cache(maxsize=256)
 def _balanced_inflight(p: int, v: int, m: int) -> float:
-    return _build_balanced_inflight(p, v, m)
-
-
-def _build_balanced_inflight(p: int, v: int, m: int) -> float:
     """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
     return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
 
 
 @lru_cache(maxsize=8192)
 def _layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = "") -> dict[str, object]:
-    return _build_layer_terms(shape, model_json, cluster_json, rates_json)
-
-
-def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = "",
-                       ) -> dict[str, object]:
     """The Coefficients fields of a LayerShape (every per-layer array and rank-level constant), read-only: the
     cache hands the same arrays to every shape of the key."""
-    model = _model_of(model_json)
-    cluster = _cluster_of(cluster_json)
-    sa = _static(model_json)
-    tg = shape.toggles
-    L, n = model.num_layers, model.num_layers + 2
-    T, d = shape.tokens, model.hidden_size
-    e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
-    full = shape.recompute == Recompute.FULL
-    pn_muon, p_adam, p_routed = sa.pn_muon, sa.p_adam, sa.p_routed
-    pn = pn_muon + p_adam
-    # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e).
-    res_muon = pn_muon / fd + p_routed / (e * fe)
-    res_adam = p_adam / fd
-    resident = res_muon + res_adam
-    view = pn + p_routed / e
+    b = _LayerBuild.of(shape, model_json, cluster_json)
+    acts = _saved_activations(b, model_json)
+    work = _compute_work(b)
+    ep = _ep_dispatch(b)
+    traffic = _microbatch_traffic(b, acts, work, ep)
+    ns = _newton_schulz(b)
+    up = _update_traffic(b)
+    moonep = shape.toggles.moonep
+    working_set = acts.working_set if traffic.cp_working_set is None else acts.working_set + traffic.cp_working_set
+    return _read_only(dict(
+        n_layers=b.model.num_layers, tokens=shape.tokens, hidden=b.model.hidden_size,
+        **_persistent_bytes(b), **ns, **_logits(b),
+        act=acts.act, working_set=working_set, recompute_ws=acts.recompute_ws, grad_transient=acts.grad_transient,
+        closes=b.sa.closes, moe=b.sa.moe, routing_map_allgathers_per_layer=ep.allgathers,
+        time=_peak_seconds(b, work, traffic), update=_peak_update_seconds(b, ns["ns_flops"], up),
+        tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
+        stream_bytes=b.stream, ep_buffers=0.0 if moonep else ep.buffers,
+        moonep_buffers=ep.buffers if moonep else 0.0, routing_map=ep.routing_map,
+        model_json=model_json, gemm_flops=work.gemm_flops,
+        **_achievable_terms(b, (model_json, cluster_json, rates_json), acts, work, traffic, ns["ns_flops"], up),
+    ))
 
-    zero2 = tg.pipeline_zero2_host_grads
-    # Sharding policies (Megatron's vocabulary): each of the dense and expert groups shards nothing, the
-    # optimizer (masters + state), also the gradients, or also the parameters (today's FSDP accounting).
-    pol_d, pol_e = shape.dense_sharding, shape.expert_sharding
-    opt_fd = fd if pol_d != ShardingPolicy.NO_SHARD else 1
-    opt_fe = fe if pol_e != ShardingPolicy.NO_SHARD else 1
-    grads_sharded = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
-    g_fd = fd if pol_d in grads_sharded else 1
-    g_fe = fe if pol_e in grads_sharded else 1
-    own_muon = pn_muon / opt_fd + p_routed / (e * opt_fe)
-    own_adam = p_adam / opt_fd
-    own = own_muon + own_adam
-    gd, sd = shape.grad_dtype.bytes, shape.optimizer_state_dtype.bytes
-    grad_elems = pn / g_fd + p_routed / (e * g_fe)
-    master = 4 * own
-    grads = np.zeros(n) if zero2 else gd * grad_elems
-    host_grads = 4 * resident if zero2 else np.zeros(n)
-    optimizer = sd * own_muon + 2 * sd * own_adam          # Muon momentum; AdamW two moments
-    bf16_view = 2 * view
-    moonep_slots = 2 * p_routed / e if tg.moonep else np.zeros(n)
-    accumulate = shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE
+
+_GRADS_SHARDED = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
+"""The sharding policies (Megatron's vocabulary) that shard the gradients: optim_grads and optim_grads_params."""
+
+
+@dataclass(frozen=True, eq=False)
+class _LayerBuild:
+    """What every group of a LayerShape's terms reads: the shape, the specs, the model's shape-independent arrays,
+    and the parameters per layer a rank holds, owns and reduces under the shape's degrees and sharding policies."""
+
+    shape: LayerShape
+    model: ModelSpec
+    cluster: ClusterSpec
+    sa: _Static
+    n: int
+    """Layers and edges, L + 2."""
+    layer: np.ndarray
+    """True on the decoder layers, False on the two edges."""
+    full: bool
+    """Full recompute."""
+    accumulate: bool
+    """The accumulate FSDP lifecycle (gradients reduced once per update)."""
+    stream: int
+    """One BF16 [T, d] stream."""
+    pn: np.ndarray
+    """Dense parameters (Muon and AdamW) of each layer, D."""
+    resident: np.ndarray
+    """Parameters resident per GPU: D / f_d + E / (e f_e)."""
+    view: np.ndarray
+    """Parameters of the gathered compute view: D + E / e."""
+    own_muon: np.ndarray
+    """Muon parameters whose optimizer state the rank owns (its shard; all of them where a group shards nothing)."""
+    own_adam: np.ndarray
+    """The same for the AdamW parameters."""
+    opt_fd: int
+    """Dense group over which the optimizer state is sharded (1 where the policy shards nothing)."""
+    opt_fe: int
+    """Expert group over which the optimizer state is sharded."""
+    g_fd: int
+    """Dense group over which the gradients are sharded (1 where they are whole)."""
+    g_fe: int
+    """Expert group over which the gradients are sharded."""
+    gd: int
+    """Bytes per gradient element."""
+    sd: int
+    """Bytes per optimizer-state element."""
+    lowp: bool
+    """The linear GEMMs run in a low compute precision (FP8 / FP4)."""
+    qb: float
+    """Bytes per element in that precision, block scales included."""
+    q_view: np.ndarray
+    """Local parameters of the GEMMs that run in the compute precision."""
+
+    @classmethod
+    def of(cls, shape: LayerShape, model_json: str, cluster_json: str) -> _LayerBuild:
+        """The build context of `shape` for the model and cluster JSON (specs parsed once per JSON)."""
+        model = _model_of(model_json)
+        sa = _static(model_json)
+        n = model.num_layers + 2
+        e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
+        pn_muon, p_adam, p_routed = sa.pn_muon, sa.p_adam, sa.p_routed
+        pn = pn_muon + p_adam
+        # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e).
+        res_muon = pn_muon / fd + p_routed / (e * fe)
+        res_adam = p_adam / fd
+        # Each of the dense and expert groups shards nothing, the optimizer (masters + state), also the
+        # gradients, or also the parameters (the FSDP accounting).
+        pol_d, pol_e = shape.dense_sharding, shape.expert_sharding
+        opt_fd = fd if pol_d != ShardingPolicy.NO_SHARD else 1
+        opt_fe = fe if pol_e != ShardingPolicy.NO_SHARD else 1
+        return cls(
+            shape=shape, model=model, cluster=_cluster_of(cluster_json), sa=sa, n=n,
+            layer=np.arange(n) < model.num_layers, full=shape.recompute == Recompute.FULL,
+            accumulate=shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE,
+            stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam,
+            view=pn + p_routed / e, own_muon=pn_muon / opt_fd + p_routed / (e * opt_fe), own_adam=p_adam / opt_fd,
+            opt_fd=opt_fd, opt_fe=opt_fe, g_fd=fd if pol_d in _GRADS_SHARDED else 1,
+            g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes, sd=shape.optimizer_state_dtype.bytes,
+            lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),
+            q_view=sa.q_params_nonrouted + sa.q_params_routed / e,
+        )
+
+
+def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
+    """Bytes per layer held through the step: FP32 masters, gradients, optimizer state, the BF16 view, MoonEP's
+    slots, the accumulation buffer, the pipeline ZeRO-2 chunk buffer and host shards, the quantized weights, and
+    the optimizer step's gather."""
+    sh, n, p_routed, e = b.shape, b.n, b.sa.p_routed, b.shape.ep
+    zero2 = sh.toggles.pipeline_zero2_host_grads
+    own = b.own_muon + b.own_adam
+    grad_elems = b.pn / b.g_fd + p_routed / (e * b.g_fe)
     # An unsharded accumulation buffer only where the gradients are otherwise sharded (a whole buffer accumulates).
-    grad_accum = 4 * (pn * (pol_d in grads_sharded) + p_routed / e * (pol_e in grads_sharded)) \
-        if accumulate else np.zeros(n)
-    chunk_grad_buffer = 4 * view
-    # Optimizer-step all-gather into fresh BF16 buffers. Default policy: the whole view (today's accounting).
-    # optim / optim_grads: Megatron's distributed optimizer gathers in place into the whole BF16 weights
-    # (element granularity: no extra buffer); the layer-wise optimizer (tensor granularity) allocates receive
-    # buffers for every sharded group, after step() (seed 003: 9.71 GiB = dense params x 2 B at EP8, f_e = 1).
-    default_policy = pol_d == pol_e == ShardingPolicy.OPTIM_GRADS_PARAMS
-    tensor_gran = shape.optimizer_shard_granularity == ShardGranularity.TENSOR
+    d_sharded, e_sharded = sh.dense_sharding in _GRADS_SHARDED, sh.expert_sharding in _GRADS_SHARDED
+    grad_accum = 4 * (b.pn * d_sharded + p_routed / e * e_sharded) if b.accumulate else np.zeros(n)
+    default_policy = sh.dense_sharding == sh.expert_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS
+    return dict(
+        master=4 * own,
+        grads=np.zeros(n) if zero2 else b.gd * grad_elems,
+        optimizer=b.sd * b.own_muon + 2 * b.sd * b.own_adam,          # Muon momentum; AdamW two moments
+        bf16_view=2 * b.view,
+        moonep_slots=2 * p_routed / e if sh.toggles.moonep else np.zeros(n),
+        grad_accum=grad_accum,
+        chunk_grad_buffer=4 * b.view,
+        host_grads=4 * b.resident if zero2 else np.zeros(n),
+        view_params=b.view, resident_params=b.resident,
+        quantized_weights=2 * b.qb * b.q_view if b.lowp else np.zeros(n),
+        step_gather=_step_gather(b), step_gather_with_ns=default_policy,
+    )
 
-    def _gather(pol: ShardingPolicy, f: int, params: np.ndarray) -> np.ndarray:
+
+def _step_gather(b: _LayerBuild) -> np.ndarray:
+    """Optimizer-step all-gather into fresh BF16 buffers. Default policy: the whole view. optim / optim_grads:
+    Megatron's distributed optimizer gathers in place into the whole BF16 weights (element granularity: no extra
+    buffer); the layer-wise optimizer (tensor granularity) allocates receive buffers for every sharded group, after
+    step() (seed 003: 9.71 GiB = dense params x 2 B at EP8, f_e = 1)."""
+    sh = b.shape
+    tensor_gran = sh.optimizer_shard_granularity == ShardGranularity.TENSOR
+
+    def gather(pol: ShardingPolicy, f: int, params: np.ndarray) -> np.ndarray:
         if pol == ShardingPolicy.OPTIM_GRADS_PARAMS:
             return 2 * params
         if pol == ShardingPolicy.NO_SHARD or f == 1 or not tensor_gran:
-            return np.zeros(n)
+            return np.zeros(b.n)
         return 2 * params
 
-    step_gather = _gather(pol_d, fd, pn) + _gather(pol_e, fe, p_routed / e)
+    dense = gather(sh.dense_sharding, sh.dense_fsdp, b.pn)
+    return dense + gather(sh.expert_sharding, sh.expert_fsdp, b.sa.p_routed / sh.ep)
 
-    # Saved-for-backward bytes per microbatch (only the activation toggles matter for the cache key).
-    act_toggles = Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
-                          dispatch_recompute=tg.dispatch_recompute, moe_backward_rewrite=tg.moe_backward_rewrite)
-    saved, recomputable, fp8_values = _saved(model_json, T, act_toggles, shape.fp8_block_size, shape.precision)
-    layer = np.arange(n) < L
-    stream = T * d * BF16
-    if shape.recompute == Recompute.NONE:
+
+def _newton_schulz(b: _LayerBuild) -> dict[str, np.ndarray]:
+    """Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices (the matrices it owns: all
+    of them where the group shards nothing); the working set of the layer's largest matrix."""
+    ns_flops_routed = b.sa.ns_routed_all / (b.shape.ep * b.opt_fe)
+    return dict(ns_flops_routed=ns_flops_routed, ns_flops=ns_flops_routed + b.sa.ns_nonrouted / b.opt_fd,
+                ns_working_set=b.sa.ns_ws)
+
+
+def _activation_toggles(tg: Toggles) -> Toggles:
+    """The toggles that change what a layer saves for backward (the only ones the saved-set caches key on)."""
+    return Toggles(fp8_activations=tg.fp8_activations, fused_situ=tg.fused_situ,
+                   dispatch_recompute=tg.dispatch_recompute, moe_backward_rewrite=tg.moe_backward_rewrite)
+
+
+@dataclass(frozen=True, eq=False)
+class _Activations:
+    """Saved-for-backward bytes per microbatch of each layer and edge, and what the recompute mode keeps of them."""
+
+    saved: np.ndarray
+    fp8_values: np.ndarray
+    act: np.ndarray
+    recompute_ws: np.ndarray
+    grad_transient: np.ndarray
+    working_set: np.ndarray
+    """Without CP's buffers (_microbatch_traffic adds them)."""
+
+
+def _saved_activations(b: _LayerBuild, model_json: str) -> _Activations:
+    """Saved bytes per recompute mode: none keeps all; selective drops the recomputable part to the working set of
+    the layer in backward; full keeps one BF16 [T, d] layer input per layer (the edges are not checkpointed). The
+    working set adds the layer's unsharded gradient (per-microbatch lifecycle) and its two gradient streams."""
+    sh, n, e = b.shape, b.n, b.shape.ep
+    saved, recomputable, fp8_values = _saved(model_json, sh.tokens, _activation_toggles(sh.toggles),
+                                             sh.fp8_block_size, sh.precision)
+    if sh.recompute == Recompute.NONE:
         act, recompute_ws = saved.copy(), np.zeros(n)
-    elif shape.recompute == Recompute.SELECTIVE:
+    elif sh.recompute == Recompute.SELECTIVE:
         act, recompute_ws = saved - recomputable, recomputable.copy()
     else:
-        # Full recompute keeps one BF16 [T, d] layer input per layer; the edges are not checkpointed.
-        act = np.where(layer, stream, saved)
-        recompute_ws = np.where(layer, saved, 0.0)
+        act = np.where(b.layer, b.stream, saved)
+        recompute_ws = np.where(b.layer, saved, 0.0)
     # Unsharded BF16 gradient of the layer, live until its reduce-scatter (per-microbatch lifecycle).
     # Only where the gradients are sharded: a whole gradient buffer accumulates in place.
-    grad_transient = np.zeros(n) if accumulate else (
-        2 * pn * (g_fd > 1) + 2 * (p_routed / e) * (g_fe > 1))
-    grad_streams = np.where(layer, 2 * stream, 0.0)
-    working_set = recompute_ws + grad_transient + grad_streams
+    grad_transient = np.zeros(n) if b.accumulate else (
+        2 * b.pn * (b.g_fd > 1) + 2 * (b.sa.p_routed / e) * (b.g_fe > 1))
+    grad_streams = np.where(b.layer, 2 * b.stream, 0.0)
+    return _Activations(saved=saved, fp8_values=fp8_values, act=act, recompute_ws=recompute_ws,
+                        grad_transient=grad_transient, working_set=recompute_ws + grad_transient + grad_streams)
 
-    closes = sa.closes
-    moe = sa.moe
 
-    # Muon Newton-Schulz per update: a rank orthogonalizes its share of whole matrices (the matrices it owns: all of
-    # them where the group shards nothing).
-    ns_flops_routed = sa.ns_routed_all / (e * opt_fe)
-    ns_flops = ns_flops_routed + sa.ns_nonrouted / opt_fd
-    ns_ws = sa.ns_ws
+@dataclass(frozen=True, eq=False)
+class _Work:
+    """FLOPs per microbatch of each layer and edge."""
 
-    # ---------------------------------------------------------------- per-microbatch work
+    tensor_flops: np.ndarray
+    gemm_flops: np.ndarray
+    """The part in the low compute precision (0 under BF16)."""
+    model_flops_per_token: float
+    s_eff: int
+    """Tokens each token attends to: min(document length, context)."""
+
+
+def _compute_work(b: _LayerBuild) -> _Work:
+    """Training FLOPs: T (6 active + attention x s_eff + scan) x the recompute factor on the layers; chunked cross
+    entropy recomputes each chunk's logits in backward (one more LM-head forward)."""
+    sh, sa, T, L = b.shape, b.sa, b.shape.tokens, b.model.num_layers
     active, attn, scan = sa.active, sa.attn, sa.scan
-    s_eff = min(shape.document_length, shape.context)
-    rc_factor = recompute_flops_factor(full)
+    s_eff = min(sh.document_length, sh.context)
+    rc_factor = recompute_flops_factor(b.full)
     fwd_bwd = T * (6 * active + attn * s_eff + scan)
-    tensor_flops = np.where(layer, fwd_bwd * rc_factor, fwd_bwd)
-    if tg.fused_cross_entropy:
-        # Chunked cross-entropy recomputes each chunk's logits in backward: one more LM-head forward.
+    tensor_flops = np.where(b.layer, fwd_bwd * rc_factor, fwd_bwd)
+    if sh.toggles.fused_cross_entropy:
         tensor_flops[L + 1] += 2 * T * sa.head_active
-    model_flops_per_token = float(6 * active.sum() + attn[:L].sum() * s_eff)
+    # Linear GEMMs in a low compute precision: their FLOPs run at that precision's peak.
+    q_flops = 6 * T * sa.q_active
+    gemm_flops = np.where(b.layer, q_flops * rc_factor, q_flops) if b.lowp else np.zeros(b.n)
+    return _Work(tensor_flops=tensor_flops, gemm_flops=gemm_flops, s_eff=s_eff,
+                 model_flops_per_token=float(6 * active.sum() + attn[:L].sum() * s_eff))
 
-    passes = 4 if full else 3
-    # Weight-side traffic only (streamed inside the GEMMs); the achievable roofline keeps it apart from the
-    # activation traffic of the memory-bound kernels between GEMMs.
-    hbm_weights = passes * BF16 * view + BF16 * view + 2 * FP32 * (view if accumulate else resident)
-    hbm = passes * BF16 * view                          # weights read per pass
-    hbm = hbm + 2 * (act + recompute_ws)                # saved activations written and read
-    hbm = hbm + BF16 * view + 2 * FP32 * (view if accumulate else resident)  # BF16 grads, FP32 RMW
-    if tg.fp8_activations:
-        hbm = hbm + 2 * BF16 * fp8_values               # quantize reads BF16, dequantize writes BF16
-    # Linear GEMMs in a low compute precision: their FLOPs run at that precision's peak; every GEMM operand
-    # X (forward) and dY (backward) is quantized once: read BF16, write a row-wise and a column-wise copy
-    # (b + 1/block bytes each; Transformer Engine makes both usages for the forward/dgrad and wgrad GEMMs).
-    lowp = shape.precision != Precision.BF16
-    qb = quantized_bytes_per_element(shape.precision)
-    gemm_flops = np.where(layer, 6 * T * sa.q_active * rc_factor, 6 * T * sa.q_active) if lowp else np.zeros(n)
-    q_view = sa.q_params_nonrouted + sa.q_params_routed / e
-    quantized_weights = 2 * qb * q_view if lowp else np.zeros(n)
-    # The cast kernels' own bytes, kept apart so the achievable step prices them at their measured rate.
-    quantize = T * sa.q_elements * (BF16 + 2 * qb) if lowp else np.zeros(n)
-    hbm = hbm + quantize
-    if tg.moe_backward_rewrite and model.moe is not None:
-        hbm = hbm + moe * T * model.moe.experts_per_token * model.moe.expert_intermediate_size * BF16
 
-    nvl = np.zeros(n)
-    nic = np.zeros(n)
-    ep_nvl, ep_nic = np.zeros(n), np.zeros(n)
-    routing_map = ep_buffers = 0.0
-    n_ag = 0
-    if model.moe is not None:
-        m = model.moe
-        exch = comm.ep_exchanges(full, tg.dispatch_recompute)
-        if tg.ep_dedup:
-            remote = comm.ep_remote_copies_dedup(m.num_experts, m.experts_per_token, e)
-            cross = comm.ep_cross_domain_copies_dedup(m.num_experts, m.experts_per_token, e, shape.ep_local)
-        else:
-            remote = comm.ep_remote_copies(m.experts_per_token, e)
-            cross = comm.ep_cross_domain_copies(m.experts_per_token, e, shape.ep_local)
-        per_copy = comm.ep_payload_bytes(exch, T, model.dispatch_width, 1.0)
-        if shape.dispatcher in HIERARCHICAL_DISPATCHERS and shape.ep_local < e:
-            # DeepEP / HybridEP send a token once per destination NVLink domain over RDMA and forward it over
-            # NVLink inside that domain (DeepEP README, internode kernels): NIC copies = (e/a - 1) x P(domain
-            # hit), P from the domain's E a / e experts; the forwarded rank copies then ride NVLink.
-            a_ = shape.ep_local
-            dom = (e // a_ - 1) * comm.ep_hit_probability(m.num_experts, m.experts_per_token, e // a_)
-            nvl = nvl + moe * per_copy * remote
-            nic = nic + moe * per_copy * dom
-        else:
-            nvl = nvl + moe * per_copy * (remote - cross)
-            nic = nic + moe * per_copy * cross
-        ep_nvl, ep_nic = nvl.copy(), nic.copy()
-        n_ag = comm.routing_map_allgathers_per_layer(full)
-        rmap = comm.routing_map_bytes(T, m.num_experts)
-        nvl = nvl + moe * n_ag * rmap * (shape.ep_local - 1)
-        nic = nic + moe * n_ag * rmap * (e - shape.ep_local)
-        routing_map = float(e * rmap)
-        ep_buffers = float(2 * T * m.experts_per_token * model.dispatch_width * BF16)
-    if not accumulate:
+@dataclass(frozen=True, eq=False)
+class _Dispatch:
+    """EP traffic per microbatch of each layer: the all-to-all copies and the routing-map all-gathers."""
+
+    nvl: np.ndarray
+    nic: np.ndarray
+    ep_nvl: np.ndarray
+    """The all-to-all alone (the achievable roofline prices it at the dispatcher's measured bandwidth)."""
+    ep_nic: np.ndarray
+    routing_map: float = 0.0
+    buffers: float = 0.0
+    allgathers: int = 0
+
+
+def _ep_dispatch(b: _LayerBuild) -> _Dispatch:
+    """The EP all-to-all bytes on NVLink and the NIC (comm.ep_*; deduplicated under ep_dedup), then the routing-map
+    all-gathers; the routing map and the dispatch + combine buffers of one MoE layer."""
+    n = b.n
+    if b.model.moe is None:
+        return _Dispatch(nvl=np.zeros(n), nic=np.zeros(n), ep_nvl=np.zeros(n), ep_nic=np.zeros(n))
+    sh, m, moe, T, e = b.shape, b.model.moe, b.sa.moe, b.shape.tokens, b.shape.ep
+    nvl, nic = _ep_all_to_all(b, m)
+    ep_nvl, ep_nic = nvl.copy(), nic.copy()
+    n_ag = comm.routing_map_allgathers_per_layer(b.full)
+    rmap = comm.routing_map_bytes(T, m.num_experts)
+    nvl = nvl + moe * n_ag * rmap * (sh.ep_local - 1)
+    nic = nic + moe * n_ag * rmap * (e - sh.ep_local)
+    return _Dispatch(nvl=nvl, nic=nic, ep_nvl=ep_nvl, ep_nic=ep_nic, routing_map=float(e * rmap),
+                     buffers=float(2 * T * m.experts_per_token * b.model.dispatch_width * BF16), allgathers=n_ag)
+
+
+def _ep_all_to_all(b: _LayerBuild, m: MoESpec) -> tuple[np.ndarray, np.ndarray]:
+    """All-to-all bytes per microbatch on NVLink and on the NIC of the model's MoE `m`: payload per copy x the
+    remote copies of a token, those crossing NVLink domains on the NIC."""
+    sh, tg, moe, e = b.shape, b.shape.toggles, b.sa.moe, b.shape.ep
+    nvl, nic = np.zeros(b.n), np.zeros(b.n)
+    exch = comm.ep_exchanges(b.full, tg.dispatch_recompute)
+    if tg.ep_dedup:
+        remote = comm.ep_remote_copies_dedup(m.num_experts, m.experts_per_token, e)
+        cross = comm.ep_cross_domain_copies_dedup(m.num_experts, m.experts_per_token, e, sh.ep_local)
+    else:
+        remote = comm.ep_remote_copies(m.experts_per_token, e)
+        cross = comm.ep_cross_domain_copies(m.experts_per_token, e, sh.ep_local)
+    per_copy = comm.ep_payload_bytes(exch, sh.tokens, b.model.dispatch_width, 1.0)
+    if sh.dispatcher in HIERARCHICAL_DISPATCHERS and sh.ep_local < e:
+        # DeepEP / HybridEP send a token once per destination NVLink domain over RDMA and forward it over
+        # NVLink inside that domain (DeepEP README, internode kernels): NIC copies = (e/a - 1) x P(domain
+        # hit), P from the domain's E a / e experts; the forwarded rank copies then ride NVLink.
+        a_ = sh.ep_local
+        dom = (e // a_ - 1) * comm.ep_hit_probability(m.num_experts, m.experts_per_token, e // a_)
+        return nvl + moe * per_copy * remote, nic + moe * per_copy * dom
+    return nvl + moe * per_copy * (remote - cross), nic + moe * per_copy * cross
+
+
+@dataclass(frozen=True, eq=False)
+class _Traffic:
+    """Bytes per microbatch of each layer and edge on HBM, the links and the host link; CP's stall and buffers."""
+
+    hbm: np.ndarray
+    hbm_weights: np.ndarray
+    """The weight-side part of `hbm` (streamed inside the GEMMs)."""
+    quantize: np.ndarray
+    """The low-precision cast kernels' part of `hbm`."""
+    nvl: np.ndarray
+    nic: np.ndarray
+    ep_nvl: np.ndarray
+    ep_nic: np.ndarray
+    host: np.ndarray
+    cp_stall: np.ndarray
+    cp_working_set: np.ndarray | None
+
+
+def _microbatch_traffic(b: _LayerBuild, acts: _Activations, work: _Work, ep: _Dispatch) -> _Traffic:
+    """Per-microbatch traffic: HBM (_hbm_bytes); on the links the EP dispatch, the gradient reduce-scatter
+    (per-microbatch lifecycle) and CP's own traffic; on the host link activation offload and ZeRO-2's shards."""
+    sh, n, e = b.shape, b.n, b.shape.ep
+    hbm_weights, hbm, quantize = _hbm_bytes(b, acts)
+    nvl, nic = ep.nvl, ep.nic
+    if not b.accumulate:
         # Per-microbatch reduce-scatter of the gradients in the gradient dtype, g P (1 - 1/n), hierarchical; only
         # where the gradients are sharded (a whole gradient buffer accumulates and is reduced once per update).
-        a, b_ = _hier(gd * pn, g_fd, shape.dense_fsdp_local)
-        c, d_ = _hier(gd * p_routed / e, g_fe, shape.expert_fsdp_local)
+        a, b_ = _hier(b.gd * b.pn, b.g_fd, sh.dense_fsdp_local)
+        c, d_ = _hier(b.gd * b.sa.p_routed / e, b.g_fe, sh.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
-
-    cp_stall = np.zeros(n)
-    if shape.cp > 1:
-        cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(model, shape, T, cluster, shape.cp_in_domain,
-                                                            T * attn * s_eff, full)
-        nvl, nic, working_set = nvl + cp_nvl, nic + cp_nic, working_set + cp_ws
-
+    cp_stall, cp_ws = np.zeros(n), None
+    if sh.cp > 1:
+        cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(b.model, sh, sh.tokens, b.cluster, sh.cp_in_domain,
+                                                            sh.tokens * b.sa.attn * work.s_eff, b.full)
+        nvl, nic = nvl + cp_nvl, nic + cp_nic
     host = np.zeros(n)
-    if tg.activation_offload:
-        host = host + 2 * act                            # out in forward, back in backward
-    if zero2:
-        host = host + FP32 * resident                    # gradient shard accumulated on the host
+    if sh.toggles.activation_offload:
+        host = host + 2 * acts.act                       # out in forward, back in backward
+    if sh.toggles.pipeline_zero2_host_grads:
+        host = host + FP32 * b.resident                  # gradient shard accumulated on the host
+    return _Traffic(hbm=hbm, hbm_weights=hbm_weights, quantize=quantize, nvl=nvl, nic=nic, ep_nvl=ep.ep_nvl,
+                    ep_nic=ep.ep_nic, host=host, cp_stall=cp_stall, cp_working_set=cp_ws)
 
-    gb = 1e9
-    time = {
-        "tensor": (tensor_flops - gemm_flops) / (cluster.bf16_tflops * 1e12)
-        + gemm_flops / (cluster.dense_tflops(shape.precision) * 1e12) + cp_stall,
-        "hbm": hbm / (cluster.hbm_gbps * gb),
-        "nvlink": nvl / (cluster.nvlink_gbps * gb),
-        "nic": nic / (cluster.nic_gbps * gb),
-        "host_link": host / (cluster.host_link_gbps * gb),
+
+def _hbm_bytes(b: _LayerBuild, acts: _Activations) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(weight-side, all, cast-kernel) HBM bytes per microbatch: weights read per pass, saved activations written
+    and read, BF16 gradients and the FP32 read-modify-write, FP8 (de)quantization, the low-precision casts."""
+    tg, T, view = b.shape.toggles, b.shape.tokens, b.view
+    passes = 4 if b.full else 3
+    acc = view if b.accumulate else b.resident
+    # Weight-side traffic only (streamed inside the GEMMs); the achievable roofline keeps it apart from the
+    # activation traffic of the memory-bound kernels between GEMMs.
+    hbm_weights = passes * BF16 * view + BF16 * view + 2 * FP32 * acc
+    hbm = passes * BF16 * view                          # weights read per pass
+    hbm = hbm + 2 * (acts.act + acts.recompute_ws)      # saved activations written and read
+    hbm = hbm + BF16 * view + 2 * FP32 * acc            # BF16 grads, FP32 RMW
+    if tg.fp8_activations:
+        hbm = hbm + 2 * BF16 * acts.fp8_values          # quantize reads BF16, dequantize writes BF16
+    # Every low-precision GEMM operand X (forward) and dY (backward) is quantized once: read BF16, write a row-wise
+    # and a column-wise copy (b + 1/block bytes each; Transformer Engine makes both usages for the forward/dgrad and
+    # wgrad GEMMs). The cast kernels' own bytes are kept apart so the achievable step prices them at their rate.
+    quantize = T * b.sa.q_elements * (BF16 + 2 * b.qb) if b.lowp else np.zeros(b.n)
+    hbm = hbm + quantize
+    if tg.moe_backward_rewrite and b.model.moe is not None:
+        hbm = hbm + b.sa.moe * T * b.model.moe.experts_per_token * b.model.moe.expert_intermediate_size * BF16
+    return hbm_weights, hbm, quantize
+
+
+def _peak_seconds(b: _LayerBuild, work: _Work, traffic: _Traffic) -> dict[str, np.ndarray]:
+    """Seconds per microbatch on each resource at the cluster's peaks (the roofline): FLOPs / peak (the low
+    precision GEMMs at theirs) + CP's stall, bytes / bandwidth."""
+    cl, gb = b.cluster, 1e9
+    return {
+        "tensor": (work.tensor_flops - work.gemm_flops) / (cl.bf16_tflops * 1e12)
+        + work.gemm_flops / (cl.dense_tflops(b.shape.precision) * 1e12) + traffic.cp_stall,
+        "hbm": traffic.hbm / (cl.hbm_gbps * gb),
+        "nvlink": traffic.nvl / (cl.nvlink_gbps * gb),
+        "nic": traffic.nic / (cl.nic_gbps * gb),
+        "host_link": traffic.host / (cl.host_link_gbps * gb),
     }
 
-    # ---------------------------------------------------------------- per-update work
-    up_hbm = (2 * FP32 + FP32 + 2 * FP32) * own_muon + (2 * FP32 + FP32 + 4 * FP32) * own_adam
-    # Weights quantized once per update into the cached low-precision copies (row- and column-wise).
-    up_quantize = q_view * (BF16 + 2 * qb) if lowp else np.zeros(n)
-    up_hbm = up_hbm + up_quantize
-    # master r/w, grad read, momentum r/w (AdamW: two moments r/w)
+
+@dataclass(frozen=True, eq=False)
+class _UpdateTraffic:
+    """Bytes per update of each layer and edge on HBM, the links and the host link."""
+
+    hbm: np.ndarray
+    quantize: np.ndarray
+    """The weight casts' part of `hbm`."""
+    nvl: np.ndarray
+    nic: np.ndarray
+    host: np.ndarray
+
+
+def _update_traffic(b: _LayerBuild) -> _UpdateTraffic:
+    """Per-update traffic: the optimizer's HBM reads and writes (master r/w, grad read, momentum r/w; AdamW: two
+    moments r/w) and the weight casts into the cached low-precision copies (row- and column-wise); the link bytes
+    of _update_link_bytes; ZeRO-2's gradient shards over the host link."""
+    n = b.n
+    up_hbm = (2 * FP32 + FP32 + 2 * FP32) * b.own_muon + (2 * FP32 + FP32 + 4 * FP32) * b.own_adam
+    up_quantize = b.q_view * (BF16 + 2 * b.qb) if b.lowp else np.zeros(n)
+    up_nvl, up_nic = _update_link_bytes(b)
+    return _UpdateTraffic(hbm=up_hbm + up_quantize, quantize=up_quantize, nvl=up_nvl, nic=up_nic,
+                          host=FP32 * b.resident if b.shape.toggles.pipeline_zero2_host_grads else np.zeros(n))
+
+
+def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
+    """NVLink and NIC bytes per update: the BF16 view refresh, the once-per-update gradient reduction per group,
+    and P2P Muon's pull of the shards of the matrices a rank orthogonalizes."""
+    sh, pn, p_routed, e = b.shape, b.pn, b.sa.p_routed, b.shape.ep
     # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
     # the whole model itself).
-    up_nvl, up_nic = _hier(2 * pn, opt_fd, shape.dense_fsdp_local)
-    a, b_ = _hier(2 * p_routed / e, opt_fe, shape.expert_fsdp_local)
+    up_nvl, up_nic = _hier(2 * pn, b.opt_fd, sh.dense_fsdp_local)
+    a, b_ = _hier(2 * p_routed / e, b.opt_fe, sh.expert_fsdp_local)
     up_nvl, up_nic = up_nvl + a, up_nic + b_
     # Gradient reduction once per update, per group: the FP32 accumulation buffer reduce-scattered (accumulate
     # lifecycle, sharded gradients); a whole gradient buffer reduce-scattered (optim: Megatron's distributed
     # optimizer) or all-reduced, twice the reduce-scatter's bytes (no_shard: DDP), in the gradient dtype.
-    for total, f, local, pol in ((pn, fd, shape.dense_fsdp_local, pol_d),
-                                 (p_routed / e, fe, shape.expert_fsdp_local, pol_e)):
-        if pol in grads_sharded:
-            a, b_ = _hier(4 * total, f, local) if accumulate else (0.0, 0.0)
+    for total, f, local, pol in ((pn, sh.dense_fsdp, sh.dense_fsdp_local, sh.dense_sharding),
+                                 (p_routed / e, sh.expert_fsdp, sh.expert_fsdp_local, sh.expert_sharding)):
+        if pol in _GRADS_SHARDED:
+            a, b_ = _hier(4 * total, f, local) if b.accumulate else (0.0, 0.0)
         else:
             times = 2 if pol == ShardingPolicy.NO_SHARD else 1
-            a, b_ = _hier(times * gd * total, f, local)
+            a, b_ = _hier(times * b.gd * total, f, local)
         up_nvl, up_nic = up_nvl + a, up_nic + b_
-    if tg.p2p_muon:
+    if sh.toggles.p2p_muon:
         # Pull the other shards of the matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group.
-        a, b_ = _hier(2 * pn / fd, fd, shape.dense_fsdp_local)
-        c, d_ = _hier(2 * p_routed / (e * fe), fe, shape.expert_fsdp_local)
+        a, b_ = _hier(2 * pn / sh.dense_fsdp, sh.dense_fsdp, sh.dense_fsdp_local)
+        c, d_ = _hier(2 * p_routed / (e * sh.expert_fsdp), sh.expert_fsdp, sh.expert_fsdp_local)
         up_nvl, up_nic = up_nvl + a + c, up_nic + b_ + d_
-    up_host = FP32 * resident if zero2 else np.zeros(n)
-    update = {
-        "tensor": ns_flops / (cluster.bf16_tflops * 1e12),
-        "hbm": up_hbm / (cluster.hbm_gbps * gb),
-        "nvlink": up_nvl / (cluster.nvlink_gbps * gb),
-        "nic": up_nic / (cluster.nic_gbps * gb),
-        "host_link": up_host / (cluster.host_link_gbps * gb),
+    return up_nvl, up_nic
+
+
+def _peak_update_seconds(b: _LayerBuild, ns_flops: np.ndarray, up: _UpdateTraffic) -> dict[str, np.ndarray]:
+    """Seconds per update on each resource at the cluster's peaks: Newton-Schulz FLOPs, bytes / bandwidth."""
+    cl, gb = b.cluster, 1e9
+    return {
+        "tensor": ns_flops / (cl.bf16_tflops * 1e12),
+        "hbm": up.hbm / (cl.hbm_gbps * gb),
+        "nvlink": up.nvl / (cl.nvlink_gbps * gb),
+        "nic": up.nic / (cl.nic_gbps * gb),
+        "host_link": up.host / (cl.host_link_gbps * gb),
     }
 
-    v_tokens = min(T, shape.ce_chunk_tokens) if tg.fused_cross_entropy else T
-    logits = float(v_tokens * model.vocab_size * (BF16 + FP32))
-    logits_formula = (f"{v_tokens} tokens x vocab {model.vocab_size} x (2 B BF16 logits + 4 B FP32 softmax)"
-                      + (" (one cross-entropy chunk)" if tg.fused_cross_entropy else ""))
 
-    achievable: dict[str, np.ndarray] = {}
-    update_achievable: dict[str, np.ndarray] = {}
-    moe_compute = moe_vector = np.zeros(n)
-    if rates_json:
-        rt = _rates_from_json(rates_json)
-        # Memory-bound kernels between the GEMMs (memory_bound_kernel_bytes); quantize adds its own traffic.
-        # Kernels on one stream run in sequence, so this time adds to the GEMM time.
-        elementwise = memory_bound_kernel_bytes(saved, full) + (hbm - hbm_weights - 2 * (act + recompute_ws))
-        elementwise = elementwise + loss_kernel_bytes(model, rt, T)
-        tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, shape.precision, full, s_eff,
-                                    tg.fused_cross_entropy)
-        moe_gemm, moe_vector = _expert_compute(model_json, cluster_json, rates_json, T, e, shape.precision, full,
-                                               act_toggles, shape.fp8_block_size)
-        moe_compute = moe_gemm + moe_vector
-        achievable, update_achievable = _achievable_time(
-            shape, cluster, rt, tensor=tensor, hbm=hbm_weights, elementwise=elementwise, nvl=nvl, nic=nic,
-            ep_nvl=ep_nvl, ep_nic=ep_nic, host=host,
-            ns_flops=ns_flops, up_hbm=up_hbm,
-            up_nvl=up_nvl, up_nic=up_nic, up_host=up_host, quantize=quantize, up_quantize=up_quantize)
-        lat = collective_latency(shape, rt, moe=moe, dense=pn > 0, routed=p_routed > 0,
-                                 moe_model=model.moe is not None)
-        for res in ("nvlink", "nic"):
-            achievable[res] = achievable[res] + lat["microbatch"][res]
-            update_achievable[res] = update_achievable[res] + lat["update"][res]
-    return _read_only(dict(
-        n_layers=L, tokens=T, hidden=d,
-        master=master, grads=grads, optimizer=optimizer, bf16_view=bf16_view, moonep_slots=moonep_slots,
-        grad_accum=grad_accum, chunk_grad_buffer=chunk_grad_buffer, host_grads=host_grads,
-        act=act, working_set=working_set, recompute_ws=recompute_ws, grad_transient=grad_transient,
-        closes=closes, moe=moe, view_params=view, resident_params=resident, ns_working_set=ns_ws, ns_flops=ns_flops,
-        ns_flops_routed=ns_flops_routed, routing_map_allgathers_per_layer=n_ag,
-        time=time, update=update, tensor_flops=tensor_flops, model_flops_per_token=model_flops_per_token,
-        stream_bytes=stream, ep_buffers=0.0 if tg.moonep else ep_buffers,
-        moonep_buffers=ep_buffers if tg.moonep else 0.0, routing_map=routing_map,
-        logits=logits, logits_formula=logits_formula,
-        step_gather=step_gather, step_gather_with_ns=default_policy, model_json=model_json,
-        gemm_flops=gemm_flops, quantized_weights=quantized_weights,
-        achievable=achievable, update_achievable=update_achievable,
-        rates_name=_rates_from_json(rates_json).name if rates_json else "",
-        moe_compute_achievable=moe_compute if rates_json else np.zeros(0),
-        moe_vector_achievable=moe_vector if rates_json else np.zeros(0),
-    ))
+def _logits(b: _LayerBuild) -> dict[str, object]:
+    """The logits of the LM head: BF16 logits and FP32 softmax of the microbatch's tokens (one cross-entropy chunk
+    under fused cross entropy), with the formula the report prints."""
+    tg, T, vocab = b.shape.toggles, b.shape.tokens, b.model.vocab_size
+    v_tokens = min(T, b.shape.ce_chunk_tokens) if tg.fused_cross_entropy else T
+    return dict(logits=float(v_tokens * vocab * (BF16 + FP32)),
+                logits_formula=(f"{v_tokens} tokens x vocab {vocab} x (2 B BF16 logits + 4 B FP32 softmax)"
+                                + (" (one cross-entropy chunk)" if tg.fused_cross_entropy else "")))
+
+
+def _achievable_terms(b: _LayerBuild, key: tuple[str, str, str], acts: _Activations, work: _Work,
+                      traffic: _Traffic, ns_flops: np.ndarray, up: _UpdateTraffic) -> dict[str, object]:
+    """The achievable arrays of the rates in `key` (model, cluster, rates JSON; empty without rates): per-resource
+    seconds per microbatch and per update with the collectives' latency, and the routed experts' compute."""
+    model_json, cluster_json, rates_json = key
+    if not rates_json:
+        return dict(achievable={}, update_achievable={}, rates_name="", moe_compute_achievable=np.zeros(0),
+                    moe_vector_achievable=np.zeros(0))
+    sh, full, T, e = b.shape, b.full, b.shape.tokens, b.shape.ep
+    rt = _rates_from_json(rates_json)
+    # Memory-bound kernels between the GEMMs (memory_bound_kernel_bytes); quantize adds its own traffic.
+    # Kernels on one stream run in sequence, so this time adds to the GEMM time.
+    elementwise = memory_bound_kernel_bytes(acts.saved, full) \
+        + (traffic.hbm - traffic.hbm_weights - 2 * (acts.act + acts.recompute_ws))
+    elementwise = elementwise + loss_kernel_bytes(b.model, rt, T)
+    tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, sh.precision, full, work.s_eff,
+                                sh.toggles.fused_cross_entropy)
+    moe_gemm, moe_vector = _expert_compute(model_json, cluster_json, rates_json, T, e, sh.precision, full,
+                                           _activation_toggles(sh.toggles), sh.fp8_block_size)
+    achievable, update_achievable = _achievable_time(
+        sh, b.cluster, rt, tensor=tensor, hbm=traffic.hbm_weights, elementwise=elementwise, nvl=traffic.nvl,
+        nic=traffic.nic, ep_nvl=traffic.ep_nvl, ep_nic=traffic.ep_nic, host=traffic.host, ns_flops=ns_flops,
+        up_hbm=up.hbm, up_nvl=up.nvl, up_nic=up.nic, up_host=up.host, quantize=traffic.quantize,
+        up_quantize=up.quantize)
+    lat = collective_latency(sh, rt, moe=b.sa.moe, dense=b.pn > 0, routed=b.sa.p_routed > 0,
+                             moe_model=b.model.moe is not None)
+    for res in ("nvlink", "nic"):
+        achievable[res] = achievable[res] + lat["microbatch"][res]
+        update_achievable[res] = update_achievable[res] + lat["update"][res]
+    return dict(achievable=achievable, update_achievable=update_achievable, rates_name=rt.name,
+                moe_compute_achievable=moe_gemm + moe_vector, moe_vector_achievable=moe_vector)
 
 
 def _read_only(terms: dict[str, object]) -> dict[str, object]:
@@ -1055,12 +1239,6 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
 @lru_cache(maxsize=1024)
 def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
                        full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
-    return _build_achievable_tensor(model_json, cluster_json, rates_json, T, ep, precision, full, s_eff,
-                                    fused_cross_entropy)
-
-
-def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int,
-                             precision: Precision, full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
     attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""

@@ -323,46 +323,99 @@ def chunk_bounds(split: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
     return [(int(edges[j]), int(edges[j + 1])) for j in range(len(split))]
 
 
+class _RankChunks:
+    """The chunks physical rank r holds under a split, and sums of per-layer arrays over each of them."""
+
+    def __init__(self, cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> None:
+        sh = cf.shape
+        self.cf, self.r, self.p, self.k = cf, r, sh.pp, sh.chunks
+        self.bounds = chunk_bounds(split)
+        # R(b): AttnRes residual blocks closed up to layer boundary b.
+        self.closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
+        self.mine = list(range(r, self.k, self.p))
+        self.idx: list[int] = rank_indices(split, r, self.p, cf.n_layers).tolist()
+        self.rows = chunk_rows(split, self.mine, cf.n_layers)
+        self.has_moe = sum(self.csum(cf.moe)) > 0
+
+    def csum(self, arr: np.ndarray) -> list[float]:
+        """`arr` summed over each of the rank's chunks (edges included on the first and last chunk)."""
+        return (self.rows @ arr).tolist()
+
+    def total(self, arr: np.ndarray) -> float:
+        """`arr` summed over all of the rank's chunks."""
+        return sum(self.csum(arr))
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """The activation terms of a rank at its in-flight peak, and what offload and balancing read of them."""
+
+    terms: dict[str, float]
+    host: float
+    """Saved bytes offloaded to the host at the peak."""
+    in_flight: float
+    n_peak: int
+    """Most in-flight chunk-microbatches the schedule holds on the rank (before balancing)."""
+    act: list[float]
+    """Saved bytes of one microbatch on each of the rank's chunks."""
+
+
 def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, Any]:
     """Ledger bytes (floats), host bytes, in-flight count and per-resource time of physical rank r."""
-    sh = cf.shape
-    p, k = sh.pp, sh.chunks
-    bounds = chunk_bounds(split)
-    closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
-    mine = list(range(r, k, p))
-    idx = rank_indices(split, r, p, cf.n_layers).tolist()
-    rows = chunk_rows(split, mine, cf.n_layers)
+    rc = _RankChunks(cf, split, r)
+    out, tensor_terms = _persistent_terms(rc)
+    fl = _in_flight_terms(rc)
+    out.update(fl.terms)
+    packets, pp_time = _pipeline_packets(rc)
+    out["pp_buffers"] = 2 * max(packets)
+    out["ep_buffers"] = cf.ep_buffers if rc.has_moe else 0.0
+    out["routing_map"] = cf.routing_map if rc.has_moe else 0.0
+    out["logits"] = cf.logits if (rc.k - 1) in rc.mine else 0.0
+    out["optimizer_transient"] = _optimizer_transient(rc)
+    host = fl.host + rc.total(cf.host_grads)
+    update = {res: float(rc.total(cf.update[res])) for res in RESOURCES}
+    return {"ledger": out, "host": host, "in_flight": fl.in_flight, "time": _microbatch_time(rc, fl, pp_time),
+            "update": update, "chunks": tuple(rc.bounds[j] for j in rc.mine), "counts": _counts(rc, tensor_terms)}
 
-    def csum(arr: np.ndarray) -> list[float]:
-        return (rows @ arr).tolist()
 
+def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str, int]] | None]:
+    """The PERSISTENT terms of the rank (whole-tensor sharding: its worst shard owner's master, optimizer state and
+    gradients), and under whole-tensor sharding every data-parallel rank's owned bytes."""
+    cf, sh = rc.cf, rc.cf.shape
     out: dict[str, float] = {}
-    out["master"] = sum(csum(cf.master))
+    out["master"] = rc.total(cf.master)
     if sh.toggles.pipeline_zero2_host_grads:
-        out["grads"] = 2 * max(csum(cf.chunk_grad_buffer))
+        out["grads"] = 2 * max(rc.csum(cf.chunk_grad_buffer))
     else:
-        out["grads"] = sum(csum(cf.grads))
-    out["optimizer"] = sum(csum(cf.optimizer))
+        out["grads"] = rc.total(cf.grads)
+    out["optimizer"] = rc.total(cf.optimizer)
     tensor_terms = None
     if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
-        out.update(_tensor_owned_state(cf, tuple(idx)))
-        tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(idx))
-    out["bf16_view"] = sum(csum(cf.bf16_view))
-    out["moonep_slots"] = sum(csum(cf.moonep_slots))
-    out["grad_accum"] = sum(csum(cf.grad_accum))
-    has_moe = sum(csum(cf.moe)) > 0
-    out["moonep_buffers"] = cf.moonep_buffers if has_moe else 0.0
-    out["quantized_weights"] = sum(csum(cf.quantized_weights)) if len(cf.quantized_weights) else 0.0
+        out.update(_tensor_owned_state(cf, tuple(rc.idx)))
+        tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(rc.idx))
+    out["bf16_view"] = rc.total(cf.bf16_view)
+    out["moonep_slots"] = rc.total(cf.moonep_slots)
+    out["grad_accum"] = rc.total(cf.grad_accum)
+    out["moonep_buffers"] = cf.moonep_buffers if rc.has_moe else 0.0
+    out["quantized_weights"] = rc.total(cf.quantized_weights) if len(cf.quantized_weights) else 0.0
+    return out, tensor_terms
 
-    act = csum(cf.act)
-    bank = [closes_cum[bounds[j][1]] * cf.stream_bytes for j in mine]
-    comps = cf.compositions[r]
+
+def _in_flight_terms(rc: _RankChunks) -> _InFlight:
+    """Saved activations and AttnRes bank at the worst in-flight composition (scaled to the balanced average);
+    under offload the resident layers stay on the GPU and the peak composition's bytes go to the host. Then the
+    working set of the layer whose backward needs the most."""
+    cf, sh = rc.cf, rc.cf.shape
+    act = rc.csum(cf.act)
+    bank = [rc.closes_cum[rc.bounds[j][1]] * cf.stream_bytes for j in rc.mine]
+    comps = cf.compositions[rc.r]
     n_peak = max(sum(c) for c in comps)
     scale = 1.0
     if cf.balanced_inflight is not None:
         scale = cf.balanced_inflight / n_peak
+    out: dict[str, float] = {}
     if sh.toggles.activation_offload:
-        gpu_act = sh.offload_resident_layers * max(float(cf.act[i]) for i in idx)
+        gpu_act = sh.offload_resident_layers * max(float(cf.act[i]) for i in rc.idx)
         host_act = max(sum(c * a for c, a in zip(comp, act, strict=True)) for comp in comps) * scale
         best_bank = max(sum(c * b for c, b in zip(comp, bank, strict=True)) for comp in comps) * scale
         out["activations"], out["attnres_bank"] = gpu_act, best_bank
@@ -373,16 +426,22 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
         out["activations"] = sum(c * a for c, a in zip(best, act, strict=True)) * scale
         out["attnres_bank"] = sum(c * b for c, b in zip(best, bank, strict=True)) * scale
         in_flight = sum(best) * scale
-    ws_i = max(idx, key=lambda i: cf.working_set[i])
+    ws_i = max(rc.idx, key=lambda i: cf.working_set[i])
     out["recompute_working_set"] = float(cf.recompute_ws[ws_i])
     out["grad_transient"] = float(cf.working_set[ws_i] - cf.recompute_ws[ws_i])
+    return _InFlight(terms=out, host=host_act, in_flight=in_flight, n_peak=n_peak, act=act)
 
+
+def _pipeline_packets(rc: _RankChunks) -> tuple[list[float], dict[str, float]]:
+    """Bytes of each chunk's PP packets (input + output: the stream and the AttnRes residual streams, none before
+    the first chunk or after the last), and their seconds per microbatch on NVLink and the NIC."""
+    cf, p, r, k = rc.cf, rc.p, rc.r, rc.k
     packets = []
     pp_time = {"nvlink": 0.0, "nic": 0.0}
-    for j in mine:
-        s, e = bounds[j]
-        pin = (1 + closes_cum[s]) * cf.stream_bytes if j > 0 else 0.0
-        pout = (1 + closes_cum[e]) * cf.stream_bytes if j < k - 1 else 0.0
+    for j in rc.mine:
+        s, e = rc.bounds[j]
+        pin = (1 + rc.closes_cum[s]) * cf.stream_bytes if j > 0 else 0.0
+        pout = (1 + rc.closes_cum[e]) * cf.stream_bytes if j < k - 1 else 0.0
         packets.append(pin + pout)
         # Per direction: forward out + backward out (the gradient of the input packet), and the same in.
         if j > 0:
@@ -390,47 +449,57 @@ def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) ->
             pp_time["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += pin * cf.pp_seconds_per_byte[hop]
         if j < k - 1:
             pp_time["nvlink" if cf.pp_on_nvlink[r] else "nic"] += pout * cf.pp_seconds_per_byte[r]
-    out["pp_buffers"] = 2 * max(packets)
-    out["ep_buffers"] = cf.ep_buffers if has_moe else 0.0
-    out["routing_map"] = cf.routing_map if has_moe else 0.0
-    out["logits"] = cf.logits if (k - 1) in mine else 0.0
+    return packets, pp_time
 
-    view = sum(csum(cf.view_params))
-    resident = sum(csum(cf.resident_params))
-    ns_ws = max(float(cf.ns_working_set[i]) for i in idx)
-    if sh.toggles.p2p_muon:
+
+def _optimizer_transient(rc: _RankChunks) -> float:
+    """The optimizer step's gather (P2P Muon: twice the resident parameters; else the sharding policy's step
+    gather) with the Newton-Schulz working set of the largest matrix."""
+    cf = rc.cf
+    view = rc.total(cf.view_params)
+    resident = rc.total(cf.resident_params)
+    ns_ws = max(float(cf.ns_working_set[i]) for i in rc.idx)
+    if cf.shape.toggles.p2p_muon:
         gather = 2 * resident
     elif cf.step_gather is not None:
-        gather = sum(csum(cf.step_gather))
+        gather = rc.total(cf.step_gather)
     else:
         gather = 2 * view
-    # Default policy: gather and Newton-Schulz counted together (today's accounting). The layer-wise optimizer
-    # gathers after step() has freed its Newton-Schulz buffers (seed 003), so the larger of the two.
-    out["optimizer_transient"] = gather + ns_ws if cf.step_gather_with_ns else max(gather, ns_ws)
+    # Default policy: gather and Newton-Schulz counted together. The layer-wise optimizer gathers after step() has
+    # freed its Newton-Schulz buffers (seed 003), so the larger of the two.
+    return gather + ns_ws if cf.step_gather_with_ns else max(gather, ns_ws)
 
-    host = host_act + sum(csum(cf.host_grads))
 
-    time = {res: float(sum(csum(cf.time[res]))) for res in RESOURCES}
+def _microbatch_time(rc: _RankChunks, fl: _InFlight, pp_time: dict[str, float]) -> dict[str, float]:
+    """Seconds per microbatch on each resource: the chunks' work, the PP packets and the balancing traffic."""
+    cf = rc.cf
+    time = {res: float(rc.total(cf.time[res])) for res in RESOURCES}
     time["nvlink"] += pp_time["nvlink"]
     time["nic"] += pp_time["nic"]
-    if cf.balanced_inflight is not None and n_peak > cf.balanced_inflight:
+    if cf.balanced_inflight is not None and fl.n_peak > cf.balanced_inflight:
         # Remote offload of the excess over the average, out and back, every microbatch (seed 001).
-        moved = balance_moved_bytes(sum(act), n_peak, cf.balanced_inflight)
+        moved = balance_moved_bytes(sum(fl.act), fl.n_peak, cf.balanced_inflight)
         time[cf.balance_resource] += moved * cf.balance_seconds_per_byte
-    update = {res: float(sum(csum(cf.update[res]))) for res in RESOURCES}
-    counts = {
-        "newton_schulz_flops": float(sum(csum(cf.ns_flops))),
-        "newton_schulz_routed_flops": float(sum(csum(cf.ns_flops_routed))),
-        "moe_layers": int(sum(csum(cf.moe))),
-        "routing_map_allgathers_per_update": int(sum(csum(cf.moe))) * cf.routing_map_allgathers_per_layer
-        * sh.microbatches,
-        "residual_streams_out": [int(closes_cum[bounds[j][1]]) for j in mine if j < k - 1],
-        "pp_packet_out_bytes": [int((1 + closes_cum[bounds[j][1]]) * cf.stream_bytes) for j in mine if j < k - 1],
+    return time
+
+
+def _counts(rc: _RankChunks, tensor_terms: list[dict[str, int]] | None) -> dict[str, Any]:
+    """The rank's work and traffic counts the report prints beside the ledger."""
+    cf, k = rc.cf, rc.k
+    moe_layers = int(rc.total(cf.moe))
+    counts: dict[str, Any] = {
+        "newton_schulz_flops": float(rc.total(cf.ns_flops)),
+        "newton_schulz_routed_flops": float(rc.total(cf.ns_flops_routed)),
+        "moe_layers": moe_layers,
+        "routing_map_allgathers_per_update": moe_layers * cf.routing_map_allgathers_per_layer
+        * cf.shape.microbatches,
+        "residual_streams_out": [int(rc.closes_cum[rc.bounds[j][1]]) for j in rc.mine if j < k - 1],
+        "pp_packet_out_bytes": [int((1 + rc.closes_cum[rc.bounds[j][1]]) * cf.stream_bytes)
+                                for j in rc.mine if j < k - 1],
     }
     if tensor_terms is not None:
         counts["owned_per_dp_rank"] = tensor_terms
-    return {"ledger": out, "host": host, "in_flight": in_flight, "time": time, "update": update,
-            "chunks": tuple(bounds[j] for j in mine), "counts": counts}
+    return counts
 
 
 def _policy_formulas(layout: Layout) -> dict[str, str]:

@@ -37,11 +37,6 @@ def _backward_chunk(q: np.ndarray, p: int, v: int) -> np.ndarray:
 
 @lru_cache(maxsize=4096)
 def inflight_compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[int, ...], ...]:
-    """Cached :func:`_compositions` (a plain function, so that mutation testing reaches its body)."""
-    return _compositions(p, v, m, r)
-
-
-def _compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[int, ...], ...]:
     """Every distinct vector (held chunk-microbatches per local chunk k = 0..v-1) rank r passes through.
 
     The activation peak of rank r is the maximum over these vectors of sum_k count_k * bytes(chunk k).

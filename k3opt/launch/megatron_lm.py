@@ -9,7 +9,7 @@ tests/data/megatron_lm_flags.txt is that set, and a test checks every flag emitt
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from k3opt.inputs.specs import FsdpLifecycle, Layout, ModelSpec, Recompute
 from k3opt.launch.common import (
@@ -47,165 +47,208 @@ class Setting:
     """The Bridge value when it differs in form (a list where Megatron-LM takes a list expression)."""
 
 
+@dataclass
+class _Decisions:
+    """The three lists `megatron_settings` returns, filled group by group in the order they are printed."""
+
+    settings: list[Setting] = field(default_factory=list)
+    missing: list[Missing] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
 def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
                       ) -> tuple[list[Setting], list[Missing], list[str]]:
     """The settings, the decisions without a switch, and caveats, shared by Megatron-LM and Megatron-Bridge."""
-    s: list[Setting] = []
-    miss: list[Missing] = []
-    notes: list[str] = []
-    lay = layout
+    out = _Decisions()
     target = "megatron-bridge" if bridge else "megatron-lm"
+    _parallelism(out, layout, model, bridge)
+    _batch(out, layout)
+    _recompute(out, layout)
+    _precision(out, layout)
+    _activation_offload(out, layout)
+    _moe_dispatch(out, layout, model)
+    _optimizer_sharding(out, layout, bridge, target)
+    _model_facts(out, model, bridge)
+    _placement_and_unswitched(out, layout, target)
+    return out.settings, out.missing, out.notes
 
-    # --- parallel degrees and the split
-    s += [Setting("--tensor-model-parallel-size", "model.tensor_model_parallel_size", 1),
-          Setting("--pipeline-model-parallel-size", "model.pipeline_model_parallel_size", lay.pp),
-          Setting("--context-parallel-size", "model.context_parallel_size", lay.cp),
-          Setting("--expert-model-parallel-size", "model.expert_model_parallel_size", lay.ep),
-          Setting("--expert-tensor-parallel-size", "model.expert_tensor_parallel_size", 1),
-          Setting("--num-layers", "model.num_layers", model.num_layers),
-          Setting("--pipeline-model-parallel-layout", "model.pipeline_model_parallel_layout", megatron_layout(lay))]
+
+def _parallelism(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool) -> None:
+    """Parallel degrees and the split (the layout string), with what the interleaved schedule and Bridge's K3
+    spec refuse."""
+    out.settings += [
+        Setting("--tensor-model-parallel-size", "model.tensor_model_parallel_size", 1),
+        Setting("--pipeline-model-parallel-size", "model.pipeline_model_parallel_size", lay.pp),
+        Setting("--context-parallel-size", "model.context_parallel_size", lay.cp),
+        Setting("--expert-model-parallel-size", "model.expert_model_parallel_size", lay.ep),
+        Setting("--expert-tensor-parallel-size", "model.expert_tensor_parallel_size", 1),
+        Setting("--num-layers", "model.num_layers", model.num_layers),
+        Setting("--pipeline-model-parallel-layout", "model.pipeline_model_parallel_layout", megatron_layout(lay))]
     if lay.vp > 1:
-        notes.append(f"vp = {lay.vp}: the layout string has pp x vp = {lay.pp * lay.vp} stages, so Megatron "
-                     "sets the virtual pipeline size from it (no separate VPP flag is allowed with a layout)")
+        out.notes.append(f"vp = {lay.vp}: the layout string has pp x vp = {lay.pp * lay.vp} stages, so Megatron "
+                         "sets the virtual pipeline size from it (no separate VPP flag is allowed with a layout)")
         if lay.microbatches % lay.pp:
-            miss.append(Missing(f"vp = {lay.vp} with M = {lay.microbatches} not divisible by pp = {lay.pp}",
-                                "Megatron's interleaved schedule raises on a last microbatch group smaller than "
-                                "PP (schedules.py L1160-1180): choose M divisible by pp"))
+            out.missing.append(Missing(f"vp = {lay.vp} with M = {lay.microbatches} not divisible by pp = {lay.pp}",
+                                       "Megatron's interleaved schedule raises on a last microbatch group smaller "
+                                       "than PP (schedules.py L1160-1180): choose M divisible by pp"))
         if bridge:
-            miss.append(Missing(f"vp = {lay.vp}", "Megatron-Bridge's Kimi K3 spec raises on virtual pipeline "
-                                "stages (kimi_k3_spec.py L54); re-plan with target = \"megatron-bridge\""))
+            out.missing.append(Missing(f"vp = {lay.vp}", "Megatron-Bridge's Kimi K3 spec raises on virtual pipeline "
+                                       "stages (kimi_k3_spec.py L54); re-plan with target = \"megatron-bridge\""))
     if bridge and lay.cp > 1 and kda_layers(model):
-        miss.append(Missing(f"cp = {lay.cp}", "KimiK3Attention raises for KDA layers with CP > 1 "
-                            "(kimi_k3_layers.py L126); re-plan with target = \"megatron-bridge\""))
+        out.missing.append(Missing(f"cp = {lay.cp}", "KimiK3Attention raises for KDA layers with CP > 1 "
+                                   "(kimi_k3_layers.py L126); re-plan with target = \"megatron-bridge\""))
 
-    # --- batch
-    s += [Setting("--micro-batch-size", "train.micro_batch_size", lay.rows),
-          Setting("--global-batch-size", "train.global_batch_size", global_batch(lay)),
-          Setting("--seq-length", "dataset.seq_length", lay.context),
-          Setting(None, "model.seq_length", lay.context)]  # translate_mlm_to_bridge.py sets both
-    notes.append(f"microbatches M = {lay.microbatches} has no flag: Megatron derives it as global batch / "
-                 f"(micro batch x DP) = {global_batch(lay)} / ({lay.rows} x {lay.dp})")
 
-    # --- recompute
+def _batch(out: _Decisions, lay: Layout) -> None:
+    """Micro and global batch and the sequence length; M itself has no flag."""
+    out.settings += [Setting("--micro-batch-size", "train.micro_batch_size", lay.rows),
+                     Setting("--global-batch-size", "train.global_batch_size", global_batch(lay)),
+                     Setting("--seq-length", "dataset.seq_length", lay.context),
+                     Setting(None, "model.seq_length", lay.context)]  # translate_mlm_to_bridge.py sets both
+    out.notes.append(f"microbatches M = {lay.microbatches} has no flag: Megatron derives it as global batch / "
+                     f"(micro batch x DP) = {global_batch(lay)} / ({lay.rows} x {lay.dp})")
+
+
+def _recompute(out: _Decisions, lay: Layout) -> None:
+    """Full recompute: one layer at a time, uniform; selective: the element-wise modules (SELECTIVE_MODULES)."""
     if lay.recompute == Recompute.FULL:
-        s += [Setting("--recompute-granularity", "model.recompute_granularity", "full"),
-              Setting("--recompute-method", "model.recompute_method", "uniform"),
-              Setting("--recompute-num-layers", "model.recompute_num_layers", 1)]
+        out.settings += [Setting("--recompute-granularity", "model.recompute_granularity", "full"),
+                         Setting("--recompute-method", "model.recompute_method", "uniform"),
+                         Setting("--recompute-num-layers", "model.recompute_num_layers", 1)]
     elif lay.recompute == Recompute.SELECTIVE:
-        s += [Setting("--recompute-granularity", "model.recompute_granularity", "selective"),
-              Setting("--recompute-modules", "model.recompute_modules", list(SELECTIVE_MODULES))]
-        notes.append("selective recompute: 'moe_act' and 'layernorm' are Megatron's element-wise modules; the "
-                     "KDA and MLA element-wise work (gates, norms inside attention) has no module name")
+        out.settings += [Setting("--recompute-granularity", "model.recompute_granularity", "selective"),
+                         Setting("--recompute-modules", "model.recompute_modules", list(SELECTIVE_MODULES))]
+        out.notes.append("selective recompute: 'moe_act' and 'layernorm' are Megatron's element-wise modules; the "
+                         "KDA and MLA element-wise work (gates, norms inside attention) has no module name")
 
-    # --- precision
-    if lay.toggles.fp8_activations:
-        recipe = {128: "blockwise", 32: "mxfp8"}.get(lay.fp8_block_size)
-        if recipe is None:
-            miss.append(Missing(f"FP8 block size {lay.fp8_block_size}", "Megatron's recipes scale per 1x128 "
-                                "block (blockwise) or 1x32 (mxfp8); set fp8_block_size to 128 or 32 and re-plan"))
-        else:
-            s += [Setting("--fp8-format", "mixed_precision.fp8", "e4m3"),
-                  Setting("--fp8-recipe", "mixed_precision.fp8_recipe", recipe)]
-            notes.append("FP8 saved activations come from FP8 GEMM execution (the quantized GEMM inputs are what "
-                         "backward keeps); there is no separate storage switch")
-            if recipe == "blockwise":
-                notes.append("Bridge's mixed_precision.py marks 'blockwise' as Hopper-only; on Blackwell use "
-                             "'mxfp8' and price it with fp8_block_size = 32")
 
-    # --- activation offload
-    if lay.toggles.activation_offload:
-        mods = OFFLOAD_MODULES_FULL if lay.recompute == Recompute.FULL else OFFLOAD_MODULES_SAVED
-        s += [Setting("--fine-grained-activation-offloading", "model.fine_grained_activation_offloading", True),
-              Setting("--offload-modules", "model.offload_modules", list(mods))]
-        notes.append("activation offload: the layer-level --cpu-offloading-num-layers refuses PP > 1 and "
+def _precision(out: _Decisions, lay: Layout) -> None:
+    """FP8 saved activations: the FP8 recipe whose scaling block is the layout's fp8_block_size."""
+    if not lay.toggles.fp8_activations:
+        return
+    recipe = {128: "blockwise", 32: "mxfp8"}.get(lay.fp8_block_size)
+    if recipe is None:
+        out.missing.append(Missing(f"FP8 block size {lay.fp8_block_size}", "Megatron's recipes scale per 1x128 "
+                                   "block (blockwise) or 1x32 (mxfp8); set fp8_block_size to 128 or 32 and re-plan"))
+        return
+    out.settings += [Setting("--fp8-format", "mixed_precision.fp8", "e4m3"),
+                     Setting("--fp8-recipe", "mixed_precision.fp8_recipe", recipe)]
+    out.notes.append("FP8 saved activations come from FP8 GEMM execution (the quantized GEMM inputs are what "
+                     "backward keeps); there is no separate storage switch")
+    if recipe == "blockwise":
+        out.notes.append("Bridge's mixed_precision.py marks 'blockwise' as Hopper-only; on Blackwell use "
+                         "'mxfp8' and price it with fp8_block_size = 32")
+
+
+def _activation_offload(out: _Decisions, lay: Layout) -> None:
+    """Module-level activation offload of every module holding saved activations (only the layer input under
+    full recompute)."""
+    if not lay.toggles.activation_offload:
+        return
+    mods = OFFLOAD_MODULES_FULL if lay.recompute == Recompute.FULL else OFFLOAD_MODULES_SAVED
+    out.settings += [
+        Setting("--fine-grained-activation-offloading", "model.fine_grained_activation_offloading", True),
+        Setting("--offload-modules", "model.offload_modules", list(mods))]
+    out.notes.append("activation offload: the layer-level --cpu-offloading-num-layers refuses PP > 1 and "
                      "recompute (transformer_config.py L1884-1898), so the module-level offload is used; "
                      f"offload_resident_layers = {lay.offload_resident_layers} has no switch (Megatron "
                      "prefetches on its own schedule)")
 
-    # --- MoE dispatch
-    if model.moe is not None:
-        s += [Setting("--num-experts", "model.num_moe_experts", model.moe.num_experts),
-              Setting("--moe-router-topk", "model.moe_router_topk", model.moe.experts_per_token),
-              Setting("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size", model.moe.expert_intermediate_size),
-              Setting("--moe-latent-size", "model.moe_latent_size", model.moe.latent_size),
-              Setting("--moe-layer-freq", "model.moe_layer_freq", run_length_expr(moe_layer_flags(model)),
-                      moe_layer_flags(model)),
-              Setting("--moe-grouped-gemm", "model.moe_grouped_gemm", True)]
-        if model.moe.shared_intermediate_size:
-            s.append(Setting("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size",
-                             model.moe.shared_intermediate_size))
-        if lay.toggles.ep_dedup:
-            s += [Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "flex"),
-                  Setting("--moe-flex-dispatcher-backend", "model.moe_flex_dispatcher_backend", "hybridep")]
-        else:
-            s.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
 
-    # --- optimizer and sharding
-    n = optimizer_instances(lay)
-    s += [Setting("--optimizer", "optimizer.optimizer", "muon"),
-          Setting("--use-distributed-optimizer", "ddp.use_distributed_optimizer", True),
-          Setting("--num-distributed-optimizer-instances", "ddp.num_distributed_optimizer_instances", n)]
-    notes.append("with Muon, --use-distributed-optimizer becomes the layer-wise distributed optimizer "
-                 "(arguments.py L1724-1736): each matrix is owned whole by one rank of the shard group and "
-                 "gradients are all-reduced, so a rank's optimizer memory equals k3opt's even share only on average")
-    if bridge:
-        notes.append("Bridge's Kimi-K2 Muon recipe sets ddp.use_distributed_optimizer=false with its "
-                     "distributed Muon; k3opt priced Muon state sharded over dense_fsdp, which is the "
-                     "distributed optimizer here")
-    if lay.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
-        s.append(Setting("--accumulate-allreduce-grads-in-fp32", "ddp.grad_reduce_in_fp32", True))
+def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
+    """The MoE shape and the token dispatcher: flex with HybridEP under EP deduplication, else all-to-all."""
+    if model.moe is None:
+        return
+    out.settings += [
+        Setting("--num-experts", "model.num_moe_experts", model.moe.num_experts),
+        Setting("--moe-router-topk", "model.moe_router_topk", model.moe.experts_per_token),
+        Setting("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size", model.moe.expert_intermediate_size),
+        Setting("--moe-latent-size", "model.moe_latent_size", model.moe.latent_size),
+        Setting("--moe-layer-freq", "model.moe_layer_freq", run_length_expr(moe_layer_flags(model)),
+                moe_layer_flags(model)),
+        Setting("--moe-grouped-gemm", "model.moe_grouped_gemm", True)]
+    if model.moe.shared_intermediate_size:
+        out.settings.append(Setting("--moe-shared-expert-intermediate-size",
+                                    "model.moe_shared_expert_intermediate_size", model.moe.shared_intermediate_size))
+    if lay.toggles.ep_dedup:
+        out.settings += [Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "flex"),
+                         Setting("--moe-flex-dispatcher-backend", "model.moe_flex_dispatcher_backend", "hybridep")]
     else:
-        miss.append(Missing(
+        out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
+
+
+def _optimizer_sharding(out: _Decisions, lay: Layout, bridge: bool, target: str) -> None:
+    """Muon with the distributed optimizer (N instances), FP32 gradient accumulation, and the FSDP lifecycle and
+    expert shard group it cannot express."""
+    n = optimizer_instances(lay)
+    out.settings += [Setting("--optimizer", "optimizer.optimizer", "muon"),
+                     Setting("--use-distributed-optimizer", "ddp.use_distributed_optimizer", True),
+                     Setting("--num-distributed-optimizer-instances", "ddp.num_distributed_optimizer_instances", n)]
+    out.notes.append("with Muon, --use-distributed-optimizer becomes the layer-wise distributed optimizer "
+                     "(arguments.py L1724-1736): each matrix is owned whole by one rank of the shard group and "
+                     "gradients are all-reduced, so a rank's optimizer memory equals k3opt's even share only on "
+                     "average")
+    if bridge:
+        out.notes.append("Bridge's Kimi-K2 Muon recipe sets ddp.use_distributed_optimizer=false with its "
+                         "distributed Muon; k3opt priced Muon state sharded over dense_fsdp, which is the "
+                         "distributed optimizer here")
+    if lay.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
+        out.settings.append(Setting("--accumulate-allreduce-grads-in-fp32", "ddp.grad_reduce_in_fp32", True))
+    else:
+        out.missing.append(Missing(
             f"fsdp_lifecycle = {lay.fsdp_lifecycle.value} (gradients reduce-scattered every microbatch)",
             "Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads) would do it, but "
             "Muon refuses Megatron-FSDP (arguments.py L1740); the distributed optimizer reduces once per update: "
             f"re-plan with fsdp_lifecycle = accumulate (job target = \"{target}\")"))
     if lay.dense_fsdp != lay.ep * lay.expert_fsdp:
-        miss.append(Missing(
+        out.missing.append(Missing(
             f"expert_fsdp = {lay.expert_fsdp} with dense_fsdp = {lay.dense_fsdp}, ep = {lay.ep}",
             f"no independent switch: with N = {n} optimizer instances the expert shard group is "
             f"(gpus / (pp x ep)) / N = {lay.stage_ranks // lay.ep // n}; re-plan with target = \"{target}\""))
 
-    # --- model facts
+
+def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
+    """MLA, hidden and FFN sizes; the KDA layers (Bridge only), AttnRes and the vision tower."""
     if model.mla is not None:
-        s += [Setting("--multi-latent-attention", "model.multi_latent_attention", True),
-              Setting("--num-attention-heads", "model.num_attention_heads", model.mla.num_heads),
-              Setting("--q-lora-rank", "model.q_lora_rank", model.mla.q_lora_rank),
-              Setting("--kv-lora-rank", "model.kv_lora_rank", model.mla.kv_lora_rank),
-              Setting("--qk-head-dim", "model.qk_head_dim", model.mla.qk_nope_head_dim),
-              Setting("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", model.mla.qk_rope_head_dim),
-              Setting("--v-head-dim", "model.v_head_dim", model.mla.v_head_dim)]
-    s.append(Setting("--hidden-size", "model.hidden_size", model.hidden_size))
+        out.settings += [Setting("--multi-latent-attention", "model.multi_latent_attention", True),
+                         Setting("--num-attention-heads", "model.num_attention_heads", model.mla.num_heads),
+                         Setting("--q-lora-rank", "model.q_lora_rank", model.mla.q_lora_rank),
+                         Setting("--kv-lora-rank", "model.kv_lora_rank", model.mla.kv_lora_rank),
+                         Setting("--qk-head-dim", "model.qk_head_dim", model.mla.qk_nope_head_dim),
+                         Setting("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", model.mla.qk_rope_head_dim),
+                         Setting("--v-head-dim", "model.v_head_dim", model.mla.v_head_dim)]
+    out.settings.append(Setting("--hidden-size", "model.hidden_size", model.hidden_size))
     if model.dense_ffn is not None:
-        s.append(Setting("--ffn-hidden-size", "model.ffn_hidden_size", model.dense_ffn.intermediate_size))
+        out.settings.append(Setting("--ffn-hidden-size", "model.ffn_hidden_size", model.dense_ffn.intermediate_size))
     kda = kda_layers(model)
     if kda and bridge:
-        s.append(Setting(None, "model.kimi_kda_layers", [i + 1 for i in kda]))
+        out.settings.append(Setting(None, "model.kimi_kda_layers", [i + 1 for i in kda]))
     elif kda:
-        miss.append(Missing(f"{len(kda)} KDA (Kimi Delta Attention) layers",
-                            "Megatron-LM has no KDA layer (--experimental-attention-variant offers gdn, gdn2, dsa; "
-                            "--hybrid-layer-pattern has no KDA symbol): run K3 through Megatron-Bridge's "
-                            "KimiK3ModelProvider (model.kimi_kda_layers)"))
+        out.missing.append(Missing(f"{len(kda)} KDA (Kimi Delta Attention) layers",
+                                   "Megatron-LM has no KDA layer (--experimental-attention-variant offers gdn, "
+                                   "gdn2, dsa; --hybrid-layer-pattern has no KDA symbol): run K3 through "
+                                   "Megatron-Bridge's KimiK3ModelProvider (model.kimi_kda_layers)"))
     if model.attn_res is not None and not bridge:
-        miss.append(Missing(f"Block Attention Residuals (block size {model.attn_res.block_size})",
-                            "no Megatron-LM switch; Megatron-Bridge's Kimi K3 layers carry the AttnRes bank "
-                            "across pipeline stages"))
+        out.missing.append(Missing(f"Block Attention Residuals (block size {model.attn_res.block_size})",
+                                   "no Megatron-LM switch; Megatron-Bridge's Kimi K3 layers carry the AttnRes bank "
+                                   "across pipeline stages"))
     if model.vision is not None:
-        miss.append(Missing("vision tower on the first pipeline chunk", "the layout string places only E/t/m/L; "
-                            "the K3 language backbone is what these switches configure, attach the vision "
-                            "tower to the first stage in the model provider"))
+        out.missing.append(Missing("vision tower on the first pipeline chunk", "the layout string places only "
+                                   "E/t/m/L; the K3 language backbone is what these switches configure, attach "
+                                   "the vision tower to the first stage in the model provider"))
 
-    # --- placement and what stays outside the framework
+
+def _placement_and_unswitched(out: _Decisions, lay: Layout, target: str) -> None:
+    """What stays outside the framework: the GPUs used per NVLink domain and the toggles without a switch."""
     if lay.domain_gpus_used is not None:
-        miss.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
-                            f"no framework switch: give the launcher {lay.domain_gpus_used} ranks per rack "
-                            "(hostfile / SLURM --ntasks-per-node over the rack's nodes) so rank blocks follow "
-                            "the domains"))
+        out.missing.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
+                                   f"no framework switch: give the launcher {lay.domain_gpus_used} ranks per rack "
+                                   "(hostfile / SLURM --ntasks-per-node over the rack's nodes) so rank blocks "
+                                   "follow the domains"))
     on = {ns.toggle: ns for ns in NO_SWITCH[target]}
     for t, ns in on.items():
         if getattr(lay.toggles, t):
-            miss.append(Missing(f"toggle {t}", ns.instead))
-    return s, miss, notes
+            out.missing.append(Missing(f"toggle {t}", ns.instead))
 
 
 def _flag_value(v: object) -> list[str]:
