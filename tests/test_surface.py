@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.cost.evaluate import TERM_INFO
+from k3opt.cost.ledger import TERM_INFO
 
 GIB = 2**30
 HBM = 189_471 * 2**20  # gb200-nvl72, nvidia-smi MiB

@@ -15,6 +15,19 @@ import numpy as np
 
 from k3opt.cost.achievable import achievable_for, chunk_rows, rank_indices, slowest_index
 from k3opt.cost.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.cost.ledger import (
+    ACTIVATION,
+    LEDGER,
+    OPTIMIZER,
+    PERSISTENT,
+    TERM_INFO,
+    TERMS,
+    Aggregate,
+    TermDecl,
+    optimizer_transient_bytes,
+    peak_inflight,
+    pp_packet_bytes,
+)
 from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
 from k3opt.cost.sharding import owned_per_rank, whole_params
@@ -34,42 +47,6 @@ from k3opt.inputs.specs import (
     ShardingPolicy,
     check_layout,
 )
-
-PERSISTENT = ("master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
-              "quantized_weights")
-ACTIVATION = ("activations", "attnres_bank", "recompute_working_set", "grad_transient", "pp_buffers",
-              "ep_buffers", "routing_map", "logits")
-OPTIMIZER = ("optimizer_transient",)
-
-TERM_INFO: dict[str, tuple[str, str]] = {
-    "master": ("derived", "FP32 master shard: 4 x (D/f_d + E/(e f_e))"),
-    "grads": ("derived", "FP32 gradient shard: 4 x resident parameters (pipeline ZeRO-2: two FP32 "
-                         "chunk-sized buffers, the shards on the host)"),
-    "optimizer": ("derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
-    "bf16_view": ("derived", "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
-    "moonep_slots": ("derived", "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
-    "grad_accum": ("derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
-    "quantized_weights": ("derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the "
-                                     "local linear-layer weights, 2 x (b + 1/block) x params (0 under BF16)"),
-    "moonep_buffers": ("assumption", "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers "
-                                     "of one MoE layer at uniform routing, allocated for the whole run"),
-    "activations": ("derived", "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 "
-                               "[T, d] layer input per layer)"),
-    "attnres_bank": ("derived", "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per "
-                                "in-flight microbatch"),
-    "recompute_working_set": ("derived", "saved set of the one layer being recomputed in backward"),
-    "grad_transient": ("derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus "
-                                  "two BF16 [T, d] gradient streams (with CP: plus the KV ring or state-gather "
-                                  "buffers)"),
-    "pp_buffers": ("assumption", "one forward and one backward packet in each direction live: "
-                                 "2 x max over chunks (in + out packet), packet = (1 + R) x BF16 [T, d]"),
-    "ep_buffers": ("derived", "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
-    "routing_map": ("derived", "HybridEP Boolean routing map gathered across EP: e x T x experts bytes"),
-    "logits": ("derived", "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy"),
-    "optimizer_transient": ("derived", "without P2P Muon: the full BF16 parameter group all-gathered at the step "
-                                       "(2 x (D + E/e)); with P2P Muon: the pulled share; plus the largest "
-                                       "Newton-Schulz working set"),
-}
 
 UNPRICED = (
     "CP: the KDA state pre-pass over the local chunk and the serial merge of the gathered states (small fp32 "
@@ -361,43 +338,47 @@ class _InFlight:
 
 
 def rank_ledger(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, Any]:
-    """Ledger bytes (floats), host bytes, in-flight count and per-resource time of physical rank r."""
+    """Ledger bytes (floats, in the declaration order of k3opt.cost.ledger), host bytes, in-flight count and
+    per-resource time of physical rank r."""
     rc = _RankChunks(cf, split, r)
-    out, tensor_terms = _persistent_terms(rc)
+    values, tensor_terms = _persistent_terms(rc)
     fl = _in_flight_terms(rc)
-    out.update(fl.terms)
+    values.update(fl.terms)
     packets, pp_time = _pipeline_packets(rc)
-    out["pp_buffers"] = 2 * max(packets)
-    out["ep_buffers"] = cf.ep_buffers if rc.has_moe else 0.0
-    out["routing_map"] = cf.routing_map if rc.has_moe else 0.0
-    out["logits"] = cf.logits if (rc.k - 1) in rc.mine else 0.0
-    out["optimizer_transient"] = _optimizer_transient(rc)
+    values["pp_buffers"] = 2 * max(packets)
+    values["optimizer_transient"] = _optimizer_transient(rc)
+    out = {t.key: values[t.key] if t.key in values else _declared_term(rc, t) for t in LEDGER}
     host = fl.host + rc.total(cf.host_grads)
     update = {res: float(rc.total(cf.update[res])) for res in RESOURCES}
     return {"ledger": out, "host": host, "in_flight": fl.in_flight, "time": _microbatch_time(rc, fl, pp_time),
             "update": update, "chunks": tuple(rc.bounds[j] for j in rc.mine), "counts": _counts(rc, tensor_terms)}
 
 
+def _declared_term(rc: _RankChunks, t: TermDecl) -> float:
+    """A term whose declaration alone prices it: a per-layer coefficient summed over the rank's layers, a per-rank
+    buffer held where a MoE layer is, or the last stage's logits."""
+    value = getattr(rc.cf, t.coefficient)
+    if t.aggregate is Aggregate.LAYER_SUM:
+        return rc.total(value) if len(value) else 0.0  # quantized_weights is empty under BF16
+    if t.aggregate is Aggregate.MOE_RANK:
+        return value if rc.has_moe else 0.0
+    if t.aggregate is Aggregate.LAST_STAGE:
+        return value if (rc.k - 1) in rc.mine else 0.0
+    raise ValueError(f"ledger term {t.key}: {t.aggregate} needs its own pricing in rank_ledger")
+
+
 def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str, int]] | None]:
-    """The PERSISTENT terms of the rank (whole-tensor sharding: its worst shard owner's master, optimizer state and
-    gradients), and under whole-tensor sharding every data-parallel rank's owned bytes."""
+    """The persistent terms whose form a decision changes: the gradients under pipeline ZeRO-2 (two chunk-sized
+    FP32 buffers), and under whole-tensor sharding the worst shard owner's master, optimizer state and gradients
+    with every data-parallel rank's owned bytes. The others are priced from their declarations."""
     cf, sh = rc.cf, rc.cf.shape
     out: dict[str, float] = {}
-    out["master"] = rc.total(cf.master)
     if sh.toggles.pipeline_zero2_host_grads:
         out["grads"] = 2 * max(rc.csum(cf.chunk_grad_buffer))
-    else:
-        out["grads"] = rc.total(cf.grads)
-    out["optimizer"] = rc.total(cf.optimizer)
     tensor_terms = None
     if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
         out.update(_tensor_owned_state(cf, tuple(rc.idx)))
         tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(rc.idx))
-    out["bf16_view"] = rc.total(cf.bf16_view)
-    out["moonep_slots"] = rc.total(cf.moonep_slots)
-    out["grad_accum"] = rc.total(cf.grad_accum)
-    out["moonep_buffers"] = cf.moonep_buffers if rc.has_moe else 0.0
-    out["quantized_weights"] = rc.total(cf.quantized_weights) if len(cf.quantized_weights) else 0.0
     return out, tensor_terms
 
 
@@ -409,7 +390,7 @@ def _in_flight_terms(rc: _RankChunks) -> _InFlight:
     act = rc.csum(cf.act)
     bank = [rc.closes_cum[rc.bounds[j][1]] * cf.stream_bytes for j in rc.mine]
     comps = cf.compositions[rc.r]
-    n_peak = max(sum(c) for c in comps)
+    n_peak = peak_inflight(comps)
     scale = 1.0
     if cf.balanced_inflight is not None:
         scale = cf.balanced_inflight / n_peak
@@ -440,8 +421,8 @@ def _pipeline_packets(rc: _RankChunks) -> tuple[list[float], dict[str, float]]:
     pp_time = {"nvlink": 0.0, "nic": 0.0}
     for j in rc.mine:
         s, e = rc.bounds[j]
-        pin = (1 + rc.closes_cum[s]) * cf.stream_bytes if j > 0 else 0.0
-        pout = (1 + rc.closes_cum[e]) * cf.stream_bytes if j < k - 1 else 0.0
+        pin = pp_packet_bytes(rc.closes_cum[s], cf.stream_bytes) if j > 0 else 0.0
+        pout = pp_packet_bytes(rc.closes_cum[e], cf.stream_bytes) if j < k - 1 else 0.0
         packets.append(pin + pout)
         # Per direction: forward out + backward out (the gradient of the input packet), and the same in.
         if j > 0:
@@ -465,9 +446,7 @@ def _optimizer_transient(rc: _RankChunks) -> float:
         gather = rc.total(cf.step_gather)
     else:
         gather = 2 * view
-    # Default policy: gather and Newton-Schulz counted together. The layer-wise optimizer gathers after step() has
-    # freed its Newton-Schulz buffers (seed 003), so the larger of the two.
-    return gather + ns_ws if cf.step_gather_with_ns else max(gather, ns_ws)
+    return optimizer_transient_bytes(gather, ns_ws, cf.step_gather_with_ns)
 
 
 def _microbatch_time(rc: _RankChunks, fl: _InFlight, pp_time: dict[str, float]) -> dict[str, float]:
@@ -494,7 +473,7 @@ def _counts(rc: _RankChunks, tensor_terms: list[dict[str, int]] | None) -> dict[
         "routing_map_allgathers_per_update": moe_layers * cf.routing_map_allgathers_per_layer
         * cf.shape.microbatches,
         "residual_streams_out": [int(rc.closes_cum[rc.bounds[j][1]]) for j in rc.mine if j < k - 1],
-        "pp_packet_out_bytes": [int((1 + rc.closes_cum[rc.bounds[j][1]]) * cf.stream_bytes)
+        "pp_packet_out_bytes": [int(pp_packet_bytes(rc.closes_cum[rc.bounds[j][1]], cf.stream_bytes))
                                 for j in rc.mine if j < k - 1],
     }
     if tensor_terms is not None:
@@ -599,7 +578,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
             formula = policy_text.get(key, formula)
             if key == "logits":
                 formula = cf.logits_formula
-            phase = "persistent" if key in PERSISTENT else "activation" if key in ACTIVATION else "optimizer"
+            phase = TERMS[key].phase.value
             terms.append(LedgerTerm(key, ledger[key], phase, kind, formula))
         host = int(round(rl["host"]))
         time = rl["time"]

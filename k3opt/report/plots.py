@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation  # noqa: E402
+from k3opt.cost.evaluate import Evaluation  # noqa: E402
+from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
 from k3opt.inputs.errors import LayoutError  # noqa: E402
 from k3opt.inputs.labels import degrees_text  # noqa: E402

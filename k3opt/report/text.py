@@ -5,7 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from k3opt.cost.coefficients import RESOURCES
-from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
+from k3opt.cost.evaluate import Evaluation
+from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 from k3opt.inputs.errors import K3optError
 from k3opt.inputs.labels import layout_text, split_text, toggles_text

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from k3opt.cost.evaluate import ACTIVATION, OPTIMIZER, PERSISTENT, Evaluation
+from k3opt.cost.evaluate import Evaluation
+from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.inputs.specs import GIB, TOGGLE_NAMES, Job, Layout
 
 
