@@ -17,9 +17,9 @@ from click.testing import CliRunner
 import k3opt
 from k3opt.cli import main
 from k3opt.inputs.errors import SpecError, UnknownTargetError
+from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
 from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
-from k3opt.launch.common import MEGATRON_LM_COMMIT
 
 DATA = Path(__file__).parent / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"

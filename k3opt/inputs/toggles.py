@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT, TORCHTITAN_TOML_COMMIT
+from k3opt.inputs.frameworks import MLM, TT
 from k3opt.inputs.specs import TOGGLE_NAMES
 
 
@@ -58,10 +58,6 @@ class ToggleInfo:
     """Without offload, its only effect on a time array is the memory-bound kernels' traffic."""
     switches: dict[str, Switch | NoSwitch] = field(default_factory=dict)
     """Per launch target (megatron-lm, megatron-bridge, torchtitan)."""
-
-
-MLM = f"@ NVIDIA/Megatron-LM {MEGATRON_LM_COMMIT[:8]}"
-TT = f"@ pytorch/torchtitan {TORCHTITAN_TOML_COMMIT[:8]}"
 
 
 def _megatron(sw: Switch | NoSwitch) -> dict[str, Switch | NoSwitch]:

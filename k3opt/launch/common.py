@@ -10,19 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3opt.inputs.errors import UnknownTargetError
+from k3opt.inputs.frameworks import MEGATRON_BRIDGE_COMMIT, MEGATRON_LM_COMMIT, TORCHTITAN_TOML_COMMIT
 from k3opt.inputs.labels import layout_text
 from k3opt.inputs.specs import Layout, ModelSpec
 
 FORMATS: tuple[str, ...] = ("megatron-bridge", "megatron-lm", "torchtitan")
 
-MEGATRON_LM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
-"""github.com/NVIDIA/Megatron-LM main (2026-08-22); tests/data/megatron_lm_flags.txt is extracted here."""
-MEGATRON_BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"
-"""github.com/NVIDIA-NeMo/Megatron-Bridge main (2026-08-22): the Kimi K3 provider, spec and layers."""
-TORCHTITAN_TOML_COMMIT = "e347b1e5e6b6941d789d16d340145294d82dc71e"
-"""github.com/pytorch/torchtitan: last version of torchtitan/config/job_config.py (the TOML config) before
-9810191b replaced TOML files by Python config functions; HEAD b5bcd76c keeps the same keys as frozen
-`--section.key` command-line overrides."""
 
 SOURCES: dict[str, str] = {
     "megatron-lm": f"github.com/NVIDIA/Megatron-LM @ {MEGATRON_LM_COMMIT}",

@@ -10,18 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
+from k3opt.inputs.frameworks import MB, MLM, TT
 from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec
-from k3opt.launch.common import (
-    MEGATRON_BRIDGE_COMMIT,
-    MEGATRON_LM_COMMIT,
-    TORCHTITAN_TOML_COMMIT,
-    check_format,
-    kda_layers,
-)
-
-MLM = f"@ NVIDIA/Megatron-LM {MEGATRON_LM_COMMIT[:8]}"
-MB = f"@ NVIDIA-NeMo/Megatron-Bridge {MEGATRON_BRIDGE_COMMIT[:8]}"
-TT = f"@ pytorch/torchtitan {TORCHTITAN_TOML_COMMIT[:8]}"
+from k3opt.inputs.toggles import no_switch
+from k3opt.launch.common import FORMATS, check_format, kda_layers
 
 
 @dataclass(frozen=True)
@@ -33,63 +25,10 @@ class NoSwitch:
     source: str
 
 
-_MEGATRON_NO_SWITCH = (
-    NoSwitch("balance_activations", "plan without it: Megatron offloads activations only to the local host "
-             "(--fine-grained-activation-offloading), never to another PP rank",
-             f"megatron/core/transformer/transformer_config.py (offload fields) {MLM}"),
-    NoSwitch("moe_backward_rewrite", "plan without it (expert outputs stay saved) or patch the MoE layer's "
-             "backward; --moe-grouped-gemm/--moe-permute-fusion do not drop the saved expert outputs",
-             f"megatron/core/transformer/moe/moe_layer.py {MLM}"),
-    NoSwitch("dispatch_recompute", "plan without it; the nearest switch, 'moe' in --recompute-modules, "
-             "re-runs the whole MoE forward (route, dispatch, experts, combine), not the dispatch alone",
-             f"megatron/core/transformer/moe/moe_layer.py L657-717 {MLM}"),
-    NoSwitch("fused_situ", "plan without it, or replace the GLU activation with a streaming SiTU-GLU kernel; "
-             "no recompute or activation option names it",
-             f"megatron/core/transformer/transformer_config.py (recompute_modules, activation) {MLM}"),
-    NoSwitch("pipeline_zero2_host_grads", "plan without it; only pieces exist: --optimizer-cpu-offload "
-             "(+ --use-precision-aware-optimizer) copies gradients to the host for a CPU optimizer step, "
-             "it does not keep FP32 gradient shards on the host behind two GPU chunk buffers",
-             f"megatron/training/arguments.py L2918-2934 {MLM}"),
-    NoSwitch("p2p_muon", "plan without it: --optimizer muon with --use-distributed-optimizer is the layer-wise "
-             "distributed optimizer, whose parameter sync is an all-gather",
-             f"megatron/training/arguments.py L1724-1736, L3160 {MLM}"),
-    NoSwitch("moonep", "plan without it; the nearest dispatcher is --moe-token-dispatcher-type flex "
-             "--moe-flex-dispatcher-backend hybridep, which has no redundant expert slots",
-             f"megatron/core/transformer/transformer_config.py (moe_flex_dispatcher_backend) {MLM}"),
-    NoSwitch("fused_cross_entropy", "plan without it: --cross-entropy-loss-fusion fuses the loss kernel but the "
-             "[T, vocab] logits are still materialized whole; chunking over tokens needs a custom loss",
-             f"megatron/training/arguments.py (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl) {MLM}"),
-)
-
-_TORCHTITAN_NO_SWITCH = (
-    NoSwitch("activation_offload", "plan without it: [training] enable_cpu_offload offloads parameters, "
-             "gradients and optimizer state, not activations; core torchtitan has no activation offload",
-             f"torchtitan/config/job_config.py (Training, ActivationCheckpoint) {TT}"),
-    NoSwitch("balance_activations", "plan without it: no activation offload exists to balance",
-             f"torchtitan/config/job_config.py {TT}"),
-    NoSwitch("moe_backward_rewrite", "plan without it, or patch the MoE module's backward",
-             f"torchtitan/config/job_config.py {TT}"),
-    NoSwitch("dispatch_recompute", "plan without it; selective AC per op ('op') recomputes non-matmul ops, "
-             "it does not re-run the dispatch alone", f"torchtitan/config/job_config.py (ActivationCheckpoint) {TT}"),
-    NoSwitch("fused_situ", "plan without it, or write the streaming SiTU-GLU kernel into the model",
-             f"torchtitan/config/job_config.py {TT}"),
-    NoSwitch("pipeline_zero2_host_grads", "plan without it: FSDP2 under PP already keeps parameters unsharded "
-             "between forward and backward, but enable_cpu_offload moves parameters, gradients and optimizer "
-             "state together, not gradients alone", f"torchtitan/config/job_config.py (Training) {TT}"),
-    NoSwitch("p2p_muon", "plan without it: the TOML-era [optimizer] has no Muon at all (torchtitan HEAD's DistMuon "
-             "is Python config and redistributes by packed all-to-all, not point-to-point)",
-             f"torchtitan/config/job_config.py (Optimizer) {TT}"),
-    NoSwitch("moonep", "plan without it; expert_parallel_comm_backend = 'deepep' is the nearest dispatcher",
-             f"torchtitan/config/job_config.py (Parallelism) {TT}"),
-    NoSwitch("fused_cross_entropy", "plan without it: the loss is computed on the whole [T, vocab] logits",
-             f"torchtitan/config/job_config.py {TT}"),
-)
-
 NO_SWITCH: dict[str, tuple[NoSwitch, ...]] = {
-    "megatron-lm": _MEGATRON_NO_SWITCH,
-    "megatron-bridge": _MEGATRON_NO_SWITCH,
-    "torchtitan": _TORCHTITAN_NO_SWITCH,
+    target: tuple(NoSwitch(name, sw.instead, sw.source) for name, sw in no_switch(target)) for target in FORMATS
 }
+"""Per target, the toggles it has no switch for (from the toggle registry, k3opt.inputs.toggles)."""
 
 
 @dataclass(frozen=True)
