@@ -5,23 +5,20 @@ caps per rank).
 
 Anytime, within the time limit (plan() gives the ranked search POLICY.front_ranked_share of it first):
 
-1. Seed (POLICY.front_seed_share of the front's time): frames are visited round-robin over (PP, VP) groups, each group
-by the
-   driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that adds to the
-   front queued too (`Neighbours`); frames whose bounds a point found dominates are skipped. Each is priced by
-   `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far on every
-   heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic family of
-   search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own configurations
-   (`frame_walk`, POLICY.front_walk_share of the seeding time in all): each step takes the change that buys the most
-   time
-   per byte, so the walk finds the fast configurations the other frames are then priced under. After the ranked
-   search's frames, the gap filling (`_Fill`, POLICY.front_fill_share of the time while frames are left to visit)
-   takes turns
-   with the visits: the point beside the widest peak gap of the front so far has its configuration priced on the
-   frames one change from its frame (another sharding policy, FSDP degree, VP, PP...), then its frame under
-   its configuration one change away, towards the gap first. A point the ranked search returns is often
-   dominated by its own layout one sharding change away (the same step, tens of GiB leaner), which the visits
-   reach late. Every fitting layout priced is a candidate point.
+1. Seed (POLICY.front_seed_share of the front's time): frames are visited round-robin over (PP, VP) groups, each
+   group by the driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that
+   adds to the front queued too (`Neighbours`); frames whose bounds a point found dominates are skipped. Each is
+   priced by `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far
+   on every heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic
+   family of search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own
+   configurations (`frame_walk`, POLICY.front_walk_share of the seeding time in all): each step takes the change
+   that buys the most time per byte, so the walk finds the fast configurations the other frames are then priced
+   under. After the ranked search's frames, the gap filling (`_Fill`, POLICY.front_fill_share of the time while
+   frames are left to visit) takes turns with the visits: the point beside the widest peak gap of the front so
+   far has its configuration priced on the frames one change from its frame (another sharding policy, FSDP
+   degree, VP, PP...), then its frame under its configuration one change away, towards the gap first. A point
+   the ranked search returns is often dominated by its own layout one sharding change away (the same step, tens
+   of GiB leaner), which the visits reach late. Every fitting layout priced is a candidate point.
 2. Prove: epsilon-constraint CP-SAT solves per frame, best bound first (minimize the step time, ties the lower
    peak, under peak <= epsilon; then lower epsilon by the step), skipping or stopping a frame once a point found
    dominates its bounds. When every frame is done the front is exact at the epsilon step (`complete`).
@@ -101,9 +98,9 @@ class _Facts:
 
 
 def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
-            ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
-            lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
-            estimates: dict[Frame, float] | None = None) -> tuple[list[PlanItem], bool]:
+                ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
+                lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
+                estimates: dict[Frame, float] | None = None) -> tuple[list[PlanItem], bool]:
     """The front (see the module docstring) from the ranked search's layouts (`ranked`, `best_of`), by the
     monotonic deadline t0 + time_limit. Returns its points, fastest first per GPU count, each with its
     `front_bound_s`, and whether it is complete (exact at the step; False when the time limit cut it short).
@@ -111,163 +108,233 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
     `over_line`: frames whose peak bound the driver showed over HBM minus the reserve (no layout of theirs
     fits: left out, as a bound would leave them); `estimates`: the driver's frame_estimate of the frames it
     queued, the order the seeding visits them in."""
-    deadline = t0 + time_limit
-    step = max(1, int(round(step_gib * GIB / MIB))) * MIB
-    points: list[PlanItem] = list(ranked) + [it for it in best_of.values() if it not in ranked]
-    facts = _Facts()
-    skip = over_line or set()
-    frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster) if f not in skip]
-    facts.frame.update((f, b) for f, b in (lower_bounds or {}).items() if f not in skip)
-    line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))  # no allocated budget exceeds it
+    search = _FrontSearch(job, model, cluster, best_of, ranked, step_gib, t0, time_limit, workers, lower_bounds,
+                          over_line, estimates)
+    search.seed()
+    complete = search.bound_rest() and search.prove()
+    return search.finish(), complete
 
-    def fits_bound(f: Frame) -> bool:
+
+class _FrontSearch:
+    """One `build_front` call: the points found, the frames' facts, and the seeding's state (the frames to visit,
+    the gap filling, the time the walks and the filling took). Its steps: `seed` (visit frames and fill gaps),
+    `bound_rest` (bound the frames not reached), `prove` (epsilon-constraint CP-SAT solves per frame), `finish`
+    (thin the front to the step, each point with its proven bound)."""
+
+    def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
+                 ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
+                 lower_bounds: dict[Frame, tuple[float, float]] | None, over_line: set[Frame] | None,
+                 estimates: dict[Frame, float] | None) -> None:
+        self.job, self.model, self.cluster, self.workers = job, model, cluster, workers
+        self.deadline = t0 + time_limit
+        self.step = max(1, int(round(step_gib * GIB / MIB))) * MIB
+        self.points: list[PlanItem] = list(ranked) + [it for it in best_of.values() if it not in ranked]
+        self.facts = _Facts()
+        self.skip = over_line or set()
+        self.frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)
+                       if f not in self.skip]
+        self.facts.frame.update((f, b) for f, b in (lower_bounds or {}).items() if f not in self.skip)
+        self.line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))  # no allocated budget exceeds it
+        # The seeding: the ranked search's frames first, then the frames the driver queued (with their estimates)
+        # and the frames next to any that adds to the front, spread over the pipeline depths (_Visits).
+        self.runtime = load_runtime(job.runtime) if job.runtime is not None else None
+        self.started = _time.monotonic()
+        self.seed_end = self.started + POLICY.front_seed_share * max(0.0, self.deadline - self.started)
+        self.est = dict(estimates or {})
+        self.first = list(dict.fromkeys(frame_of(it.layout)
+                                        for it in sorted(self.points, key=lambda it: it.rank_time_s)))
+        self.visits = _Visits()
+        for f, e in self.est.items():
+            self.visits.push(f, e)
+        self.seen: set[Frame] = set()
+        self.walking = 0.0
+        self.leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
+        # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
+        # activation-saving ones, every memory-saving one), fastest first: the first frame is priced under all.
+        recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__, reverse=True)
+        self.families = [Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
+                         for rc in recs for act, rank in toggle_sets(job)]
+        self.fill = _Fill(job, model, cluster, self.runtime, self.frames, self.facts, self.skip, self.fits_bound)
+        self.filling = 0.0
+        self.fill_from = self.started
+        self.idle: set[int] | None = None
+        """The points when the filling last had no candidate left (it resumes when the front changes)."""
+
+    def fits_bound(self, f: Frame) -> bool:
         """The frame's peak bound is under its budget (True while it is not bounded)."""
-        if f not in facts.frame:
+        if f not in self.facts.frame:
             return True
-        m_lb = facts.frame[f][1]
-        return m_lb <= line and m_lb <= allocated_capacity_bytes(job, f, model, cluster)
+        m_lb = self.facts.frame[f][1]
+        return m_lb <= self.line and m_lb <= allocated_capacity_bytes(self.job, f, self.model, self.cluster)
 
-    def dominated(f: Frame, t_lb: float, peak_cap: float) -> bool:
+    def dominated(self, f: Frame, t_lb: float, peak_cap: float) -> bool:
         """Some point found has at least the frame's best possible tokens/s per GPU, no more GPUs, and a
         peak no higher than peak_cap (with one GPU count: a step time no longer than the frame's bound)."""
-        tps_ub = _tokens(job, f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
+        tps_ub = _tokens(self.job, f) / (t_lb * f.gpus) if t_lb > 0 else math.inf
         return any(p.evaluation.step.rank_tokens_per_s_per_gpu >= tps_ub and p.layout.gpus <= f.gpus
-                   and p.peak_bytes <= peak_cap for p in points)
+                   and p.peak_bytes <= peak_cap for p in self.points)
 
-    # 1. Seed: the ranked search's frames, then the frames the driver queued (with their estimates) and the
-    # frames next to any that adds to the front, spread over the pipeline depths (_Visits); each priced under the
-    # configurations on the front so far, and one that adds to the front walked (frame_walk) for its own
-    # trade-off while the walks have taken less than POLICY.front_walk_share of the seeding time.
-    runtime = load_runtime(job.runtime) if job.runtime is not None else None
-    started = _time.monotonic()
-    seed_end = started + POLICY.front_seed_share * max(0.0, deadline - started)
-    est = dict(estimates or {})
-    first = list(dict.fromkeys(frame_of(it.layout) for it in sorted(points, key=lambda it: it.rank_time_s)))
-    visits = _Visits()
-    for f, e in est.items():
-        visits.push(f, e)
-    seen: set[Frame] = set()
-    walking = 0.0
-    leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
-    # The heuristic families of search/incumbents.py (every recompute mode under no toggles, the
-    # activation-saving ones, every memory-saving one), fastest first: the first frame is priced under all.
-    recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__, reverse=True)
-    families = [Config(rc, lifecycles(job)[0], frozenset(t for t, on in {**act, **rank}.items() if on))
-                for rc in recs for act, rank in toggle_sets(job)]
-    fill = _Fill(job, model, cluster, runtime, frames, facts, skip, fits_bound)
-    filling = 0.0
-    fill_from = started
-    idle: set[int] | None = None
-    """The points when the filling last had no candidate left (it resumes when the front changes)."""
+    def _point_ids(self) -> set[int]:
+        return {id(p) for p in self.points}
 
-    def visit(f: Frame) -> None:
-        """Price frame f under the front's configurations; walk it when it adds to the front."""
-        nonlocal points, walking
-        seen.add(f)
-        before = {id(p) for p in points}
-        library = seed_library(points, leanest) if seen - {f} else families + seed_library(points, leanest)
-        settled: list[Config] = []
-        found = price_configs(job, f, library, model, cluster, seed_end, runtime, settled=settled)
-        fill.priced.update((f, c) for c in settled)  # those cut by the seeding's deadline stay for the filling
-        points = _non_dominated(points + found)
-        now = _time.monotonic()
-        allowed = POLICY.front_walk_share * (seed_end - started) - walking
-        if any(id(p) not in before for p in points) and allowed > 0:
-            fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
-            found += frame_walk(job, f, model, cluster, min(seed_end, now + allowed), runtime, fastest)
-            points = _non_dominated(points + found)
-            walking += _time.monotonic() - now
-        if not found:
-            visits.empty(f)
-        else:
-            for g in fill.near(f):
-                if g not in seen and g not in skip and g not in visits:
-                    if g not in facts.frame:
-                        facts.frame[g] = frame_lower_bound(job, g, model, cluster)
-                    visits.push(g, est.get(g) or frame_estimate(job, g, model, cluster))
+    # -- 1. seed
 
-    while _time.monotonic() < seed_end:
-        if first:
-            f: Frame | None = first.pop(0)
-            if not first:
-                fill_from = _time.monotonic()  # the ranked search's frames priced: the filling starts
-        elif idle != {id(p) for p in points} and filling <= POLICY.front_fill_share * (_time.monotonic() - fill_from):
-            now = _time.monotonic()
-            found = fill.step(points, step, seed_end, dominated)
-            filling += _time.monotonic() - now
-            if found is not None:
-                points = _non_dominated(points + found)
+    def seed(self) -> None:
+        """Until POLICY.front_seed_share of the time: visit the ranked search's frames, then take turns between the
+        gap filling (POLICY.front_fill_share of the time since) and the queued frames; once no frame is left to
+        visit, fill only, until nothing is left to fill either."""
+        while _time.monotonic() < self.seed_end:
+            f: Frame | None
+            if self.first:
+                f = self.first.pop(0)
+                if not self.first:
+                    self.fill_from = _time.monotonic()  # the ranked search's frames priced: the filling starts
+            elif (self.idle != self._point_ids()
+                  and self.filling <= POLICY.front_fill_share * (_time.monotonic() - self.fill_from)):
+                if self.fill_gap():
+                    continue
+                f = self.visits.pop()
+            else:
+                f = self.visits.pop()
+            if f is None:
+                if self.idle == self._point_ids():
+                    break  # no frame left to visit and nothing left to fill
+                self.filling = -math.inf  # no frame left to visit: filling only
                 continue
-            idle = {id(p) for p in points}  # every candidate around the front is priced or pruned
-            f = visits.pop()
+            if (f in self.seen or f in self.skip or not self.fits_bound(f)
+                    or (f in self.facts.frame and self.dominated(f, *self.facts.frame[f]))):
+                continue
+            self.visit(f)
+
+    def fill_gap(self) -> bool:
+        """One step of the gap filling (`_Fill.step`); False, with the front recorded as `idle`, when every
+        candidate around the front is priced or pruned."""
+        now = _time.monotonic()
+        found = self.fill.step(self.points, self.step, self.seed_end, self.dominated)
+        self.filling += _time.monotonic() - now
+        if found is not None:
+            self.points = _non_dominated(self.points + found)
+            return True
+        self.idle = self._point_ids()
+        return False
+
+    def visit(self, f: Frame) -> None:
+        """Price frame f under the front's configurations; walk it (frame_walk, for its own trade-off) when it adds
+        to the front and the walks have taken less than POLICY.front_walk_share of the seeding time; queue its
+        neighbours when it has a fitting layout."""
+        self.seen.add(f)
+        before = self._point_ids()
+        library = (seed_library(self.points, self.leanest) if self.seen - {f}
+                   else self.families + seed_library(self.points, self.leanest))
+        settled: list[Config] = []
+        found = price_configs(self.job, f, library, self.model, self.cluster, self.seed_end, self.runtime,
+                              settled=settled)
+        self.fill.priced.update((f, c) for c in settled)  # those cut by the seeding's deadline stay for the filling
+        self.points = _non_dominated(self.points + found)
+        now = _time.monotonic()
+        allowed = POLICY.front_walk_share * (self.seed_end - self.started) - self.walking
+        if any(id(p) not in before for p in self.points) and allowed > 0:
+            fastest = min(found, key=lambda it: it.rank_time_s).layout if found else None
+            found += frame_walk(self.job, f, self.model, self.cluster, min(self.seed_end, now + allowed),
+                                self.runtime, fastest)
+            self.points = _non_dominated(self.points + found)
+            self.walking += _time.monotonic() - now
+        if not found:
+            self.visits.empty(f)
         else:
-            f = visits.pop()
-        if f is None:
-            if idle == {id(p) for p in points}:
-                break  # no frame left to visit and nothing left to fill
-            filling = -math.inf  # no frame left to visit: filling only
-            continue
-        if f in seen or f in skip or not fits_bound(f) or (f in facts.frame and dominated(f, *facts.frame[f])):
-            continue
-        visit(f)
+            self.queue_near(f)
 
-    # 2. Bound the frames the driver did not reach (the proof needs every frame's bound).
-    complete = True
-    for i, f in enumerate(frames):
-        if f not in facts.frame:
-            if i % 16 == 0 and _time.monotonic() > deadline:
+    def queue_near(self, f: Frame) -> None:
+        """Queue the frames one change from f not seen, skipped or queued yet, each bounded and estimated."""
+        for g in self.fill.near(f):
+            if g not in self.seen and g not in self.skip and g not in self.visits:
+                if g not in self.facts.frame:
+                    self.facts.frame[g] = frame_lower_bound(self.job, g, self.model, self.cluster)
+                self.visits.push(g, self.est.get(g) or frame_estimate(self.job, g, self.model, self.cluster))
+
+    # -- 2. bound the frames the driver did not reach (the proof needs every frame's bound)
+
+    def bound_rest(self) -> bool:
+        """frame_lower_bound of every frame not bounded yet; False when the deadline passed first."""
+        for i, f in enumerate(self.frames):
+            if f not in self.facts.frame:
+                if i % 16 == 0 and _time.monotonic() > self.deadline:
+                    return False
+                self.facts.frame[f] = frame_lower_bound(self.job, f, self.model, self.cluster)
+        return True
+
+    # -- 3. prove: epsilon-constraint solves, frames best bound first
+
+    def prove(self) -> bool:
+        """Solve each frame whose bounds no point dominates, best bound first (`solve_frame`); whether every
+        solve was exact before the deadline."""
+        complete = True
+        self.build_s = POLICY.build_guess_s
+        queue = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(self.facts.frame.items()))
+        for t_lb, m_lb, _, f in queue:
+            if self.dominated(f, t_lb, m_lb):
+                continue
+            if _time.monotonic() > self.deadline:
+                return False
+            if not self.fits_bound(f):
+                self.facts.add(f, math.inf, math.inf)  # its peak bound is over its budget: no layout of it fits
+                continue
+            if not self.solve_frame(f, t_lb, m_lb):
                 complete = False
-                break
-            facts.frame[f] = frame_lower_bound(job, f, model, cluster)
+        return complete
 
-    # 3. Prove: epsilon-constraint solves, frames best bound first.
-    build_s = POLICY.build_guess_s
-    queue2 = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(facts.frame.items())) if complete else []
-    for t_lb, m_lb, _, f in queue2:
-        if dominated(f, t_lb, m_lb):
-            continue
-        if _time.monotonic() > deadline:
-            complete = False
-            break
-        if not fits_bound(f):
-            facts.add(f, math.inf, math.inf)  # its peak bound is over its budget: no layout of it fits
-            continue
+    def solve_frame(self, f: Frame, t_lb: float, m_lb: float) -> bool:
+        """Epsilon-constraint CP-SAT solves of frame f: minimize the step time (ties: the lower peak) under
+        peak <= cap, then lower the cap below the layout found by the step; each layout found is a point and
+        each solve a fact. False when a solve was cut short or the frame was left unsolved for lack of time."""
+        exact = True
         cap: int | None = None
         # Each solve lowers the cap, so every later layout of the frame is no faster than the last one found
         # (t_seen) and holds at least the frame's peak bound: a point at least as fast with a peak no higher than
         # that bound dominates them all. (A point under the cap but above the bound does not.)
         t_seen = t_lb
         fm: FrameModel | None = None
-        hint = _fastest_of(points, f)
+        hint = _fastest_of(self.points, f)
         while True:
-            if cap is not None and (cap < m_lb or dominated(f, t_seen, m_lb)):
+            if cap is not None and (cap < m_lb or self.dominated(f, t_seen, m_lb)):
                 break
-            remaining = deadline - _time.monotonic()
-            if remaining <= 0 or (fm is None and remaining < 2 * build_s):
-                complete = False  # no time to build the frame's model and search it
-                break
+            remaining = self.deadline - _time.monotonic()
+            if remaining <= 0 or (fm is None and remaining < 2 * self.build_s):
+                return False  # no time to build the frame's model and search it
             if fm is None:
-                started = _time.monotonic()
-                modes = undominated_modes(job, f, act_modes(job), lifecycles(job), model, cluster)
-                fm = FrameModel(job, f, model, cluster, modes=modes)
-                if hint is not None:
-                    fm.add_layout_hint(hint)
-                build_s = max(build_s, _time.monotonic() - started)
-                remaining = deadline - _time.monotonic()
-            res = fm.solve(remaining, workers, peak_cap_mib=None if cap is None else cap // MIB)
+                fm = self.frame_model(f, hint)
+                remaining = self.deadline - _time.monotonic()
+            res = fm.solve(remaining, self.workers, peak_cap_mib=None if cap is None else cap // MIB)
             if res.status in ("FEASIBLE", "UNKNOWN"):
-                complete = False
-            facts.add(f, math.inf if cap is None else cap,
-                      math.inf if res.status == "INFEASIBLE" else max(t_lb, res.bound_step_s))
-            item = plan_item(job, f, fm, res, model, cluster)
+                exact = False
+            self.facts.add(f, math.inf if cap is None else cap,
+                           math.inf if res.status == "INFEASIBLE" else max(t_lb, res.bound_step_s))
+            item = plan_item(self.job, f, fm, res, self.model, self.cluster)
             if item is None:
                 break
             if item.rank_time_s > item.evaluation.step.formula_time_s * (1 + 1e-9):
-                complete = False  # the solve proved the step formula; this layout ranks by its longer replay
-            points.append(item)
-            cap = item.peak_bytes // MIB * MIB - step
+                exact = False  # the solve proved the step formula; this layout ranks by its longer replay
+            self.points.append(item)
+            cap = item.peak_bytes // MIB * MIB - self.step
             t_seen = max(t_seen, item.rank_time_s)
-    return _with_bounds(_thin(_non_dominated(points), step), facts, step), complete
+        return exact
+
+    def frame_model(self, f: Frame, hint: Layout | None) -> FrameModel:
+        """Frame f's CP-SAT model over its undominated activation modes, hinted with its fastest point; the
+        longest build so far is the guess for the next frame's."""
+        started = _time.monotonic()
+        modes = undominated_modes(self.job, f, act_modes(self.job), lifecycles(self.job), self.model, self.cluster)
+        fm = FrameModel(self.job, f, self.model, self.cluster, modes=modes)
+        if hint is not None:
+            fm.add_layout_hint(hint)
+        self.build_s = max(self.build_s, _time.monotonic() - started)
+        return fm
+
+    # -- 4. the front
+
+    def finish(self) -> list[PlanItem]:
+        """The non-dominated points thinned to the step, each with its proven bound."""
+        return _with_bounds(_thin(_non_dominated(self.points), self.step), self.facts, self.step)
 
 
 class _Fill:

@@ -290,13 +290,12 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     """Fitting layouts of frame f along a greedy walk from its leanest configuration (the leanest recompute mode,
     every free memory toggle on), each priced by evaluate() on the heuristic splits. While that does not fit, the
     toggle whose removal lowers the peak most is switched off; when none does, the frame is left to the exact
-    search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the
-    fitting neighbour -- one toggle switched off, the recompute mode one step richer, or the other lifecycle --
-    that saves the most step time per byte added (the first one faster and no larger at once), until none is
-    faster. A
-    change that did not fit is not tried again further on, where more memory is in use. Every fitting layout
-    priced is returned. Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration
-    the walk starts from instead (it then only climbs)."""
+    search (as search/incumbents.frame_incumbent leaves it). Then each step moves to the fitting neighbour -- one
+    toggle switched off, the recompute mode one step richer, or the other lifecycle -- that saves the most step
+    time per byte added (the first one faster and no larger at once), until none is faster. A change that did
+    not fit is not tried again further on, where more memory is in use. Every fitting layout priced is returned.
+    Stops at the monotonic `deadline`. `start`: a fitting layout of f whose configuration the walk starts from
+    instead (it then only climbs)."""
     recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
     lcs = lifecycles(job)
     names = ACT_TOGGLES + RANK_TOGGLES
@@ -401,8 +400,6 @@ def seed_library(front: list[PlanItem], leanest: Recompute, most: int = POLICY.l
     return [configs[round(i * (len(configs) - 1) / (most - 1))] for i in range(most)]
 
 
-
-
 def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec, found: dict[Frame, PlanItem],
          deadline: float, stop: Callable[[], bool] | None = None, walked: set[Frame] | None = None,
          walk_first: bool = True, lower: Callable[[Frame], float] | None = None, top: int | None = None,
@@ -411,181 +408,255 @@ def seed(job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
          state: SeedState | None = None) -> dict[Frame, PlanItem]:
     """The front's seeding aimed at the fastest layout (search/front.py seeds the trade-off the same way): the
     frames of the POLICY.walked_frames fastest layouts in `found` are walked through their configurations from the
-    leanest
-    (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one rank
-    toggle kept on its own); then each frame of `ordered` is priced under the fastest configurations so far and
-    their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far; a frame
-    whose fastest layout is within POLICY.climb_within of the fastest has its split climbed (`split_climb`). Returns
-    the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number is
-    evaluate()'s. Stops at the monotonic `deadline` or when `stop()`. `walked`: frames walked already (updated);
-    `walk_first`: False skips the first walks (their frames are still climbed); `lower`: a lower bound on a
-    frame's ranked step time, to skip the frames that cannot beat the fastest so far. A frame is skipped when a
-    frame of its `sharding_group` whose FSDP degrees are multiples of its own had no fitting layout here.
-    `top`: with it, the seeding also stops once it has gone as long without a gain (the `top`-th fastest layout
-    or the fastest lowered by more than `gain`, relative, or a layout added while fewer than `top` were at hand)
-    as it took to make its last gain, and at least POLICY.patience_min_s (`_Patience`). `configs`: per frame, the
-    fastest
-    layout priced under each configuration (updated; the climbs start from several): pass one dict to every call,
-    so that a frame walked in one call is climbed in the next from every configuration its walk priced. `done`:
-    the seeding also stops once it holds for the layouts so far, fastest first (the driver's proof is met);
-    `patience_min`: the stall stop's minimum (default POLICY.patience_min_s); `state`: where an earlier call stopped
-    (updated): this call goes on from there (its `ordered` only drops frames), with its own stall stop."""
-    walked = walked if walked is not None else set()
-    leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
-    lcs = lifecycles(job)
-    runtime = _runtime(job.runtime) if job.runtime is not None else None
-    out: dict[Frame, PlanItem] = {}
+    leanest (`frame_walk`: it reaches configurations the fixed toggle sets of `frame_incumbent` miss, such as one
+    rank toggle kept on its own); then each frame of `ordered` is priced under the fastest configurations so far
+    and their leanest-recompute variants (`price_configs`), and walked too when it beats the fastest so far; a
+    frame whose fastest layout is within POLICY.climb_within of the fastest has its split climbed (`split_climb`).
+    Returns the fastest fitting layout of each frame priced that is faster than its entry in `found`; every number
+    is evaluate()'s. Stops at the monotonic `deadline` or when `stop()`.
 
-    def best(f: Frame) -> PlanItem | None:
-        return out.get(f) or found.get(f)
+    `walked`: frames walked already (updated); `walk_first`: False skips the first walks (their frames are still
+    climbed); `lower`: a lower bound on a frame's ranked step time, to skip the frames that cannot beat the
+    fastest so far. A frame is skipped when a frame of its `sharding_group` whose FSDP degrees are multiples of
+    its own had no fitting layout here. `top`: with it, the seeding also stops once it has gone as long without a
+    gain (the `top`-th fastest layout or the fastest lowered by more than `gain`, relative, or a layout added
+    while fewer than `top` were at hand) as it took to make its last gain, and at least POLICY.patience_min_s
+    (`_Patience`). `configs`: per frame, the fastest layout priced under each configuration (updated; the climbs
+    start from several): pass one dict to every call, so that a frame walked in one call is climbed in the next
+    from every configuration its walk priced. `done`: the seeding also stops once it holds for the layouts so
+    far, fastest first (the driver's proof is met); `patience_min`: the stall stop's minimum (default
+    POLICY.patience_min_s); `state`: where an earlier call stopped (updated): this call goes on from there (its
+    `ordered` only drops frames), with its own stall stop."""
+    return Seeder(job, ordered, model, cluster, found, deadline, stop=stop, walked=walked, walk_first=walk_first,
+                  lower=lower, top=top, gain=gain, configs=configs, done=done, patience_min=patience_min,
+                  state=state).run()
 
-    configs = configs if configs is not None else {}
 
-    def keep(items: list[PlanItem]) -> None:
+class Seeder:
+    """One `seed` call: its inputs, the layouts it found (`out`), the per-configuration record (`configs`), the
+    state it resumes from and leaves (`st`), the time its climbs and walks took, and its stall stop. The phases:
+    walk the frames of the fastest layouts (`walk_leads`), climb their splits (`climb_leads`), then visit the
+    queue (`visit_queue`: each frame priced under the fastest configurations, walked once per shape, climbed)."""
+
+    def __init__(self, job: Job, ordered: list[Frame], model: ModelSpec, cluster: ClusterSpec,
+                 found: dict[Frame, PlanItem], deadline: float, stop: Callable[[], bool] | None = None,
+                 walked: set[Frame] | None = None, walk_first: bool = True,
+                 lower: Callable[[Frame], float] | None = None, top: int | None = None, gain: float = 0.0,
+                 configs: dict[Frame, dict[Config, PlanItem]] | None = None,
+                 done: Callable[[list[PlanItem]], bool] | None = None, patience_min: float | None = None,
+                 state: SeedState | None = None) -> None:
+        self.job, self.ordered, self.model, self.cluster = job, ordered, model, cluster
+        self.found, self.deadline, self.stop, self.done = found, deadline, stop, done
+        self.walk_first, self.lower, self.gain = walk_first, lower, gain
+        self.walked = walked if walked is not None else set()
+        self.leanest = min(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
+        self.lcs = lifecycles(job)
+        self.runtime = _runtime(job.runtime) if job.runtime is not None else None
+        self.out: dict[Frame, PlanItem] = {}
+        self.configs = configs if configs is not None else {}
+        self.st = state if state is not None else SeedState()
+        self.climbing = self.st.climbing
+        entered = _time.monotonic()
+        self.t_start = entered - self.st.seconds  # the climbs' share counts every call's time
+        self.patience = _Patience(entered, top, gain, self.fastest(),
+                                  POLICY.patience_min_s if patience_min is None else patience_min)
+        self.climbed = self.st.climbed
+        # The queue's visits (visit_queue): its clock, the walks' time, and the frames queued next.
+        self.started = 0.0
+        self.walking = 0.0
+        self.first: list[Frame] = []
+        """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
+        self.pos: dict[Frame, int] = {}
+        self.near: Neighbours | None = None
+        self.walked_keys: set[tuple] = set()
+
+    # -- the layouts so far and the stop tests
+
+    def best(self, f: Frame) -> PlanItem | None:
+        """f's fastest layout found here, else its entry in `found`."""
+        return self.out.get(f) or self.found.get(f)
+
+    def keep(self, items: list[PlanItem]) -> None:
+        """Record each layout under its frame and configuration, and as its frame's best when it is faster."""
         for it in items:
             f = frame_of(it.layout)
-            per = configs.setdefault(f, {})
+            per = self.configs.setdefault(f, {})
             c = config_of(it.layout)
             if c not in per or (it.rank_time_s, it.peak_bytes) < (per[c].rank_time_s, per[c].peak_bytes):
                 per[c] = it
-            mine = best(f)
+            mine = self.best(f)
             if mine is None or (it.rank_time_s, it.peak_bytes) < (mine.rank_time_s, mine.peak_bytes):
-                out[f] = it
+                self.out[f] = it
 
-    def fastest() -> list[PlanItem]:
-        return sorted({**found, **out}.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
+    def fastest(self) -> list[PlanItem]:
+        """Every frame's best layout, fastest first (ties: the lower peak)."""
+        return sorted({**self.found, **self.out}.values(), key=lambda it: (it.rank_time_s, it.peak_bytes))
 
-    def over() -> bool:
-        return (_time.monotonic() >= deadline or (stop is not None and stop())
-                or (done is not None and done(fastest())))
+    def over(self) -> bool:
+        """The deadline passed, `stop()` (Ctrl-C), or `done` holds for the layouts so far."""
+        return (_time.monotonic() >= self.deadline or (self.stop is not None and self.stop())
+                or (self.done is not None and self.done(self.fastest())))
 
-    st = state if state is not None else SeedState()
-    climbing = st.climbing
-    entered = _time.monotonic()
-    t_start = entered - st.seconds  # the climbs' share counts every call's time
-    patience = _Patience(entered, top, gain, fastest(), POLICY.patience_min_s if patience_min is None else patience_min)
+    def stalled(self) -> bool:
+        """`over`, or the seeding has gone as long without a gain as its last gain took (`_Patience`)."""
+        return self.over() or self.patience.out(self.fastest())
 
-    def climb(f: Frame) -> None:
+    def save(self, queue: list[Frame] | None = None) -> dict[Frame, PlanItem]:
+        """Record the climbs' time and the time taken (and the frames left, when given) in the state."""
+        self.st.climbing, self.st.seconds = self.climbing, _time.monotonic() - self.t_start
+        if queue is not None:
+            self.st.queue = queue
+        return self.out
+
+    # -- the phases
+
+    def run(self) -> dict[Frame, PlanItem]:
+        """Walk and climb the frames of the fastest layouts, then visit the queue; the layouts found."""
+        leads = list(dict.fromkeys(frame_of(it.layout) for it in self.fastest()[:POLICY.walked_frames]))
+        if not self.walk_leads(leads) or not self.climb_leads(leads):
+            return self.save()
+        return self.visit_queue()
+
+    def walk_leads(self, leads: list[Frame]) -> bool:
+        """Walk each frame of the fastest layouts not walked yet (unless `walk_first` is False); False when the
+        seeding stopped."""
+        for f in leads:
+            if self.stalled():
+                return False
+            if self.walk_first and f not in self.walked:
+                self.walked.add(f)
+                self.keep(frame_walk(self.job, f, self.model, self.cluster, self.deadline, self.runtime))
+        return True
+
+    def climb_leads(self, leads: list[Frame]) -> bool:
+        """Climb the frames of the fastest layouts, the fastest after the walks first; False when the seeding
+        stopped.
+
+        Climbed in every call: an earlier call's deadline may have cut the climb of a frame it walked, and a walked
+        frame is not visited again in the queue. After the walks, the fastest first: the climbs' share goes to the
+        frame the walks made fastest (on the default job the PP8 VP3 shape leads before the walks and its climbs
+        would take the share, leaving PP8 VP4, 18.72 s after its walk and 18.63 s once climbed, to the next
+        call)."""
+        for f in sorted(leads, key=lambda g: (self.best(g).rank_time_s, self.best(g).peak_bytes)):
+            if self.stalled():
+                return False
+            self.climb(f)
+        return True
+
+    def visit_queue(self) -> dict[Frame, PlanItem]:
+        """Visit the frames queued next, then those of `ordered` left, until the seeding stops; record where it
+        stopped in the state."""
+        st = self.st
+        self.started = _time.monotonic() - st.queue_seconds
+        self.walking = st.walking
+        known = set(self.ordered)
+        queue = [f for f in st.queue if f in known] if st.queue is not None else list(self.ordered)
+        self.pos = {f: i for i, f in enumerate(self.ordered)}
+        self.near = Neighbours(list(self.ordered))
+        self.first = [f for f in st.first if f in known]
+        # One walk per shape up to its FSDP degrees and sharding policies (`_siblings_key`): its siblings are
+        # priced under the configurations found, and `spread` prices the climbed split on them. At 8,192 GPUs
+        # eight PP4 VP4 EP64 siblings, each at most 0.5% faster than the last, would take the seeding's time with
+        # their walks, and PP8 VP4, 0.6 s faster (18.58 s against 19.14 s), would not be visited.
+        self.walked_keys = {_siblings_key(g) for g in self.walked}
+        while self.first or queue:
+            if self.stalled():
+                break
+            self.visit(self.first.pop(0) if self.first else queue.pop(0))
+        st.first, st.walking, st.queue_seconds = self.first, self.walking, _time.monotonic() - self.started
+        return self.save(queue)
+
+    def visit(self, f: Frame) -> None:
+        """Price frame f under the fastest configurations, walk it when its shape was not walked, climb it; a
+        frame that set a new fastest layout queues its neighbours next."""
+        if f in self.walked or f in self.st.visited:
+            return
+        self.st.visited.add(f)
+        lead = self.fastest()
+        if lead and self.lower is not None and self.lower(f) >= lead[0].rank_time_s:
+            return
+        group = self.st.misfits.setdefault(sharding_group(f), [])  # frames of f's group that did not fit here
+        if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
+            # A shape that shards the same state over as many ranks or more did not fit: f holds at least its
+            # persistent bytes and the same activations. At 8,192 GPUs a PP or VP whose activations never fit
+            # has hundreds of FSDP variants, which would otherwise take the seeding's whole time.
+            return
+        # Whether f was priced in full here (a misfit is recorded only then).
+        tried = self.walk_shape(f, self.price_under_lead(f, lead))
+        self.climb(f)
+        if self.best(f) is None and tried:
+            group.append(f)
+        new = self.fastest()
+        if new and (not lead or new[0].rank_time_s < lead[0].rank_time_s):
+            assert self.near is not None
+            self.first = sorted((g for g in self.near(f) if g not in self.st.visited and g not in self.walked),
+                                key=self.pos.__getitem__) + self.first
+
+    def price_under_lead(self, f: Frame, lead: list[PlanItem]) -> bool:
+        """Price f under the fastest configurations so far (`lead_library`); whether it was priced in full."""
+        if not lead:
+            return False
+        self.keep(price_configs(self.job, f, self.lead_library(lead), self.model, self.cluster, self.deadline,
+                                self.runtime, every_split=False))
+        return not self.over()
+
+    def lead_library(self, lead: list[PlanItem]) -> list[Config]:
+        """The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits one
+        frame may not fit another), then the fastest under the leanest recompute mode, priced first by
+        price_configs: when it does not fit, the others are not tried."""
+        lean = dataclasses.replace(config_of(lead[0].layout), recompute=self.leanest)
+        return [c for c in dict.fromkeys(dataclasses.replace(config_of(it.layout), lifecycle=lc)
+                                         for it in lead[:2] for lc in self.lcs) if c != lean] + [lean]
+
+    def walk_shape(self, f: Frame, tried: bool) -> bool:
+        """Walk f (from its leanest configuration, which reaches the richer recompute modes with offload) when no
+        frame of its shape was walked and the walks have taken at most POLICY.seed_walk_share of the time so far:
+        a walk finds the frame's own fast configurations, which the next frames are then priced under. Returns
+        `tried`, or whether the walk priced f in full."""
+        now = _time.monotonic()
+        if (self.walking <= POLICY.seed_walk_share * (now - self.started)
+                and _siblings_key(f) not in self.walked_keys):
+            self.walked.add(f)
+            self.walked_keys.add(_siblings_key(f))
+            self.keep(frame_walk(self.job, f, self.model, self.cluster, self.deadline, self.runtime))
+            self.walking += _time.monotonic() - now
+            tried = tried or not self.over()
+        return tried
+
+    def climb(self, f: Frame) -> None:
         """f's fastest layout so far, its split climbed (split_climb) when it is within POLICY.climb_within of the
         fastest and the climbs have taken less than POLICY.climb_share of the time so far; then, in that share, the
         fastest layouts of f's other configurations priced here (up to POLICY.climb_configs in all) that are within
         POLICY.climb_within too. The best configuration depends on the split: on the default job a PP8 VP4 shape is
         18.72 s without dispatch recompute and 19.01 s with it on the heuristic split, yet 18.63 s with it once its
         split is climbed (the same climb leaves the other configuration at 18.72 s)."""
-        nonlocal climbing
-        mine, lead = best(f), fastest()
+        mine, lead = self.best(f), self.fastest()
         now = _time.monotonic()
         if (mine is None or not lead or mine.rank_time_s > lead[0].rank_time_s * (1 + POLICY.climb_within)
-                or climbing > POLICY.climb_share * (now - t_start) or f in climbed):
+                or self.climbing > POLICY.climb_share * (now - self.t_start) or f in self.climbed):
             return
-        climbed.add(f)
-        starts = [mine]
-        # Configurations at the same step time as one kept differ in toggles that trade memory only (P2P Muon,
-        # the chunked cross entropy...): their climbs would repeat it.
-        for it in sorted(configs.get(f, {}).values(), key=lambda it: (it.rank_time_s, it.peak_bytes)):
-            if all(abs(it.rank_time_s - s.rank_time_s) > 1e-9 * s.rank_time_s for s in starts):
-                starts.append(it)
-        for it in starts[:POLICY.climb_configs]:
+        self.climbed.add(f)
+        for it in self.climb_starts(f, mine)[:POLICY.climb_configs]:
             now = _time.monotonic()
-            if it.rank_time_s > lead[0].rank_time_s * (1 + POLICY.climb_within) or over():
+            if it.rank_time_s > lead[0].rank_time_s * (1 + POLICY.climb_within) or self.over():
                 break
             # The climb's own deadline keeps the climbs within their share, whatever this one would take; each
-            # configuration has at least POLICY.climb_min_s (the share is checked once per frame: a frame's climbs may
-            # pass it by up to POLICY.climb_configs x POLICY.climb_min_s, within the seeding's deadline).
-            share_left = max(POLICY.climb_share * (now - t_start) - climbing, 0.0) + POLICY.climb_min_s
-            keep([split_climb(job, it, model, cluster, min(deadline, now + share_left), runtime, stop=stop,
-                              min_gain=gain)])
-            climbing += _time.monotonic() - now
+            # configuration has at least POLICY.climb_min_s (the share is checked once per frame: a frame's climbs
+            # may pass it by up to POLICY.climb_configs x POLICY.climb_min_s, within the seeding's deadline).
+            share_left = max(POLICY.climb_share * (now - self.t_start) - self.climbing, 0.0) + POLICY.climb_min_s
+            self.keep([split_climb(self.job, it, self.model, self.cluster, min(self.deadline, now + share_left),
+                                   self.runtime, stop=self.stop, min_gain=self.gain)])
+            self.climbing += _time.monotonic() - now
 
-    def lead_library(lead: list[PlanItem]) -> list[Config]:
-        """The two fastest configurations under every lifecycle (an unsharded accumulation buffer that fits one
-        frame may not fit another), then the fastest under the leanest recompute mode, priced first by
-        price_configs: when it does not fit, the others are not tried."""
-        lean = dataclasses.replace(config_of(lead[0].layout), recompute=leanest)
-        return [c for c in dict.fromkeys(dataclasses.replace(config_of(it.layout), lifecycle=lc)
-                                         for it in lead[:2] for lc in lcs) if c != lean] + [lean]
-
-    climbed = st.climbed
-
-    def save(queue: list[Frame] | None = None) -> dict[Frame, PlanItem]:
-        st.climbing, st.seconds = climbing, _time.monotonic() - t_start
-        if queue is not None:
-            st.queue = queue
-        return out
-
-    leads = list(dict.fromkeys(frame_of(it.layout) for it in fastest()[:POLICY.walked_frames]))
-    for f in leads:
-        if over() or patience.out(fastest()):
-            return save()
-        if walk_first and f not in walked:
-            walked.add(f)
-            keep(frame_walk(job, f, model, cluster, deadline, runtime))
-    # Climbed in every call: an earlier call's deadline may have cut the climb of a frame it walked, and a walked
-    # frame is not visited again below. After the walks, the fastest first: the climbs' share goes to the frame
-    # the walks made fastest (on the default job the PP8 VP3 shape led before the walks and its climbs took the
-    # share, leaving PP8 VP4, 18.72 s after its walk and 18.63 s once climbed, to the next call).
-    for f in sorted(leads, key=lambda g: (best(g).rank_time_s, best(g).peak_bytes)):
-        if over() or patience.out(fastest()):
-            return save()
-        climb(f)
-    started = _time.monotonic() - st.queue_seconds
-    walking = st.walking
-    known = set(ordered)
-    queue = [f for f in st.queue if f in known] if st.queue is not None else list(ordered)
-    pos = {f: i for i, f in enumerate(ordered)}
-    near = Neighbours(list(ordered))
-    first = [f for f in st.first if f in known]
-    """Frames one change away from one that set a new fastest layout (another VP, PP, FSDP degree...): next."""
-    visited, misfits = st.visited, st.misfits
-    """misfits: frames that had no fitting layout here, by `sharding_group`."""
-    walked_keys = {_siblings_key(g) for g in walked}
-    """One walk per shape up to its FSDP degrees and sharding policies (`_siblings_key`): its siblings are priced
-    under the configurations found, and `spread` prices the climbed split on them. At 8,192 GPUs the walks of eight
-    PP4 VP4 EP64 siblings (each 0.3-0.5 s, each at most 0.5% faster than the last) took the seeding's time, and PP8 VP4,
-    0.6 s faster (18.58 s against 19.14 s), was never visited."""
-    while first or queue:
-        if over() or patience.out(fastest()):
-            break
-        f = first.pop(0) if first else queue.pop(0)
-        if f in walked or f in visited:
-            continue
-        visited.add(f)
-        lead = fastest()
-        if lead and lower is not None and lower(f) >= lead[0].rank_time_s:
-            continue
-        group = misfits.setdefault(sharding_group(f), [])
-        if any(g.expert_fsdp % f.expert_fsdp == 0 and g.dense_fsdp % f.dense_fsdp == 0 for g in group):
-            # A shape that shards the same state over as many ranks or more did not fit: f holds at least its
-            # persistent bytes and the same activations. At 8,192 GPUs a PP or VP whose activations never fit
-            # has hundreds of FSDP variants, which would otherwise take the seeding's whole time.
-            continue
-        items: list[PlanItem] = []
-        tried = False
-        """Whether f was priced in full here (a misfit is recorded only then)."""
-        if lead:
-            items = price_configs(job, f, lead_library(lead), model, cluster, deadline, runtime, every_split=False)
-            keep(items)
-            tried = not over()
-        # Walked (from its leanest configuration, which reaches the richer recompute modes with offload) while the
-        # walks have taken
-        # less than POLICY.seed_walk_share of the time so far: a walk finds the frame's own fast configurations, which
-        # the
-        # next frames are then priced under.
-        now = _time.monotonic()
-        if walking <= POLICY.seed_walk_share * (now - started) and _siblings_key(f) not in walked_keys:
-            walked.add(f)
-            walked_keys.add(_siblings_key(f))
-            keep(frame_walk(job, f, model, cluster, deadline, runtime))
-            walking += _time.monotonic() - now
-            tried = tried or not over()
-        climb(f)
-        if best(f) is None and tried:
-            group.append(f)
-        new = fastest()
-        if new and (not lead or new[0].rank_time_s < lead[0].rank_time_s):
-            first = sorted((g for g in near(f) if g not in visited and g not in walked), key=pos.__getitem__) + first
-    st.first, st.walking, st.queue_seconds = first, walking, _time.monotonic() - started
-    return save(queue)
+    def climb_starts(self, f: Frame, mine: PlanItem) -> list[PlanItem]:
+        """f's fastest layout, then its fastest layout under each other configuration priced, fastest first, one
+        per step time: configurations at the same step time as one kept differ in toggles that trade memory only
+        (P2P Muon, the chunked cross entropy...), and their climbs would repeat it."""
+        starts = [mine]
+        for it in sorted(self.configs.get(f, {}).values(), key=lambda it: (it.rank_time_s, it.peak_bytes)):
+            if all(abs(it.rank_time_s - s.rank_time_s) > 1e-9 * s.rank_time_s for s in starts):
+                starts.append(it)
+        return starts
 
 
 @dataclasses.dataclass
@@ -671,15 +742,13 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     return best
 
 
-
-
 class _Patience:
     """When a seeding with a `top` has stalled: the search's pruning line is the `top`-th fastest layout, and a
-    seeding that has gone as long without a gain as it took to make its last gain (at least POLICY.patience_min_s from
-    its start) leaves the rest to the bounds and the node models. A gain lowers the `top`-th fastest layout or the
-    fastest by more than `gain` (relative; small steps count once they add up to it), or adds a layout while
-    there are fewer than `top`. Without it a long time limit gave the seeding its whole share: on the default job
-    at 300 s with top 1, 45 s of seeding whose last gain came 5 s in."""
+    seeding that has gone as long without a gain as it took to make its last gain (at least POLICY.patience_min_s
+    from its start) leaves the rest to the bounds and the node models. A gain lowers the `top`-th fastest layout
+    or the fastest by more than `gain` (relative; small steps count once they add up to it), or adds a layout
+    while there are fewer than `top`. Without the stop a long time limit gives the seeding its whole share, long
+    after its last gain."""
 
     def __init__(self, start: float, top: int | None, gain: float, fastest: list[PlanItem],
                  least: float | None = None) -> None:
@@ -707,14 +776,6 @@ class _Patience:
             self.last = now
         least = POLICY.patience_min_s if self.least is None else self.least
         return now - self.start >= least and now - self.last > self.last - self.start
-
-
-
-
-
-
-
-
 
 
 def _siblings_key(f: Frame) -> tuple:
