@@ -1,4 +1,4 @@
-"""The seeding stops once it stalls (search/incumbents._Patience): it goes on at least PATIENCE_MIN_S, then stops
+"""The seeding stops once it stalls (search/incumbents._Patience): it goes on at least POLICY.patience_min_s, then stops
 once it has gone as long without a gain (the top-th fastest or the fastest layout lowered by more than `gain`, or a
 layout added while there are fewer than top) as it took to make its last gain. On a fake clock, with step times
 only (the rule reads nothing else)."""
@@ -35,7 +35,7 @@ def _items(*times: float) -> list:
 def test_no_gain_stops_at_the_minimum(clock):
     p = inc._Patience(100.0, 1, 0.001, _items(20.0))
     clock.now = 107.9
-    assert not p.out(_items(20.0))   # 7.9 s < PATIENCE_MIN_S
+    assert not p.out(_items(20.0))   # 7.9 s < POLICY.patience_min_s
     clock.now = 108.1
     assert p.out(_items(20.0))       # no gain since the start: 8.1 s > 0 s
 

@@ -227,7 +227,7 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
 def _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above: float,
                        first: dict | None = None) -> list[str]:
     """The order of the driver's helper start, walk (first seed call) and heuristic passes on the PP2 job with
-    ROUND_ROBIN_ABOVE set to `above`; `first`: what the first heuristic pass returns instead of its layouts."""
+    POLICY.round_robin_above set to `above`; `first`: what the first heuristic pass returns instead of its layouts."""
     events: list[str] = []
     real_inc, real_seed, real_prefetch = driver.incumbents, driver.seed, driver.Prefetch
 
@@ -259,9 +259,10 @@ def _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above: floa
 def test_the_second_heuristic_pass_runs_only_when_the_walks_end_far_above_the_least_bound(
         tiny, slow, pp2_job, monkeypatch, use_policy):
     """The first pass, then the helper process, then the walks; the second pass (a round-robin over the pipeline
-    shapes) only when the fastest layout after the walks is more than ROUND_ROBIN_ABOVE over the queue's least
+    shapes) only when the fastest layout after the walks is more than POLICY.round_robin_above over the queue's least
     bound, or when there is no layout at all, and the seeding's first part then has the longer minimum
-    (FIRST_PATIENCE_S; FIRST_PATIENCE_NEAR_S when the walks ended near the bound). Any layout is far above a line
+    (POLICY.first_patience_s; POLICY.first_patience_near_s when the walks ended near the bound). Any layout is far
+    above a line
     at -100% of the bound, none is above one at 1e9 x it."""
     far_first = f"seed {POLICY.first_patience_s}"
     far = _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above=-1.0)
@@ -323,7 +324,8 @@ def test_open_bounds_count_the_shapes_under_the_line_and_name_the_least():
 @pytest.mark.parametrize("limit, budget_s", [(20.0, 0.5), (60.0, 1.5), (300.0, 1.5)])
 def test_the_first_pass_takes_half_the_budget_at_most_first_pass_s(tiny, slow, pp2_job, monkeypatch, limit, budget_s):
     """The first heuristic pass runs half the budget (5% of the time limit, 1 to 5 s) once it has a layout, at most
-    FIRST_PASS_S: at the CLI's 300-s default it used to take 2.5 s (half of 5) and found nothing more than in 1.5 s."""
+    POLICY.first_pass_s: at the CLI's 300-s default it used to take 2.5 s (half of 5) and found nothing more than in
+    1.5 s."""
     calls: list[float] = []
     real = driver.incumbents
 

@@ -120,7 +120,7 @@ def test_seed_climbs_more_than_the_fastest_configuration(model, cluster, monkeyp
     """The best configuration depends on the split. K3's default PP8 VP4 EP64 dFSDP64 shape: the walk's fastest
     configuration (no dispatch recompute, 18.72 s on its heuristic split) climbs to 18.72 s only, while the
     configuration with dispatch recompute (19.01 s on the same split) climbs to 18.63 s; the seeding climbs both.
-    The climbs get all the time they need here (CLIMB_MIN_S raised), so the result does not depend on the
+    The climbs get all the time they need here (POLICY.climb_min_s raised), so the result does not depend on the
     machine's speed."""
     import k3opt.search.incumbents as inc
     from k3opt.search.frames import frame_of
@@ -199,7 +199,8 @@ def test_climb_stops_after_a_move_that_gains_less_than_min_gain(tiny):
 
 
 def test_the_plan_climbs_to_a_tenth_of_its_gap(pp2_job, monkeypatch):
-    """Every climb of a plan's seeding stops at moves that gain less than the seeding's stall gain, SEED_GAIN x the
+    """Every climb of a plan's seeding stops at moves that gain less than the seeding's stall gain, POLICY.seed_gain x
+    the
     gap (on the default job at 512 GPUs one climb took 1.1-1.4 s for 18.724 -> 18.712 s, 0.06%, against a 1% gap)."""
     import k3opt.search.incumbents as inc
 

@@ -22,7 +22,7 @@ class SearchPolicy:
     take a second or two each."""
 
     seed_gain: float = 0.1
-    """The seeding stops once it stalls (incumbents.Patience): a gain is a fall of the top-th fastest layout (or
+    """The seeding stops once it stalls (incumbents._Patience): a gain is a fall of the top-th fastest layout (or
     the fastest) by more than this share of the gap, or a layout added while fewer than top are at hand. A tenth:
     a fall that small moves the pruning line by a tenth of the margin the proof needs, so it prunes few more shapes,
     while the climbs' last steps (a layer moved between chunks) no longer keep the seeding going."""
@@ -63,7 +63,7 @@ class SearchPolicy:
     others."""
 
     patience_min_s: float = 20.0
-    """Seconds the seeding goes on at least before a stall stops it (incumbents.Patience): on thousands of GPUs the
+    """Seconds the seeding goes on at least before a stall stops it (incumbents._Patience): on thousands of GPUs the
     shapes of the fastest layouts come only after hundreds of shapes of lower estimate, so the stop only shortens
     the seeding of long time limits."""
 
