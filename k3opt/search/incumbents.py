@@ -23,6 +23,8 @@ from k3opt.cost.coefficients import Coefficients, Shape
 from k3opt.cost.evaluate import evaluate
 from k3opt.inputs.presets import load_runtime
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute, RuntimeSpec
+from k3opt.inputs.toggles import ToggleKind
+from k3opt.inputs.toggles import names as toggle_names
 from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
@@ -44,8 +46,7 @@ LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
 """Recompute modes from the least saved memory to the most."""
 
 
-MEMORY_TOGGLES = ("activation_offload", "pipeline_zero2_host_grads", "p2p_muon", "fused_cross_entropy",
-                  "balance_activations")
+MEMORY_TOGGLES = toggle_names(ToggleKind.RANK, memory_only=True)
 """Rank toggles that only save memory (at some time cost); the 'lean' toggle set turns on those allowed."""
 
 
