@@ -8,6 +8,7 @@ import math
 import signal
 import time as _time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 
 from k3opt.cost.coefficients import Shape, coefficients
@@ -211,7 +212,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     if cap is not None:
                         caps[f] = cap
                     if estimate is not None:
-                        heap.push((t_lb, m_lb, next(seq), f, None, None, 0))
+                        heap.push(_Entry(t_lb, m_lb, next(seq), f, None, None, 0))
                         estimates[f] = estimate
     except BaseException:
         ctrl_c.__exit__()
@@ -262,7 +263,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     dive: Frame | None = None
     """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
     residual = 0.0 if unbounded else residual
-    ready: list[tuple] = []
+    ready: list[_Entry] = []
     """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
     try:
         if unbounded:
@@ -277,7 +278,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             first_layout_s = _time.monotonic() - t0
         prefetch.set_line(stop_line(kth()))
         # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
-        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], estimates[e[3]]), e[3])
+        ordered = visiting_order([((e.peak > 0.8 * caps[e.frame], estimates[e.frame]), e.frame)
                                   for e in heap])
         # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
         # bounds), leaving CP-SAT the time to find a layout or prove there is none.
@@ -289,7 +290,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         # and this pass finds 19.2-s layouts in its 3 s; on the default job the walks end 9.5% above it, at
         # 18.63 s, and the pass found nothing under 24 s).
         lead = min((it.rank_time_s for it in best_of.values()), default=math.inf)  # inf: no layout at hand
-        near = bool(heap) and lead <= (1 + POLICY.round_robin_above) * heap.top()[0]
+        near = bool(heap) and lead <= (1 + POLICY.round_robin_above) * heap.top().bound
         if not near:
             best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
         # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
@@ -305,11 +306,11 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             start = _time.monotonic()
             # dict.fromkeys, not a set: the order of frames at equal estimates stays the queue's (a set's
             # depends on the hash seed).
-            frames_left = sorted(dict.fromkeys(e[3] for e in heap), key=estimates.__getitem__)
+            frames_left = sorted(dict.fromkeys(e.frame for e in heap), key=estimates.__getitem__)
             # Each frame's least bound in the queue: after the pass, its tightened node bounds.
             least: dict[Frame, float] = {}
             for e in heap:
-                least[e[3]] = min(least.get(e[3], math.inf), e[0])
+                least[e.frame] = min(least.get(e.frame, math.inf), e.bound)
 
             def publish(fastest: list[PlanItem]) -> bool:
                 prefetch.set_line(stop_line(fastest[top - 1] if len(fastest) >= top else None))
@@ -339,7 +340,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             if len(fastest) < top or not heap:
                 return len(fastest) >= top
             e = heap.top()
-            return _closed(min(e[0], residual), e[1], fastest[top - 1], gap)
+            return _closed(min(e.bound, residual), e.peak, fastest[top - 1], gap)
 
         # Without `top` layouts there is no line to bound against (and no proof to stop the seeding at): no pass,
         # the node models start at once.
@@ -363,13 +364,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                                       min(_time.monotonic() + budget, t0 + time_limit),
                                       most=max(top, POLICY.spread_sources), stop=lambda: ctrl_c.flag))
             while heap:
-                t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
+                least_entry = heap.top()
                 k = kth()
 
                 def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
                     return _closed(t, m, k, gap)
 
-                if closed(t_lb, m_lb):
+                if closed(least_entry.bound, least_entry.peak):
                     break
                 # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
                 # picks below test the queue's entries against it).
@@ -390,8 +391,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     share[last_pick[0]] += now - last_pick[1]
                 picked, diving = None, False
 
-                def is_open(e: tuple, below: float | None = open_below) -> bool:
-                    return e[0] < below if below is not None else not closed(e[0], e[1])
+                def is_open(e: _Entry, below: float | None = open_below) -> bool:
+                    return e.bound < below if below is not None else not closed(e.bound, e.peak)
 
                 if share[True] <= share[False]:
                     # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
@@ -404,7 +405,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     picked = heap.least_of(dive, is_open) if dive is not None else None
                     picked = picked or heap.least_one(is_open)
                     diving = picked is not None
-                elif heap.top()[6] > 0:
+                elif heap.top().attempt > 0:
                     # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
                     # frame and node under the gap line has had its bounds and one slice, the least bound first; an
                     # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
@@ -412,7 +413,8 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                 last_pick = (diving, now)
                 picked = picked or heap.top()
                 heap.take(picked)
-                t_lb, m_lb, _, f, rc, lc, attempt = picked
+                t_lb, m_lb, f, rc, lc, attempt = (picked.bound, picked.peak, picked.frame, picked.recompute,
+                                                  picked.lifecycle, picked.attempt)
                 current = t_lb
                 mine = best_of.get(f)
                 if mine is not None and (t_lb > mine.rank_time_s or (
@@ -450,7 +452,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         group_bounds[group] = gb = max(gb, value)
                     if gb > t_lb + 1e-12:
                         if math.isfinite(gb):
-                            heap.push((gb, m_lb, next(seq), f, None, None, 0))
+                            heap.push(_Entry(gb, m_lb, next(seq), f, None, None, 0))
                         current = math.inf
                         continue
                 if rc is None and f not in frame_tightened:
@@ -460,7 +462,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         job, f, model, cluster, stop_at=line if line is not None else math.inf)
                     if ft > t_lb + 1e-12 or fm_ > m_lb:
                         if math.isfinite(ft) and fm_ <= caps[f]:
-                            heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
+                            heap.push(_Entry(max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
                         current = math.inf
                         dive = f if diving else dive
                         continue
@@ -469,7 +471,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     nodes = ahead if ahead is not None else _node_bounds(job, f, recs, lcs, model, cluster)
                     for (r_, l_), (nt, nm) in zip(itertools.product(recs, lcs), nodes, strict=True):
                         if nm <= caps[f]:
-                            heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
+                            heap.push(_Entry(max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
                     current = math.inf
                     dive = f if diving else dive
                     continue
@@ -487,13 +489,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     gb = group_bounds[(group, rc, lc)]
                     if gb > t_lb + 1e-12:
                         if math.isfinite(gb):
-                            heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
+                            heap.push(_Entry(gb, m_lb, next(seq), f, rc, lc, 0))
                         current = math.inf
                         continue
                 if _time.monotonic() - t0 > time_limit:
                     # The limit passed during the group's program (seconds at 8,192 GPUs): the node goes back with
                     # its bound, not on to its own relaxation, which ran the plan past the limit.
-                    heap.push((t_lb, m_lb, next(seq), f, rc, lc, attempt))
+                    heap.push(_Entry(t_lb, m_lb, next(seq), f, rc, lc, attempt))
                     current = math.inf
                     timed_out = True
                     break
@@ -505,13 +507,13 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                     if tight > t_lb + 1e-12:
                         if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
                             if math.isfinite(tight):
-                                heap.push((tight, m_lb, next(seq), f, rc, lc, 0))
+                                heap.push(_Entry(tight, m_lb, next(seq), f, rc, lc, 0))
                             current = math.inf
                             continue
                         t_lb = current = tight  # the dive solves it now, with its tightened bound
                 if not solving:
                     # The bounding pass solves nothing: the node waits, with its tightened bound, for the seeding.
-                    ready.append((t_lb, m_lb, next(seq), f, rc, lc, attempt))
+                    ready.append(_Entry(t_lb, m_lb, next(seq), f, rc, lc, attempt))
                     current = math.inf
                     dive = None
                     continue
@@ -553,7 +555,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
                         continue
                 if res.status in ("FEASIBLE", "UNKNOWN"):
                     # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
-                    heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
+                    heap.push(_Entry(node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
                 elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
                     residual = min(residual, node_bound)  # proven to the relative gap only
                 current = math.inf
@@ -569,7 +571,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
         ctrl_c.__exit__()
     if ctrl_c.flag:
         interrupted = True
-    bound = min(heap.top()[0] if heap else math.inf, residual)
+    bound = min(heap.top().bound if heap else math.inf, residual)
     ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
     if not ranked:
         if interrupted:
@@ -631,10 +633,11 @@ def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: 
                  ) -> tuple[int, OpenBound | None]:
     """(How many parallel shapes have an entry in the queue that does not close the search against the top-th
     layout k, the least such entry described): what a FEASIBLE plan leaves open."""
-    open_entries = [e for e in heap if not _closed(e[0], e[1], k, gap)]
+    open_entries = [e for e in heap if not _closed(e.bound, e.peak, k, gap)]
     if not open_entries:
         return 0, None
-    t_lb, _, _, f, rc, lc, attempt = min(open_entries, key=lambda e: e[:3])
+    least = min(open_entries)
+    t_lb, f, rc, lc, attempt = least.bound, least.frame, least.recompute, least.lifecycle, least.attempt
     if rc is None:
         kind = ("shape bound over whole layers per rank (its recompute x lifecycle nodes not bounded yet)"
                 if f in frame_tightened else "shape bound (not tightened to the shape's own layers yet)")
@@ -647,7 +650,7 @@ def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: 
     else:
         kind = f"{rc.value} / {lc.value} node: its first bound (not tightened yet)"
     line = (k.rank_time_s * (1 - gap) if gap > 0 else k.rank_time_s) if k is not None else math.inf
-    return len({e[3] for e in open_entries}), OpenBound(shape=_frame_text(f), bound_s=t_lb, kind=kind, line_s=line)
+    return len({e.frame for e in open_entries}), OpenBound(shape=_frame_text(f), bound_s=t_lb, kind=kind, line_s=line)
 
 
 def _frame_text(f: Frame) -> str:
@@ -776,54 +779,75 @@ def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]
     return sorted(best.values(), key=lambda it: _key(it.evaluation))
 
 
+@dataclass(frozen=True, order=True, slots=True)
+class _Entry:
+    """A queue entry: a shape (recompute and lifecycle None) or one of its (recompute, lifecycle) nodes, with lower
+    bounds on every layout it stands for. Entries order by (bound, peak, seq): the least step-time bound first, ties
+    to the least peak bound, then to the earlier push (seq is unique, so no two entries tie)."""
+
+    bound: float
+    """Lower bound on the ranked step time (s)."""
+    peak: float
+    """Lower bound on the worst-rank peak (bytes)."""
+    seq: int
+    """Push order: the last tie-break, and the entry's identity in the queue."""
+    frame: Frame = field(compare=False)
+    recompute: Recompute | None = field(compare=False)
+    lifecycle: FsdpLifecycle | None = field(compare=False)
+    attempt: int = field(compare=False)
+    """CP-SAT slices that cut this node so far: its next slice is the base slice x 2^attempt."""
+
+
 class _Queue:
-    """The search's queue of (bound s, peak bound, seq, frame, recompute, lifecycle, attempt) entries, least first,
-    with the two picks the driver makes out of order: the least v = 1 entry (of one frame, for a dive) and the
-    least entry not yet cut by a slice. Each is its own heap over the same entries (a taken entry is dropped from
-    each when it reaches its top), so a pick costs a heap operation, not a scan of tens of thousands of entries."""
+    """The search's queue of entries (`_Entry`), least first, with the two picks the driver makes out of order: the
+    least v = 1 entry (of one frame, for a dive) and the least entry not yet cut by a slice. Each is its own heap
+    over the same entries (a taken entry is dropped from each when it reaches its top), so a pick costs a heap
+    operation, not a scan of tens of thousands of entries. The heaps hold (bound, peak, seq, entry): the entries'
+    order, compared as plain tuples."""
 
     def __init__(self) -> None:
-        self._all: list[tuple] = []
-        self._ones: list[tuple] = []
-        self._fresh: list[tuple] = []
-        self._of: dict[Frame, list[tuple]] = {}
+        self._all: list[tuple[float, float, int, _Entry]] = []
+        self._ones: list[tuple[float, float, int, _Entry]] = []
+        self._fresh: list[tuple[float, float, int, _Entry]] = []
+        self._of: dict[Frame, list[_Entry]] = {}
         self._alive: set[int] = set()
 
-    def push(self, e: tuple) -> None:
-        heapq.heappush(self._all, e)
-        self._alive.add(e[2])
-        if e[3].vp == 1:
-            heapq.heappush(self._ones, e)
-            self._of.setdefault(e[3], []).append(e)
-        if e[6] == 0:
-            heapq.heappush(self._fresh, e)
+    def push(self, e: _Entry) -> None:
+        item = (e.bound, e.peak, e.seq, e)
+        heapq.heappush(self._all, item)
+        self._alive.add(e.seq)
+        if e.frame.vp == 1:
+            heapq.heappush(self._ones, item)
+            self._of.setdefault(e.frame, []).append(e)
+        if e.attempt == 0:
+            heapq.heappush(self._fresh, item)
 
-    def take(self, e: tuple) -> None:
-        self._alive.remove(e[2])
+    def take(self, e: _Entry) -> None:
+        self._alive.remove(e.seq)
 
-    def _least(self, h: list[tuple]) -> tuple | None:
+    def _least(self, h: list[tuple[float, float, int, _Entry]]) -> _Entry | None:
         while h and h[0][2] not in self._alive:
             heapq.heappop(h)
-        return h[0] if h else None
+        return h[0][3] if h else None
 
-    def top(self) -> tuple:
+    def top(self) -> _Entry:
         e = self._least(self._all)
         if e is None:
             raise IndexError("the queue is empty")
         return e
 
-    def least_one(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_one(self, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least v = 1 entry, if open (`is_open` holds for an entry when it holds for a greater one)."""
         e = self._least(self._ones)
         return e if e is not None and is_open(e) else None
 
-    def least_of(self, f: Frame, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_of(self, f: Frame, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least open entry of v = 1 frame f."""
         mine = self._of.get(f, [])
-        mine[:] = [e for e in mine if e[2] in self._alive]
+        mine[:] = [e for e in mine if e.seq in self._alive]
         return min((e for e in mine if is_open(e)), default=None)
 
-    def least_fresh(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_fresh(self, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least entry not cut by a slice yet (attempt 0), if open."""
         e = self._least(self._fresh)
         return e if e is not None and is_open(e) else None
@@ -834,8 +858,8 @@ class _Queue:
     def __len__(self) -> int:
         return len(self._alive)
 
-    def __iter__(self) -> Iterator[tuple]:
-        return (e for e in self._all if e[2] in self._alive)
+    def __iter__(self) -> Iterator[_Entry]:
+        return (item[3] for item in self._all if item[2] in self._alive)
 
 
 class _Caps(dict):
