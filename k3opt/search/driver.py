@@ -887,89 +887,110 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
     (bounds.lift_group_bound), then the members' own frame programs, then the groups' node programs
     (bounds.group_node_bound). A program whose frames or nodes are all at or above the line when it starts returns
     None: the pass would not need it."""
-    frame_value: dict[tuple, float] = {}
-    node_bounds: dict[tuple, dict[tuple[Recompute, FsdpLifecycle], float]] = {}
-    """Per group, its nodes' own bounds from its group program (bounds.group_frame_bound's `per_node`)."""
-    node_value: dict[tuple, float] = {}
-    """The group node programs the lift programs ran (bounds.lift_group_bound)."""
-    dp_value: dict[Frame, float] = {}
+    programs = _PassPrograms(job, model, cluster, recs, lcs, lbs, caps, deadline)
     groups = sorted(((g, tuple(m)) for g, m in members_of.items() if len(m) > 1),
                     key=lambda gm: min(lbs[f][0] for f in gm[1]))
-
-    def under(line: float, t: float) -> bool:
-        return t < line * (1 - LINE_ROUNDING)
-
-    def group_program(line: float, group: tuple, mem: tuple[Frame, ...]
-                      ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
-        if not any(under(line, lbs[f][0]) for f in mem):
-            return None
-        per_node: dict[tuple[Recompute, FsdpLifecycle], float] = {}
-        frame_value[group] = group_frame_bound(job, mem, model, cluster, stop_at=line, deadline=deadline,
-                                               per_node=per_node)
-        node_bounds[group] = per_node
-        return frame_value[group], dict(per_node)
-
-    def lift_program(line: float, group: tuple, mem: tuple[Frame, ...]
-                     ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
-        if not math.isfinite(line):
-            return None
-        if group not in node_bounds and group_program(line, group, mem) is None:
-            return None  # (the driver took the group's program before this process reached it)
-        if not under(line, frame_value[group]):
-            return None
-        value, lifted = lift_group_bound(job, mem, node_bounds[group], model, cluster, stop_at=line,
-                                         deadline=deadline)
-        frame_value[group] = max(frame_value[group], value)
-        node_value.update({(group, *node): v for node, v in lifted.items()})
-        return value, lifted
-
-    def dp_program(line: float, f: Frame) -> tuple[float, float] | None:
-        if not under(line, max(lbs[f][0], frame_value.get(sharding_group(f), -math.inf))):
-            return None
-        t, m = frame_dp_bound(job, f, model, cluster, stop_at=line)
-        dp_value[f] = t
-        return t, m
-
-    def node_program(line: float, group: tuple, mem: tuple[Frame, ...], rc: Recompute,
-                     lc: FsdpLifecycle) -> float | None:
-        if not under(line, frame_value.get(group, -math.inf)):
-            return None
-        if (group, rc, lc) in node_value:
-            return node_value[(group, rc, lc)]
-        nodes = [node_lower_bound(job, f, rc, lc, model, cluster) for f in mem]
-        if not any(under(line, max(nt, dp_value.get(f, -math.inf))) and nm <= caps[f]
-                   for (nt, nm), f in zip(nodes, mem, strict=True)):
-            return None
-        return group_node_bound(job, mem, rc, lc, model, cluster, stop_at=line, deadline=deadline)
-
-    def nodes_program(line: float, f: Frame) -> list[tuple[float, float]] | None:
-        if not under(line, max(lbs[f][0], dp_value.get(f, -math.inf))):
-            return None
-        return _node_bounds(job, f, recs, lcs, model, cluster)
-
     # The members of an interleaved group wait for every group program: one group program lifts tens of members at
     # once, and while the line is still the first heuristic layout's (twice the optimum at 8,192 GPUs) no member's
-    # own program would stop early. In one order (8,192 GPUs) the helper bounded 5 of the 93 groups under the final
-    # line in 33 s and spent about 25 s of it on 270 members' own programs.
+    # own program would stop early. At 8,192 GPUs, in frame-bound order, the helper spent most of its time on the
+    # members' own programs and bounded few of the 93 groups under the final line.
     grouped = {f for _, mem in groups if mem[0].vp > 1 for f in mem}
     first: list[tuple[int, float, int, tuple, Callable[[float], object]]] = []
     for i, (group, mem) in enumerate(groups):
         first.append((0, min(lbs[f][0] for f in mem), i, ("frame", group),
-                      partial(group_program, group=group, mem=mem)))
+                      partial(programs.group, group=group, mem=mem)))
     for i, (group, mem) in enumerate(groups):
         first.append((1, min(lbs[f][0] for f in mem), i, ("lift", group),
-                      partial(lift_program, group=group, mem=mem)))
+                      partial(programs.lift, group=group, mem=mem)))
     for i, f in enumerate(frames):
         tier = 2 * int(f in grouped)
-        first.append((tier, lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(dp_program, f=f)))
-        first.append((tier, lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(nodes_program, f=f)))
+        first.append((tier, lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(programs.dp, f=f)))
+        first.append((tier, lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(programs.nodes, f=f)))
     first.sort(key=lambda x: x[:3])
     tasks = [(key, program) for _, _, _, key, program in first]
     for group, mem in groups:
         for rc in recs:
             for lc in lcs:
-                tasks.append((("node", group, rc, lc), partial(node_program, group=group, mem=mem, rc=rc, lc=lc)))
+                tasks.append((("node", group, rc, lc), partial(programs.node, group=group, mem=mem, rc=rc, lc=lc)))
     return tasks
+
+
+def _under(line: float, t: float) -> bool:
+    """Whether bound t is under the pruning line (LINE_ROUNDING under it counts as at it)."""
+    return t < line * (1 - LINE_ROUNDING)
+
+
+class _PassPrograms:
+    """The bounding pass's programs (`_pass_tasks`), each given the current pruning line: a program returns its
+    bound, or None when the line already shows it needless. The values one program computes are read by the later
+    ones run in the same process (the helper, or the driver while it waits for the helper)."""
+
+    def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, recs: list[Recompute],
+                 lcs: list[FsdpLifecycle], lbs: dict[Frame, tuple[float, float]], caps: _Caps,
+                 deadline: float) -> None:
+        self.job, self.model, self.cluster = job, model, cluster
+        self.recs, self.lcs, self.lbs, self.caps, self.deadline = recs, lcs, lbs, caps, deadline
+        self.frame_value: dict[tuple, float] = {}
+        """Per group, its frame bound (bounds.group_frame_bound, lifted by bounds.lift_group_bound)."""
+        self.node_bounds: dict[tuple, dict[tuple[Recompute, FsdpLifecycle], float]] = {}
+        """Per group, its nodes' own bounds from its group program (bounds.group_frame_bound's `per_node`)."""
+        self.node_value: dict[tuple, float] = {}
+        """The group node programs the lift programs ran (bounds.lift_group_bound)."""
+        self.dp_value: dict[Frame, float] = {}
+
+    def group(self, line: float, group: tuple, mem: tuple[Frame, ...]
+              ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
+        """The group's frame bound and its nodes' own bounds (bounds.group_frame_bound)."""
+        if not any(_under(line, self.lbs[f][0]) for f in mem):
+            return None
+        per_node: dict[tuple[Recompute, FsdpLifecycle], float] = {}
+        self.frame_value[group] = group_frame_bound(self.job, mem, self.model, self.cluster, stop_at=line,
+                                                    deadline=self.deadline, per_node=per_node)
+        self.node_bounds[group] = per_node
+        return self.frame_value[group], dict(per_node)
+
+    def lift(self, line: float, group: tuple, mem: tuple[Frame, ...]
+             ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
+        """The group's frame bound lifted by its node programs, and their values (bounds.lift_group_bound)."""
+        if not math.isfinite(line):
+            return None
+        if group not in self.node_bounds and self.group(line, group, mem) is None:
+            return None  # (the driver took the group's program before this process reached it)
+        if not _under(line, self.frame_value[group]):
+            return None
+        value, lifted = lift_group_bound(self.job, mem, self.node_bounds[group], self.model, self.cluster,
+                                         stop_at=line, deadline=self.deadline)
+        self.frame_value[group] = max(self.frame_value[group], value)
+        self.node_value.update({(group, *node): v for node, v in lifted.items()})
+        return value, lifted
+
+    def dp(self, line: float, f: Frame) -> tuple[float, float] | None:
+        """The frame's own bound over whole layers (bounds.frame_dp_bound)."""
+        if not _under(line, max(self.lbs[f][0], self.frame_value.get(sharding_group(f), -math.inf))):
+            return None
+        t, m = frame_dp_bound(self.job, f, self.model, self.cluster, stop_at=line)
+        self.dp_value[f] = t
+        return t, m
+
+    def node(self, line: float, group: tuple, mem: tuple[Frame, ...], rc: Recompute, lc: FsdpLifecycle
+             ) -> float | None:
+        """The group's bound of node (rc, lc) (bounds.group_node_bound), or its lift program's value."""
+        if not _under(line, self.frame_value.get(group, -math.inf)):
+            return None
+        if (group, rc, lc) in self.node_value:
+            return self.node_value[(group, rc, lc)]
+        nodes = [node_lower_bound(self.job, f, rc, lc, self.model, self.cluster) for f in mem]
+        if not any(_under(line, max(nt, self.dp_value.get(f, -math.inf))) and nm <= self.caps[f]
+                   for (nt, nm), f in zip(nodes, mem, strict=True)):
+            return None
+        return group_node_bound(self.job, mem, rc, lc, self.model, self.cluster, stop_at=line,
+                                deadline=self.deadline)
+
+    def nodes(self, line: float, f: Frame) -> list[tuple[float, float]] | None:
+        """The frame's node bounds (`_node_bounds`)."""
+        if not _under(line, max(self.lbs[f][0], self.dp_value.get(f, -math.inf))):
+            return None
+        return _node_bounds(self.job, f, self.recs, self.lcs, self.model, self.cluster)
 
 
 def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
