@@ -66,6 +66,7 @@ def _key(ev: Evaluation) -> tuple[float, int]:
 
 
 ProgressFn = Callable[[int, int, float], None]
+"""progress(CP-SAT solves so far, shapes queued, seconds since the call): called after each solve."""
 
 
 class _CtrlC:
@@ -841,11 +842,11 @@ def _first_bounds(line: float, job: Job, model: ModelSpec, cluster: ClusterSpec,
     return out
 
 
-def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
+def _open_bounds(queue: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
                  ) -> tuple[int, OpenBound | None]:
     """(How many parallel shapes have an entry in the queue that does not close the search against the top-th
     layout k, the least such entry described): what a FEASIBLE plan leaves open."""
-    open_entries = [e for e in heap if not _closed(e.bound, e.peak, k, gap)]
+    open_entries = [e for e in queue if not _closed(e.bound, e.peak, k, gap)]
     if not open_entries:
         return 0, None
     least = min(open_entries)
