@@ -205,7 +205,7 @@ class _Search:
         self.recs = job.search.recompute or list(Recompute)
         self.lcs = lifecycles(job)
         self.budget = min(5.0, max(1.0, 0.05 * self.time_limit))
-        """Seconds of each heuristic pass, and the seeding walks' 2 x budget."""
+        """Seconds the heuristic passes and the sibling pricing get (the first pass half of it), the walks twice it."""
         self.base_slice = max(1.0, self.time_limit / 20)
         """A node's first CP-SAT slice; each slice that cuts it doubles the next."""
         self.seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * self.time_limit), 0.3 * self.time_limit)
