@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from k3opt.search.driver import _Queue
+from k3opt.search.driver import _Entry, _Queue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +18,7 @@ class _F:
     vp: int
 
 
-def _scan(entries: list[tuple], keep) -> tuple | None:
+def _scan(entries: list[_Entry], keep) -> _Entry | None:
     return min((e for e in entries if keep(e)), default=None)
 
 
@@ -32,28 +32,28 @@ def test_picks_equal_a_scan(seed):
             line, peak = rng.uniform(0, 10), rng.randrange(3)
             if rng.random() < 0.5:
                 def is_open(e, line=line):
-                    return e[0] < line  # under the pruning line (gap > 0)
+                    return e.bound < line  # under the pruning line (gap > 0)
             else:
                 line = round(line, 1)  # ties in the bound, decided by the peak (gap 0: not `closed`)
 
                 def is_open(e, line=line, peak=peak):
-                    return e[0] < line or (e[0] == line and e[1] < peak)
+                    return e.bound < line or (e.bound == line and e.peak < peak)
 
             dive = rng.choice(frames)
             want_top = min(left)
             assert q.top() == want_top
-            one = _scan(left, lambda e: e[3].vp == 1 and is_open(e))
+            one = _scan(left, lambda e: e.frame.vp == 1 and is_open(e))
             assert q.least_one(is_open) == one
-            mine = _scan(left, lambda e, d=dive: e[3] == d and is_open(e))
+            mine = _scan(left, lambda e, d=dive: e.frame == d and is_open(e))
             assert q.least_of(dive, is_open) == (mine if dive.vp == 1 else None)
-            fresh = _scan(left, lambda e: e[6] == 0 and is_open(e))
+            fresh = _scan(left, lambda e: e.attempt == 0 and is_open(e))
             assert q.least_fresh(is_open) == fresh
             picked = rng.choice([p for p in (want_top, one, mine, fresh) if p is not None])
             q.take(picked)
             left.remove(picked)
         else:
             f = rng.choice(frames)
-            e = (round(rng.uniform(0, 10), 1), rng.randrange(3), n, f, None, None, rng.choice([0, 0, 1, 2]))
+            e = _Entry(round(rng.uniform(0, 10), 1), rng.randrange(3), n, f, None, None, rng.choice([0, 0, 1, 2]))
             n += 1
             q.push(e)
             left.append(e)

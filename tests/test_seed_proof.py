@@ -294,7 +294,7 @@ def test_open_bounds_count_the_shapes_under_the_line_and_name_the_least():
     def queue(*entries):
         q = driver._Queue()
         for i, (t, f, rc, att) in enumerate(entries):
-            q.push((t, 0.0, i, f, rc, pm if rc is not None else None, att))
+            q.push(driver._Entry(t, 0.0, i, f, rc, pm if rc is not None else None, att))
         return q
 
     q = queue((9.0, a, sel, 0), (9.5, a, None, 0), (9.8, b, None, 0), (9.9, c, None, 0), (12.0, c, sel, 0))

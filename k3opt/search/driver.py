@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import math
 import signal
 import time as _time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
+from typing import NoReturn
 
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import Evaluation, evaluate
@@ -63,6 +66,7 @@ def _key(ev: Evaluation) -> tuple[float, int]:
 
 
 ProgressFn = Callable[[int, int, float], None]
+"""progress(CP-SAT solves so far, shapes queued, seconds since the call): called after each solve."""
 
 
 class _CtrlC:
@@ -89,20 +93,14 @@ class _CtrlC:
             signal.signal(signal.SIGINT, self._prev)
 
 
-
-
-
-
-
-
-
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
 LINE_ROUNDING = 1e-8
 """Relative: a bound program told to stop at the pruning line returns a hair under it once it has shown the line
 reached (lp_bound.granular_stage: the stop x (1 - 1e-9)), so a bound this close under the line counts as at it.
-Without it such a node stayed open and was solved by CP-SAT, and a plan proven to the gap reported FEASIBLE."""
+Without it such a node would stay open and be solved by CP-SAT, and a plan proven to the gap would report
+FEASIBLE."""
 
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
@@ -115,19 +113,700 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     bound on their step time; a popped frame is expanded into (recompute, lifecycle) nodes with tighter bounds; a
     popped node is solved by its CP-SAT model, hinted with a heuristic layout of that node, for a slice of the
     time (a node cut by its slice returns to the queue with CP-SAT's bound and a doubled slice). The seeding before
-    the solves is split by a bounding pass over the queue (no solve, at most POLICY.bound_share of the limit), and its
-    second part stops once the queue's least bound closes the search for the layouts found. With `workers` > 1
+    the solves is split by a bounding pass over the queue (no solve, at most POLICY.bound_share of the limit), and
+    its second part stops once the queue's least bound closes the search for the layouts found. With `workers` > 1
     (CP-SAT's threads) the pass's bound programs also run ahead in a forked process while the seeding runs
-    (search/prefetch.py; Linux only), and stop when the solves start. The search stops
-    when every node left has a bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when
-    the time limit or Ctrl-C stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises
-    InfeasibleJobError with the smallest reachable peak when nothing fits."""
-    t0 = _time.monotonic()
-    total_limit = time_limit
-    if pareto:
-        time_limit = ranked_time_limit(time_limit)  # the Pareto front has the rest (search/front.py)
-    model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
-    cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    (search/prefetch.py; Linux only), and stop when the solves start. The search stops when every node left has a
+    bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when the time limit or Ctrl-C
+    stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises InfeasibleJobError with the
+    smallest reachable peak when nothing fits."""
+    search = _Search(job, model, cluster, top=top, time_limit=time_limit, workers=workers, pareto=pareto,
+                     pareto_step_gib=pareto_step_gib, progress=progress, gap=gap)
+    with search.ctrl_c:
+        search.first_pass()
+        search.bound_shapes()
+        search.start_helper()
+        search.run()
+    return search.finish()
+
+
+class _Outcome(enum.Enum):
+    """What the search did with an entry it took off the queue (`_Search.process`)."""
+
+    PRUNED = "pruned"
+    """It cannot improve its frame's ranked layout beyond the gap: left out, its bound kept in the residual."""
+    REQUEUED = "requeued"
+    """Back in the queue as a fresh entry with a tighter bound: its group's, its own, its node relaxation's."""
+    INFEASIBLE = "infeasible"
+    """Proven to hold no layout: an infinite bound, a peak bound over the budget, or no contiguous whole-layer fit."""
+    EXPANDED = "expanded"
+    """A shape replaced by those of its (recompute, lifecycle) nodes whose peak bound is within the budget."""
+    WAITING = "waiting"
+    """A node the bounding pass set aside for CP-SAT, with its tightened bound (back in the queue after the pass)."""
+    SOLVED = "solved"
+    """A node solved by CP-SAT for a slice; one cut by its slice is back with CP-SAT's bound and twice the time."""
+    STOPPED = "stopped"
+    """The time limit passed (the node back in the queue, unsolved) or Ctrl-C came during its solve: the search
+    stops."""
+
+
+@dataclass(frozen=True)
+class _Line:
+    """The pruning line of one step: the top-th layout k (None while fewer than top are at hand) less the gap."""
+
+    k: PlanItem | None
+    gap: float
+    value: float | None
+    """k's ranked step time x (1 - gap); inf without k; None with gap 0 (`closed` then compares with k itself)."""
+    below: float | None
+    """What an open entry's bound is under: the line less LINE_ROUNDING (None with gap 0)."""
+
+    @classmethod
+    def of(cls, k: PlanItem | None, gap: float) -> _Line:
+        value = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
+        return cls(k, gap, value, value * (1 - LINE_ROUNDING) if value is not None else None)
+
+    @property
+    def stop(self) -> float:
+        """What the bound programs stop at: the line (inf without k, or with gap 0)."""
+        return self.value if self.value is not None else math.inf
+
+    def closed(self, t: float, m: float) -> bool:
+        """Whether bounds (t s, m bytes) cannot displace k (`_closed`)."""
+        return _closed(t, m, self.k, self.gap)
+
+    def is_open(self, e: _Entry) -> bool:
+        """Whether entry e may still displace k; it then holds for every lesser entry too."""
+        return e.bound < self.below if self.below is not None else not self.closed(e.bound, e.peak)
+
+
+class _Search:
+    """One `plan()` call: the job, its frames, the queue and the layouts found, the search's counters and the helper
+    process, shared by its phases. `plan()` runs them in order: the first heuristic pass (`first_pass`), every
+    shape's first bounds (`bound_shapes`), the helper's start (`start_helper`), the seeding, bounding pass and
+    solves (`run`), and the Plan (`finish`)."""
+
+    def __init__(self, job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | None, *, top: int,
+                 time_limit: float, workers: int, pareto: bool, pareto_step_gib: float,
+                 progress: ProgressFn | None, gap: float) -> None:
+        self.t0 = _time.monotonic()
+        self.job, self.top, self.workers, self.gap = job, top, workers, gap
+        self.pareto, self.pareto_step_gib, self.progress = pareto, pareto_step_gib, progress
+        self.total_limit = time_limit
+        self.time_limit = ranked_time_limit(time_limit) if pareto else time_limit
+        """The ranked search's share of the limit: with the front, the front has the rest (search/front.py)."""
+        self.deadline = self.t0 + self.time_limit
+        self.model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+        self.cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+        self.frames = _frames(job, self.model, self.cluster)
+        self.caps = _Caps(job, self.model, self.cluster)
+        self.hbm_line = self.cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+        """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
+        self.recs = job.search.recompute or list(Recompute)
+        self.lcs = lifecycles(job)
+        self.budget = min(5.0, max(1.0, 0.05 * self.time_limit))
+        """Seconds the heuristic passes and the sibling pricing get (the first pass half of it), the walks twice it."""
+        self.base_slice = max(1.0, self.time_limit / 20)
+        """A node's first CP-SAT slice; each slice that cuts it doubles the next."""
+        self.seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * self.time_limit), 0.3 * self.time_limit)
+        """Seconds left to the seeding's two parts (before and after the bounding pass)."""
+        self.ctrl_c = _CtrlC()
+        self.prefetch = Prefetch([], math.inf)
+        """The helper process that runs the bounding pass's programs ahead (none until `start_helper`)."""
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The search's state before any phase: an empty queue, no layout, nothing bounded or solved."""
+        self.queue = _Queue()
+        self.seq = itertools.count()
+        self.best_of: dict[Frame, PlanItem] = {}
+        """The best layout found of each frame."""
+        self.first_layout_s: float | None = None
+        self.walked: set[Frame] = set()
+        """Frames the seeding walked through their configurations (search/incumbents.seed)."""
+        self.configs: dict = {}
+        """Per frame, the fastest layout the seeding priced under each configuration (search/incumbents.seed)."""
+        self.seed_state = SeedState()
+        self.lbs: dict[Frame, tuple[float, float]] = {}
+        """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
+        self.min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
+        self.estimates: dict[Frame, float] = {}
+        """frame_estimate of every shape in the queue: the order the heuristics visit them in."""
+        self.over_line: set[Frame] = set()
+        """Frames skipped as dominated: their peak bound is over HBM minus the reserve, hence over every budget."""
+        self.unbounded = False
+        """Ctrl-C (or, with the front, the ranked share of the time) stopped `bound_shapes` with shapes unbounded."""
+        self.candidates = 0
+        self.members_of: dict[tuple, list[Frame]] = {}
+        """The interleaved frames in the queue by `sharding_group`: a node's group bound covers all of them."""
+        self.group_bounds: dict[tuple, float] = {}
+        """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
+        self.unlifted: dict[tuple, dict] = {}
+        """Per sharding group whose frame bound is not lifted yet (bounds.lift_group_bound), its nodes' own bounds."""
+        self.frame_tightened: set[Frame] = set()
+        self.tightened: set[tuple[Frame, Recompute, FsdpLifecycle]] = set()
+        self.contiguity_checked: set[tuple[Frame, Recompute, FsdpLifecycle]] = set()
+        """Interleaved nodes whose contiguous whole-layer fit was tested (lp_bound.contiguous_fits)."""
+        self.ready: list[_Entry] = []
+        """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
+        self.solved = 0
+        self.size: dict[str, int] = {}
+        self.timed_out = self.interrupted = False
+        self.residual = math.inf
+        """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
+        self.current = math.inf
+        """The bound of the entry being worked on (inf between entries): Ctrl-C leaves it in the residual."""
+        self.share = {True: 0.0, False: 0.0}
+        """Seconds spent on steps picked out of order (v = 1 first) and in queue order: each gets half."""
+        self.last_pick: tuple[bool, float] | None = None
+        self.dive: Frame | None = None
+        """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
+
+    # -- small reads of the state
+
+    def _stopped(self) -> bool:
+        """Ctrl-C's flag: the heuristics and the helper stop on it."""
+        return self.ctrl_c.flag
+
+    def _ranked(self) -> list[PlanItem]:
+        return sorted(self.best_of.values(), key=lambda it: _key(it.evaluation))
+
+    def _kth(self) -> PlanItem | None:
+        ranked = self._ranked()
+        return ranked[self.top - 1] if len(ranked) >= self.top else None
+
+    def _stop_line(self, k: PlanItem | None) -> float:
+        """What the bound programs stop at: the pruning line of the top-th layout k (inf without one, or gap 0)."""
+        return _Line.of(k, self.gap).stop
+
+    def _note_first_layout(self) -> None:
+        if self.best_of and self.first_layout_s is None:
+            self.first_layout_s = _time.monotonic() - self.t0
+
+    def _push(self, bound: float, peak: float, f: Frame, rc: Recompute | None = None,
+              lc: FsdpLifecycle | None = None, attempt: int = 0) -> None:
+        self.queue.push(_Entry(bound, peak, next(self.seq), f, rc, lc, attempt))
+
+    def _requeue(self, e: _Entry, bound: float, peak: float | None = None) -> _Outcome:
+        """e back in the queue as a fresh entry with a tighter `bound` (and `peak`); an infinite bound leaves it out."""
+        if math.isfinite(bound):
+            self._push(bound, e.peak if peak is None else peak, e.frame, e.recompute, e.lifecycle)
+        self.current = math.inf
+        return _Outcome.REQUEUED if math.isfinite(bound) else _Outcome.INFEASIBLE
+
+    def _requeue_ready(self) -> None:
+        for e in self.ready:
+            self.queue.push(e)
+        self.ready.clear()
+
+    # -- the shapes' first bounds
+
+    def first_pass(self) -> None:
+        """A first layout before bounding every shape (incumbents.incumbents): round-robin over the pipeline shapes
+        (PP, VP), each by its most sharded shape first (the least memory per rank), so a fitting layout comes in
+        seconds even when there are many shapes; the pipeline shapes by that shape's bounds: those that can fit,
+        by step-time bound."""
+        # Ordered by sharding alone, the default job's leading pipeline shape (PP8 VP4) comes 13th, and without its
+        # walk the search misses its fastest layout. The pass has half the budget, at most POLICY.first_pass_s.
+        heads: dict[tuple[int, int], tuple[tuple, Frame]] = {}
+        for f in self.frames:
+            key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp)
+            if (f.pp, f.vp) not in heads or key < heads[(f.pp, f.vp)][0]:
+                heads[(f.pp, f.vp)] = (key, f)
+        for _, f in heads.values():
+            self.lbs[f] = frame_lower_bound(self.job, f, self.model, self.cluster)
+        rank = {pv: (self.lbs[f][1] > self.hbm_line, self.lbs[f][0]) for pv, (_, f) in heads.items()}
+        quick = visiting_order([((rank[(f.pp, f.vp)], -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f)
+                                for f in self.frames])
+        self.best_of.update(incumbents(self.job, quick, self.model, self.cluster, self.top,
+                                       min(self.budget / 2, POLICY.first_pass_s), self.t0 + self.budget,
+                                       stop=self._stopped))
+        self._note_first_layout()
+
+    def bound_shapes(self) -> None:
+        """Every shape's first bounds (`_first_bounds`), one sharding group at a time, shared with a forked helper
+        (search/prefetch.py: the groups it has started are taken from it, the others computed here); the shapes
+        whose peak bound is within their budget enter the queue."""
+        # At 8,192 GPUs this pass bounds about 10,800 of the 28,224 shapes: seconds on one core, the other idle.
+        by_group: dict[tuple, list[Frame]] = {}
+        for f in _most_sharded_first(self.frames):
+            by_group.setdefault(sharding_group(f), []).append(f)
+        known = dict(self.lbs)
+        tasks = [(("first", i), partial(_first_bounds, job=self.job, model=self.model, cluster=self.cluster,
+                                        hbm_line=self.hbm_line, members=tuple(mem), known=known))
+                 for i, mem in enumerate(by_group.values())]
+        with Prefetch(tasks if self.workers > 1 else [], math.inf, deadline=self.deadline,
+                      stop=self._stopped) as sharing:
+            for key, program in tasks:
+                if self._bounding_cut():
+                    break
+                ahead = sharing.take(key)
+                self._enqueue_shapes(ahead if ahead is not None else program(math.inf))
+
+    def _bounding_cut(self) -> bool:
+        """Whether Ctrl-C (or, with the front, the ranked share of the time) stops `bound_shapes`: the shapes not
+        bounded yet leave the bound at 0 (`unbounded`). Without a layout at hand it raises KeyboardInterrupt."""
+        if self.ctrl_c.flag or (self.pareto and self.best_of and _time.monotonic() - self.t0 > self.time_limit):
+            if not self.best_of:
+                raise KeyboardInterrupt
+            self.unbounded = True
+            return True
+        return False
+
+    def _enqueue_shapes(self, rows: list[tuple[Frame, tuple[float, float] | None, int | None, float | None]]
+                        ) -> None:
+        """One sharding group's first bounds (`_first_bounds`) recorded, its shapes with an estimate queued."""
+        for f, lb, cap, estimate in rows:
+            if lb is None:
+                self.over_line.add(f)  # dominated: a shape with more sharding of the same state is over the line
+                continue
+            self.lbs[f] = lb
+            t_lb, m_lb = lb
+            if m_lb < self.min_peak_lb[0]:
+                self.min_peak_lb = (m_lb, f)
+            if cap is not None:
+                self.caps[f] = cap
+            if estimate is not None:
+                self._push(t_lb, m_lb, f)
+                self.estimates[f] = estimate
+
+    def start_helper(self) -> None:
+        """The bounding pass's programs (`_pass_tasks`) started in a forked process (with workers > 1 and every
+        shape bounded): the helper bounds on the second core while the heuristics run on this one."""
+        self.candidates = len(self.queue)
+        for f in self.estimates:
+            if f.vp > 1:
+                self.members_of.setdefault(sharding_group(f), []).append(f)
+        tasks = (_pass_tasks(self.job, self.model, self.cluster, list(self.estimates), self.members_of, self.recs,
+                             self.lcs, self.lbs, self.caps, self.deadline)
+                 if self.workers > 1 and not self.unbounded else [])
+        self.prefetch = Prefetch(tasks, self._stop_line(self._kth()), deadline=self.deadline, stop=self._stopped)
+
+    # -- the seeding, the bounding pass, the solves
+
+    def run(self) -> None:
+        """The seeding's walks and first part, the bounding pass, the seeding's second part, the CP-SAT solves.
+        Ctrl-C ends it with the best so far (as does an unfinished `bound_shapes`); the nodes the pass left for
+        CP-SAT go back to the queue, and the helper stops, however it ends."""
+        self.residual = 0.0 if self.unbounded else self.residual
+        try:
+            if self.unbounded:
+                raise KeyboardInterrupt
+            self._first_seeding()
+            self._bounding_pass()
+            self._requeue_ready()
+            self.last_pick = None  # the seeding between is neither kind of step
+            if not (self.timed_out or self.interrupted):
+                self._second_seeding()
+                self._search_queue(solving=True)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.residual = min(self.residual, self.current)
+        finally:
+            self._requeue_ready()
+            self.prefetch.close()
+
+    def _first_seeding(self) -> None:
+        """The walks, the second heuristic pass when they end far from the queue's least bound, the seeding's first
+        part (until it stalls on the fastest layout) and, with top > 1, the sibling pricing."""
+        self._walk_fastest()
+        near = self._round_robin()
+        # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
+        # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
+        # set the pruning line of the bounding pass, and a lower line prunes sooner), then, after the pass, for the
+        # rest of its share unless a layout it finds closes the search.
+        # The first part stalls on the fastest layout alone: with top > 1 the top-th keeps falling as siblings of
+        # the fastest are priced, which the sibling pricing does at once (on the default job, top 5, it takes the
+        # fifth layout from 22.1 to 18.66 s, under the line the pass's bounds close).
+        self._seed_frames(POLICY.first_patience_near_s if near else POLICY.first_patience_s, None, 1)
+        if self.top > 1:
+            self._spread()
+
+    def _walk_fastest(self) -> None:
+        """The seeding's walks (search/incumbents.seed): the frames of the fastest layouts so far through their
+        configurations, after the helper process has started (it bounds while they walk)."""
+        # 2 x budget from the walks' start, not from the plan's: a first pass that ran long would cut the second
+        # walk short (the walks of the three fastest shapes take seconds on the default job).
+        self.best_of.update(seed(self.job, [], self.model, self.cluster, self.best_of,
+                                 _time.monotonic() + 2 * self.budget, stop=self._stopped, walked=self.walked,
+                                 configs=self.configs, gain=POLICY.seed_gain * self.gap))
+        self._note_first_layout()
+        self.prefetch.set_line(self._stop_line(self._kth()))
+
+    def _round_robin(self) -> bool:
+        """The second heuristic pass (incumbents.incumbents) over the frames not ranked yet, unless the fastest
+        layout is within POLICY.round_robin_above of the queue's least bound: whether it was (`near`)."""
+        # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
+        ordered = visiting_order([((e.peak > 0.8 * self.caps[e.frame], self.estimates[e.frame]), e.frame)
+                                  for e in self.queue])
+        # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
+        # bounds), leaving CP-SAT the time to find a layout or prove there is none.
+        deadline = max(_time.monotonic() + self.budget, self.t0 + 0.3 * self.time_limit)
+        rest = [e for e in ordered if e[1] not in self.best_of]
+        # Only without a layout at hand, or while the fastest is far above the queue's least bound: then the walks
+        # have not met the pipeline shapes that lead, and this pass's round-robin over them does (at 8,192 and
+        # 32,768 GPUs the walks end 90% above the least bound and this pass finds layouts 40% faster; on the
+        # default job they end within 10% of it, and it finds none faster).
+        lead = min((it.rank_time_s for it in self.best_of.values()), default=math.inf)  # inf: no layout at hand
+        near = bool(self.queue) and lead <= (1 + POLICY.round_robin_above) * self.queue.top().bound
+        if not near:
+            self.best_of.update(incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
+                                           stop=self._stopped))
+        return near
+
+    def _seed_frames(self, patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None,
+                     stall_top: int) -> None:
+        """The seeding (search/incumbents.seed) over the queue's frames by estimate, for the time it has left: it
+        stalls on the top `stall_top` layouts after `patience_min` s, and stops once `done` holds for the layouts
+        so far (fastest first); each frame's lower bound is its least in the queue (after the pass, tightened)."""
+        start = _time.monotonic()
+        # dict.fromkeys, not a set: the order of frames at equal estimates stays the queue's (a set's depends on
+        # the hash seed).
+        frames_left = sorted(dict.fromkeys(e.frame for e in self.queue), key=self.estimates.__getitem__)
+        least: dict[Frame, float] = {}
+        for e in self.queue:
+            least[e.frame] = min(least.get(e.frame, math.inf), e.bound)
+        self.best_of.update(seed(self.job, frames_left, self.model, self.cluster, self.best_of,
+                                 start + self.seed_left, stop=self._stopped, walked=self.walked, walk_first=False,
+                                 lower=lambda g: max(self.lbs[g][0], least.get(g, -math.inf)), top=stall_top,
+                                 gain=POLICY.seed_gain * self.gap, configs=self.configs,
+                                 done=partial(self._publish, done), patience_min=patience_min,
+                                 state=self.seed_state))
+        self.seed_left -= _time.monotonic() - start
+        self._note_first_layout()
+
+    def _publish(self, done: Callable[[list[PlanItem]], bool] | None, fastest: list[PlanItem]) -> bool:
+        """The seeding's stop test: the line of its layouts (fastest first) handed to the helper, then `done`."""
+        self.prefetch.set_line(self._stop_line(fastest[self.top - 1] if len(fastest) >= self.top else None))
+        return done is not None and done(fastest)
+
+    def _proven(self, fastest: list[PlanItem]) -> bool:
+        """Whether the queue's least bound already closes the search for these layouts (fastest first)."""
+        if len(fastest) < self.top or not self.queue:
+            return len(fastest) >= self.top
+        e = self.queue.top()
+        return _closed(min(e.bound, self.residual), e.peak, fastest[self.top - 1], self.gap)
+
+    def _spread(self) -> None:
+        """The fastest layouts' configurations and splits priced on their sibling shapes (incumbents.spread)."""
+        self.best_of.update(spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
+                                   min(_time.monotonic() + self.budget, self.deadline),
+                                   most=max(self.top, POLICY.spread_sources), stop=self._stopped))
+
+    def _bounding_pass(self) -> None:
+        """The queue's shapes and nodes bounded, no CP-SAT solve, for POLICY.bound_share of the limit."""
+        # Without `top` layouts there is no line to bound against (and no proof to stop the seeding at): no pass,
+        # the node models start at once.
+        until = _time.monotonic() + (POLICY.bound_share * self.time_limit if self._kth() is not None else 0.0)
+        self._search_queue(solving=False, until=until)
+
+    def _second_seeding(self) -> None:
+        """The seeding's second part, unless the queue's bounds already close the search, then the sibling
+        pricing."""
+        if self.seed_left > 0 and not self._proven(self._ranked()):
+            self._seed_frames(None, self._proven, self.top)
+        # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
+        # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling. Run
+        # even when the bounds close the search: a sibling as fast and leaner ranks first (on the default job the
+        # seeding's 18.631-s layout peaks at 138.5 GiB; the sibling pricing finds one as fast at 110.0 GiB).
+        self._spread()
+
+    def _search_queue(self, solving: bool, until: float = math.inf) -> None:
+        """Entries taken off the queue and processed (`process`) until the queue's least entry is closed, the
+        time limit passes or Ctrl-C comes, or (the bounding pass, `solving` False: no CP-SAT) `until`."""
+        while self.queue:
+            line = self._line_at_top()
+            if line is None:
+                break
+            now = _time.monotonic()
+            if not solving and now >= until:
+                break
+            entry, diving = self._pick(line, now)
+            if self.process(entry, diving, line, solving) is _Outcome.STOPPED:
+                break
+
+    def _line_at_top(self) -> _Line | None:
+        """This step's pruning line, handed to the helper; None when the search stops here: the queue's least entry
+        is closed against it, or the time limit has passed (`timed_out`), or Ctrl-C came (`interrupted`)."""
+        least = self.queue.top()
+        line = _Line.of(self._kth(), self.gap)
+        if line.closed(least.bound, least.peak):
+            return None
+        self.prefetch.set_line(line.stop)
+        if self.time_limit - (_time.monotonic() - self.t0) <= 0:
+            self.timed_out = True
+            return None
+        if self.ctrl_c.flag:
+            self.interrupted = True
+            return None
+        return line
+
+    def _pick(self, line: _Line, now: float) -> tuple[_Entry, bool]:
+        """The entry to work on, taken off the queue, and whether it is a dive (an out-of-order pick)."""
+        if self.last_pick is not None:
+            self.share[self.last_pick[0]] += now - self.last_pick[1]
+        picked, diving = None, False
+        if self.share[True] <= self.share[False]:
+            # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1 node:
+            # its bound is an exact program over the split, so it is proven fast, while a v > 1 node's mean bound
+            # keeps it first in the queue (and expanding interleaved shapes one by one could take the whole limit
+            # before any solve); the other half follows the queue, which raises the proven bound. The order changes
+            # which node is solved first, never the bound (the least over the queue). It dives: the shape expanded
+            # last goes on to its best node, and that node is solved once tightened, even when tightening lifted it
+            # above other nodes (its bound stays valid).
+            picked = self.queue.least_of(self.dive, line.is_open) if self.dive is not None else None
+            picked = picked or self.queue.least_one(line.is_open)
+            diving = picked is not None
+        elif self.queue.top().attempt > 0:
+            # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every frame
+            # and node under the gap line has had its bounds and one slice, the least bound first; an interleaved
+            # node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
+            picked = self.queue.least_fresh(line.is_open)
+        self.last_pick = (diving, now)
+        picked = picked or self.queue.top()
+        self.queue.take(picked)
+        return picked, diving
+
+    def process(self, e: _Entry, diving: bool, line: _Line, solving: bool) -> _Outcome:
+        """One step on entry e, taken off the queue: pruned against its frame's layout, or a shape's bounds
+        (`_process_shape`), or a node's bounds and solve (`_process_node`)."""
+        self.current = e.bound
+        mine = self.best_of.get(e.frame)
+        if mine is not None and (e.bound > mine.rank_time_s or (
+                self.gap > 0 and e.bound >= mine.rank_time_s * (1 - self.gap) * (1 - LINE_ROUNDING))):
+            self.residual = min(self.residual, e.bound)
+            self.current = math.inf
+            return _Outcome.PRUNED  # it cannot improve its frame (beyond the gap), and the frame is already ranked
+        if e.recompute is None:
+            return self._process_shape(e, diving, line)
+        return self._process_node(e, diving, line, solving, mine)
+
+    def _process_shape(self, e: _Entry, diving: bool, line: _Line) -> _Outcome:
+        """A shape: its sharding group's bound (interleaved shapes), then its own over whole layers
+        (bounds.frame_dp_bound), each sending it back when above its bound; then its nodes replace it."""
+        f = e.frame
+        if f.vp > 1 and f not in self.frame_tightened:
+            # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
+            gb = self._group_frame_bound(f, e.bound, line)
+            if gb > e.bound + 1e-12:
+                return self._requeue(e, gb)
+        if f not in self.frame_tightened:
+            self.frame_tightened.add(f)
+            ahead = self.prefetch.take(("dp", f))
+            ft, fm_ = ahead if ahead is not None else frame_dp_bound(self.job, f, self.model, self.cluster,
+                                                                     stop_at=line.stop)
+            if ft > e.bound + 1e-12 or fm_ > e.peak:
+                fits = math.isfinite(ft) and fm_ <= self.caps[f]
+                outcome = self._requeue(e, max(ft, e.bound) if fits else math.inf, max(fm_, e.peak))
+                self.dive = f if diving else self.dive
+                return outcome
+        ahead = self.prefetch.take(("nodes", f))
+        nodes = ahead if ahead is not None else _node_bounds(self.job, f, self.recs, self.lcs, self.model,
+                                                             self.cluster)
+        for (rc, lc), (nt, nm) in zip(itertools.product(self.recs, self.lcs), nodes, strict=True):
+            if nm <= self.caps[f]:
+                self._push(max(nt, e.bound), max(nm, e.peak), f, rc, lc)
+        self.current = math.inf
+        self.dive = f if diving else self.dive
+        return _Outcome.EXPANDED
+
+    def _group_frame_bound(self, f: Frame, t_lb: float, line: _Line) -> float:
+        """The bound of f's sharding group (bounds.group_frame_bound over its interleaved members; -inf for a
+        member alone), lifted by the group's node programs once it is under f's bound and the line is finite."""
+        group = sharding_group(f)
+        mem = self.members_of.get(group, [])
+        if group not in self.group_bounds:
+            ahead = self.prefetch.take(("frame", group)) if len(mem) > 1 else None
+            per_node: dict = {}
+            if ahead is not None:
+                self.group_bounds[group], per_node = ahead
+            elif len(mem) > 1:
+                self.group_bounds[group] = group_frame_bound(self.job, tuple(mem), self.model, self.cluster,
+                                                             stop_at=line.stop, deadline=self.deadline,
+                                                             per_node=per_node)
+            else:
+                self.group_bounds[group] = -math.inf
+            self.unlifted[group] = per_node
+        gb = self.group_bounds[group]
+        if gb <= t_lb + 1e-12 and group in self.unlifted and math.isfinite(line.stop):
+            gb = self._lift_group(group, mem, gb, line)
+        return gb
+
+    def _lift_group(self, group: tuple, mem: list[Frame], gb: float, line: _Line) -> float:
+        """Under the line: the group's nodes by their group programs before any member's own bounds
+        (bounds.lift_group_bound); each member's node, popped later, takes the programs' values."""
+        ahead = self.prefetch.take(("lift", group))
+        value, lifted = ahead if ahead is not None else lift_group_bound(
+            self.job, tuple(mem), self.unlifted.pop(group), self.model, self.cluster, stop_at=line.stop,
+            deadline=self.deadline)
+        self.unlifted.pop(group, None)
+        for (rc, lc), v in lifted.items():
+            self.group_bounds.setdefault((group, rc, lc), v)
+        self.group_bounds[group] = gb = max(gb, value)
+        return gb
+
+    def _process_node(self, e: _Entry, diving: bool, line: _Line, solving: bool, mine: PlanItem | None
+                      ) -> _Outcome:
+        """A node: its group's bound (interleaved shapes), then its own relaxation (bounds.tight_node_bound), each
+        sending it back when above its bound (a dive goes on with a tightened bound under the line); then CP-SAT,
+        or in the bounding pass the wait for it."""
+        f, rc, lc = e.frame, e.recompute, e.lifecycle
+        if f.vp > 1 and (f, rc, lc) not in self.tightened:
+            gb = self._group_node_bound(f, rc, lc, line)
+            if gb > e.bound + 1e-12:
+                return self._requeue(e, gb)
+        if _time.monotonic() - self.t0 > self.time_limit:
+            # The limit passed during the group's program (seconds at 8,192 GPUs): the node goes back with its bound,
+            # not on to its own relaxation, which would run the plan past the limit.
+            self._push(e.bound, e.peak, f, rc, lc, e.attempt)
+            self.current = math.inf
+            self.timed_out = True
+            return _Outcome.STOPPED
+        t_lb = e.bound
+        if (f, rc, lc) not in self.tightened:
+            self.tightened.add((f, rc, lc))
+            # Past the pruning line the exact value is not needed: the node only has to be shown above it.
+            tight = tight_node_bound(self.job, f, rc, lc, self.model, self.cluster, stop_at=line.stop)
+            if tight > t_lb + 1e-12:
+                if not (diving and math.isfinite(tight) and not line.closed(tight, e.peak)):
+                    return self._requeue(e, tight)
+                t_lb = self.current = tight  # the dive solves it now, with its tightened bound
+        if not solving:
+            # The bounding pass solves nothing: the node waits, with its tightened bound, for the seeding.
+            self.ready.append(_Entry(t_lb, e.peak, next(self.seq), f, rc, lc, e.attempt))
+            self.current = math.inf
+            self.dive = None
+            return _Outcome.WAITING
+        return self._solve(e, t_lb, mine)
+
+    def _group_node_bound(self, f: Frame, rc: Recompute, lc: FsdpLifecycle, line: _Line) -> float:
+        """One program for the node of every FSDP variant of the shape (bounds.group_node_bound; -inf for a member
+        alone): they sit at near-equal bounds, and one program over the least of their arrays often shows them all
+        above the line. Each member popped below the group's bound goes back with it, unsolved."""
+        group = sharding_group(f)
+        if (group, rc, lc) not in self.group_bounds:
+            mem = self.members_of.get(group, [])
+            ahead = self.prefetch.take(("node", group, rc, lc)) if len(mem) > 1 else None
+            self.group_bounds[(group, rc, lc)] = ahead if ahead is not None else (
+                group_node_bound(self.job, tuple(mem), rc, lc, self.model, self.cluster, stop_at=line.stop,
+                                 deadline=self.deadline) if len(mem) > 1 else -math.inf)
+        return self.group_bounds[(group, rc, lc)]
+
+    def _solve(self, e: _Entry, t_lb: float, mine: PlanItem | None) -> _Outcome:
+        """The node's CP-SAT model for a slice (base_slice x 2^attempt), hinted on its first slice with a heuristic
+        layout of the node; its layout (rebalanced, `_rebalanced`) replaces its frame's when better."""
+        f, rc, lc = e.frame, e.recompute, e.lifecycle
+        # The helper bounds on until the first CP-SAT solve, which takes both cores (the values it has computed
+        # stay): at 8,192 GPUs the bounding after the seeding solves nothing.
+        self.prefetch.close()
+        hint = frame_incumbent(self.job, f, self.model, self.cluster, recompute=rc, lifecycle=lc,
+                               deadline=self.deadline) if e.attempt == 0 else None
+        if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
+            self.best_of[f] = mine = hint
+        remaining = self.time_limit - (_time.monotonic() - self.t0)
+        res, item = solve_frame(self.job, f, self.model, self.cluster,
+                                min(remaining, self.base_slice * 2 ** e.attempt), self.workers,
+                                recompute=rc, lifecycle=lc, relative_gap=self.gap,
+                                hint=(hint or mine).layout if (hint or mine) is not None else None)
+        self.solved += 1
+        self.dive = None
+        if item is not None and res.shape is not None:
+            item = _rebalanced(self.job, f, res.shape, item, self.model, self.cluster)
+        self.size = {"variables": max(self.size.get("variables", 0), res.variables),
+                     "constraints": max(self.size.get("constraints", 0), res.constraints)}
+        if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
+            self.best_of[f] = item
+        self._note_first_layout()
+        return self._after_slice(e, max(t_lb, res.bound_step_s), res.status, item)
+
+    def _after_slice(self, e: _Entry, node_bound: float, status: str, item: PlanItem | None) -> _Outcome:
+        """What a slice's status does to the node of bound `node_bound`: Ctrl-C stops the search; a slice that found
+        nothing has the node's contiguous whole-layer fit tested once; a cut node goes back for a doubled slice."""
+        f, rc, lc = e.frame, e.recompute, e.lifecycle
+        if self.ctrl_c.flag:
+            self.interrupted = True
+            self.residual = min(self.residual, node_bound)
+            return _Outcome.STOPPED
+        if status == "UNKNOWN" and f.vp > 1 and (f, rc, lc) not in self.contiguity_checked:
+            # No layout found in its slice: whole layers in contiguous chunks may not fit at all, which the
+            # relaxation (fractional, not contiguous) cannot see and CP-SAT's bound can take minutes to show
+            # (lp_bound.contiguous_fits). Once per node, for at most its next slice.
+            self.contiguity_checked.add((f, rc, lc))
+            left = self.time_limit - (_time.monotonic() - self.t0)
+            if left > 0 and contiguous_fits(self.job, f, rc, lc, self.model, self.cluster,
+                                            min(left, self.base_slice * 2 ** (e.attempt + 1))) is False:
+                self.current = math.inf
+                return _Outcome.INFEASIBLE
+        if status in ("FEASIBLE", "UNKNOWN"):
+            # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
+            self._push(node_bound, e.peak, f, rc, lc, e.attempt + 1)
+        elif status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
+            self.residual = min(self.residual, node_bound)  # proven to the relative gap only
+        self.current = math.inf
+        if self.progress:
+            self.progress(self.solved, self.candidates, _time.monotonic() - self.t0)
+        return _Outcome.SOLVED
+
+    # -- the plan
+
+    def finish(self) -> Plan:
+        """The Plan: the ranked layouts with the front's, the proven bound (the least left in the queue, or left
+        behind) and gap, the status, and what a FEASIBLE plan leaves open."""
+        if self.ctrl_c.flag:
+            self.interrupted = True
+        bound = min(self.queue.top().bound if self.queue else math.inf, self.residual)
+        ranked = self._ranked()
+        if not ranked:
+            self._raise_nothing_found(bound)
+        front, complete = self._front(ranked)
+        ranked = _with_front(ranked, front)
+        top_items = ranked[:self.top]
+        best_t = top_items[0].rank_time_s
+        bound = min(bound, best_t)
+        proven_gap = (best_t - bound) / best_t if best_t else 0.0
+        status = self._status(ranked, bound, proven_gap)
+        open_shapes, holding = (0, None) if status == "OPTIMAL" else _open_bounds(
+            self.queue, ranked[self.top - 1] if len(ranked) >= self.top else None, self.gap, self.frame_tightened,
+            self.tightened)
+        return Plan(job=self.job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
+                    frames_total=len(self.frames), frames_solved=self.solved,
+                    solve_time_s=_time.monotonic() - self.t0, model_size=self.size, pareto_complete=complete,
+                    first_layout_s=self.first_layout_s, open_shapes=open_shapes, holding=holding)
+
+    def _raise_nothing_found(self, bound: float) -> NoReturn:
+        """No layout at all: KeyboardInterrupt after Ctrl-C; else InfeasibleJobError, with the time limit when the
+        search did not finish, or with why nothing fits (`_infeasible_reason`) when it proved it."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.timed_out or math.isfinite(bound):
+            raise InfeasibleJobError(
+                f"no layout found within the {self.time_limit:g} s time limit ({self.solved} candidate shapes "
+                "solved); raise --time-limit")
+        raise InfeasibleJobError(_infeasible_reason(self.job, self.model, self.cluster, self.min_peak_lb[1],
+                                                    self.min_peak_lb[0]))
+
+    def _front(self, ranked: list[PlanItem]) -> tuple[list[PlanItem], bool]:
+        """The Pareto front (search/front.py) and whether it is complete; after Ctrl-C, the best layout alone."""
+        if self.pareto and not self.ctrl_c.flag and (self.unbounded or not self.interrupted):
+            return build_front(self.job, self.model, self.cluster, self.best_of, ranked, self.pareto_step_gib,
+                               self.t0, self.total_limit, self.workers, lower_bounds=self.lbs,
+                               over_line=self.over_line, estimates=self.estimates)
+        return (ranked[:1] if self.interrupted else [], False)
+
+    def _status(self, ranked: list[PlanItem], bound: float, proven_gap: float) -> str:
+        """OPTIMAL when the search ended on its own with the bound within the gap of the top-th layout, and the
+        proven gap of the best within the gap; else FEASIBLE."""
+        k = ranked[min(self.top, len(ranked)) - 1].rank_time_s
+        # gap > 0: bounds within LINE_ROUNDING under the line count as at it, so the proven gap may exceed `gap` by
+        # as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
+        tol = LINE_ROUNDING if self.gap > 0 else 0.0
+        done = not (self.timed_out or self.interrupted) and (
+            bound >= k * (1 - self.gap) * (1 - tol) - 1e-12 or not self.queue)
+        return "OPTIMAL" if done and proven_gap <= self.gap + tol + 1e-12 else "FEASIBLE"
+
+
+def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:
+    """Every frame of the job's GPU counts; InfeasibleJobError when its rules leave none."""
     frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
     if not frames:
         raise InfeasibleJobError(
@@ -135,471 +814,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
             f"{job.tokens_per_update}, rows x context {job.rows} x {job.context}); make tokens_per_update a "
             "multiple of DP x rows x context for some PP, or give [search] microbatches"
         )
-    caps = _Caps(job, model, cluster)
-    hbm_line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
-    """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
-    recs = job.search.recompute or list(Recompute)
-    lcs = lifecycles(job)
-    heap = _Queue()
-    seq = itertools.count()
-    min_peak_lb: tuple[float, Frame | None] = (math.inf, None)
-    best_of: dict[Frame, PlanItem] = {}
-    budget = min(5.0, max(1.0, 0.05 * time_limit))
-    ctrl_c = _CtrlC().__enter__()
-    first_layout_s: float | None = None
-    # A first layout before bounding every shape: per (PP, VP) group, the shapes with the most EP and dense FSDP
-    # first (the least memory per rank), so a fitting layout comes in seconds even when there are many shapes.
-    unbounded = False
-    walked: set[Frame] = set()
-    """Frames the seeding walked through their configurations (search/incumbents.seed)."""
-    configs: dict = {}
-    """Per frame, the fastest layout the seeding priced under each configuration (search/incumbents.seed)."""
-    lbs: dict[Frame, tuple[float, float]] = {}
-    """frame_lower_bound of every frame bounded here, reused by the Pareto front."""
-    estimates: dict[Frame, float] = {}
-    """frame_estimate of every shape in the queue: the order the heuristics visit them in."""
-    over_line: set[Frame] = set()
-    """Frames skipped as dominated: their peak bound is over HBM minus the reserve, hence over every budget."""
-    try:
-        # Round-robin over the pipeline shapes (PP, VP), each by its most sharded shape first (the least memory per
-        # rank), the pipeline shapes by that shape's bounds: those that can fit, by step-time bound. The first pass
-        # has budget / 2: ordered by sharding alone, the default job's PP8 VP4 shape came 13th and was priced in
-        # half the runs, and without its walk the search missed its 18.63-s layout (FEASIBLE at a 60-s limit).
-        heads: dict[tuple[int, int], tuple[tuple, Frame]] = {}
-        for f in frames:
-            key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp)
-            if (f.pp, f.vp) not in heads or key < heads[(f.pp, f.vp)][0]:
-                heads[(f.pp, f.vp)] = (key, f)
-        for _, f in heads.values():
-            lbs[f] = frame_lower_bound(job, f, model, cluster)
-        rank = {pv: (lbs[f][1] > hbm_line, lbs[f][0]) for pv, (_, f) in heads.items()}
-        quick = visiting_order([((rank[(f.pp, f.vp)], -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f)
-                                for f in frames])
-        best_of.update(incumbents(job, quick, model, cluster, top, min(budget / 2, POLICY.first_pass_s), t0 + budget,
-                                  stop=lambda: ctrl_c.flag))
-        if best_of:
-            first_layout_s = _time.monotonic() - t0
-        # Every shape's first bounds, one sharding group at a time, shared with a forked helper (search/prefetch.py:
-        # the groups it has started are taken from it, the others computed here): at 8,192 GPUs this pass bounds
-        # about 10,800 of the 28,224 shapes and took 9 s on one core while the other idled.
-        by_group: dict[tuple, list[Frame]] = {}
-        for f in _most_sharded_first(frames):
-            by_group.setdefault(sharding_group(f), []).append(f)
-        known = dict(lbs)
-        first_tasks = [(("first", i), partial(_first_bounds, job=job, model=model, cluster=cluster, hbm_line=hbm_line,
-                                              members=tuple(mem), known=known))
-                       for i, mem in enumerate(by_group.values())]
-        with Prefetch(first_tasks if workers > 1 else [], math.inf, deadline=t0 + time_limit,
-                      stop=lambda: ctrl_c.flag) as sharing:
-            for key, program in first_tasks:
-                if ctrl_c.flag or (pareto and best_of and _time.monotonic() - t0 > time_limit):
-                    if not best_of:
-                        raise KeyboardInterrupt
-                    # Ctrl-C (or, with the front, the ranked share of the time) while bounding: the shapes not
-                    # bounded yet leave the bound at 0.
-                    unbounded = True
-                    break
-                ahead = sharing.take(key)
-                for f, lb, cap, estimate in ahead if ahead is not None else program(math.inf):
-                    if lb is None:
-                        over_line.add(f)  # dominated: a shape with more sharding of the same state is over the line
-                        continue
-                    lbs[f] = lb
-                    t_lb, m_lb = lb
-                    if m_lb < min_peak_lb[0]:
-                        min_peak_lb = (m_lb, f)
-                    if cap is not None:
-                        caps[f] = cap
-                    if estimate is not None:
-                        heap.push((t_lb, m_lb, next(seq), f, None, None, 0))
-                        estimates[f] = estimate
-    except BaseException:
-        ctrl_c.__exit__()
-        raise
-    candidates = len(heap)
-    members_of: dict[tuple, list[Frame]] = {}
-    """The interleaved frames in the queue by `sharding_group`: a node's group bound covers all of them."""
-    for f in estimates:
-        if f.vp > 1:
-            members_of.setdefault(sharding_group(f), []).append(f)
-    group_bounds: dict[tuple, float] = {}
-    """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
-    unlifted: dict[tuple, dict] = {}
-    """Per sharding group whose frame bound is not lifted yet (bounds.lift_group_bound), its nodes' own bounds."""
-    solved = 0
-    timed_out = interrupted = False
-    size: dict[str, int] = {}
-    residual = math.inf
-    """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
-    tightened: set = set()
-    frame_tightened: set = set()
-    contiguity_checked: set = set()
-    """Interleaved nodes whose contiguous whole-layer fit was tested (lp_bound.contiguous_fits)."""
-    base_slice = max(1.0, time_limit / 20)
-
-    def kth() -> PlanItem | None:
-        ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
-        return ranked[top - 1] if len(ranked) >= top else None
-
-    def stop_line(k: PlanItem | None) -> float:
-        """What the bound programs stop at: the pruning line of the top-th layout k (inf without one, or gap 0)."""
-        return k.rank_time_s * (1 - gap) if k is not None and gap > 0 else math.inf
-
-    # The bound programs the bounding pass will need, on the second core while the heuristics run on this one.
-    prefetch = Prefetch([], math.inf)
-    try:
-        prefetch = Prefetch(_pass_tasks(job, model, cluster, list(estimates), members_of, recs, lcs, lbs, caps,
-                                        t0 + time_limit) if workers > 1 and not unbounded else [],
-                            stop_line(kth()), deadline=t0 + time_limit, stop=lambda: ctrl_c.flag)
-    except BaseException:
-        ctrl_c.__exit__()
-        raise
-
-    current = math.inf
-    share = {True: 0.0, False: 0.0}
-    """Seconds spent on steps picked out of order (v = 1 first) and in queue order: each gets half."""
-    last_pick: tuple[bool, float] | None = None
-    dive: Frame | None = None
-    """The v = 1 shape the last out-of-order pick expanded: the next pick continues with its nodes."""
-    residual = 0.0 if unbounded else residual
-    ready: list[tuple] = []
-    """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
-    try:
-        if unbounded:
-            raise KeyboardInterrupt
-        # The front's seeding walks (search/incumbents.seed): the frames of the fastest layouts so far through
-        # their configurations, after the helper process has started (it bounds while they walk).
-        # 2 x budget from its start, not from the plan's: the walks of the three fastest shapes take about 4 s on
-        # the default job, and a first pass that ran long used to cut the second walk short.
-        best_of.update(seed(job, [], model, cluster, best_of, _time.monotonic() + 2 * budget, stop=lambda: ctrl_c.flag,
-                            walked=walked, configs=configs, gain=POLICY.seed_gain * gap))
-        if best_of and first_layout_s is None:
-            first_layout_s = _time.monotonic() - t0
-        prefetch.set_line(stop_line(kth()))
-        # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
-        ordered = visiting_order([((e[1] > 0.8 * caps[e[3]], estimates[e[3]]), e[3])
-                                  for e in heap])
-        # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
-        # bounds), leaving CP-SAT the time to find a layout or prove there is none.
-        deadline = max(_time.monotonic() + budget, t0 + 0.3 * time_limit)
-        rest = [e for e in ordered if e[1] not in best_of]
-        # Only without a layout at hand, or while the fastest is far above the queue's least bound
-        # (POLICY.round_robin_above): then the walks have not met the pipeline shapes that lead, and this pass's
-        # round-robin over them does (at 8,192 and 32,768 GPUs the walks end at 32.4 s, 90% above the least bound,
-        # and this pass finds 19.2-s layouts in its 3 s; on the default job the walks end 9.5% above it, at
-        # 18.63 s, and the pass found nothing under 24 s).
-        lead = min((it.rank_time_s for it in best_of.values()), default=math.inf)  # inf: no layout at hand
-        near = bool(heap) and lead <= (1 + POLICY.round_robin_above) * heap.top()[0]
-        if not near:
-            best_of.update(incumbents(job, rest, model, cluster, top, budget, deadline, stop=lambda: ctrl_c.flag))
-        # Then the frames by estimate under the fastest configurations found (and walked when faster), those whose
-        # bound is under the fastest so far: first until the seeding stalls for a short while (the layouts it finds
-        # set the pruning line of the bounding pass below, and a lower line prunes sooner), then, after the pass,
-        # for the rest of its share unless a layout it finds closes the search.
-        seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * time_limit), 0.3 * time_limit)
-        state = SeedState()
-
-        def seeding(patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None,
-                    stall_top: int) -> None:
-            nonlocal seed_left, first_layout_s
-            start = _time.monotonic()
-            # dict.fromkeys, not a set: the order of frames at equal estimates stays the queue's (a set's
-            # depends on the hash seed).
-            frames_left = sorted(dict.fromkeys(e[3] for e in heap), key=estimates.__getitem__)
-            # Each frame's least bound in the queue: after the pass, its tightened node bounds.
-            least: dict[Frame, float] = {}
-            for e in heap:
-                least[e[3]] = min(least.get(e[3], math.inf), e[0])
-
-            def publish(fastest: list[PlanItem]) -> bool:
-                prefetch.set_line(stop_line(fastest[top - 1] if len(fastest) >= top else None))
-                return done is not None and done(fastest)
-
-            best_of.update(seed(job, frames_left, model, cluster, best_of, start + seed_left,
-                                stop=lambda: ctrl_c.flag, walked=walked, walk_first=False,
-                                lower=lambda g: max(lbs[g][0], least.get(g, -math.inf)), top=stall_top,
-                                gain=POLICY.seed_gain * gap, configs=configs, done=publish, patience_min=patience_min,
-                                state=state))
-            seed_left -= _time.monotonic() - start
-            if best_of and first_layout_s is None:
-                first_layout_s = _time.monotonic() - t0
-
-        # The first part stalls on the fastest layout alone: with top > 1 the top-th keeps falling as siblings of
-        # the fastest are priced, which the sibling pricing does at once (on the default job, top 5: the first part
-        # ran the seeding's whole share, 9 s; now 3 s, and the sibling pricing takes the fifth from 22.1 to
-        # 18.66 s, under the line the pass's bounds close).
-        seeding(POLICY.first_patience_near_s if near else POLICY.first_patience_s, None, 1)
-        if top > 1:
-            best_of.update(spread(job, best_of, list(estimates), model, cluster,
-                                  min(_time.monotonic() + budget, t0 + time_limit),
-                                  most=max(top, POLICY.spread_sources), stop=lambda: ctrl_c.flag))
-
-        def proven(fastest: list[PlanItem]) -> bool:
-            """Whether the queue's least bound already closes the search for these layouts (fastest first)."""
-            if len(fastest) < top or not heap:
-                return len(fastest) >= top
-            e = heap.top()
-            return _closed(min(e[0], residual), e[1], fastest[top - 1], gap)
-
-        # Without `top` layouts there is no line to bound against (and no proof to stop the seeding at): no pass,
-        # the node models start at once.
-        bounding_end = _time.monotonic() + (POLICY.bound_share * time_limit if kth() is not None else 0.0)
-        for solving in (False, True):
-            if solving:
-                for e in ready:
-                    heap.push(e)
-                ready.clear()
-                last_pick = None  # the seeding between is neither kind of step
-                if timed_out or interrupted:
-                    break
-                if seed_left > 0 and not proven(sorted(best_of.values(), key=lambda it: _key(it.evaluation))):
-                    seeding(None, proven, top)
-                # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the
-                # FSDP degrees and sharding policies only: their own seeding rarely reaches a split climbed on a
-                # sibling. Run even when the bounds close the search: a sibling as fast and leaner ranks first (on
-                # the default job the seeding's 18.631-s layout peaks at 138.5 GiB; the sibling pricing finds one as
-                # fast at 110.0 GiB).
-                best_of.update(spread(job, best_of, list(estimates), model, cluster,
-                                      min(_time.monotonic() + budget, t0 + time_limit),
-                                      most=max(top, POLICY.spread_sources), stop=lambda: ctrl_c.flag))
-            while heap:
-                t_lb, m_lb, _, f, rc, lc, attempt = heap.top()
-                k = kth()
-
-                def closed(t: float, m: float, k: PlanItem | None = k) -> bool:
-                    return _closed(t, m, k, gap)
-
-                if closed(t_lb, m_lb):
-                    break
-                # The pruning line (what the bound programs stop at) and the one number `closed` compares with (the
-                # picks below test the queue's entries against it).
-                line = (k.rank_time_s * (1 - gap) if gap > 0 else None) if k is not None else math.inf
-                prefetch.set_line(stop_line(k))
-                open_below = line * (1 - LINE_ROUNDING) if line is not None else None
-                remaining = time_limit - (_time.monotonic() - t0)
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                if ctrl_c.flag:
-                    interrupted = True
-                    break
-                now = _time.monotonic()
-                if not solving and now >= bounding_end:
-                    break
-                if last_pick is not None:
-                    share[last_pick[0]] += now - last_pick[1]
-                picked, diving = None, False
-
-                def is_open(e: tuple, below: float | None = open_below) -> bool:
-                    return e[0] < below if below is not None else not closed(e[0], e[1])
-
-                if share[True] <= share[False]:
-                    # Half of the time (bounding and solving alike), the first step included, goes to the best v = 1
-                    # node: its bound is an exact program over the split, so it is proven fast, while a v > 1 node's
-                    # mean bound keeps it first in the queue (and expanding interleaved shapes one by one could take
-                    # the whole limit before any solve); the other half follows the queue, which raises the proven
-                    # bound. The order changes which node is solved first, never the bound (the least over the queue).
-                    # It dives: the shape expanded last goes on to its best node, and that node is solved once
-                    # tightened, even when tightening lifted it above other nodes (its bound stays valid).
-                    picked = heap.least_of(dive, is_open) if dive is not None else None
-                    picked = picked or heap.least_one(is_open)
-                    diving = picked is not None
-                elif heap.top()[6] > 0:
-                    # Queue order, first slices first: a node cut by its slice waits (with CP-SAT's bound) until every
-                    # frame and node under the gap line has had its bounds and one slice, the least bound first; an
-                    # interleaved node's CP-SAT bound often stalls, and its doubled slices would starve the rest.
-                    picked = heap.least_fresh(is_open)
-                last_pick = (diving, now)
-                picked = picked or heap.top()
-                heap.take(picked)
-                t_lb, m_lb, _, f, rc, lc, attempt = picked
-                current = t_lb
-                mine = best_of.get(f)
-                if mine is not None and (t_lb > mine.rank_time_s or (
-                        gap > 0 and t_lb >= mine.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING))):
-                    residual = min(residual, t_lb)
-                    current = math.inf
-                    continue  # this node cannot improve its frame (beyond the gap), and the frame is already ranked
-                if rc is None and f.vp > 1 and f not in frame_tightened:
-                    # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
-                    group = sharding_group(f)
-                    mem = members_of.get(group, [])
-                    if group not in group_bounds:
-                        ahead = prefetch.take(("frame", group)) if len(mem) > 1 else None
-                        per_node: dict = {}
-                        if ahead is not None:
-                            group_bounds[group], per_node = ahead
-                        elif len(mem) > 1:
-                            group_bounds[group] = group_frame_bound(
-                                job, tuple(mem), model, cluster, stop_at=line if line is not None else math.inf,
-                                deadline=t0 + time_limit, per_node=per_node)
-                        else:
-                            group_bounds[group] = -math.inf
-                        unlifted[group] = per_node
-                    gb = group_bounds[group]
-                    if gb <= t_lb + 1e-12 and group in unlifted and line is not None and math.isfinite(line):
-                        # Under the line: the group's nodes by their group programs before any member's own bounds
-                        # (bounds.lift_group_bound); each member's node, popped later, takes the programs' values.
-                        ahead = prefetch.take(("lift", group))
-                        value, lifted = ahead if ahead is not None else lift_group_bound(
-                            job, tuple(mem), unlifted.pop(group), model, cluster, stop_at=line,
-                            deadline=t0 + time_limit)
-                        unlifted.pop(group, None)
-                        for (r_, l_), v in lifted.items():
-                            group_bounds.setdefault((group, r_, l_), v)
-                        group_bounds[group] = gb = max(gb, value)
-                    if gb > t_lb + 1e-12:
-                        if math.isfinite(gb):
-                            heap.push((gb, m_lb, next(seq), f, None, None, 0))
-                        current = math.inf
-                        continue
-                if rc is None and f not in frame_tightened:
-                    frame_tightened.add(f)
-                    ahead = prefetch.take(("dp", f))
-                    ft, fm_ = ahead if ahead is not None else frame_dp_bound(
-                        job, f, model, cluster, stop_at=line if line is not None else math.inf)
-                    if ft > t_lb + 1e-12 or fm_ > m_lb:
-                        if math.isfinite(ft) and fm_ <= caps[f]:
-                            heap.push((max(ft, t_lb), max(fm_, m_lb), next(seq), f, None, None, 0))
-                        current = math.inf
-                        dive = f if diving else dive
-                        continue
-                if rc is None:
-                    ahead = prefetch.take(("nodes", f))
-                    nodes = ahead if ahead is not None else _node_bounds(job, f, recs, lcs, model, cluster)
-                    for (r_, l_), (nt, nm) in zip(itertools.product(recs, lcs), nodes, strict=True):
-                        if nm <= caps[f]:
-                            heap.push((max(nt, t_lb), max(nm, m_lb), next(seq), f, r_, l_, 0))
-                    current = math.inf
-                    dive = f if diving else dive
-                    continue
-                if f.vp > 1 and (f, rc, lc) not in tightened:
-                    # One program for the node of every FSDP variant of the shape first (bounds.group_node_bound): they
-                    # sit at near-equal bounds, and one program over the least of their arrays often shows them all
-                    # above the line. Each member popped below the group's bound goes back with it, unsolved.
-                    group = sharding_group(f)
-                    if (group, rc, lc) not in group_bounds:
-                        mem = members_of.get(group, [])
-                        ahead = prefetch.take(("node", group, rc, lc)) if len(mem) > 1 else None
-                        group_bounds[(group, rc, lc)] = ahead if ahead is not None else group_node_bound(
-                            job, tuple(mem), rc, lc, model, cluster, stop_at=line if line is not None else math.inf,
-                            deadline=t0 + time_limit) if len(mem) > 1 else -math.inf
-                    gb = group_bounds[(group, rc, lc)]
-                    if gb > t_lb + 1e-12:
-                        if math.isfinite(gb):
-                            heap.push((gb, m_lb, next(seq), f, rc, lc, 0))
-                        current = math.inf
-                        continue
-                if _time.monotonic() - t0 > time_limit:
-                    # The limit passed during the group's program (seconds at 8,192 GPUs): the node goes back with
-                    # its bound, not on to its own relaxation, which ran the plan past the limit.
-                    heap.push((t_lb, m_lb, next(seq), f, rc, lc, attempt))
-                    current = math.inf
-                    timed_out = True
-                    break
-                if (f, rc, lc) not in tightened:
-                    tightened.add((f, rc, lc))
-                    # Past the pruning line the exact value is not needed: the node only has to be shown above it.
-                    tight = tight_node_bound(job, f, rc, lc, model, cluster,
-                                             stop_at=line if line is not None else math.inf)
-                    if tight > t_lb + 1e-12:
-                        if not (diving and math.isfinite(tight) and not closed(tight, m_lb)):
-                            if math.isfinite(tight):
-                                heap.push((tight, m_lb, next(seq), f, rc, lc, 0))
-                            current = math.inf
-                            continue
-                        t_lb = current = tight  # the dive solves it now, with its tightened bound
-                if not solving:
-                    # The bounding pass solves nothing: the node waits, with its tightened bound, for the seeding.
-                    ready.append((t_lb, m_lb, next(seq), f, rc, lc, attempt))
-                    current = math.inf
-                    dive = None
-                    continue
-                # The helper bounds on until the first CP-SAT solve, which takes both cores (the values it has
-                # computed stay): at 8,192 GPUs the bounding after the seeding (15 s) solves nothing.
-                prefetch.close()
-                hint = frame_incumbent(job, f, model, cluster, recompute=rc, lifecycle=lc,
-                                       deadline=t0 + time_limit) if attempt == 0 else None
-                if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
-                    best_of[f] = mine = hint
-                remaining = time_limit - (_time.monotonic() - t0)
-                res, item = solve_frame(job, f, model, cluster, min(remaining, base_slice * 2 ** attempt), workers,
-                                        recompute=rc, lifecycle=lc, relative_gap=gap,
-                                        hint=(hint or mine).layout if (hint or mine) is not None else None)
-                solved += 1
-                dive = None
-                if item is not None and res.shape is not None:
-                    item = _rebalanced(job, f, res.shape, item, model, cluster)
-                size = {"variables": max(size.get("variables", 0), res.variables),
-                        "constraints": max(size.get("constraints", 0), res.constraints)}
-                if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-                    best_of[f] = item
-                if best_of and first_layout_s is None:
-                    first_layout_s = _time.monotonic() - t0
-                node_bound = max(t_lb, res.bound_step_s)
-                if ctrl_c.flag:
-                    interrupted = True
-                    residual = min(residual, node_bound)
-                    break
-                if res.status == "UNKNOWN" and f.vp > 1 and (f, rc, lc) not in contiguity_checked:
-                    # No layout found in its slice: whole layers in contiguous chunks may not fit at all, which the
-                    # relaxation (fractional, not contiguous) cannot see and CP-SAT's bound can take minutes to show
-                    # (lp_bound.contiguous_fits). Once per node, for at most its next slice.
-                    contiguity_checked.add((f, rc, lc))
-                    left = time_limit - (_time.monotonic() - t0)
-                    if left > 0 and contiguous_fits(job, f, rc, lc, model, cluster,
-                                                    min(left, base_slice * 2 ** (attempt + 1))) is False:
-                        current = math.inf
-                        continue
-                if res.status in ("FEASIBLE", "UNKNOWN"):
-                    # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
-                    heap.push((node_bound, m_lb, next(seq), f, rc, lc, attempt + 1))
-                elif res.status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
-                    residual = min(residual, node_bound)  # proven to the relative gap only
-                current = math.inf
-                if progress:
-                    progress(solved, candidates, _time.monotonic() - t0)
-    except KeyboardInterrupt:
-        interrupted = True
-        residual = min(residual, current)
-    finally:
-        for e in ready:
-            heap.push(e)
-        prefetch.close()
-        ctrl_c.__exit__()
-    if ctrl_c.flag:
-        interrupted = True
-    bound = min(heap.top()[0] if heap else math.inf, residual)
-    ranked = sorted(best_of.values(), key=lambda it: _key(it.evaluation))
-    if not ranked:
-        if interrupted:
-            raise KeyboardInterrupt
-        if timed_out or math.isfinite(bound):
-            raise InfeasibleJobError(
-                f"no layout found within the {time_limit:g} s time limit ({solved} candidate shapes solved); "
-                "raise --time-limit")
-        raise InfeasibleJobError(_infeasible_reason(job, model, cluster, min_peak_lb[1], min_peak_lb[0]))
-    front, complete = (build_front(job, model, cluster, best_of, ranked, pareto_step_gib, t0, total_limit, workers,
-                                          lower_bounds=lbs, over_line=over_line, estimates=estimates)
-                       if pareto and not ctrl_c.flag and (unbounded or not interrupted)
-                       else (ranked[:1] if interrupted else [], False))
-    ranked = _with_front(ranked, front)
-    top_items = ranked[:top]
-    best_t = top_items[0].rank_time_s
-    bound = min(bound, best_t)
-    proven_gap = (best_t - bound) / best_t if best_t else 0.0
-    k = ranked[min(top, len(ranked)) - 1].rank_time_s
-    # gap > 0: bounds within LINE_ROUNDING under the line count as at it, so the proven gap may exceed `gap` by
-    # as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
-    tol = LINE_ROUNDING if gap > 0 else 0.0
-    done = not (timed_out or interrupted) and (bound >= k * (1 - gap) * (1 - tol) - 1e-12 or not heap)
-    status = "OPTIMAL" if done and proven_gap <= gap + tol + 1e-12 else "FEASIBLE"
-    open_shapes, holding = (0, None) if status == "OPTIMAL" else _open_bounds(
-        heap, ranked[top - 1] if len(ranked) >= top else None, gap, frame_tightened, tightened)
-    return Plan(job=job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
-                frames_total=len(frames), frames_solved=solved, solve_time_s=_time.monotonic() - t0,
-                model_size=size, pareto_complete=complete, first_layout_s=first_layout_s,
-                open_shapes=open_shapes, holding=holding)
+    return frames
 
 
 def _first_bounds(line: float, job: Job, model: ModelSpec, cluster: ClusterSpec, hbm_line: int,
@@ -627,14 +842,15 @@ def _first_bounds(line: float, job: Job, model: ModelSpec, cluster: ClusterSpec,
     return out
 
 
-def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
+def _open_bounds(queue: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
                  ) -> tuple[int, OpenBound | None]:
     """(How many parallel shapes have an entry in the queue that does not close the search against the top-th
     layout k, the least such entry described): what a FEASIBLE plan leaves open."""
-    open_entries = [e for e in heap if not _closed(e[0], e[1], k, gap)]
+    open_entries = [e for e in queue if not _closed(e.bound, e.peak, k, gap)]
     if not open_entries:
         return 0, None
-    t_lb, _, _, f, rc, lc, attempt = min(open_entries, key=lambda e: e[:3])
+    least = min(open_entries)
+    t_lb, f, rc, lc, attempt = least.bound, least.frame, least.recompute, least.lifecycle, least.attempt
     if rc is None:
         kind = ("shape bound over whole layers per rank (its recompute x lifecycle nodes not bounded yet)"
                 if f in frame_tightened else "shape bound (not tightened to the shape's own layers yet)")
@@ -647,7 +863,7 @@ def _open_bounds(heap: _Queue, k: PlanItem | None, gap: float, frame_tightened: 
     else:
         kind = f"{rc.value} / {lc.value} node: its first bound (not tightened yet)"
     line = (k.rank_time_s * (1 - gap) if gap > 0 else k.rank_time_s) if k is not None else math.inf
-    return len({e[3] for e in open_entries}), OpenBound(shape=_frame_text(f), bound_s=t_lb, kind=kind, line_s=line)
+    return len({e.frame for e in open_entries}), OpenBound(shape=_frame_text(f), bound_s=t_lb, kind=kind, line_s=line)
 
 
 def _frame_text(f: Frame) -> str:
@@ -672,89 +888,110 @@ def _pass_tasks(job: Job, model: ModelSpec, cluster: ClusterSpec, frames: list[F
     (bounds.lift_group_bound), then the members' own frame programs, then the groups' node programs
     (bounds.group_node_bound). A program whose frames or nodes are all at or above the line when it starts returns
     None: the pass would not need it."""
-    frame_value: dict[tuple, float] = {}
-    node_bounds: dict[tuple, dict[tuple[Recompute, FsdpLifecycle], float]] = {}
-    """Per group, its nodes' own bounds from its group program (bounds.group_frame_bound's `per_node`)."""
-    node_value: dict[tuple, float] = {}
-    """The group node programs the lift programs ran (bounds.lift_group_bound)."""
-    dp_value: dict[Frame, float] = {}
+    programs = _PassPrograms(job, model, cluster, recs, lcs, lbs, caps, deadline)
     groups = sorted(((g, tuple(m)) for g, m in members_of.items() if len(m) > 1),
                     key=lambda gm: min(lbs[f][0] for f in gm[1]))
-
-    def under(line: float, t: float) -> bool:
-        return t < line * (1 - LINE_ROUNDING)
-
-    def group_program(line: float, group: tuple, mem: tuple[Frame, ...]
-                      ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
-        if not any(under(line, lbs[f][0]) for f in mem):
-            return None
-        per_node: dict[tuple[Recompute, FsdpLifecycle], float] = {}
-        frame_value[group] = group_frame_bound(job, mem, model, cluster, stop_at=line, deadline=deadline,
-                                               per_node=per_node)
-        node_bounds[group] = per_node
-        return frame_value[group], dict(per_node)
-
-    def lift_program(line: float, group: tuple, mem: tuple[Frame, ...]
-                     ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
-        if not math.isfinite(line):
-            return None
-        if group not in node_bounds and group_program(line, group, mem) is None:
-            return None  # (the driver took the group's program before this process reached it)
-        if not under(line, frame_value[group]):
-            return None
-        value, lifted = lift_group_bound(job, mem, node_bounds[group], model, cluster, stop_at=line,
-                                         deadline=deadline)
-        frame_value[group] = max(frame_value[group], value)
-        node_value.update({(group, *node): v for node, v in lifted.items()})
-        return value, lifted
-
-    def dp_program(line: float, f: Frame) -> tuple[float, float] | None:
-        if not under(line, max(lbs[f][0], frame_value.get(sharding_group(f), -math.inf))):
-            return None
-        t, m = frame_dp_bound(job, f, model, cluster, stop_at=line)
-        dp_value[f] = t
-        return t, m
-
-    def node_program(line: float, group: tuple, mem: tuple[Frame, ...], rc: Recompute,
-                     lc: FsdpLifecycle) -> float | None:
-        if not under(line, frame_value.get(group, -math.inf)):
-            return None
-        if (group, rc, lc) in node_value:
-            return node_value[(group, rc, lc)]
-        nodes = [node_lower_bound(job, f, rc, lc, model, cluster) for f in mem]
-        if not any(under(line, max(nt, dp_value.get(f, -math.inf))) and nm <= caps[f]
-                   for (nt, nm), f in zip(nodes, mem, strict=True)):
-            return None
-        return group_node_bound(job, mem, rc, lc, model, cluster, stop_at=line, deadline=deadline)
-
-    def nodes_program(line: float, f: Frame) -> list[tuple[float, float]] | None:
-        if not under(line, max(lbs[f][0], dp_value.get(f, -math.inf))):
-            return None
-        return _node_bounds(job, f, recs, lcs, model, cluster)
-
     # The members of an interleaved group wait for every group program: one group program lifts tens of members at
     # once, and while the line is still the first heuristic layout's (twice the optimum at 8,192 GPUs) no member's
-    # own program would stop early. In one order (8,192 GPUs) the helper bounded 5 of the 93 groups under the final
-    # line in 33 s and spent about 25 s of it on 270 members' own programs.
+    # own program would stop early. At 8,192 GPUs, in frame-bound order, the helper spent most of its time on the
+    # members' own programs and bounded few of the 93 groups under the final line.
     grouped = {f for _, mem in groups if mem[0].vp > 1 for f in mem}
     first: list[tuple[int, float, int, tuple, Callable[[float], object]]] = []
     for i, (group, mem) in enumerate(groups):
         first.append((0, min(lbs[f][0] for f in mem), i, ("frame", group),
-                      partial(group_program, group=group, mem=mem)))
+                      partial(programs.group, group=group, mem=mem)))
     for i, (group, mem) in enumerate(groups):
         first.append((1, min(lbs[f][0] for f in mem), i, ("lift", group),
-                      partial(lift_program, group=group, mem=mem)))
+                      partial(programs.lift, group=group, mem=mem)))
     for i, f in enumerate(frames):
         tier = 2 * int(f in grouped)
-        first.append((tier, lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(dp_program, f=f)))
-        first.append((tier, lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(nodes_program, f=f)))
+        first.append((tier, lbs[f][0], len(groups) + 2 * i, ("dp", f), partial(programs.dp, f=f)))
+        first.append((tier, lbs[f][0], len(groups) + 2 * i + 1, ("nodes", f), partial(programs.nodes, f=f)))
     first.sort(key=lambda x: x[:3])
     tasks = [(key, program) for _, _, _, key, program in first]
     for group, mem in groups:
         for rc in recs:
             for lc in lcs:
-                tasks.append((("node", group, rc, lc), partial(node_program, group=group, mem=mem, rc=rc, lc=lc)))
+                tasks.append((("node", group, rc, lc), partial(programs.node, group=group, mem=mem, rc=rc, lc=lc)))
     return tasks
+
+
+def _under(line: float, t: float) -> bool:
+    """Whether bound t is under the pruning line (LINE_ROUNDING under it counts as at it)."""
+    return t < line * (1 - LINE_ROUNDING)
+
+
+class _PassPrograms:
+    """The bounding pass's programs (`_pass_tasks`), each given the current pruning line: a program returns its
+    bound, or None when the line already shows it needless. The values one program computes are read by the later
+    ones run in the same process (the helper, or the driver while it waits for the helper)."""
+
+    def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, recs: list[Recompute],
+                 lcs: list[FsdpLifecycle], lbs: dict[Frame, tuple[float, float]], caps: _Caps,
+                 deadline: float) -> None:
+        self.job, self.model, self.cluster = job, model, cluster
+        self.recs, self.lcs, self.lbs, self.caps, self.deadline = recs, lcs, lbs, caps, deadline
+        self.frame_value: dict[tuple, float] = {}
+        """Per group, its frame bound (bounds.group_frame_bound, lifted by bounds.lift_group_bound)."""
+        self.node_bounds: dict[tuple, dict[tuple[Recompute, FsdpLifecycle], float]] = {}
+        """Per group, its nodes' own bounds from its group program (bounds.group_frame_bound's `per_node`)."""
+        self.node_value: dict[tuple, float] = {}
+        """The group node programs the lift programs ran (bounds.lift_group_bound)."""
+        self.dp_value: dict[Frame, float] = {}
+
+    def group(self, line: float, group: tuple, mem: tuple[Frame, ...]
+              ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
+        """The group's frame bound and its nodes' own bounds (bounds.group_frame_bound)."""
+        if not any(_under(line, self.lbs[f][0]) for f in mem):
+            return None
+        per_node: dict[tuple[Recompute, FsdpLifecycle], float] = {}
+        self.frame_value[group] = group_frame_bound(self.job, mem, self.model, self.cluster, stop_at=line,
+                                                    deadline=self.deadline, per_node=per_node)
+        self.node_bounds[group] = per_node
+        return self.frame_value[group], dict(per_node)
+
+    def lift(self, line: float, group: tuple, mem: tuple[Frame, ...]
+             ) -> tuple[float, dict[tuple[Recompute, FsdpLifecycle], float]] | None:
+        """The group's frame bound lifted by its node programs, and their values (bounds.lift_group_bound)."""
+        if not math.isfinite(line):
+            return None
+        if group not in self.node_bounds and self.group(line, group, mem) is None:
+            return None  # (the driver took the group's program before this process reached it)
+        if not _under(line, self.frame_value[group]):
+            return None
+        value, lifted = lift_group_bound(self.job, mem, self.node_bounds[group], self.model, self.cluster,
+                                         stop_at=line, deadline=self.deadline)
+        self.frame_value[group] = max(self.frame_value[group], value)
+        self.node_value.update({(group, *node): v for node, v in lifted.items()})
+        return value, lifted
+
+    def dp(self, line: float, f: Frame) -> tuple[float, float] | None:
+        """The frame's own bound over whole layers (bounds.frame_dp_bound)."""
+        if not _under(line, max(self.lbs[f][0], self.frame_value.get(sharding_group(f), -math.inf))):
+            return None
+        t, m = frame_dp_bound(self.job, f, self.model, self.cluster, stop_at=line)
+        self.dp_value[f] = t
+        return t, m
+
+    def node(self, line: float, group: tuple, mem: tuple[Frame, ...], rc: Recompute, lc: FsdpLifecycle
+             ) -> float | None:
+        """The group's bound of node (rc, lc) (bounds.group_node_bound), or its lift program's value."""
+        if not _under(line, self.frame_value.get(group, -math.inf)):
+            return None
+        if (group, rc, lc) in self.node_value:
+            return self.node_value[(group, rc, lc)]
+        nodes = [node_lower_bound(self.job, f, rc, lc, self.model, self.cluster) for f in mem]
+        if not any(_under(line, max(nt, self.dp_value.get(f, -math.inf))) and nm <= self.caps[f]
+                   for (nt, nm), f in zip(nodes, mem, strict=True)):
+            return None
+        return group_node_bound(self.job, mem, rc, lc, self.model, self.cluster, stop_at=line,
+                                deadline=self.deadline)
+
+    def nodes(self, line: float, f: Frame) -> list[tuple[float, float]] | None:
+        """The frame's node bounds (`_node_bounds`)."""
+        if not _under(line, max(self.lbs[f][0], self.dp_value.get(f, -math.inf))):
+            return None
+        return _node_bounds(self.job, f, self.recs, self.lcs, self.model, self.cluster)
 
 
 def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
@@ -776,54 +1013,75 @@ def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]
     return sorted(best.values(), key=lambda it: _key(it.evaluation))
 
 
+@dataclass(frozen=True, order=True, slots=True)
+class _Entry:
+    """A queue entry: a shape (recompute and lifecycle None) or one of its (recompute, lifecycle) nodes, with lower
+    bounds on every layout it stands for. Entries order by (bound, peak, seq): the least step-time bound first, ties
+    to the least peak bound, then to the earlier push (seq is unique, so no two entries tie)."""
+
+    bound: float
+    """Lower bound on the ranked step time (s)."""
+    peak: float
+    """Lower bound on the worst-rank peak (bytes)."""
+    seq: int
+    """Push order: the last tie-break, and the entry's identity in the queue."""
+    frame: Frame = field(compare=False)
+    recompute: Recompute | None = field(compare=False)
+    lifecycle: FsdpLifecycle | None = field(compare=False)
+    attempt: int = field(compare=False)
+    """CP-SAT slices that cut this node so far: its next slice is the base slice x 2^attempt."""
+
+
 class _Queue:
-    """The search's queue of (bound s, peak bound, seq, frame, recompute, lifecycle, attempt) entries, least first,
-    with the two picks the driver makes out of order: the least v = 1 entry (of one frame, for a dive) and the
-    least entry not yet cut by a slice. Each is its own heap over the same entries (a taken entry is dropped from
-    each when it reaches its top), so a pick costs a heap operation, not a scan of tens of thousands of entries."""
+    """The search's queue of entries (`_Entry`), least first, with the two picks the driver makes out of order: the
+    least v = 1 entry (of one frame, for a dive) and the least entry not yet cut by a slice. Each is its own heap
+    over the same entries (a taken entry is dropped from each when it reaches its top), so a pick costs a heap
+    operation, not a scan of tens of thousands of entries. The heaps hold (bound, peak, seq, entry): the entries'
+    order, compared as plain tuples."""
 
     def __init__(self) -> None:
-        self._all: list[tuple] = []
-        self._ones: list[tuple] = []
-        self._fresh: list[tuple] = []
-        self._of: dict[Frame, list[tuple]] = {}
+        self._all: list[tuple[float, float, int, _Entry]] = []
+        self._ones: list[tuple[float, float, int, _Entry]] = []
+        self._fresh: list[tuple[float, float, int, _Entry]] = []
+        self._of: dict[Frame, list[_Entry]] = {}
         self._alive: set[int] = set()
 
-    def push(self, e: tuple) -> None:
-        heapq.heappush(self._all, e)
-        self._alive.add(e[2])
-        if e[3].vp == 1:
-            heapq.heappush(self._ones, e)
-            self._of.setdefault(e[3], []).append(e)
-        if e[6] == 0:
-            heapq.heappush(self._fresh, e)
+    def push(self, e: _Entry) -> None:
+        item = (e.bound, e.peak, e.seq, e)
+        heapq.heappush(self._all, item)
+        self._alive.add(e.seq)
+        if e.frame.vp == 1:
+            heapq.heappush(self._ones, item)
+            self._of.setdefault(e.frame, []).append(e)
+        if e.attempt == 0:
+            heapq.heappush(self._fresh, item)
 
-    def take(self, e: tuple) -> None:
-        self._alive.remove(e[2])
+    def take(self, e: _Entry) -> None:
+        self._alive.remove(e.seq)
 
-    def _least(self, h: list[tuple]) -> tuple | None:
+    def _least(self, h: list[tuple[float, float, int, _Entry]]) -> _Entry | None:
         while h and h[0][2] not in self._alive:
             heapq.heappop(h)
-        return h[0] if h else None
+        return h[0][3] if h else None
 
-    def top(self) -> tuple:
+    def top(self) -> _Entry:
         e = self._least(self._all)
         if e is None:
             raise IndexError("the queue is empty")
         return e
 
-    def least_one(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_one(self, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least v = 1 entry, if open (`is_open` holds for an entry when it holds for a greater one)."""
         e = self._least(self._ones)
         return e if e is not None and is_open(e) else None
 
-    def least_of(self, f: Frame, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_of(self, f: Frame, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least open entry of v = 1 frame f."""
         mine = self._of.get(f, [])
-        mine[:] = [e for e in mine if e[2] in self._alive]
+        mine[:] = [e for e in mine if e.seq in self._alive]
         return min((e for e in mine if is_open(e)), default=None)
 
-    def least_fresh(self, is_open: Callable[[tuple], bool]) -> tuple | None:
+    def least_fresh(self, is_open: Callable[[_Entry], bool]) -> _Entry | None:
         """The least entry not cut by a slice yet (attempt 0), if open."""
         e = self._least(self._fresh)
         return e if e is not None and is_open(e) else None
@@ -834,8 +1092,8 @@ class _Queue:
     def __len__(self) -> int:
         return len(self._alive)
 
-    def __iter__(self) -> Iterator[tuple]:
-        return (e for e in self._all if e[2] in self._alive)
+    def __iter__(self) -> Iterator[_Entry]:
+        return (item[3] for item in self._all if item[2] in self._alive)
 
 
 class _Caps(dict):
