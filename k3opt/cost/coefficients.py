@@ -330,6 +330,15 @@ def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN
     return 2 * saved_bytes * max(0.0, 1 - balanced / held)
 
 
+def step_gather_bytes(cf: Coefficients, p2p_muon: bool, *, whole_view: bool = False) -> np.ndarray:
+    """Per-layer bytes all-gathered at the optimizer step (evaluate.rank_ledger): under P2P Muon the pulled
+    resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view where the
+    coefficients have none, or with `whole_view` whatever the policy)."""
+    if p2p_muon:
+        return 2 * cf.resident_params
+    return 2 * cf.view_params if whole_view or cf.step_gather is None else cf.step_gather
+
+
 def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:
     """Muon Newton-Schulz on an [r, c] matrix (r <= c): iterations * (4 r^2 c + 2 r^3) (seed 002)."""
     r, c = min(rows, cols), max(rows, cols)

@@ -80,6 +80,11 @@ def schedule_slots(p: int, v: int, m: int) -> float:
     return m + (p - 1) / v
 
 
+def schedule_slot_units(p: int, v: int, m: int) -> int:
+    """v x `schedule_slots`, an integer (the node model's objective counts the step in v-ths): v M + p - 1."""
+    return v * m + p - 1
+
+
 BACKWARD_OVER_FORWARD = 2.0
 """Backward / forward time of a chunk: weight and input gradients are two matmuls per forward matmul
 (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters", SC21, section 3.5)."""

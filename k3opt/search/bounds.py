@@ -8,11 +8,12 @@ import functools
 import itertools
 import math
 import time as _time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key
+from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.frames import (
@@ -22,9 +23,11 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     allowed_on,
+    bound_persistent_bytes,
     choices,
     frame_shape,
     lean_mode,
+    least_step_gather,
     lifecycles,
     memory_view,
     undominated_modes,
@@ -55,8 +58,9 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     `frame_dp_bound`); the update is at least the mean Newton-Schulz time, and its data-parallel exchange at least
     its mean under the per-microbatch lifecycle (the accumulate lifecycle adds the FP32 buffer's reduce-scatter),
     of which one window of stage-microbatches hides (`ranking.step_floor`).
-    Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (gradients may live on the
-    host under pipeline ZeRO-2), which no toggle removes."""
+    Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (`bound_persistent_bytes`: no
+    accumulator under the per-microbatch lifecycle; the gradients too unless pipeline ZeRO-2 may keep them on the
+    host), which no toggle removes."""
     base = ActMode(Recompute.NONE, False, False, False, False)
     free = tuple(t for t in ACT_TOGGLES if True in choices(job, t))
     cf = coarse_work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster, free=free)
@@ -65,7 +69,7 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     update = float(cf.update["tensor"].sum()) / p
     _, hidden = update_means({}, cf.update_hidden, p)
     t_lb = step_floor(schedule_slots(f.pp, f.vp, f.microbatches), stage, update, hidden, cf.update_hidden_stages)
-    persistent = float((cf.master + cf.optimizer + cf.bf16_view).sum())
+    persistent = float(bound_persistent_bytes(cf, None).sum())
     if "pipeline_zero2_host_grads" not in allowed_on(job):
         persistent += float(cf.grads.sum())
     return t_lb, persistent / p
@@ -96,9 +100,9 @@ def _member_terms(cfs: list[Coefficients], p: int) -> list[tuple[float, float, f
 def frame_estimate(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec) -> float:
     """A rough step time of frame f (not a bound): slots x the mean per-rank work of its busiest resource plus
     the mean update, under recompute 'none', no toggles. Orders the frames the incumbent heuristics visit. (The
-    update's exposed exchange is left out: it grows with the FSDP degrees, and with it the order put the least
-    sharded shapes first, whose memory then forces heavy recompute: at 8,192 GPUs the heuristic pass found 25.6 s
-    where it finds 19.2 s without.)"""
+    update's exposed exchange is left out: it grows with the FSDP degrees, and with it the order puts the least
+    sharded shapes first, whose memory then forces heavy recompute: at 8,192 GPUs the heuristic pass then finds
+    25.6 s where it finds 19.2 s without.)"""
     base = ActMode(Recompute.NONE, False, False, False, False)
     cf = coefficients(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / f.pp
@@ -114,9 +118,9 @@ def node_key(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelS
 
 
 DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+"""(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 LP_BOUNDS: dict[tuple, float] = {}
 """Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
-"""(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 
 
 def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
@@ -248,8 +252,8 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     `lp_bound.no_offload_bound` (those that do not: every rank's memory rows under the leanest mode's bytes; inf
     where none fits); the least over the nodes (inf when none can fit). Nodes that cannot undercut the best one so
     far skip the memory tests. `members`: the least over these frames too (`group_frame_bound`). At 8,192 GPUs the
-    least work of either lifecycle beside the least bytes of either held PP16 VP4 EP64 eFSDP8 dFSDP128 at 18.07 s
-    (each node on its own: 18.57 s).
+    least work of either lifecycle beside the least bytes of either holds PP16 VP4 EP64 eFSDP8 dFSDP128 at 18.07 s,
+    where each node on its own gives 18.57 s.
 
     The offload's floor: whole layers with its traffic on the host link, per setting of the dispatch
     recompute (`_offload_stage`): that toggle trades the other way from the rest (it saves the dispatched tokens
@@ -260,91 +264,128 @@ def _frame_interleaved_bound(job: Job, f: Frame, model: ModelSpec, cluster: Clus
     `only`: these nodes alone (their least)."""
     group = list(members) if members else [f]
     per_node = {} if per_node is None else per_node
-    allowed = allowed_on(job)
     recs = sorted(job.search.recompute or list(Recompute),
                   key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
-    all_lcs = lifecycles(job)
     cap = max(allocated_capacity_bytes(job, g, model, cluster) for g in group)
     best = math.inf
-    for rc, lc in itertools.product(recs, all_lcs):
+    for rc, lc in itertools.product(recs, lifecycles(job)):
         if only is not None and (rc, lc) not in only:
             continue
-        lcs = [lc]
-        lean = lean_mode(job, rc)
-        # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
-        # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, and the group programs
-        # were mostly the members' work floors.
-        coarse = [_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group]
-        rough = least_floor(_member_terms(coarse, f.pp), coarse[0].slots,
-                            max(c.update_hidden_stages for c in coarse))
-        if rough >= min(best, stop_at):
-            best = min(best, rough)
-            per_node[(rc, lc)] = rough
-            continue
-        # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
-        cheap = [_floor(job, g, rc, lc, model, cluster) for g in group]
-        if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
+        value = _group_node_bound(_GroupNode(job, f, group, rc, lc, model, cluster, cap), best, stop_at, deadline)
+        if value is None:
             return 0.0
-        # Each member's own (mean stage, update, exchange) with the group's stage bound.
-        nodes = _member_terms(cheap, f.pp)
-        stage = min(s for s, _, _ in nodes)
-        update = min(u for _, u, _ in nodes)
-        hs = max(c.update_hidden_stages for c in cheap)
-        slots = cheap[0].slots
-
-        def floor(stage: float, slots: float = slots, hs: float = hs, nodes: list = nodes) -> float:
-            return least_floor(nodes, slots, hs, stage)
-
-        if floor(stage) >= best:
-            per_node[(rc, lc)] = floor(stage)
-            continue
-        # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
-        # the least so far or the line (either is all the search needs to know).
-        line = min(best, stop_at)
-        stop = (line - update) / slots if math.isfinite(line) else math.inf
-        mean_stage = stage
-        stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
-                                          cheap[0].n_layers, f.pp, f.vp, stop=stop))
-        if floor(stage) >= best:
-            per_node[(rc, lc)] = floor(stage)
-            continue
-        views = [memory_view(job, g, lean, lc, model, cluster) for g in group]
-        if len({schedule_terms(vw) for vw in views}) > 1:
-            return 0.0  # the memory tests read the first view's schedule terms
-        merged = replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
-            "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
-            "working_set")}, logits=min(vw.logits for vw in views),
-            ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
-            moonep_buffers=min(vw.moonep_buffers for vw in views))
-        if floor(stage) < stop_at and not lean_fits(job, f, merged, cap, cluster.host_memory_bytes):
-            # No layout of the node fits under any setting (the leanest bytes of every member, the largest
-            # budget): it bounds nothing. At 8,192 GPUs the accumulate lifecycle's unsharded FP32 buffer leaves
-            # PP4 VP4 EP32's selective nodes without a layout, whose least work held the shape at 18.21 s.
-            per_node[(rc, lc)] = math.inf
-            continue
-        if "activation_offload" in allowed and rc != Recompute.FULL:
-            # (Full recompute saves the fewest bytes; its offload test is left to the nodes, which keeps this
-            # bound valid and saves a linear program per shape.) The offload test only matters when the offload's
-            # traffic exceeds the mean load (at 4K context it rarely does): the program is solved only then.
-            offs = _offload_traffic(job, group, lean, lcs, model, cluster)
-            means = {dr: min(float(o.sum()) for o in arrs) / f.pp for dr, arrs in offs.items()}
-            host = min(means.values())
-            if max(means.values()) > mean_stage:
-                if needs_offload(job, f, merged, cap):
-                    stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
-                else:
-                    # A layout without offload holds its saved bytes, which the memory rows of `no_offload_bound`
-                    # spread over the ranks; one with offload pays the offload's traffic.
-                    without = max(floor(stage), no_offload_bound(job, f, cheap, views, cap, cluster))
-                    if without > floor(stage):
-                        offload = floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
-                                                                        stop)))
-                        best = min(best, offload, without)
-                        per_node[(rc, lc)] = min(offload, without)
-                        continue
-        best = min(best, floor(stage))
-        per_node[(rc, lc)] = floor(stage)
+        best = min(best, value)
+        per_node[(rc, lc)] = value
     return best
+
+
+@dataclass
+class _GroupNode:
+    """One (recompute, lifecycle) node of `_frame_interleaved_bound` over the frames of `group` (f among them;
+    `cap` their largest budget), and the members' work floors once built."""
+
+    job: Job
+    f: Frame
+    group: list[Frame]
+    rc: Recompute
+    lc: FsdpLifecycle
+    model: ModelSpec
+    cluster: ClusterSpec
+    cap: int
+    cheap: list[Coefficients] = field(default_factory=list)
+    """Each member's work floor (`_floor`)."""
+    nodes: list[tuple[float, float, float]] = field(default_factory=list)
+    """Each member's own (mean stage, update, exchange), without repeats."""
+    slots: float = 0.0
+    hidden_stages: float = 0.0
+
+    def floor(self, stage: float) -> float:
+        """`least_floor` of a stage bound over the members' own terms."""
+        return least_floor(self.nodes, self.slots, self.hidden_stages, stage)
+
+
+def _group_node_bound(node: _GroupNode, best: float, stop_at: float, deadline: float) -> float | None:
+    """The node's bound in `_frame_interleaved_bound`, given the least so far `best` over the nodes before it:
+    its members' coarse floors, their work floors with whole layers per rank, inf where its leanest bytes fit
+    under no setting, and the offload's floor or `no_offload_bound` (`_offload_node_bound`). None (no bound) when
+    the members' schedules differ or the monotonic `deadline` passed."""
+    job, f, group, rc, lc, model, cluster = node.job, node.f, node.group, node.rc, node.lc, node.model, node.cluster
+    # A node whose coarse floors (one build per member) already reach the least so far or the line needs no
+    # more: at 8,192 GPUs that settles most full-recompute and no-recompute nodes, where most of a group
+    # program's time goes to the members' work floors.
+    coarse = [_floor(job, g, rc, lc, model, cluster, coarse=True) for g in group]
+    rough = least_floor(_member_terms(coarse, f.pp), coarse[0].slots, max(c.update_hidden_stages for c in coarse))
+    if rough >= min(best, stop_at):
+        return rough
+    # The work floor, not the ranked view: the activation toggles can lower the elementwise kernels' time.
+    node.cheap = cheap = [_floor(job, g, rc, lc, model, cluster) for g in group]
+    if len({(c.slots, c.compositions) for c in cheap}) > 1 or _time.monotonic() > deadline:
+        return None
+    # Each member's own (mean stage, update, exchange) with the group's stage bound.
+    node.nodes = _member_terms(cheap, f.pp)
+    stage = min(s for s, _, _ in node.nodes)
+    update = min(u for _, u, _ in node.nodes)
+    node.hidden_stages = max(c.update_hidden_stages for c in cheap)
+    node.slots = cheap[0].slots
+    if node.floor(stage) >= best:
+        return node.floor(stage)
+    # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
+    # the least so far or the line (either is all the search needs to know).
+    line = min(best, stop_at)
+    stop = (line - update) / node.slots if math.isfinite(line) else math.inf
+    mean_stage = stage
+    stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
+                                      cheap[0].n_layers, f.pp, f.vp, stop=stop))
+    if node.floor(stage) >= best:
+        return node.floor(stage)
+    views = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
+    if len({schedule_terms(vw) for vw in views}) > 1:
+        return None  # the memory tests read the first view's schedule terms
+    merged = _least_bytes(views)
+    if node.floor(stage) < stop_at and not lean_fits(job, f, merged, node.cap, cluster.host_memory_bytes):
+        # No layout of the node fits under any setting (the leanest bytes of every member, the largest
+        # budget): it bounds nothing. At 8,192 GPUs the accumulate lifecycle's unsharded FP32 buffer leaves
+        # PP4 VP4 EP32's selective nodes without a layout, whose least work would hold the shape at 18.21 s.
+        return math.inf
+    if "activation_offload" in allowed_on(job) and rc != Recompute.FULL:
+        # (Full recompute saves the fewest bytes; its offload test is left to the nodes, which keeps this
+        # bound valid and saves a linear program per shape.)
+        return _offload_node_bound(node, views, merged, stage, mean_stage, stop)
+    return node.floor(stage)
+
+
+def _least_bytes(views: list[Coefficients]) -> Coefficients:
+    """The first view with every byte array and figure the memory tests read at its least over `views`."""
+    return replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
+        "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
+        "working_set")}, logits=min(vw.logits for vw in views),
+        ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
+        moonep_buffers=min(vw.moonep_buffers for vw in views))
+
+
+def _offload_node_bound(node: _GroupNode, views: list[Coefficients], merged: Coefficients, stage: float,
+                        mean_stage: float, stop: float) -> float:
+    """The node's bound from a stage bound `stage` when offload is allowed: where the offload's traffic exceeds the
+    mean load `mean_stage` (at 4K context it rarely does; the programs are solved only then), the offload's floor
+    if no split fits without it (`needs_offload` over the least bytes `merged`), else the lesser of the offload's
+    floor and `no_offload_bound`; otherwise the work's floor."""
+    job, f, group, rc, model, cluster = node.job, node.f, node.group, node.rc, node.model, node.cluster
+    lcs = [node.lc]
+    offs = _offload_traffic(job, group, lean_mode(job, rc), lcs, model, cluster)
+    means = {dr: min(float(o.sum()) for o in arrs) / f.pp for dr, arrs in offs.items()}
+    host = min(means.values())
+    if max(means.values()) > mean_stage:
+        if needs_offload(job, f, merged, node.cap):
+            stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
+        else:
+            # A layout without offload holds its saved bytes, which the memory rows of `no_offload_bound`
+            # spread over the ranks; one with offload pays the offload's traffic.
+            without = max(node.floor(stage), no_offload_bound(job, f, node.cheap, views, node.cap, cluster))
+            if without > node.floor(stage):
+                offload = node.floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
+                                                                     stop)))
+                return min(offload, without)
+    return node.floor(stage)
 
 
 def _offload_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[FsdpLifecycle], model: ModelSpec,
@@ -363,7 +404,7 @@ def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLi
     setting of the dispatch recompute, whole layers per rank (granular_stage) over the work floor of that setting
     with the host link at least `offs[setting]`, the offload's traffic under its leanest mode (per member and
     lifecycle); the least over the settings. PP8 VP4 EP64 at 8,192 GPUs: 0.278 s, where one floor over both
-    settings gave 0.270 s."""
+    settings gives 0.270 s."""
     f = group[0]
     out = math.inf
     for dr, arrs in offs.items():
@@ -425,14 +466,13 @@ def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: Fs
     `frames.sharding_group`: they differ in their FSDP degrees only): `lp_bound.interleaved_lp_bound` over the
     least of the arrays and the largest of the budgets of the members that can fit. At most each member's own tight
     bound, at the cost of one member's programs: at 8,192 GPUs one shape has tens of FSDP variants, each a node of
-    near-equal bound.
-    0.0 (no bound) past the monotonic `deadline`.
+    near-equal bound. 0.0 (no bound) past the monotonic `deadline`.
 
     With a finite `stop_at`, a member whose own work floor with whole layers per rank (`_own_floor`) reaches it is
     left out of the program, whose least-of arrays it would only lower: at 8,192 GPUs the members with the least
     exchange (the least FSDP) hold the least work and the most bytes, and of PP16 VP4 EP32's 50 FSDP variants 14
-    are under the 18.39-s line on their own floors. Over those 14 the program takes 1.2 s instead of 4-6 s, and
-    gives the same 18.53 s."""
+    are under the 18.39-s line on their own floors. The program over those 14 takes a quarter of the time over
+    all 50 and gives the same bound."""
     if job.search.split is not None or members[0].vp == 1:
         return 0.0
     kept, low = list(members), math.inf
@@ -531,21 +571,21 @@ def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, clus
         pre = np.concatenate([[0.0], np.cumsum(arr[:L])])
         return pre[None, :] - pre[:, None]  # [a, b]: pre[b] - pre[a], as pre[b_i] - pre[a_i]
 
-    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
-    opt = _step_gather(lean, allowed)
-    Pr, Ar = rng(P), rng(lean.act)
+    opt = least_step_gather(lean, allowed)
+    Pr, Ar = rng(bound_persistent_bytes(lean, None)), rng(lean.act)
     # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
     grads = rng(lean.grads)
     if "pipeline_zero2_host_grads" in allowed:
         grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
     Pr = Pr + grads
-    P = P + lean.grads
+    P = bound_persistent_bytes(lean, lean.grads)
+    # The optimizer phase per range (ledger.optimizer_transient_bytes, elementwise).
     Or = (rng(opt) + _range_max(lean.ns_working_set, L) if lean.step_gather_with_ns
           else np.maximum(rng(opt), _range_max(lean.ns_working_set, L)))
     R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
     bank = R[b_i] * lean.stream_bytes
-    packet_in = np.where(a_i > 0, (1 + R[a_i]) * lean.stream_bytes, 0.0)
-    packet_out = np.where(b_i < L, (1 + R[b_i]) * lean.stream_bytes, 0.0)
+    packet_in = np.where(a_i > 0, pp_packet_bytes(R[a_i], lean.stream_bytes), 0.0)
+    packet_out = np.where(b_i < L, pp_packet_bytes(R[b_i], lean.stream_bytes), 0.0)
     has_moe = rng(lean.moe) > 0
     return _Ranges(
         L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
@@ -699,7 +739,7 @@ def _rank_block(r: int, rows: slice, cols: slice, s: _Ranges) -> tuple[np.ndarra
     busy = {res: (rt.busy[res] + packet[res] if res in packet else rt.busy[res])
             for res in ("nvlink", "nic") if res in rt.busy}
     t_base = functools.reduce(np.maximum, busy.values(), rt.unpacketed)
-    n_own = max(sum(c) for c in lean.compositions[r])
+    n_own = peak_inflight(lean.compositions[r])
     options = [(n_own, t_base)]
     if lean.balanced_inflight is not None and "balance_activations" in s.allowed:
         avg = lean.balanced_inflight
@@ -758,10 +798,8 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     layers' saved sets on the GPU and moves the rest to the host, where the same bound must fit host memory.
     The optimizer phase gives the mean of P_i + O_i."""
     L, p, v = cf.n_layers, f.pp, f.vp
-    P = cf.master + cf.optimizer + cf.bf16_view + cf.grad_accum
-    if "pipeline_zero2_host_grads" not in allowed:
-        P = P + cf.grads
-    opt = _step_gather(cf, allowed)
+    P = bound_persistent_bytes(cf, None if "pipeline_zero2_host_grads" in allowed else cf.grads)
+    opt = least_step_gather(cf, allowed)
     counts = []
     for r in range(p):
         comp = np.array(max(cf.compositions[r], key=sum), dtype=float)
@@ -793,16 +831,9 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     if n_moe:
         k = -(-n_moe // p)
         buffers = (cf.ep_buffers + cf.moonep_buffers + cf.routing_map + float(cf.working_set[:L][moe].min())
-                   + (2 * cf.stream_bytes if p > 1 else 0))
+                   + (2 * pp_packet_bytes(0, cf.stream_bytes) if p > 1 else 0))
         act_moe = np.zeros(n_moe) if offload else w.min() * A[moe]
         hold = np.sort(P[:L][moe] + act_moe)[:k].sum() + buffers
         hold_opt = np.sort((P + opt)[:L][moe])[:k].sum()
         gpu = max(gpu, float(hold), float(hold_opt))
     return max(gpu, opt_phase)
-
-
-def _step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:
-    """Per-layer bytes of the optimizer-step gather (evaluate.rank_ledger): the sharding policy's step gather, or
-    under P2P Muon (when allowed) the smaller pulled share."""
-    gather = cf.step_gather if cf.step_gather is not None else 2 * cf.view_params
-    return np.minimum(gather, 2 * cf.resident_params) if "p2p_muon" in allowed else gather

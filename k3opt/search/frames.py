@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3opt.cost import comm
-from k3opt.cost.coefficients import Coefficients, Shape
+from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs.presets import load_cluster, load_runtime
 from k3opt.inputs.specs import (
@@ -33,10 +33,10 @@ ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatc
 """Toggles that change the saved-for-backward set; they form one-hot activation modes with the recompute mode."""
 RANK_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
                 "fused_cross_entropy", "moonep")
+"""Toggles that act on one rank-level term each; they are Boolean decisions of the frame model."""
 NEVER_CHOSEN = ("moonep",)
 """MoonEP only adds memory here: its benefit, expert-load balance, is outside the forced-balanced routing model.
 It is searched only when a job requires it."""
-"""Toggles that act on one rank-level term each; they are Boolean decisions of the frame model."""
 FIXED_TOGGLES = ("ep_dedup",)
 """A property of the dispatcher, not a memory decision: set it with [search] require_toggles."""
 
@@ -270,6 +270,21 @@ def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLi
 _UNDOMINATED: dict[tuple, tuple[tuple[ActMode, ...], ModelSpec, ClusterSpec]] = {}
 """undominated_modes by (job, frame, modes, lifecycles, model, cluster); the value keeps the specs alive so an
 identity is never reused while its entry exists."""
+
+
+def bound_persistent_bytes(cf: Coefficients, grads: np.ndarray | None) -> np.ndarray:
+    """Per-layer persistent bytes as the bounds count them: master + optimizer state + BF16 view (the ledger's
+    always-held terms, `ledger.persistent_layer_bytes`, but the quantized weight copies, which the bounds leave
+    out) + the gradient accumulator + `grads` (the gradients as the caller holds them; None: left out)."""
+    out = cf.master + cf.optimizer + cf.bf16_view + cf.grad_accum
+    return out if grads is None else out + grads
+
+
+def least_step_gather(cf: Coefficients, allowed: set[str], *, whole_view: bool = False) -> np.ndarray:
+    """Per-layer optimizer-step gather at or below every setting of P2P Muon the job allows: the lesser of
+    `step_gather_bytes` without it and with it (where allowed)."""
+    gather = step_gather_bytes(cf, False, whole_view=whole_view)
+    return np.minimum(gather, step_gather_bytes(cf, True)) if "p2p_muon" in allowed else gather
 
 
 def memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,

@@ -6,8 +6,8 @@ a relaxation of the exact term, so the LP optimum is a lower bound on every layo
 variant: an activation mode of the node (the node model picks one for every layer) and a setting of the rank
 toggles that trade work for bytes (offload, balancing, ZeRO-2 host gradients, P2P Muon, the chunked cross
 entropy: global decisions), each with that variant's own work and bytes; the bound is the least over variants.
-(Taking the least work of one variant with the least bytes of another made a K3 PP4 VP4 node look like it fit
-at the mean load, 18.12 s, when every fitting layout needs full-recompute-like savings: 20.7 s.)
+(The least work of one variant beside the least bytes of another lets a K3 PP4 VP4 node look like it fits at
+the mean load, 18.12 s, when every fitting layout needs full-recompute-like savings: 20.7 s.)
 
 - time: each rank's per-microbatch work on every resource is the sum of its layers' work, the first-chunk edge on
   rank 0, the last-chunk edge on rank p - 1, and a floor on its PP packets (`_packet_floor`). The update is the
@@ -46,12 +46,15 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
-from k3opt.cost.coefficients import Coefficients, balance_moved_bytes
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
+from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
+from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
@@ -60,9 +63,11 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     allowed_on,
+    bound_persistent_bytes,
     choices,
     frame_shape,
     lean_mode,
+    least_step_gather,
     memory_view,
     undominated_modes,
 )
@@ -73,8 +78,8 @@ from k3opt.search.ranking import step_floor, update_means
 STOP_ROUNDING = 1e-8
 """Relative: `granular_stage` returns a hair under a stop it has shown reached (the stop x (1 - 1e-9)), so a floor
 this close under `stop_at` counts as at it. Without it every variant whose whole-layer floor proved the pruning line
-went on to its linear program (on the default job, 12 programs of 25 ms per interleaved group node, all below the
-floor): the bound is the same, min(value, stop_at) of each such variant."""
+would go on to its linear program, whose value (below the floor) leaves the bound as it is: min(value, stop_at)
+of each such variant."""
 
 FEAS_TOL = 1e-6
 """Relative slack on the LP's memory rows: GLOP's primal tolerance must not turn a fitting layout infeasible."""
@@ -117,17 +122,23 @@ least over their settings, each with its own work and bytes (never the work of o
 another)."""
 
 
+def _zero2_grads(c: Coefficients, v: int) -> np.ndarray:
+    """ZeRO-2 host gradients keep two FP32 buffers of the largest chunk's gradient: per layer, at least 2 / v of
+    the rank's chunk gradients."""
+    return 2 * c.chunk_grad_buffer / v
+
+
 def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[str, bool], model: ModelSpec,
              cluster: ClusterSpec) -> tuple[_Arrays, Coefficients]:
     """The arrays of one activation mode `md` (the node model picks one mode for every layer) under one setting
-    of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep two FP32 buffers of the
-    largest chunk's gradient, at least 2 / v of the rank's chunk gradients; P2P Muon gathers a resident matrix
-    (2 x resident) rather than the BF16 view; MoonEP (searched only when required) its buffers."""
+    of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep `_zero2_grads`; P2P Muon
+    gathers a resident matrix (2 x resident) rather than the BF16 view; MoonEP (searched only when required) its
+    buffers."""
     allowed = allowed_on(job)
     c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
-    grads = 2 * c0.chunk_grad_buffer / f.vp if toggles.get("pipeline_zero2_host_grads") else c0.grads
-    persistent = c0.master + c0.optimizer + c0.bf16_view + c0.grad_accum + grads
-    opt = 2 * c0.resident_params if toggles.get("p2p_muon") else 2 * c0.view_params
+    grads = _zero2_grads(c0, f.vp) if toggles.get("pipeline_zero2_host_grads") else c0.grads
+    persistent = bound_persistent_bytes(c0, grads)
+    opt = step_gather_bytes(c0, bool(toggles.get("p2p_muon")), whole_view=True)
     L = c0.n_layers
     ep = c0.ep_buffers
     if "moonep" in allowed:
@@ -155,174 +166,237 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
 
     `members`: frames of f's `frames.sharding_group` (f among them) to bound at once: the members whose own lean
     memory rows fit (`lean_fits`; the others have no layout); each variant's arrays are the least over those
-    members (`_merge`), the budget the largest, the modes every member's undominated ones,
-    so the program relaxes the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets,
-    balancing) must be the members' common ones; 0.0 (no bound) when they are not, or when the monotonic
-    `deadline` passes while the members' arrays are built (tens of members take seconds)."""
-    group = list(members or (f,))
-    allowed = allowed_on(job)
-    host_cap = cluster.host_memory_bytes
-    # The memory rows over the least bytes of any variant first: most interleaved nodes at long contexts fit under
-    # no setting, which this settles without building the variants. Each member on its own: one that cannot fit
-    # has no layout to bound, and leaving it out spares building its variants (on the default job, 12 of the 16
-    # FSDP variants of PP4 VP4 EP64 and 8 of the 14 of PP8 VP4 EP32 fit under no setting).
+    members (`_merge`), the budget the largest, the modes every member's undominated ones, so the program relaxes
+    the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets, balancing) must be the
+    members' common ones; 0.0 (no bound) when they are not, or when the monotonic `deadline` passes while the
+    members' arrays are built (tens of members take seconds)."""
+    fitting = _fitting_members(job, list(members or (f,)), rc, lc, model, cluster, deadline)
+    if not isinstance(fitting, tuple):
+        return fitting
+    group, cap = fitting
+    modes = _members_modes(job, group, rc, lc, model, cluster, deadline)
+    if modes is None:
+        return 0.0
+    search = _VariantSearch(job, f, lc, model, cluster, group, cap, modes, stop_at, deadline)
+    try:
+        search.build_bases()
+        search.solve_keys(_paths(f, next(iter(search.base.values())).coefs, rc == Recompute.FULL))
+    except _NoBound:
+        return 0.0
+    return search.whole_layer_bound()
+
+
+def _fitting_members(job: Job, group: list[Frame], rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                     cluster: ClusterSpec, deadline: float) -> tuple[list[Frame], float] | float:
+    """(the members whose lean memory rows fit, their largest budget), or the bound when that settles it: 0.0 when
+    the members' schedules differ or the deadline passes, inf when no member fits.
+
+    The memory rows over the least bytes of any variant come first: most interleaved nodes at long contexts fit
+    under no setting, which this settles without building the variants. Each member on its own: one that cannot
+    fit has no layout to bound, and leaving it out spares building its variants (on the default job, 12 of the 16
+    FSDP variants of PP4 VP4 EP64 and 8 of the 14 of PP8 VP4 EP32 fit under no setting). The deadline is checked
+    per member: building a group node program over tens of members takes seconds at 8,192 GPUs, and a check
+    once per step would let the plan overrun its time limit by a second."""
     leans = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
     if len({schedule_terms(c) for c in leans}) > 1:
         return 0.0
     caps = [float(allocated_capacity_bytes(job, g, model, cluster)) for g in group]
-    # The deadline is checked per member here and in `variant`: a group node program over tens of members takes
-    # seconds at 8,192 GPUs, and checked once per step it let the plan run a second past its time limit.
     kept = []
     for i, (g, c) in enumerate(zip(group, leans, strict=True)):
         if time.monotonic() > deadline:
             return 0.0
-        if lean_fits(job, g, c, caps[i], host_cap):
+        if lean_fits(job, g, c, caps[i], cluster.host_memory_bytes):
             kept.append(i)
     if not kept:
         return math.inf
-    group = [group[i] for i in kept]
-    cap = max(caps[i] for i in kept)
+    return [group[i] for i in kept], max(caps[i] for i in kept)
+
+
+def _members_modes(job: Job, group: list[Frame], rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                   cluster: ClusterSpec, deadline: float) -> list[ActMode] | None:
+    """The activation modes of recompute rc undominated on some member (each once, in the members' order); None
+    when the deadline passes."""
     modes_of = []
     for g in group:
         if time.monotonic() > deadline:
-            return 0.0
+            return None
         modes_of.extend(undominated_modes(job, g, [md for md in act_modes(job) if md.recompute == rc], [lc], model,
                                           cluster))
-    modes = list(dict.fromkeys(modes_of))
-    names = [t for t in VARIANT_TOGGLES if t in allowed]
-    settings = [dict(zip(names, flags, strict=True))
-                for flags in itertools.product(*(choices(job, t) for t in names))]
-    count = itertools.count()
+    return list(dict.fromkeys(modes_of))
 
-    def variant(md: ActMode, tg: dict[str, bool]) -> tuple:
-        """(floor, order, mode, setting, the members' merged arrays, the first member's Coefficients)."""
+
+class _Variant(NamedTuple):
+    """One variant of a node (an activation mode and a setting of the rank toggles), ordered by (floor, order)."""
+
+    floor: float
+    """Its mean-load floor (`_floor`)."""
+    order: int
+    """The order it was built in (ties on the floor)."""
+    mode: ActMode
+    setting: dict[str, bool]
+    arrays: _Arrays
+    """The members' merged arrays."""
+    coefs: Coefficients
+    """The first member's coefficients (the schedule's terms, common to the members)."""
+
+
+class _VariantSearch:
+    """The variants of one node (or group node) of `interleaved_lp_bound`, cheapest first, and the least bound
+    found so far (`best`).
+
+    Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
+    gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
+    only adds work (k3opt.cost.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
+    entropy one more LM-head forward; tests/test_lp_early_exit.py checks it), so the key's base, each of them at
+    its least-work choice, has every time and update array at or below each variant of the key's: a floor of the
+    base that reaches the least so far or the line settles the key before its other variants are built (on the
+    default job, 6 of the 8 keys of a PP8 VP4 group node)."""
+
+    def __init__(self, job: Job, f: Frame, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
+                 group: list[Frame], cap: float, modes: list[ActMode], stop_at: float, deadline: float) -> None:
+        self.job, self.f, self.lc, self.model, self.cluster = job, f, lc, model, cluster
+        self.group, self.cap, self.host_cap = group, cap, cluster.host_memory_bytes
+        self.stop_at, self.deadline = stop_at, deadline
+        allowed = allowed_on(job)
+        self.names = [t for t in VARIANT_TOGGLES if t in allowed]
+        settings = [dict(zip(self.names, flags, strict=True))
+                    for flags in itertools.product(*(choices(job, t) for t in self.names))]
+        self.keys: dict[tuple, list[dict[str, bool]]] = {}
+        for md in modes:
+            for tg in settings:
+                self.keys.setdefault((md, tg.get("activation_offload", False), tg.get("balance_activations", False)),
+                                     []).append(tg)
+        self.count = itertools.count()
+        self.base: dict[tuple, _Variant] = {}
+        self.full: dict[tuple, list[_Variant]] = {}
+        self.settled: dict[tuple[bool, bool], float] = {}
+        """Per (offload, balancing) setting, the bound of its merged program (`setting_bound`)."""
+        self.best = math.inf
+        self.capped = math.inf
+        """The least value at which some variant was left unsolved only because it reached `stop_at` (not the least
+        so far, not memory): a lower bound of those variants."""
+
+    def variant(self, md: ActMode, tg: dict[str, bool]) -> _Variant:
+        """The variant (md, tg) over the members: their merged arrays and its floor."""
         built = []
-        for g in group:
-            if time.monotonic() > deadline:
+        for g in self.group:
+            if time.monotonic() > self.deadline:
                 raise _NoBound
-            built.append(_relaxed(job, g, md, lc, tg, model, cluster))
+            built.append(_relaxed(self.job, g, md, self.lc, tg, self.model, self.cluster))
         if len({schedule_terms(c) for _, c in built}) > 1:
             raise _NoBound
         a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
         c0 = built[0][1]
-        stage = max(float(t.sum()) for t in a.time.values()) / f.pp
-        return _floor(c0.slots, stage, a, f.pp), next(count), md, tg, a, c0
+        stage = max(float(t.sum()) for t in a.time.values()) / self.f.pp
+        return _Variant(_floor(c0.slots, stage, a, self.f.pp), next(self.count), md, tg, a, c0)
 
-    # Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
-    # gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
-    # only adds work (k3opt.cost.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
-    # entropy one more LM-head forward; tests/test_lp_early_exit.py checks it), so the key's base, each of them at
-    # its least-work choice, has every time and update array at or below each variant of the key's: a floor of the
-    # base that reaches the least so far or the line settles the key before its other variants are built (on the
-    # default job, 6 of the 8 keys of a PP8 VP4 group node).
-    keys: dict[tuple, list[dict[str, bool]]] = {}
-    for md in modes:
-        for tg in settings:
-            keys.setdefault((md, tg.get("activation_offload", False), tg.get("balance_activations", False)),
-                            []).append(tg)
-    least = {t: min(choices(job, t)) for t in names if t not in ("activation_offload", "balance_activations")}
-    try:
-        base = {key: variant(key[0], next(tg for tg in tgs if all(tg[t] == v for t, v in least.items())))
-                for key, tgs in keys.items()}
-    except _NoBound:
-        return 0.0
-    full: dict[tuple, list] = {}
+    def build_bases(self) -> None:
+        """Each key's base: its toggles that only add work at their least-work choice."""
+        least = {t: min(choices(self.job, t)) for t in self.names
+                 if t not in ("activation_offload", "balance_activations")}
+        self.base = {key: self.variant(key[0], next(tg for tg in tgs if all(tg[t] == v for t, v in least.items())))
+                     for key, tgs in self.keys.items()}
 
-    def expand(key: tuple) -> list:
+    def expand(self, key: tuple) -> list[_Variant]:
         """Every variant of the key, least floor first (built once)."""
-        if key not in full:
-            b = base[key]
-            full[key] = sorted([b] + [variant(key[0], tg) for tg in keys[key] if tg is not b[3]],
-                               key=lambda x: x[:2])
-        return full[key]
+        if key not in self.full:
+            b = self.base[key]
+            self.full[key] = sorted([b] + [self.variant(key[0], tg) for tg in self.keys[key] if tg is not b.setting],
+                                    key=lambda x: x[:2])
+        return self.full[key]
 
-    def whole_layers(floor: float, a: _Arrays, c: Coefficients) -> float:
+    def whole_layers(self, floor: float, a: _Arrays, c: Coefficients) -> float:
         """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
         most toggles move the update or the edges only), at least `floor`. The program runs only as far as the
         least so far or the line: a value it stops at is at or above them, and only decides a skip."""
-        upd = _mean_update(a, f.pp)
-        line = min(best, stop_at)
-        stage = granular_stage(a.time, c.n_layers, f.pp, f.vp,
+        upd = _mean_update(a, self.f.pp)
+        line = min(self.best, self.stop_at)
+        stage = granular_stage(a.time, c.n_layers, self.f.pp, self.f.vp,
                                stop=(line - upd) / c.slots if math.isfinite(line) else math.inf)
-        return max(floor, _floor(c.slots, stage, a, f.pp))
+        return max(floor, _floor(c.slots, stage, a, self.f.pp))
 
-    best = math.inf
-    capped = math.inf
-    """The least value at which some variant was left unsolved only because it reached `stop_at` (not the least so
-    far, not memory): a lower bound of those variants."""
-
-    def over(value: float) -> bool:
+    def over(self, value: float) -> bool:
         """`value` (a floor or a relaxation of some variants) cannot lower the least below min(best, stop_at)."""
-        nonlocal capped
-        if value >= best:
+        if value >= self.best:
             return True
-        if value >= stop_at * (1 - STOP_ROUNDING):
+        if value >= self.stop_at * (1 - STOP_ROUNDING):
             if math.isfinite(value):
-                capped = min(capped, value, stop_at)
+                self.capped = min(self.capped, value, self.stop_at)
             return True
         return False
 
-    def settled_by_base(key: tuple) -> bool:
+    def settled_by_base(self, key: tuple) -> bool:
         """The key's base floor, or its whole-layer floor, cannot lower the least (nor can any variant of the key's:
         each is at or above its base). Once true, true for the rest of the call: `best` only falls."""
-        fl, _, _, _, a, c = base[key]
-        return over(fl * (1 - 1e-9)) or over(whole_layers(fl, a, c))
+        b = self.base[key]
+        return self.over(b.floor * (1 - 1e-9)) or self.over(self.whole_layers(b.floor, b.arrays, b.coefs))
 
-    # Any nonnegative per-layer weights give valid paths (replay_bound.split_paths): the first key's.
-    paths = _paths(f, next(iter(base.values()))[5], rc == Recompute.FULL)
-    # Keys of one (offload, balancing) setting over every activation mode share the schedule and the edges'
-    # terms (in-flight compositions, packets, balancing's average): their merged arrays relax all of them at once,
-    # and most such settings do not fit at all when memory binds. The memory rows alone decide that first
-    # (`_fits`, a program a fraction of the size); the merged program with the time rows only for a setting that
-    # fits. The keys their bases settle are left out (their variants are not built).
-    settled: dict[tuple[bool, bool], float] = {}
-    try:
-        for key in sorted(keys, key=lambda k: base[k][:2]):
+    def solve_keys(self, paths: np.ndarray) -> None:
+        """Every key not settled, cheapest base first: its (offload, balancing) setting's merged program
+        (`setting_bound`), then its own merged program, then each of its variants. `paths`: the replay paths (any
+        nonnegative per-layer weights give valid ones, replay_bound.split_paths: the first key's)."""
+        for key in sorted(self.keys, key=lambda k: self.base[k][:2]):
             _md, off, bal = key
-            if (bal and base[key][5].balanced_inflight is None) or settled_by_base(key):
+            if (bal and self.base[key].coefs.balanced_inflight is None) or self.settled_by_base(key):
                 continue
-            if (off, bal) not in settled:
-                every = [v for k2 in keys if (k2[1], k2[2]) == (off, bal) and not settled_by_base(k2)
-                         for v in expand(k2)]
-                merged_all = _merge([m[4] for m in every]) if len(every) > 1 else every[0][4]
-                if not _fits(f, merged_all, every[0][5], cap, host_cap, off, bal):
-                    settled[(off, bal)] = math.inf
-                elif len(every) > 1:
-                    lo = whole_layers(min(m[0] for m in every), merged_all, every[0][5])
-                    settled[(off, bal)] = lo if over(lo) else max(
-                        lo, _solve(f, merged_all, every[0][5], cap, host_cap, off, bal, paths))
-                else:
-                    settled[(off, bal)] = -math.inf
-            if over(settled[(off, bal)]):
+            if (off, bal) not in self.settled:
+                self.settled[(off, bal)] = self.setting_bound(off, bal, paths)
+            if self.over(self.settled[(off, bal)]):
                 continue
-            members = expand(key)
-            c0 = members[0][5]
-            if len(members) > 1:
-                merged = _merge([m[4] for m in members])
-                if (over(whole_layers(members[0][0], merged, c0))
-                        or over(_solve(f, merged, c0, cap, host_cap, off, bal, paths))):
-                    continue
-            for floor, _, _md2, _tg, a, c in members:
-                if over(floor * (1 - 1e-9)):
-                    break
-                floor = whole_layers(floor, a, c)
-                if over(floor * (1 - 1e-9)):
-                    continue
-                best = min(best, max(floor, _solve(f, a, c, cap, host_cap, off, bal, paths)))
-    except _NoBound:
-        return 0.0
-    variants = [v for key in keys for v in full.get(key, [base[key]])]
-    best = min(best, capped)
-    if math.isfinite(best) and best < stop_at * (1 - STOP_ROUNDING):
-        # Whole layers: the least of every variant's arrays, each rank an integer count of each kind of layer.
-        # (It only raises the bound: not needed once the bound is at the line.)
-        merged = _merge([v[4] for v in variants])
-        update = _mean_update(merged, f.pp)
-        slots = variants[0][5].slots
-        stage = granular_stage(merged.time, variants[0][5].n_layers, f.pp, f.vp,
-                               stop=(stop_at - update) / slots if math.isfinite(stop_at) else math.inf)
-        best = max(best, _floor(slots, stage, merged, f.pp))
-    return best
+            self.solve_key(key, off, bal, paths)
+
+    def setting_bound(self, off: bool, bal: bool, paths: np.ndarray) -> float:
+        """A bound of every variant of one (offload, balancing) setting over every activation mode: inf when the
+        memory rows alone show none fits (`_fits`), else (several variants) their merged program, -inf for one.
+        Keys of one setting share the schedule and the edges' terms (in-flight compositions, packets, balancing's
+        average): their merged arrays relax all of them at once, and most such settings do not fit at all when
+        memory binds. The memory rows, a program a fraction of the size, decide that first; the merged program
+        with the time rows only for a setting that fits. The keys their bases settle are left out (their variants
+        are not built)."""
+        every = [v for k2 in self.keys if (k2[1], k2[2]) == (off, bal) and not self.settled_by_base(k2)
+                 for v in self.expand(k2)]
+        merged_all = _merge([m.arrays for m in every]) if len(every) > 1 else every[0].arrays
+        c0 = every[0].coefs
+        if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal):
+            return math.inf
+        if len(every) > 1:
+            lo = self.whole_layers(min(m.floor for m in every), merged_all, c0)
+            return lo if self.over(lo) else max(
+                lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths))
+        return -math.inf
+
+    def solve_key(self, key: tuple, off: bool, bal: bool, paths: np.ndarray) -> None:
+        """The key's merged program (several variants), then each variant's floors and program, least floor first,
+        lowering `best`."""
+        members = self.expand(key)
+        c0 = members[0].coefs
+        if len(members) > 1:
+            merged = _merge([m.arrays for m in members])
+            if (self.over(self.whole_layers(members[0].floor, merged, c0))
+                    or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths))):
+                return
+        for floor, _, _md, _tg, a, c in members:
+            if self.over(floor * (1 - 1e-9)):
+                break
+            floor = self.whole_layers(floor, a, c)
+            if self.over(floor * (1 - 1e-9)):
+                continue
+            self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths)))
+
+    def whole_layer_bound(self) -> float:
+        """The least found (or the line's cap), raised by whole layers over the least of every variant's arrays,
+        each rank an integer count of each kind of layer (it only raises the bound: not needed once the bound is at
+        the line)."""
+        variants = [v for key in self.keys for v in self.full.get(key, [self.base[key]])]
+        best = min(self.best, self.capped)
+        if math.isfinite(best) and best < self.stop_at * (1 - STOP_ROUNDING):
+            merged = _merge([v.arrays for v in variants])
+            update = _mean_update(merged, self.f.pp)
+            slots = variants[0].coefs.slots
+            stage = granular_stage(merged.time, variants[0].coefs.n_layers, self.f.pp, self.f.vp,
+                                   stop=(self.stop_at - update) / slots if math.isfinite(self.stop_at) else math.inf)
+            best = max(best, _floor(slots, stage, merged, self.f.pp))
+        return best
 
 
 def schedule_terms(c: Coefficients) -> tuple:
@@ -474,138 +548,224 @@ def _merge(arrays: list[_Arrays]) -> _Arrays:
     )
 
 
-def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-           paths: np.ndarray) -> float:
-    L, p, v = c0.n_layers, f.pp, f.vp
-    K = p * v
-    res_names = list(a.time)
-    time = a.time
-    umax = a.hi
-    # Per-layer columns used by the LP; layers with equal columns form one kind.
-    cols = [time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
-    cols += [a.hidden[r][:L] for r in a.hidden]
-    cols += [umax[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
-    kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
-    nk, n_res, n_up = len(kinds), len(res_names), len(a.update)
-    kt, ku = kinds[:, :n_res], kinds[:, n_res:n_res + n_up]
-    kh = kinds[:, n_res + n_up:n_res + n_up + len(a.hidden)]
-    kmax, kp, kopt, kact = kinds[:, -4], kinds[:, -3], kinds[:, -2], kinds[:, -1]
-    # Columns: x[r, k, t] (layers of kind t in rank r's k-th chunk) at (r * v + k) * nk + t, then S, U; then the
-    # replay's terms: T[r] per rank, cl[g] per global chunk g = k p + r, the replay bound R and Z = max(slots S, R);
-    # last E, the update communication's excess over its window, max(0, max_r hidden_r - hidden_stages x S).
-    n = p * v * nk
-    S_col, U_col = n, n + 1
-    T0, CL0 = n + 2, n + 2 + p
-    R_col, Z_col = CL0 + K, CL0 + K + 1
-    E_col = Z_col + 1
-    ncol = E_col + 1
+@dataclass
+class _Program:
+    """The columns of `_solve`'s linear program and the rows written so far (a_ub z <= b_ub).
 
-    def col(r: int, k: int) -> slice:
-        return slice((r * v + k) * nk, (r * v + k + 1) * nk)
+    Columns: x[r, k, t] (layers of kind t in rank r's k-th chunk) at (r v + k) nk + t, then S (the slowest rank's
+    stage), U (its update); then the replay's terms: T[r] per rank, cl[g] per global chunk g = k p + r, the replay
+    bound R and Z = max(slots S, R); last E, the update communication's excess over its window,
+    max(0, max_r hidden_r - hidden_stages x S)."""
 
-    def edge(arr: np.ndarray, r: int) -> float:
-        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
+    L: int
+    p: int
+    v: int
+    m: int
+    """Microbatches per step."""
+    res_names: list[str]
+    """The resources of the arrays' per-microbatch work."""
+    counts: np.ndarray
+    """Layers of each kind."""
+    kt: np.ndarray
+    """Per kind, its work on each resource (columns in `res_names` order)."""
+    ku: np.ndarray
+    """Per kind, its update compute on each resource."""
+    kh: np.ndarray
+    """Per kind, its update communication on each resource."""
+    kmax: np.ndarray
+    """Per kind, its busiest-resource work (`_Arrays.hi`)."""
+    kp: np.ndarray
+    kopt: np.ndarray
+    kact: np.ndarray
+    """Per kind, its persistent, optimizer-phase and saved bytes."""
+    rows: list[np.ndarray] = dataclasses.field(default_factory=list)
+    rhs: list[float] = dataclasses.field(default_factory=list)
+    nk: int = dataclasses.field(init=False)
+    """Layer kinds."""
+    n: int = dataclasses.field(init=False)
+    """Columns of the x[r, k, t]."""
+    S: int = dataclasses.field(init=False)
+    U: int = dataclasses.field(init=False)
+    T0: int = dataclasses.field(init=False)
+    CL0: int = dataclasses.field(init=False)
+    R: int = dataclasses.field(init=False)
+    Z: int = dataclasses.field(init=False)
+    E: int = dataclasses.field(init=False)
+    ncol: int = dataclasses.field(init=False)
+    """The column of each figure (T0, CL0: the first T[r], cl[g]), and their count."""
 
-    rows: list[np.ndarray] = []
-    rhs: list[float] = []
+    def __post_init__(self) -> None:
+        self.nk = len(self.counts)
+        self.n = self.p * self.v * self.nk
+        self.S, self.U, self.T0 = self.n, self.n + 1, self.n + 2
+        self.CL0 = self.T0 + self.p
+        self.R = self.CL0 + self.p * self.v
+        self.Z, self.E = self.R + 1, self.R + 2
+        self.ncol = self.E + 1
 
-    def le(coef_by_chunk: list[np.ndarray], r: int, bound: float, extra: dict[int, float] | None = None) -> None:
-        row = np.zeros(ncol)
-        for k in range(v):
-            row[col(r, k)] = coef_by_chunk[k]
+    def col(self, r: int, k: int) -> slice:
+        """The x[r, k, t] of rank r's k-th chunk."""
+        return slice((r * self.v + k) * self.nk, (r * self.v + k + 1) * self.nk)
+
+    def le(self, coef_by_chunk: list[np.ndarray], r: int, bound: float, extra: dict[int, float] | None = None
+           ) -> None:
+        """The row sum_k coef_by_chunk[k] . x[r, k] + sum extra[c] z_c <= bound."""
+        row = np.zeros(self.ncol)
+        for k in range(self.v):
+            row[self.col(r, k)] = coef_by_chunk[k]
         for c, val in (extra or {}).items():
             row[c] = val
-        rows.append(row)
-        rhs.append(bound)
+        self.rows.append(row)
+        self.rhs.append(bound)
 
+    def add(self, row: np.ndarray, bound: float) -> None:
+        """The row z . row <= bound."""
+        self.rows.append(row)
+        self.rhs.append(bound)
+
+
+def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
+    """The program's variables: layers with equal per-layer columns (work, update, busiest work, bytes) form one
+    kind, placed by the x[r, k, t]."""
+    L = c0.n_layers
+    res_names = list(a.time)
+    cols = [a.time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
+    cols += [a.hidden[r][:L] for r in a.hidden]
+    cols += [a.hi[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
+    kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
+    n_res, n_up = len(res_names), len(a.update)
+    return _Program(
+        L=L, p=f.pp, v=f.vp, m=f.microbatches, res_names=res_names, counts=counts, kt=kinds[:, :n_res],
+        ku=kinds[:, n_res:n_res + n_up], kh=kinds[:, n_res + n_up:n_res + n_up + len(a.hidden)],
+        kmax=kinds[:, -4], kp=kinds[:, -3], kopt=kinds[:, -2], kact=kinds[:, -1])
+
+
+def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
+           paths: np.ndarray) -> float:
+    """The linear program of the module docstring over one node's arrays `a` (c0: the schedule's terms) under one
+    offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible."""
+    lp = _program(f, a, c0)
+    _work_rows(lp, a, c0, bal)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact)
+    for row_x, b in zip(mem_rows, mem_rhs, strict=True):
+        row = np.zeros(lp.ncol)
+        row[:lp.n] = row_x
+        lp.add(row, b)
+    _granularity_rows(lp, a)
+    _replay_rows(lp, a, paths)
+    _pipeline_rows(lp)
+    # Equalities: each kind's layers all placed; each chunk holds at least one layer (as -sum <= -1).
+    chunk_rows, a_eq = _placement_rows(lp.p * lp.v, lp.nk, lp.ncol)
+    a_ub = np.vstack([np.array(lp.rows), chunk_rows])
+    b_ub = np.concatenate([lp.rhs, -np.ones(lp.p * lp.v)])
+    upper = np.concatenate([np.tile(lp.counts.astype(float), lp.p * lp.v), np.full(lp.ncol - lp.n, np.inf)])
+    value = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper)
+    # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
+    return value * (1 - FEAS_TOL) if math.isfinite(value) else value
+
+
+def _work_rows(lp: _Program, a: _Arrays, c0: Coefficients, bal: bool) -> None:
+    """Per rank: every resource's work (its layers, its edges, a floor on its PP packets and balancing's traffic)
+    at most S; every resource's update at most U; every resource's update communication at most
+    hidden_stages x S + E."""
+    L, p, v, work = lp.L, lp.p, lp.v, a.time
     pk = _packet_floor(c0, p, v, L)
     for r in range(p):
-        n_peak = max(sum(c) for c in c0.compositions[r])
+        n_peak = peak_inflight(c0.compositions[r])
         moved = 0.0
         if bal and c0.balanced_inflight is not None and n_peak > c0.balanced_inflight:
             moved = balance_moved_bytes(1.0, n_peak, c0.balanced_inflight) * c0.balance_seconds_per_byte
-        for ri, res in enumerate(res_names):
-            per = kt[:, ri] + (moved * kact if res == c0.balance_resource else 0.0)
-            e = edge(time[res], r) + (moved * edge(a.act, r) if res == c0.balance_resource else 0.0)
+        for ri, res in enumerate(lp.res_names):
+            per = lp.kt[:, ri] + (moved * lp.kact if res == c0.balance_resource else 0.0)
+            e = _edge(work[res], r, p, L) + (moved * _edge(a.act, r, p, L) if res == c0.balance_resource else 0.0)
             e += pk[r].get(res, 0.0)
             if per.any() or e:
-                le([per] * v, r, -e, {S_col: -1.0})
+                lp.le([per] * v, r, -e, {lp.S: -1.0})
         for ui, res in enumerate(a.update):
-            e = edge(a.update[res], r)
-            if ku[:, ui].any() or e:
-                le([ku[:, ui]] * v, r, -e, {U_col: -1.0})
+            e = _edge(a.update[res], r, p, L)
+            if lp.ku[:, ui].any() or e:
+                lp.le([lp.ku[:, ui]] * v, r, -e, {lp.U: -1.0})
         for hi_, res in enumerate(a.hidden):
-            e = edge(a.hidden[res], r)
-            if kh[:, hi_].any() or e:
-                le([kh[:, hi_]] * v, r, -e, {S_col: -a.hidden_stages, E_col: -1.0})
-    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kp, kopt, kact)
-    for row_x, b in zip(mem_rows, mem_rhs, strict=True):
-        row = np.zeros(ncol)
-        row[:n] = row_x
-        rows.append(row)
-        rhs.append(b)
-    # Granularity: some rank holds at least ceil(L / p) whole layers.
-    need = -(-L // p)
-    for res in res_names:
-        row = np.zeros(ncol)
-        row[S_col] = -1.0
-        rows.append(row)
-        rhs.append(-float(np.sort(time[res][:L])[:need].sum()) * (1 - FEAS_TOL))
-    # The replayed schedule (the node model's _replay_terms, relaxed): rank r's stage t_r >= T[r] >= each
-    # resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the
-    # sum of r's per-layer maxima over resources (`_Arrays.hi`; no packets in T[r] or U_r); chunk g's replayed
-    # time c_g = t_r w_g / W_r >= w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum
-    # e_g <= w_g; every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE; the ranked pipeline term is
-    # max(slots S, R).
+            e = _edge(a.hidden[res], r, p, L)
+            if lp.kh[:, hi_].any() or e:
+                lp.le([lp.kh[:, hi_]] * v, r, -e, {lp.S: -a.hidden_stages, lp.E: -1.0})
+
+
+def _granularity_rows(lp: _Program, a: _Arrays) -> None:
+    """Some rank holds at least ceil(L / p) whole layers: S is at least the work of that many cheapest layers on
+    every resource."""
+    need = -(-lp.L // lp.p)
+    for res in lp.res_names:
+        row = np.zeros(lp.ncol)
+        row[lp.S] = -1.0
+        lp.add(row, -float(np.sort(a.time[res][:lp.L])[:need].sum()) * (1 - FEAS_TOL))
+
+
+def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
+    """The replayed schedule (the node model's _replay_terms, relaxed): rank r's stage t_r >= T[r] >= each
+    resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the sum
+    of r's per-layer maxima over resources (`_Arrays.hi`; no packets in T[r] or U_r); chunk g's replayed time
+    c_g = t_r w_g / W_r >= w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum e_g <= w_g;
+    every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE."""
+    L, p, v, work = lp.L, lp.p, lp.v, a.time
+    K = p * v
     for r in range(p):
-        for ri, res in enumerate(res_names):
+        for ri, res in enumerate(lp.res_names):
             # Without the packets: T[r] <= U_r, which U_r (per-layer maxima) needs (the node model's note).
-            le([kt[:, ri]] * v, r, -edge(time[res], r), {T0 + r: -1.0})
-        u_r = edge(umax, r)
+            lp.le([lp.kt[:, ri]] * v, r, -_edge(work[res], r, p, L), {lp.T0 + r: -1.0})
+        u_r = _edge(a.hi, r, p, L)
         for k in range(v):
             g = k * p + r
             first, last = g == 0, g == K - 1
-            for ri, res in enumerate(res_names):
-                row = np.zeros(ncol)
-                row[col(r, k)] += kt[:, ri]
+            for ri, res in enumerate(lp.res_names):
+                row = np.zeros(lp.ncol)
+                row[lp.col(r, k)] += lp.kt[:, ri]
                 for k2 in range(v):
-                    row[col(r, k2)] -= kmax
-                row[T0 + r] = 1.0
-                row[CL0 + g] = -1.0
-                e_g = (float(time[res][L]) if first else 0.0) + (float(time[res][L + 1]) if last else 0.0)
-                rows.append(row)
-                rhs.append(u_r - e_g)
+                    row[lp.col(r, k2)] -= lp.kmax
+                row[lp.T0 + r] = 1.0
+                row[lp.CL0 + g] = -1.0
+                e_g = (float(work[res][L]) if first else 0.0) + (float(work[res][L + 1]) if last else 0.0)
+                lp.add(row, u_r - e_g)
     for a_g in paths:
-        row = np.zeros(ncol)
-        row[CL0:CL0 + K] = a_g / replay_bound.SCALE
-        row[R_col] = -1.0
-        rows.append(row)
-        rhs.append(0.0)
-    slots = f.microbatches + (p - 1) / v
-    for extra in ({S_col: slots, Z_col: -1.0}, {R_col: 1.0, Z_col: -1.0}):
-        row = np.zeros(ncol)
+        row = np.zeros(lp.ncol)
+        row[lp.CL0:lp.CL0 + K] = a_g / replay_bound.SCALE
+        row[lp.R] = -1.0
+        lp.add(row, 0.0)
+
+
+def _pipeline_rows(lp: _Program) -> None:
+    """The ranked pipeline term: Z >= slots x S (the step formula's, `schedule_slots`) and Z >= R (the replay)."""
+    slots = schedule_slots(lp.p, lp.v, lp.m)
+    for extra in ({lp.S: slots, lp.Z: -1.0}, {lp.R: 1.0, lp.Z: -1.0}):
+        row = np.zeros(lp.ncol)
         for c, val in extra.items():
             row[c] = val
-        rows.append(row)
-        rhs.append(0.0)
-    a_ub = np.array(rows)
-    # Equalities: each kind's layers all placed; each chunk holds at least one layer (as -sum <= -1).
+        lp.add(row, 0.0)
+
+
+def _objective(lp: _Program) -> np.ndarray:
+    """max(slots S, R) + U + E: the pipeline term, the slowest rank's update and its exposed communication."""
+    cost = np.zeros(lp.ncol)
+    cost[lp.Z] = 1.0
+    cost[lp.U] = 1.0
+    cost[lp.E] = 1.0
+    return cost
+
+
+def _placement_rows(chunks: int, nk: int, ncol: int) -> tuple[np.ndarray, np.ndarray]:
+    """(every chunk holds at least one layer, as -sum_t x[j, t] <= -1; every kind's layers all placed, as
+    sum_j x[j, t] = count_t) over the first chunks x nk of ncol columns (chunk j's kinds at j nk ..)."""
+    chunk_rows = np.zeros((chunks, ncol))
     a_eq = np.zeros((nk, ncol))
-    chunk_rows = np.zeros((p * v, ncol))
-    for r in range(p):
-        for k in range(v):
-            a_eq[:, col(r, k)] = np.eye(nk)
-            chunk_rows[r * v + k, col(r, k)] = -1.0
-    a_ub = np.vstack([a_ub, chunk_rows])
-    b_ub = np.concatenate([rhs, -np.ones(p * v)])
-    upper = np.concatenate([np.tile(counts.astype(float), p * v), np.full(ncol - n, np.inf)])
-    cost = np.zeros(ncol)
-    cost[Z_col] = 1.0
-    cost[U_col] = 1.0
-    cost[E_col] = 1.0
-    value = _glop(cost, a_ub, b_ub, a_eq, counts.astype(float), upper)
-    # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
-    return value * (1 - FEAS_TOL) if math.isfinite(value) else value
+    for j in range(chunks):
+        chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
+        a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
+    return chunk_rows, a_eq
+
+
+def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
+    """Rank r's edge entries of a per-layer array: the first edge on rank 0, the last on rank p - 1."""
+    return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
 
 
 def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
@@ -624,20 +784,15 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         rows.append(row)
         rhs.append(bound)
 
-    def edge(arr: np.ndarray, r: int) -> float:
-        return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
-
-    # Every rank with v >= 2 holds a chunk that is neither the first nor the last: a packet in and one out,
-    # double-buffered (the node model's 2 (in + out) with R >= 0).
-    packets = 4.0 * c0.stream_bytes if p > 1 else 0.0
+    packets = _least_packets(c0, p)
     moe = c0.moe[:L] > 0
     # Each rank holds at least v layers; more than the non-MoE layers means it holds an MoE layer.
     must_moe = bool(moe.any()) and v > int((~moe).sum())
     ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
     room = cap * (1 + FEAS_TOL)
     for r in range(p):
-        n_peak = max(sum(c) for c in c0.compositions[r])
-        fixed = edge(a.persistent, r)
+        n_peak = peak_inflight(c0.compositions[r])
+        fixed = _edge(a.persistent, r, p, L)
         act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
         scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
         comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
@@ -650,7 +805,7 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         else:
             for comp in comps:
                 le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
-        le([kp + kopt] * v, r, room - fixed - edge(a.opt, r) - a.nsws_min)
+        le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L) - a.nsws_min)
     return np.array(rows), rhs
 
 
@@ -676,10 +831,9 @@ def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model:
     """Whether a layout of node (f, rc, lc) with f.vp > 1 might fit, with whole layers in contiguous chunks: the
     memory rows of `lean_fits` (the leanest bytes of every variant, each allowed offload setting) over one Boolean
     per layer and chunk (`_contiguous`). None when CP-SAT neither finds a split nor proves there is none within
-    `time_limit` seconds. The linear relaxation drops contiguity, and at long
-    contexts a node it says fits can have no contiguous split: K3 PP8 VP2 CP16 EP32 at 128K context, where the node
-    model's bound stalls for minutes (with its objective cleared it takes 31 s to prove it), is proven here in 2 s;
-    dropping only contiguity, or keeping it only between virtual stages, the split fits."""
+    `time_limit` seconds. The linear relaxation drops contiguity, and at long contexts a node it says fits can have
+    no contiguous split: K3 PP8 VP2 CP16 EP32 at 128K context (dropping only contiguity, or keeping it only between
+    virtual stages, the split fits), which the node model's bound takes minutes to prove and this program seconds."""
     lean = memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
     a = lean_arrays(job, f, lean)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
@@ -703,8 +857,8 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
     (column (r v + k) L + i: layer i in rank r's k-th chunk, global chunk k p + r), every layer in one chunk, the
     first layer in chunk 0 and the last in chunk G - 1, and each next layer in the same chunk or the next (so
     every chunk holds one). Rows in KiB, each coefficient rounded up and the bound raised by one KiB per term,
-    which only loosens a row (sum ceil(c / U) x <= sum (c / U + 1) x). (SCIP over the same rows took 13 s on the
-    128K node below, and 60 s without an answer when the rows were written in suffix binaries.)"""
+    which only loosens a row (sum ceil(c / U) x <= sum (c / U + 1) x). (CP-SAT rather than SCIP: on the 128K node
+    of `contiguous_fits` SCIP needs 13 s over the same rows, and finds no answer in 60 s over suffix binaries.)"""
     L, p, v = c0.n_layers, f.pp, f.vp
     G = p * v
     rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, a.persistent[:L], a.opt[:L], a.act[:L])
@@ -748,16 +902,14 @@ def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
     L = lean.n_layers
     grads = lean.grads
     if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, 2 * lean.chunk_grad_buffer / f.vp)
-    opt = 2 * lean.view_params
-    if "p2p_muon" in allowed:
-        opt = np.minimum(opt, 2 * lean.resident_params)
+        grads = np.minimum(grads, _zero2_grads(lean, f.vp))
     ep = lean.ep_buffers
     if "moonep" in allowed:
         ep = min(ep, lean.moonep_buffers)
-    return _Arrays(time={}, update={}, persistent=lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum
-                   + grads, opt=opt, act=lean.act, ws_min=float(lean.working_set[:L].min()), nsws_min=0.0,
-                   logits=float(lean.logits), ep_min=float(ep), hi=np.zeros(L + 2))
+    return _Arrays(time={}, update={}, persistent=bound_persistent_bytes(lean, grads),
+                   opt=least_step_gather(lean, allowed, whole_view=True), act=lean.act,
+                   ws_min=float(lean.working_set[:L].min()), nsws_min=0.0, logits=float(lean.logits),
+                   ep_min=float(ep), hi=np.zeros(L + 2))
 
 
 def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list[Coefficients], cap: float,
@@ -769,8 +921,8 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
     balancing setting; inf when no such layout fits. Pairing one mode's work with another's bytes keeps it below
     every layout; what it keeps of memory is each rank's rows: where the early ranks' in-flight counts crowd their
     chunks, the layers pile onto the late ranks. No replay paths (they read per-layer maxima at or above every
-    mode's work, which a floor is not). K3 PP8 VP4 EP64 at 8,192 GPUs, selective: 27.8 s, where the group's
-    shape bound without it was the mean load, 17.96 s (its node relaxation: 31.3 s without offload)."""
+    mode's work, which a floor is not). K3 PP8 VP4 EP64 at 8,192 GPUs, selective: 27.8 s, where the group's mean
+    load is 17.96 s (its node relaxation: 31.3 s without offload)."""
     arrays = []
     for cf, vw in zip(floors, views, strict=True):
         lean = lean_arrays(job, f, vw)
@@ -797,11 +949,7 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
     nk = len(counts)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
     n = p * v * nk
-    chunk_rows = np.zeros((p * v, n))
-    a_eq = np.zeros((nk, n))
-    for j in range(p * v):
-        chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
-        a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
+    chunk_rows, a_eq = _placement_rows(p * v, nk, n)
     a_ub = np.vstack([mem_rows, chunk_rows])
     b_ub = np.concatenate([mem_rhs, -np.ones(p * v)])
     return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), np.tile(counts.astype(float), p * v)) < math.inf
@@ -826,9 +974,9 @@ def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
 
 def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:
     """Per rank, a floor on its PP packets' seconds per microbatch on each link (achievable.rank_sums prices them:
-    (1 + AttnRes streams open at the boundary) x stream_bytes, in and out of every chunk but the model's ends).
-    The boundary before global chunk g lies at layer g or deeper (every chunk holds a layer), and the open streams
-    only grow with depth, so each boundary carries at least its shallowest possible packet."""
+    `pp_packet_bytes` in and out of every chunk but the model's ends). The boundary before global chunk g lies at
+    layer g or deeper (every chunk holds a layer), and the open streams only grow with depth, so each boundary
+    carries at least its shallowest possible packet."""
     out: list[dict[str, float]] = [{} for _ in range(p)]
     if p == 1:
         return out
@@ -839,11 +987,12 @@ def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, fl
             if g > 0:
                 hop = (r - 1) % p
                 res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
-                out[r][res] = out[r].get(res, 0.0) + (1 + closes_cum[g]) * c0.stream_bytes * c0.pp_seconds_per_byte[hop]
+                out[r][res] = out[r].get(res, 0.0) + (
+                    pp_packet_bytes(closes_cum[g], c0.stream_bytes) * c0.pp_seconds_per_byte[hop])
             if g < k - 1:
                 res = "nvlink" if c0.pp_on_nvlink[r] else "nic"
                 out[r][res] = out[r].get(res, 0.0) + (
-                    (1 + closes_cum[g + 1]) * c0.stream_bytes * c0.pp_seconds_per_byte[r])
+                    pp_packet_bytes(closes_cum[g + 1], c0.stream_bytes) * c0.pp_seconds_per_byte[r])
     return out
 
 
@@ -915,28 +1064,23 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
     """True when no split of the interleaved frame f fits its activation phase under `cap` without offload (with
     balancing, if allowed), by the memory rows of the relaxation alone (layers fractional over chunks, each chunk
     holding at least one layer, every undominated in-flight composition of every rank). `lean`: the leanest
-    mode's coefficients (`frames.memory_view`); its saved and working-set bytes are the least of any mode."""
+    mode's coefficients (`frames.memory_view`); its saved and working-set bytes are the least of any mode, and
+    the other bytes are `lean_arrays`'."""
     allowed = allowed_on(job)
     L, p, v = lean.n_layers, f.pp, f.vp
-    grads = lean.grads
-    if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, 2 * lean.chunk_grad_buffer / v)
-    P = lean.master + lean.optimizer + lean.bf16_view + lean.grad_accum + grads
+    la = lean_arrays(job, f, lean)
+    P = la.persistent
     A = lean.act
     kinds, counts = np.unique(np.stack([P[:L], A[:L]], axis=1), axis=0, return_counts=True)
     nk = len(counts)
     kp, ka = kinds[:, 0], kinds[:, 1]
     moe = lean.moe[:L] > 0
     must_moe = bool(moe.any()) and v > int((~moe).sum())
-    ep = lean.ep_buffers
-    if "moonep" in allowed:
-        ep = min(ep, lean.moonep_buffers)
-    act_fixed = float(lean.working_set[:L].min()) + (4.0 * lean.stream_bytes if p > 1 else 0.0) \
-        + ((ep + lean.routing_map) if must_moe else 0.0)
+    act_fixed = la.ws_min + _least_packets(lean, p) + ((la.ep_min + lean.routing_map) if must_moe else 0.0)
     n = p * v * nk
     rows, rhs = [], []
     for r in range(p):
-        n_peak = max(sum(c) for c in lean.compositions[r])
+        n_peak = peak_inflight(lean.compositions[r])
         scale = 1.0
         if "balance_activations" in allowed and lean.balanced_inflight is not None:
             scale = min(1.0, lean.balanced_inflight / n_peak)
@@ -948,12 +1092,15 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
             edge_act = (comp[0] * A[L] if r == 0 else 0.0) + (comp[-1] * A[L + 1] if r == p - 1 else 0.0)
             rows.append(row)
             rhs.append(cap * (1 + FEAS_TOL) - fixed - edge_act)
-    chunk_rows = np.zeros((p * v, n))
-    a_eq = np.zeros((nk, n))
-    for j in range(p * v):
-        chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
-        a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
+    chunk_rows, a_eq = _placement_rows(p * v, nk, n)
     a_ub = np.vstack([np.array(rows), chunk_rows])
     b_ub = np.concatenate([rhs, -np.ones(p * v)])
     upper = np.tile(counts.astype(float), p * v)
     return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), upper) == math.inf
+
+
+def _least_packets(c: Coefficients, p: int) -> float:
+    """PP buffers every rank of an interleaved frame holds (p > 1): each holds a chunk that is neither the first
+    nor the last, a packet in and one out, double-buffered (the node model's 2 (in + out)), each at least
+    `pp_packet_bytes` with no AttnRes stream open (R >= 0)."""
+    return 4.0 * pp_packet_bytes(0.0, c.stream_bytes) if p > 1 else 0.0

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
+from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes, step_gather_bytes
 from k3opt.cost.evaluate import Evaluation, evaluate
-from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order
+from k3opt.cost.ledger import peak_inflight, persistent_layer_bytes, pp_packet_bytes
+from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, schedule_slot_units
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.specs import MIB, ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
 from k3opt.search import replay_bound
@@ -60,6 +61,20 @@ class FrameResult:
     bound_step_s: float = 0.0
     variables: int = 0
     constraints: int = 0
+
+
+@dataclass
+class _RankView:
+    """What the steps of one rank's submodel share: its index, chunks, layer-kind indicators and edge columns."""
+
+    r: int
+    mine: list[int]
+    """Its global chunks r, r + p, ..."""
+    has: list
+    """Per layer kind, whether the rank holds one (`FrameModel._has_kind`)."""
+    edges: list[int]
+    """The edge columns it holds (L: the first chunk's, L + 1: the last chunk's)."""
+    holds_last: bool
 
 
 class FrameModel:
@@ -136,7 +151,7 @@ class FrameModel:
         worst = max(max(float(cf.time[res].sum()) for res in cf.time) for cf in self.base.values())
         extra = max(max(float(c.time[res].sum()) for res in c.time)
                     for c in (*self.offload.values(), self.z2, self.bal, self.fce))
-        pp_bytes = 2 * self.K * (1 + float(self.c0.closes.sum())) * self.c0.stream_bytes
+        pp_bytes = 2 * self.K * pp_packet_bytes(float(self.c0.closes.sum()), self.c0.stream_bytes)
         upd = max(max(float(c.update[res].sum()) for res in (*c.update, *c.update_hidden))
                   for c in (*self.p2p.values(), self.z2))
         self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**5
@@ -221,63 +236,124 @@ class FrameModel:
 
     # -- one rank -----------------------------------------------------------------------------
     def _rank(self, r: int) -> dict:
-        m, K, p, L = self.m, self.K, self.f.pp, self.L
-        c0, tv = self.c0, self.tv
-        mine = list(range(r, K, p))
+        """Rank r's submodel: its peak (persistent bytes + the larger of the activation and optimizer phases, under
+        the budget), its host memory, its seconds per microbatch on each resource and its update terms."""
+        m = self.m
+        rk = self._rank_view(r)
+        persistent, has_moe = self._persistent(rk)
+        act_phase, host_act = self._activation_phase(rk, has_moe)
+        opt = self._optimizer_phase(rk)
+        peak = self._mem_var(rk, "peak")
+        m.add(peak >= persistent + act_phase)
+        m.add(peak >= persistent + opt)
+        m.add(peak <= self.cap_bytes // MEM_UNIT)
+        self._host_memory(rk, host_act)
+        times = self._time_terms(rk)
+        # The update's compute and communication, and (ranking view, search/ranking.py) its communication that
+        # hides under compute: the same four cases of P2P Muon x ZeRO-2 host gradients for each field.
+        upd = self._update_terms(r, "update", "u")
+        hidden = self._update_terms(r, "update_hidden", "h")
+        return {"peak": peak, "times": times, "update": upd, "hidden": hidden}
+
+    def _rank_view(self, r: int) -> _RankView:
+        """Rank r's chunks, its layer-kind indicators (`_has_kind`) and its edge columns."""
+        mine = list(range(r, self.K, self.f.pp))
         has = self._has_kind(r)
-        holds_first, holds_last = 0 in mine, (K - 1) in mine
-        edges = ([L] if holds_first else []) + ([L + 1] if holds_last else [])
+        holds_first, holds_last = 0 in mine, (self.K - 1) in mine
+        edges = ([self.L] if holds_first else []) + ([self.L + 1] if holds_last else [])
+        return _RankView(r, mine, has, edges, holds_last)
+
+    def _mem_var(self, rk: _RankView, name: str) -> cp_model.IntVar:
+        """A memory variable of rank rk (KiB, up to the larger of the budget and the host memory)."""
         mem_ub = max(self.cap_bytes, self.cluster.host_memory_bytes) // MEM_UNIT
+        return self.m.new_int_var(0, mem_ub, f"{name}_r{rk.r}")
 
-        def var(name: str) -> cp_model.IntVar:
-            return m.new_int_var(0, mem_ub, f"{name}_r{r}")
+    def _time_var(self, rk: _RankView, name: str) -> cp_model.IntVar:
+        """A time variable of rank rk (TIME_UNIT, up to `time_ub`)."""
+        return self.m.new_int_var(0, self.time_ub, f"{name}_r{rk.r}")
 
-        def tvar(name: str) -> cp_model.IntVar:
-            return m.new_int_var(0, self.time_ub, f"{name}_r{r}")
+    def _mem_int(self, nbytes: float) -> int:
+        """One rank-level figure in KiB, rounded up like the per-layer arrays."""
+        return int(self._mem(np.array([nbytes]))[0])
 
-        # persistent -----------------------------------------------------------------------
-        qw = c0.quantized_weights if len(c0.quantized_weights) else 0.0  # low-precision weight copies
-        persistent = self._rank_sum(self._mem(c0.master + c0.optimizer + c0.bf16_view + qw), r)
-        grads = var("grads")
+    def _persistent(self, rk: _RankView) -> tuple[cp_model.LinearExprT, cp_model.IntVar]:
+        """(rank rk's persistent bytes, whether it holds an MoE layer): the always-held terms with the quantized
+        copies (`ledger.persistent_layer_bytes`), the gradients (the FP32 shard, or ZeRO-2's two buffers of its largest
+        chunk's), the chosen lifecycle's accumulator, MoonEP's slots and (on a rank with an MoE layer) buffers."""
+        m, c0, tv, r = self.m, self.c0, self.tv, rk.r
+        persistent = self._rank_sum(self._mem(persistent_layer_bytes(c0)), r)
+        grads = self._mem_var(rk, "grads")
         m.add(grads >= self._rank_sum(self._mem(c0.grads), r)).only_enforce_if(~tv["pipeline_zero2_host_grads"])
-        for j in mine:
+        for j in rk.mine:
             m.add(grads >= 2 * self._chunk(self._mem(self.z2.chunk_grad_buffer), j)).only_enforce_if(
                 tv["pipeline_zero2_host_grads"])
-        accum = var("accum")
+        accum = self._mem_var(rk, "accum")
         for lc in self.lcs:
             m.add(accum >= self._rank_sum(self._mem(self.base[(self.modes[0], lc)].grad_accum), r)).only_enforce_if(
                 self.lv[lc])
-        moon = var("moonep")
+        moon = self._mem_var(rk, "moonep")
         m.add(moon >= self._rank_sum(self._mem(self.moon.moonep_slots), r)).only_enforce_if(tv["moonep"])
-        moon_b = var("moonep_buf")
+        moon_b = self._mem_var(rk, "moonep_buf")
         moe_kinds = [k for k, rep in enumerate(self.kind_rep) if c0.moe[rep] > 0]
         has_moe = m.new_bool_var(f"hasmoe_r{r}")
-        m.add(has_moe <= sum(has[k] for k in moe_kinds)) if moe_kinds else m.add(has_moe == 0)
+        m.add(has_moe <= sum(rk.has[k] for k in moe_kinds)) if moe_kinds else m.add(has_moe == 0)
         for k in moe_kinds:
-            m.add(has_moe >= has[k])
-        moon_buf = int(self._mem(np.array([self.moon.moonep_buffers]))[0])
-        ep_buf = int(self._mem(np.array([c0.ep_buffers]))[0])
-        rmap = int(self._mem(np.array([c0.routing_map]))[0])
+            m.add(has_moe >= rk.has[k])
         # MoonEP buffers are persistent (allocated for the run), plain EP buffers are activation-phase.
-        m.add(moon_b >= moon_buf * (has_moe + tv["moonep"] - 1))
-        persistent = persistent + grads + accum + moon + moon_b
+        m.add(moon_b >= self._mem_int(self.moon.moonep_buffers) * (has_moe + tv["moonep"] - 1))
+        return persistent + grads + accum + moon + moon_b, has_moe
 
-        # activation phase -------------------------------------------------------------------
+    def _activation_phase(self, rk: _RankView, has_moe: cp_model.IntVar
+                          ) -> tuple[cp_model.LinearExprT, cp_model.IntVar]:
+        """(rank rk's activation-phase bytes on the GPU, its saved bytes on the host): the saved bytes
+        (`_saved_bytes`), the largest working set of its layers, its PP packets in and out of each chunk (double
+        buffered), the EP buffers and routing map on a rank with an MoE layer, the logits on the last rank."""
+        m, c0, tv, K = self.m, self.c0, self.tv, self.K
+        acts, host_act = self._saved_bytes(rk)
+        ws = self._mem_var(rk, "ws")
+        for md in self.modes:
+            for lc in self.lcs:
+                w = self._mem(self.base[(md, lc)].working_set)
+                for k, rep in enumerate(self.kind_rep):
+                    m.add(ws >= int(w[rep]) * rk.has[k]).only_enforce_if([self.mv[md], self.lv[lc]])
+                for e in rk.edges:
+                    m.add(ws >= int(w[e])).only_enforce_if([self.mv[md], self.lv[lc]])
+        pp = self._mem_var(rk, "pp")
+        stream = self._mem_int(c0.stream_bytes)
+        for j in rk.mine:
+            pin = pp_packet_bytes(self._closes_before(j), stream) if j > 0 else 0
+            pout = pp_packet_bytes(self._closes_before(j + 1), stream) if j < K - 1 else 0
+            m.add(pp >= 2 * (pin + pout))
+        epb = self._mem_var(rk, "epb")
+        m.add(epb >= self._mem_int(c0.ep_buffers) * (has_moe - tv["moonep"]))
+        logits = 0
+        if rk.holds_last:
+            lo = self._mem_int(c0.logits)
+            lf = self._mem_int(self.fce.logits)
+            logits = lo + (lf - lo) * tv["fused_cross_entropy"]
+        return acts + ws + pp + epb + self._mem_int(c0.routing_map) * has_moe + logits, host_act
+
+    def _saved_bytes(self, rk: _RankView) -> tuple[cp_model.IntVar, cp_model.IntVar]:
+        """(rank rk's saved bytes on the GPU, on the host) under the chosen mode: at least every in-flight
+        composition of its chunks' saved bytes and AttnRes bank (scaled to balancing's average when on); under
+        offload the saved bytes go to the host and the GPU keeps the bank and the resident layers' worth of its
+        largest saved set."""
+        m, c0, tv, K, L, r = self.m, self.c0, self.tv, self.K, self.L, rk.r
         comps = c0.compositions[r]
-        n_peak = max(sum(c) for c in comps)
+        n_peak = peak_inflight(comps)
         scale_bal = (self.bal.balanced_inflight / n_peak) if self.bal.balanced_inflight else 1.0
-        stream = int(self._mem(np.array([c0.stream_bytes]))[0])
+        stream = self._mem_int(c0.stream_bytes)
         ends = []
-        for j in mine:
+        for j in rk.mine:
             ends.append(self._closes_before(j + 1) if j + 1 < K else int(c0.closes[:L].sum()))
         bank = [stream * e for e in ends]
-        acts = var("acts")
-        host_act = var("host_act")
+        acts = self._mem_var(rk, "acts")
+        host_act = self._mem_var(rk, "host_act")
         off, bal = tv["activation_offload"], tv["balance_activations"]
         for md in self.modes:
             cf = self.base[(md, self.lcs[0])]
             a = self._mem(cf.act)
-            chunk_act = [self._chunk(a, j) for j in mine]
+            chunk_act = [self._chunk(a, j) for j in rk.mine]
             for comp in comps:
                 for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
                     tot = sum(c * (ca + bk) for c, ca, bk in zip(comp, chunk_act, bank, strict=True))
@@ -286,10 +362,10 @@ class FrameModel:
                     host = sum(c * ca for c, ca in zip(comp, chunk_act, strict=True))
                     m.add(den * host_act >= num * host).only_enforce_if([self.mv[md], off, b_lit])
             # Offload: the resident layers' worth of the largest saved set, plus the bank, on the GPU.
-            amax = var(f"amax{self.modes.index(md)}")
+            amax = self._mem_var(rk, f"amax{self.modes.index(md)}")
             for k, rep in enumerate(self.kind_rep):
-                m.add(amax >= int(a[rep]) * has[k])
-            for e in edges:
+                m.add(amax >= int(a[rep]) * rk.has[k])
+            for e in rk.edges:
                 m.add(amax >= int(a[e]))
             res_layers = self.base[(md, self.lcs[0])].shape.offload_resident_layers
             for comp in comps:
@@ -297,71 +373,51 @@ class FrameModel:
                     num, den = _ratio(sc)
                     bk = sum(c * b for c, b in zip(comp, bank, strict=True))
                     m.add(den * acts >= den * res_layers * amax + num * bk).only_enforce_if([self.mv[md], off, b_lit])
-        ws = var("ws")
-        for md in self.modes:
-            for lc in self.lcs:
-                w = self._mem(self.base[(md, lc)].working_set)
-                for k, rep in enumerate(self.kind_rep):
-                    m.add(ws >= int(w[rep]) * has[k]).only_enforce_if([self.mv[md], self.lv[lc]])
-                for e in edges:
-                    m.add(ws >= int(w[e])).only_enforce_if([self.mv[md], self.lv[lc]])
-        pp = var("pp")
-        for j in mine:
-            pin = stream * (1 + self._closes_before(j)) if j > 0 else 0
-            pout = stream * (1 + (self._closes_before(j + 1))) if j < K - 1 else 0
-            m.add(pp >= 2 * (pin + pout))
-        epb = var("epb")
-        m.add(epb >= ep_buf * (has_moe - tv["moonep"]))
-        logits = 0
-        if holds_last:
-            lo = int(self._mem(np.array([c0.logits]))[0])
-            lf = int(self._mem(np.array([self.fce.logits]))[0])
-            logits = lo + (lf - lo) * tv["fused_cross_entropy"]
-        act_phase = acts + ws + pp + epb + rmap * has_moe + logits
+        return acts, host_act
 
-        # optimizer phase ------------------------------------------------------------------
-        nsws = var("nsws")
+    def _optimizer_phase(self, rk: _RankView) -> cp_model.IntVar:
+        """Rank rk's optimizer-phase transient (`coefficients.optimizer_transient`, as constraints): the step gather
+        (the sharding policy's, or P2P Muon's resident pull) with the largest Newton-Schulz working set of its layers
+        on top (reference policy), or the larger of the two (the others)."""
+        m, c0, tv, r = self.m, self.c0, self.tv, rk.r
+        nsws = self._mem_var(rk, "nsws")
         w = self._mem(c0.ns_working_set)
         for k, rep in enumerate(self.kind_rep):
-            m.add(nsws >= int(w[rep]) * has[k])
-        for e in edges:
+            m.add(nsws >= int(w[rep]) * rk.has[k])
+        for e in rk.edges:
             m.add(nsws >= int(w[e]))
-        opt = var("opt")
-        # The step gather of the frame's sharding policy (evaluate.rank_ledger): with the Newton-Schulz working set
-        # on top (reference policy) or the larger of the two (the others).
-        gather = c0.step_gather if c0.step_gather is not None else 2 * c0.view_params
-        for g_arr, lit in ((gather, ~tv["p2p_muon"]), (2 * c0.resident_params, tv["p2p_muon"])):
+        opt = self._mem_var(rk, "opt")
+        for g_arr, lit in ((step_gather_bytes(c0, False), ~tv["p2p_muon"]),
+                           (step_gather_bytes(c0, True), tv["p2p_muon"])):
             g_sum = self._rank_sum(self._mem(g_arr), r)
             if c0.step_gather_with_ns:
                 m.add(opt >= g_sum + nsws).only_enforce_if(lit)
             else:
                 m.add(opt >= g_sum).only_enforce_if(lit)
                 m.add(opt >= nsws).only_enforce_if(lit)
+        return opt
 
-        peak = var("peak")
-        m.add(peak >= persistent + act_phase)
-        m.add(peak >= persistent + opt)
-        m.add(peak <= self.cap_bytes // MEM_UNIT)
-
-        hostg = var("hostg")
-        m.add(hostg >= self._rank_sum(self._mem(self.z2.host_grads), r)).only_enforce_if(
+    def _host_memory(self, rk: _RankView, host_act: cp_model.IntVar) -> None:
+        """Rank rk's host memory: its offloaded saved bytes and ZeRO-2's host gradients, under the host's bytes."""
+        m, tv = self.m, self.tv
+        hostg = self._mem_var(rk, "hostg")
+        m.add(hostg >= self._rank_sum(self._mem(self.z2.host_grads), rk.r)).only_enforce_if(
             tv["pipeline_zero2_host_grads"])
         m.add(host_act + hostg <= self.cluster.host_memory_bytes // MEM_UNIT)
 
-        # time per microbatch ----------------------------------------------------------------
+    def _time_terms(self, rk: _RankView) -> dict:
+        """Per resource of the ranked view (search/ranking.py), rank rk's seconds per microbatch under the chosen
+        mode and lifecycle: its layers' sum plus the rank-level terms (`_extra`)."""
+        m, r = self.m, rk.r
         times = {}
-        for res in c0.time:  # the ranked view's resources (search/ranking.py)
-            t = tvar(f"t_{res}")
+        for res in self.c0.time:
+            t = self._time_var(rk, f"t_{res}")
             for md in self.modes:
                 for lc in self.lcs:
-                    m.add(t >= self._rank_sum(self._t(self.base[(md, lc)].time[res]), r) + self._extra(res, r, md, mine)
-                          ).only_enforce_if([self.mv[md], self.lv[lc]])
+                    m.add(t >= self._rank_sum(self._t(self.base[(md, lc)].time[res]), r)
+                          + self._extra(res, r, md, rk.mine)).only_enforce_if([self.mv[md], self.lv[lc]])
             times[res] = t
-        # The update's compute and communication, and (ranking view, search/ranking.py) its communication that
-        # hides under compute: the same four cases of P2P Muon x ZeRO-2 host gradients for each field.
-        upd = self._update_terms(r, "update", "u")
-        hidden = self._update_terms(r, "update_hidden", "h")
-        return {"peak": peak, "times": times, "update": upd, "hidden": hidden}
+        return times
 
     def _update_terms(self, r: int, field_name: str, prefix: str) -> dict:
         """Per resource of coefficient field `field_name` ("update" or "update_hidden"): rank r's seconds per update
@@ -386,6 +442,7 @@ class FrameModel:
         c0, tv, K, p = self.c0, self.tv, self.K, self.f.pp
         expr = 0
         if res in ("nvlink", "nic"):
+            # Each PP packet (`pp_packet_bytes`: 1 + R streams) at one stream's seconds, rounded up per stream.
             for j in mine:
                 if j > 0:
                     hop = (r - 1) % p
@@ -396,7 +453,7 @@ class FrameModel:
                     spb = c0.pp_seconds_per_byte[r] * c0.stream_bytes
                     expr = expr + _tq(spb) * (1 + self._closes_before(j + 1))
             if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
-                n_peak = max(sum(c) for c in c0.compositions[r])
+                n_peak = peak_inflight(c0.compositions[r])
                 if n_peak > self.bal.balanced_inflight:
                     a = self.base[(md, self.lcs[0])].act
                     moved = balance_moved_bytes(a, n_peak, self.bal.balanced_inflight)
@@ -450,7 +507,7 @@ class FrameModel:
             for rk in self.ranks:
                 for u in rk["hidden"].values():
                     m.add(den * exposed >= den * u - num * stage)
-        slots_v = f.vp * f.microbatches + f.pp - 1  # v * (M + (p - 1)/v)
+        slots_v = schedule_slot_units(f.pp, f.vp, f.microbatches)
         # The pipeline term: the step formula's slots x stage, and (v > 1) the replayed schedule's linear lower
         # bounds (search/replay_bound.py), so the objective is max(formula, replay bound) + update.
         self.pipe = m.new_int_var(0, slots_v * self.time_ub, "pipe")
@@ -483,14 +540,37 @@ class FrameModel:
         middle term grows with t_r and falls with W_r). PP packets and rank-level traffic are in t_r but not in
         W_r, so they stay out of both T_r and U_r. U_r is exact (equalities under the mode and toggle literals),
         so the solver cannot loosen the bound by inflating it. Then the paths of `replay_bound` bound the
-        makespan (add_replay_paths)."""
-        m, K, p, L = self.m, self.K, self.f.pp, self.L
-        c0, tv = self.c0, self.tv
-        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
-        # Per group of modes with one recompute mode and lifecycle (the activation toggles change the arrays
-        # less): the per-layer least of each resource (for e_j) and the per-layer greatest over resources (for
-        # U_r), the latter for each state of the two toggles that add host-link traffic per layer (activation
-        # offload, ZeRO-2 host gradients), exact per state rather than max + delta.
+        makespan (add_replay_paths).
+
+        Per group of modes with one recompute mode and lifecycle (the activation toggles change the arrays less):
+        the per-layer least of each resource (for e_j, `_replay_least_work`) and the per-layer greatest over
+        resources (for U_r, `_replay_greatest_work`), the latter for each state of the two toggles that add
+        host-link traffic per layer (activation offload, ZeRO-2 host gradients), exact per state rather than
+        max + delta."""
+        p, L = self.f.pp, self.L
+        groups, lits = self._replay_groups()
+        keep: dict[tuple[Recompute, FsdpLifecycle], list[tuple[np.ndarray, list]]] = {}
+        hi: dict[tuple[tuple[Recompute, FsdpLifecycle], bool, bool], np.ndarray] = {}
+        for g, mds in groups.items():
+            keep[g] = self._replay_least_work(g, mds, lits[g])
+            for o_on, z_on in itertools.product((False, True), repeat=2):
+                hi[(g, o_on, z_on)] = self._replay_greatest_work(g, mds, o_on, z_on)
+        self._replay_rank_terms(hi, lits)
+        self._replay_chunk_bounds(groups, keep)
+        full = [md.recompute == Recompute.FULL for md in self.modes]
+        self.betas = replay_bound.betas(full)
+        layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
+        self.layer_work = layer_work
+        if 2 * p * self.f.vp * self.f.microbatches <= POLICY.max_dag_ops:
+            self._replay_dag()
+        self.add_replay_paths(replay_bound.seed_paths(p, self.f.vp, self.f.microbatches, layer_work,
+                                                      self.betas[0]))
+
+    def _replay_groups(self) -> tuple[dict[tuple[Recompute, FsdpLifecycle], list[ActMode]],
+                                      dict[tuple[Recompute, FsdpLifecycle], list]]:
+        """The node's modes grouped by (recompute mode, lifecycle), and each group's literals: a Boolean per
+        recompute mode (when the node has several) and the lifecycle's (when it has several)."""
+        m = self.m
         groups: dict[tuple[Recompute, FsdpLifecycle], list[ActMode]] = {}
         for md, lc in self.base:
             groups.setdefault((md.recompute, lc), []).append(md)
@@ -504,48 +584,68 @@ class FrameModel:
                 m.add(b_ == sum(v for md, v in self.mv.items() if md.recompute == rc))
                 rc_lit[rc] = [b_]
         lits = {g: rc_lit[g[0]] + ([self.lv[g[1]]] if len(self.lcs) > 1 else []) for g in groups}
-        lo, keep, hi = {}, {}, {}
-        for g, mds in groups.items():
-            cfs = [self.base[(md, g[1])] for md in mds]
-            lo[g] = {res: np.min([np.floor(np.asarray(cf.time[res]) / TIME_UNIT + 1e-9) for cf in cfs], axis=0
-                                 ).astype(np.int64) for res in c0.time}
-            kept: list[str] = []
-            for res, arr in sorted(lo[g].items(), key=lambda kv: -int(kv[1].sum())):
-                if arr.any() and not any(np.all(arr <= lo[g][k]) for k in kept):
-                    kept.append(res)  # a resource no kept one dominates layer by layer
-            keep[g] = [(lo[g][res], lits[g]) for res in kept]
-            if "host_link" in c0.time:
-                # The host link under offload / ZeRO-2 host gradients, each state under its literals.
-                for o_on, z_on in ((True, False), (False, True), (True, True)):
-                    if (o_on and True not in choices(self.job, "activation_offload")) or (
-                            z_on and True not in choices(self.job, "pipeline_zero2_host_grads")):
-                        continue
-                    rows = []
-                    for md, cf in zip(mds, cfs, strict=True):
-                        arr = np.asarray(cf.time["host_link"], dtype=float)
-                        if o_on:
-                            arr = arr + self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time[
-                                "host_link"]
-                        if z_on:
-                            arr = arr + self.z2.time["host_link"] - c0.time["host_link"]
-                        rows.append(np.floor(arr / TIME_UNIT + 1e-9))
-                    keep[g].append((np.maximum(np.min(rows, axis=0), 0).astype(np.int64),
-                                    [*lits[g], off if o_on else ~off, zz if z_on else ~zz]))
-            for o_on, z_on in itertools.product((False, True), repeat=2):
+        return groups, lits
+
+    def _replay_least_work(self, g: tuple[Recompute, FsdpLifecycle], mds: list[ActMode], lits: list
+                           ) -> list[tuple[np.ndarray, list]]:
+        """Group g's per-layer least work (TIME_UNIT, floored) of each resource no other one dominates layer by
+        layer, under the group's literals; and the host link's under offload / ZeRO-2 host gradients, each state
+        under its literals."""
+        c0 = self.c0
+        off, zz = self.tv["activation_offload"], self.tv["pipeline_zero2_host_grads"]
+        cfs = [self.base[(md, g[1])] for md in mds]
+        lo = {res: np.min([np.floor(np.asarray(cf.time[res]) / TIME_UNIT + 1e-9) for cf in cfs], axis=0
+                          ).astype(np.int64) for res in c0.time}
+        kept: list[str] = []
+        for res, arr in sorted(lo.items(), key=lambda kv: -int(kv[1].sum())):
+            if arr.any() and not any(np.all(arr <= lo[k]) for k in kept):
+                kept.append(res)  # a resource no kept one dominates layer by layer
+        keep = [(lo[res], lits) for res in kept]
+        if "host_link" in c0.time:
+            for o_on, z_on in ((True, False), (False, True), (True, True)):
+                if (o_on and True not in choices(self.job, "activation_offload")) or (
+                        z_on and True not in choices(self.job, "pipeline_zero2_host_grads")):
+                    continue
                 rows = []
                 for md, cf in zip(mds, cfs, strict=True):
-                    for res in cf.time:
-                        arr = np.asarray(cf.time[res], dtype=float)
-                        if res == "host_link" and o_on:
-                            arr = arr + np.maximum(self.offload[md].time[res] - self.base[(md, self.lcs[0])].time[res],
-                                                   0)
-                        if res == "host_link" and z_on:
-                            arr = arr + np.maximum(self.z2.time[res] - c0.time[res], 0)
-                        rows.append(self._t(arr))
-                hi[(g, o_on, z_on)] = np.max(rows, axis=0)
+                    arr = np.asarray(cf.time["host_link"], dtype=float)
+                    if o_on:
+                        arr = arr + self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time[
+                            "host_link"]
+                    if z_on:
+                        arr = arr + self.z2.time["host_link"] - c0.time["host_link"]
+                    rows.append(np.floor(arr / TIME_UNIT + 1e-9))
+                keep.append((np.maximum(np.min(rows, axis=0), 0).astype(np.int64),
+                             [*lits, off if o_on else ~off, zz if z_on else ~zz]))
+        return keep
+
+    def _replay_greatest_work(self, g: tuple[Recompute, FsdpLifecycle], mds: list[ActMode], o_on: bool,
+                              z_on: bool) -> np.ndarray:
+        """Group g's per-layer greatest work (TIME_UNIT, rounded up) over its modes and resources, with the host
+        link's offload (`o_on`) and ZeRO-2 (`z_on`) traffic on top."""
+        c0 = self.c0
+        rows = []
+        for md in mds:
+            cf = self.base[(md, g[1])]
+            for res in cf.time:
+                arr = np.asarray(cf.time[res], dtype=float)
+                if res == "host_link" and o_on:
+                    arr = arr + np.maximum(self.offload[md].time[res] - self.base[(md, self.lcs[0])].time[res], 0)
+                if res == "host_link" and z_on:
+                    arr = arr + np.maximum(self.z2.time[res] - c0.time[res], 0)
+                rows.append(self._t(arr))
+        return np.max(rows, axis=0)
+
+    def _replay_rank_terms(self, hi: dict[tuple[tuple[Recompute, FsdpLifecycle], bool, bool], np.ndarray],
+                           lits: dict[tuple[Recompute, FsdpLifecycle], list]) -> None:
+        """Per rank r: tr_r at least every resource's time, and U_r, its layers' sum of `hi` in the state the
+        literals pick (plus the chunked cross entropy's extra LM-head forward on the last chunk)."""
+        m, K, p, L = self.m, self.K, self.f.pp, self.L
+        c0, tv = self.c0, self.tv
+        off, zz = tv["activation_offload"], tv["pipeline_zero2_host_grads"]
         ub = self.time_ub * 4
         fce = max(0, _tq(self.fce.time["tensor"][L + 1] - c0.time["tensor"][L + 1]))
-        self.tr, self.ur, self.cl = [], [], []
+        self.tr, self.ur = [], []
         for r, rk in enumerate(self.ranks):
             mine = list(range(r, K, p))
             t = m.new_int_var(0, self.time_ub, f"tr_r{r}")
@@ -559,8 +659,13 @@ class FrameModel:
                 u = u + fce * tv["fused_cross_entropy"]
             self.tr.append(t)
             self.ur.append(u)
-        # T_r: the largest of the rank's sums of one resource's per-layer least, in the state the literals pick
-        # (<= t_r, <= U_r); bounded below only, the direction the solver wants to push it.
+
+    def _replay_chunk_bounds(self, groups: dict[tuple[Recompute, FsdpLifecycle], list[ActMode]],
+                             keep: dict[tuple[Recompute, FsdpLifecycle], list[tuple[np.ndarray, list]]]) -> None:
+        """Per chunk j, cl_j >= e_j + T_r - U_r. T_r: the largest of the rank's sums of one resource's per-layer
+        least (`keep`), in the state the literals pick (<= t_r, <= U_r); bounded below only, the direction the
+        solver wants to push it."""
+        m, K, p = self.m, self.K, self.f.pp
         self.cl = [m.new_int_var(0, self.time_ub, f"cl_{j}") for j in range(K)]
         for r in range(p):
             low = m.new_int_var(0, self.time_ub, f"T_r{r}")
@@ -571,14 +676,6 @@ class FrameModel:
                 for g in groups:
                     for arr, lit in keep[g]:
                         m.add(self.cl[j] >= self._chunk(arr, j) + low - self.ur[r]).only_enforce_if(lit)
-        full = [md.recompute == Recompute.FULL for md in self.modes]
-        self.betas = replay_bound.betas(full)
-        layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
-        self.layer_work = layer_work
-        if 2 * p * self.f.vp * self.f.microbatches <= POLICY.max_dag_ops:
-            self._replay_dag()
-        self.add_replay_paths(replay_bound.seed_paths(p, self.f.vp, self.f.microbatches, layer_work,
-                                                      self.betas[0]))
 
     def _replay_dag(self) -> None:
         """The replay itself over the per-chunk bounds: a start time per operation (rank order and microbatch
@@ -701,9 +798,9 @@ class FrameModel:
         solver.parameters.relative_gap_limit = relative_gap
         solver.parameters.catch_sigint_signal = False
         if self.f.vp > 1:
-            # Presolve probing on an interleaved K3 node (PP8 VP3: 2,400 variables, 440k linear terms) took 19 of
-            # 20 s on 2 cores and the solver returned nothing, not even the hinted incumbent; without it the same
-            # solve returns the incumbent and the relaxation's bound.
+            # Presolve probing on an interleaved K3 node (PP8 VP3: 2,400 variables, 440k linear terms) takes 19 s
+            # of a 20-s slice on 2 cores and leaves the solver with nothing, not even the hinted incumbent; without
+            # it the same solve returns the incumbent and the relaxation's bound.
             solver.parameters.cp_model_probing_level = 0
         if not presolve:
             solver.parameters.cp_model_presolve = False

@@ -45,7 +45,7 @@ def step_floor(slots: float, stage: float, update: float, hidden: float, hidden_
     over every stage S >= `stage`, given a rank's update compute `update` and update communication `hidden`
     (lower bounds of the slowest rank's, e.g. update_means). The formula is nondecreasing in S while
     slots >= hidden_stages; otherwise it falls until the communication is hidden, at S = hidden / hidden_stages.
-    Without the communication term a bound at 8,192 GPUs left out the 0.2-0.4 s of the update's data-parallel
+    Without the communication term a bound at 8,192 GPUs leaves out the 0.2-0.4 s of the update's data-parallel
     exchange that one stage-microbatch of compute does not hide (2% of the step)."""
     if not math.isfinite(stage):
         return math.inf

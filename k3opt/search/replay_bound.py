@@ -30,12 +30,9 @@ SCALE = 12
 """Integer scale of the path coefficients: 12 (nF + beta nB) / (1 + beta) is an integer for beta = 2 and 3."""
 
 
-
-
 def seed_paths(p: int, v: int, m: int, layer_work: np.ndarray, beta: float) -> list[tuple[np.ndarray, np.ndarray]]:
     """The paths an interleaved node's bounds start from: the classic ones and the longest at POLICY.sample_splits
-    sample
-    splits over `layer_work` (any nonnegative weights give valid paths)."""
+    sample splits over `layer_work` (any nonnegative weights give valid paths)."""
     return classic_paths(p, v, m) + split_paths(p, v, m, layer_work,
                                                  sample_splits(len(layer_work), p * v, POLICY.sample_splits), beta)
 
