@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 import k3opt
-from k3opt.cost import coefficients, comm, memory_outside, schedule, structure
+from k3opt.inputs import memo
 from k3opt.search import driver, front, incumbents, lp_bound, node_model, policy, ranking, replay_bound
 
 
@@ -51,18 +51,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _clear_caches() -> None:
-    for fn in (coefficients._static, coefficients._saved, coefficients.placement_of, coefficients._coefficients,
-               coefficients._layer_terms, coefficients._balanced_inflight, coefficients._compositions,
-               coefficients._achievable_tensor, coefficients._expert_compute, ranking._ranked, ranking._work_floor,
-               ranking._coarse_work_floor, ranking._LEAST, ranking._least_vector,
-               ranking._least_vector_any_recompute, memory_outside._stage_members,
-               schedule.inflight_compositions, schedule._replay_graph, schedule._global_order,
-               comm.members_at_offset, coefficients._model_of, coefficients._cluster_of,
-               coefficients._rates_from_json):
+    """Empties every cache of the cost model and of the inputs (k3opt.inputs.memo), then the search's."""
+    memo.clear_all()
+    # The search's caches, not yet registered with k3opt.inputs.memo.
+    for fn in (ranking._ranked, ranking._work_floor, ranking._coarse_work_floor, ranking._LEAST,
+               ranking._least_vector, ranking._least_vector_any_recompute):
         fn.cache_clear()
-    structure._CACHE.clear()
-    coefficients._RATES_JSON.clear()
-    coefficients._SPEC_JSON.clear()
     node_model._NODE_PATHS.clear()
 
 

@@ -28,10 +28,11 @@ _SPEC_ONLY = {"_static", "_model_of", "_cluster_of", "_rates_from_json"}
 
 
 def _clear_shape_caches() -> None:
-    """Empty every functools cache of the cost model and of the ranking view that a shape's fields reach."""
+    """Empty every cache of the cost model (its Memos) and of the ranking view (functools caches) that a shape's
+    fields reach."""
     for mod in (C, schedule, ranking):
         for name, obj in vars(mod).items():
-            if hasattr(obj, "cache_clear") and name not in _SPEC_ONLY:
+            if hasattr(obj, "cache_clear") and not isinstance(obj, type) and name not in _SPEC_ONLY:
                 obj.cache_clear()
 
 

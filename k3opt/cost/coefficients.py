@@ -9,13 +9,13 @@ arrays. All values are float64 bytes, FLOPs or seconds per GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.schedule import inflight_compositions, schedule_slots
 from k3opt.cost.structure import Block, Saved, Structure, Tensor, structure_of
+from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
 from k3opt.inputs.specs import (
     BF16,
@@ -356,7 +356,7 @@ def _hier(total: np.ndarray, n: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return total * nvl, total * nic
 
 
-_RATES_JSON: dict[int, tuple[RatesSpec, str]] = {}
+_RATES_JSON: dict[int, tuple[RatesSpec, str]] = register({})
 
 
 def _rates_json(rates: RatesSpec | None) -> str:
@@ -369,9 +369,11 @@ def _rates_json(rates: RatesSpec | None) -> str:
     return hit[1]
 
 
-@lru_cache(maxsize=32)
-def _rates_from_json(rates_json: str) -> RatesSpec:
+def _parse_rates(rates_json: str) -> RatesSpec:
     return RatesSpec.model_validate_json(rates_json)
+
+
+_rates_from_json = Memo(_parse_rates, maxsize=32)
 
 
 def quantized_gemm(block: Block, t: Tensor) -> bool:
@@ -404,7 +406,7 @@ def specs_of_key(cluster_json: str, rates_json: str) -> tuple[ClusterSpec, Rates
     return _cluster_of(cluster_json), _rates_from_json(rates_json) if rates_json else None
 
 
-_SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = {}
+_SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = register({})
 
 
 def _spec_json(spec: ModelSpec | ClusterSpec) -> str:
@@ -418,15 +420,19 @@ def _spec_json(spec: ModelSpec | ClusterSpec) -> str:
     return hit[1]
 
 
-@lru_cache(maxsize=16)
-def _model_of(model_json: str) -> ModelSpec:
+def _parse_model(model_json: str) -> ModelSpec:
     """The model parsed once per JSON (frozen, never mutated by a build)."""
     return ModelSpec.model_validate_json(model_json)
 
 
-@lru_cache(maxsize=16)
-def _cluster_of(cluster_json: str) -> ClusterSpec:
+_model_of = Memo(_parse_model, maxsize=16)
+
+
+def _parse_cluster(cluster_json: str) -> ClusterSpec:
     return ClusterSpec.model_validate_json(cluster_json)
+
+
+_cluster_of = Memo(_parse_cluster, maxsize=16)
 
 
 @dataclass(frozen=True)
@@ -466,8 +472,7 @@ class _Static:
     """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
 
 
-@lru_cache(maxsize=16)
-def _static(model_json: str) -> _Static:
+def _build_static(model_json: str) -> _Static:
     """The shape-independent per-layer arrays of one model, built once per model JSON."""
     model = ModelSpec.model_validate_json(model_json)
     st: Structure = structure_of(model)
@@ -511,6 +516,9 @@ def _static(model_json: str) -> _Static:
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
         head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
+
+
+_static = Memo(_build_static, maxsize=16)
 
 
 MEGATRON_FUSED_GEMMS: tuple[frozenset[str], ...] = (
@@ -563,9 +571,8 @@ def _closes(model: ModelSpec) -> np.ndarray:
     return np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
 
 
-@lru_cache(maxsize=512)
-def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
-           precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
+def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
+                 precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge (`routed`: as in
     saved_per_token)."""
     st = structure_of(_model_of(model_json))
@@ -577,9 +584,14 @@ def _saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
     return out[0], out[1], out[2]
 
 
-@lru_cache(maxsize=4096)
-def placement_of(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
+_saved = Memo(_build_saved, maxsize=512)
+
+
+def _build_placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
     return comm.placement(gpus, p, c, e, fe, fd, domain)
+
+
+placement_of = Memo(_build_placement, maxsize=4096)
 
 
 def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: ClusterSpec, on_nvlink: bool,
@@ -615,8 +627,7 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
     return (link, zero, stall, ws) if on_nvlink else (zero, link, stall, ws)
 
 
-@lru_cache(maxsize=8192)
-def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
+def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
     """One shape's coefficients: the per-layer arrays of its LayerShape (one build for every shape that differs
     only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
     cluster = _cluster_of(cluster_json)
@@ -648,24 +659,31 @@ def _coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: 
     )
 
 
+_coefficients = Memo(_build_coefficients, maxsize=8192)
+
+
 _DICT_FIELDS = ("time", "update", "achievable", "update_achievable")
 """The Coefficients fields that hold per-resource dicts of arrays."""
 
 
-@lru_cache(maxsize=256)
-def _compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _build_compositions(p: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Coefficients.compositions: each rank's in-flight chunk-microbatch vectors."""
     return tuple(inflight_compositions(p, v, m, r) for r in range(p))
 
 
-@lru_cache(maxsize=256)
-def _balanced_inflight(p: int, v: int, m: int) -> float:
+_compositions = Memo(_build_compositions, maxsize=256)
+
+
+def _build_balanced_inflight(p: int, v: int, m: int) -> float:
     """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
     return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
 
 
-@lru_cache(maxsize=8192)
-def _layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = "") -> dict[str, object]:
+_balanced_inflight = Memo(_build_balanced_inflight, maxsize=256)
+
+
+def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = ""
+                       ) -> dict[str, object]:
     """The Coefficients fields of a LayerShape (every per-layer array and rank-level constant), read-only: the
     cache hands the same arrays to every shape of the key."""
     b = _LayerBuild.of(shape, model_json, cluster_json)
@@ -689,6 +707,9 @@ def _layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_js
         model_json=model_json, gemm_flops=work.gemm_flops,
         **_achievable_terms(b, (model_json, cluster_json, rates_json), acts, work, traffic, ns["ns_flops"], up),
     ))
+
+
+_layer_terms = Memo(_build_layer_terms, maxsize=8192)
 
 
 _GRADS_SHARDED = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
@@ -1245,9 +1266,8 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     return flops * inv / peak
 
 
-@lru_cache(maxsize=1024)
-def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
-                       full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
+def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+                             full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
     attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""
@@ -1270,6 +1290,9 @@ def _achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: i
         + core * (2 / 3) / (bf16 * rt.attention_backward())
     tensor.flags.writeable = False
     return tensor
+
+
+_achievable_tensor = Memo(_build_achievable_tensor, maxsize=1024)
 
 
 def achievable_hbm_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSpec) -> np.ndarray:
@@ -1339,14 +1362,16 @@ def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarra
     return out
 
 
-@lru_cache(maxsize=1024)
-def _expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
-                    full: bool, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, np.ndarray]:
+def _build_expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+                          full: bool, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, np.ndarray]:
     out = expert_compute_parts(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
                                precision, full, toggles, fp8_block)
     for part in out:
         part.flags.writeable = False
     return out
+
+
+_expert_compute = Memo(_build_expert_compute, maxsize=1024)
 
 
 def expert_compute_parts(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,

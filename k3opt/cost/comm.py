@@ -11,10 +11,11 @@ PP hop stays inside a domain.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from math import comb
 
 import numpy as np
+
+from k3opt.inputs.memo import Memo
 
 
 def _min_members_per_domain(groups: np.ndarray, domain: int) -> int:
@@ -44,9 +45,8 @@ class Placement:
     """Every CP group (c consecutive ranks) sits inside one NVLink domain, so the KV ring never crosses the NIC."""
 
 
-@lru_cache(maxsize=16384)
-def members_at_offset(stage: int, c: int, e: int, f_e: int, f_d: int, domain: int, base: int
-                      ) -> tuple[int, int, int]:
+def _count_members_at_offset(stage: int, c: int, e: int, f_e: int, f_d: int, domain: int, base: int
+                             ) -> tuple[int, int, int]:
     """(EP, dense FSDP, expert FSDP) members per NVLink domain, worst member, of a stage whose first rank sits
     `base` ranks into a domain (a stage shifted by whole domains has the same members per domain)."""
     ranks = base + np.arange(stage)
@@ -59,6 +59,9 @@ def members_at_offset(stage: int, c: int, e: int, f_e: int, f_d: int, domain: in
     exp_groups = ranks.reshape(edp // f_e, f_e, e).transpose(0, 2, 1).reshape(-1, f_e)
     return (_min_members_per_domain(ep_groups, domain), _min_members_per_domain(dense_groups, domain),
             _min_members_per_domain(exp_groups, domain))
+
+
+members_at_offset = Memo(_count_members_at_offset, maxsize=16384)
 
 
 def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int) -> Placement:

@@ -13,12 +13,12 @@ ledger peak a rank may reach, floor((HBM - reserve - outside) / (1 + slack)) - w
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 from k3opt.cost import comm
 from k3opt.cost.coefficients import Shape
 from k3opt.cost.coefficients import placement_of as cached_placement
+from k3opt.inputs.memo import Memo
 from k3opt.inputs.specs import GIB, ClusterSpec, ModelSpec, RuntimeSpec
 
 
@@ -41,13 +41,15 @@ def placement_of(shape: Shape, cluster: ClusterSpec) -> comm.Placement:
                             _domain(shape, cluster))
 
 
-@functools.lru_cache(maxsize=4096)
-def _stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int, s: int
-                   ) -> tuple[int, int, int]:
+def _count_stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int, s: int
+                         ) -> tuple[int, int, int]:
     """(EP, dense shard, expert shard) members per NVLink domain of PP stage `s` alone, under the tp-cp-ep-dp-pp
     order with domains as consecutive blocks (comm.placement keeps the worst stage for the step time)."""
     stage = gpus // p
     return comm.members_at_offset(stage, c, e, f_e, f_d, domain, (s * stage) % domain)
+
+
+_stage_members = Memo(_count_stage_members, maxsize=4096)
 
 
 def _rank_placement(shape: Shape, cluster: ClusterSpec, rank: int) -> comm.Placement:

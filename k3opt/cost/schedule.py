@@ -10,9 +10,10 @@ forward by forward so that the worst mix of chunks is found, not assumed.
 from __future__ import annotations
 
 from array import array
-from functools import lru_cache
 
 import numpy as np
+
+from k3opt.inputs.memo import Memo
 
 
 def inflight_1f1b(p: int, m: int, r: int) -> int:
@@ -35,8 +36,7 @@ def _backward_chunk(q: np.ndarray, p: int, v: int) -> np.ndarray:
     return v - 1 - (q // p) % v
 
 
-@lru_cache(maxsize=4096)
-def inflight_compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[int, ...], ...]:
+def _build_inflight_compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[int, ...], ...]:
     """Every distinct vector (held chunk-microbatches per local chunk k = 0..v-1) rank r passes through.
 
     The activation peak of rank r is the maximum over these vectors of sum_k count_k * bytes(chunk k).
@@ -57,6 +57,9 @@ def inflight_compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[int, ..
     for t in range(total - warm + 1):
         states.add(tuple(int(x) for x in fwd[warm + t] - bwd[t]))
     return tuple(sorted(states))
+
+
+inflight_compositions = Memo(_build_inflight_compositions, maxsize=4096)
 
 
 def peak_inflight(p: int, v: int, m: int, r: int) -> int:
@@ -200,8 +203,7 @@ def _replay_ends(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.n
     return start, end
 
 
-@lru_cache(maxsize=64)
-def _replay_graph(p: int, v: int, m: int) -> tuple[int, array, array, array, array]:
+def _build_replay_graph(p: int, v: int, m: int) -> tuple[int, array, array, array, array]:
     """The operations of `replay_ops` in an order where each follows what it waits for (the order the event loop
     runs them in, which depends on the dependencies only, never on the times): their count N, then per operation
     the index of its rank's previous operation, of the operation it waits for (N for none), the rank the hop
@@ -246,6 +248,9 @@ def _replay_graph(p: int, v: int, m: int) -> tuple[int, array, array, array, arr
             sender.append((g + 1) % p)
         which.append(g if is_f else k_all + g)
     return n_ops, array("i", rank_prev), array("i", dep), array("i", sender), array("i", which)
+
+
+_replay_graph = Memo(_build_replay_graph, maxsize=64)
 
 
 def replay_ops(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray,
@@ -293,10 +298,12 @@ def replay_ops(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.nda
     return ops
 
 
-@lru_cache(maxsize=256)
-def _global_order(p: int, v: int, m: int, r: int) -> tuple[tuple[bool, int, int], ...]:
+def _build_global_order(p: int, v: int, m: int, r: int) -> tuple[tuple[bool, int, int], ...]:
     """pipeline_order with the global chunk index g = k p + r in place of the local k."""
     return tuple((f, k * p + r, mb) for f, k, mb in pipeline_order(p, v, m, r))
+
+
+_global_order = Memo(_build_global_order, maxsize=256)
 
 
 def critical_path(p: int, v: int, m: int, forward_s: np.ndarray, backward_s: np.ndarray

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
+from k3opt.inputs.memo import register
 from k3opt.inputs.specs import BF16, FP32, INT64, ModelSpec
 
 
@@ -460,7 +461,7 @@ class ParamCounts:
 SEED_001_SAVED_VALUES_PER_TOKEN = {"kda": 70_000, "mla": 75_000, "moe": 245_000}
 """Seed 001's order-of-magnitude figures, shown beside the derived values (never used as inputs)."""
 
-_CACHE: dict[str, Structure] = {}
+_CACHE: dict[str, Structure] = register({})
 
 
 def structure_of(model: ModelSpec) -> Structure:

@@ -18,7 +18,6 @@ The cost model turns the rates into achievable ceilings (an empirical roofline) 
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +25,7 @@ import numpy as np
 from pydantic import Field, StrictBool, ValidationError, model_validator
 
 from k3opt.inputs.errors import K3optError, PresetNotFoundError, SpecError
+from k3opt.inputs.memo import Memo
 from k3opt.inputs.presets import format_validation_error, load_spec, preset_dir, read_toml, resolve
 from k3opt.inputs.specs import BF16, FP32, ClusterSpec, PosFloat, Precision, StrictModel
 
@@ -146,8 +146,7 @@ class GemmShapeTable(StrictModel):
         return out
 
 
-@lru_cache(maxsize=8)
-def load_gemm_table(name_or_path: str) -> GemmShapeTable:
+def _read_gemm_table(name_or_path: str) -> GemmShapeTable:
     """A shipped GEMM shape table by name (constraints/rates/gemm-shapes/<name>.toml) or a path to one."""
     folder = preset_dir("rates") / "gemm-shapes"
     shipped = folder / f"{name_or_path}.toml"
@@ -156,6 +155,9 @@ def load_gemm_table(name_or_path: str) -> GemmShapeTable:
         known = ", ".join(sorted(p.stem for p in folder.glob("*.toml"))) or "none"
         raise PresetNotFoundError(f"unknown GEMM shape table '{name_or_path}'; shipped: {known} (or give a path)")
     return load_spec(GemmShapeTable, path, "GEMM shape table")
+
+
+load_gemm_table = Memo(_read_gemm_table, maxsize=8)
 
 
 class GemmShape(StrictModel):
@@ -377,7 +379,9 @@ def rates_for(cluster: ClusterSpec) -> RatesSpec | None:
     return _shipped_rates(cluster.name)
 
 
-@lru_cache(maxsize=32)
-def _shipped_rates(name: str) -> RatesSpec | None:
+def _read_shipped_rates(name: str) -> RatesSpec | None:
     path = preset_dir("rates") / f"{name}.toml"
     return load_rates(str(path)) if path.exists() else None
+
+
+_shipped_rates = Memo(_read_shipped_rates, maxsize=32)
