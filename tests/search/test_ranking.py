@@ -17,7 +17,7 @@ from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute, ShardingPolicy
 from k3opt.search import enumerate_frames
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
 # Toggles that change the saved set, so the memory-bound kernels' time (fused SiTU, the MoE backward rewrite lower
 # it), and one that adds all-to-all traffic (dispatch recompute).

@@ -20,7 +20,7 @@ from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import Frame, enumerate_frames, solve_frame
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 GIB, MIB = 2**30, 2**20
 ALLOWED = ("fp8_activations", "p2p_muon")
 """Toggles of the main enumerated space (all of them: test_all_toggles_optimum_and_bounds_match_enumeration);

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import k3opt
 from k3opt.cli import main
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 GIB = 2**30
 
 

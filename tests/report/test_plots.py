@@ -127,7 +127,7 @@ def test_cli_picture_must_be_png(tmp_path):
 
 
 def test_cli_pareto_plot(tmp_path):
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parents[1] / "data"
     job = tmp_path / "job.toml"
     job.write_text(
         f'model = "{data / "tiny-moe.toml"}"\ncluster = "{data / "slow-cluster.toml"}"\ngpus = [4, 8]\n'

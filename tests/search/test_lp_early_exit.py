@@ -37,7 +37,7 @@ from k3opt.search.lp_bound import (
     lean_fits,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 ALLOWED = PP2_VP2_TOGGLES
 _job = pp2_vp2_memory_job
 

@@ -20,7 +20,7 @@ from k3opt.search import replay_bound
 from k3opt.search.frames import act_modes, enumerate_frames, frame_shape, layout_of
 from k3opt.search.node_model import TIME_UNIT, FrameModel
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_critical_path_is_the_makespan():

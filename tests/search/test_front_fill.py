@@ -17,7 +17,7 @@ from k3opt.search import enumerate_frames
 from k3opt.search.front import _Facts, _Fill, _non_dominated
 from k3opt.search.result import PlanItem
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 ALLOWED = ("fp8_activations", "p2p_muon")
 FORBIDDEN = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in ALLOWED]
 MIB = 2**20

@@ -21,7 +21,7 @@ from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
 from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
 # The default plan's layout (k3opt plan --top 1 on the k3-512-4k job).
 DEFAULT = {

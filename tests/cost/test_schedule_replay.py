@@ -11,7 +11,7 @@ import pytest
 import k3opt
 from k3opt.cost.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def test_1f1b_two_stages_three_microbatches_by_hand():

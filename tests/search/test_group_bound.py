@@ -18,7 +18,7 @@ from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bo
 from k3opt.search.frames import enumerate_frames, sharding_group
 from k3opt.search.prefetch import Prefetch
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 ALLOWED = ("fp8_activations", "activation_offload")
 LC = FsdpLifecycle.PER_MICROBATCH
 

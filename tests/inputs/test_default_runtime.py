@@ -18,8 +18,8 @@ from k3opt.inputs.runtime import planning_runtime, resolve_job_runtime
 from k3opt.search import enumerate_frames
 from k3opt.search.frames import allocated_capacity_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).parents[1] / "data"
 GIB, MIB = 2**30, 2**20
 GB200_RUNTIME = "megatron-te-hybridep-gb200"
 PLAIN = {"gpus": 512, "context": 4096, "rows": 1, "tokens_per_update": 16_777_216, "reserve_gib": 5}

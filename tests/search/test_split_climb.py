@@ -16,7 +16,7 @@ from k3opt.search.incumbents import split_climb
 from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _compositions(n: int, k: int) -> list[list[int]]:

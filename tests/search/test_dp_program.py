@@ -17,7 +17,7 @@ from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import bounds as B
 from k3opt.search import frames as FR
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _splits(layers: int, chunks: int):
