@@ -1,7 +1,9 @@
-"""Achievable-step terms priced from the software the public runs use: the cross-entropy kernels' HBM traffic
-(TransformerEngine's fused cross entropy, `[loss_kernels]` of the rates file) and the EP overlap schedule
-that hides each all-to-all only under the compute Megatron's combined 1F1B pairs it with (`ep_overlap_stages`).
-Expected values are derived from the configs' shapes and the named rates in the comments."""
+"""The achievable step time term by term, each figure derived from the configs' shapes and the named rates in the
+comments: the achievable-rate arrays per resource (the tensor time GEMM by GEMM, every byte at its measured
+fraction, the achievable MFU), the cross-entropy kernels' HBM traffic (TransformerEngine's fused cross entropy,
+`[loss_kernels]` of the rates file), the EP overlap schedule that hides each all-to-all only under the compute
+Megatron's combined 1F1B pairs it with (`ep_overlap_stages`), full recompute's second forward, K3's KDA scan at the
+attention kernels' rates, and the update's data-parallel communication left exposed beyond its overlap window."""
 
 from __future__ import annotations
 
@@ -9,14 +11,25 @@ import numpy as np
 import pytest
 
 import k3opt
-from k3opt.cost.achievable import achievable_for, ep_overlap_stage_exposed, forward_backward, ranking_arrays
+from k3opt.cost.achievable import (
+    achievable_for,
+    achievable_step,
+    ep_overlap_stage_exposed,
+    forward_backward,
+    ranking_arrays,
+)
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.inputs.errors import SpecError
 from k3opt.inputs.rates import load_rates
 
-# constraints/clusters/b200.toml and constraints/rates/b200.toml
-HBM, HBM_FRAC = 8000e9, 0.74
-BF16_PEAK, GROUPED_BF16 = 2250e12, 0.679
+# constraints/clusters/b200.toml (NVIDIA B200 datasheet): dense peaks and link rates per GPU.
+BF16_PEAK, MXFP8_PEAK = 2250e12, 4500e12
+HBM, NVLINK, NIC, HOST = 8000e9, 900e9, 50e9, 64e9
+# constraints/rates/b200.toml: measured fractions of those peaks and HybridEP's all-to-all bandwidths.
+DENSE_BF16, DENSE_MXFP8, GROUPED_BF16, GROUPED_MXFP8, ATTENTION = 0.716, 0.564, 0.679, 0.534, 0.391
+ATTENTION_BACKWARD = 0.333  # attention_core_backward: 0.391 x 1,208.6 / 1,418.1 (backward / forward TFLOP/s)
+HBM_FRAC, NVLINK_FRAC, NIC_FRAC = 0.74, 0.65, 0.92
+A2A_NVLINK, A2A_NIC = 533.4e9, 43.74e9
 LOSS_BYTES = 22.0  # TE fused cross entropy: 2 + (2 + 4) forward, (4 + 4) element_mul, (4 + 2) cast to BF16
 
 
@@ -195,3 +208,238 @@ def test_the_slowest_rank_is_the_lowest_of_equal_loads():
     assert slowest_index([1.0, 2.0, 2.0 * (1 - 1e-15)]) == 1
     assert slowest_index([1.0, 2.0 * (1 - 1e-9), 2.0]) == 2
     assert slowest_index([3.0]) == 0
+
+
+# The achievable-rate arrays (k3opt.cost.coefficients, at the measured fractions of a rates file) pinned per resource:
+# the tensor time of one MXFP8 MoE layer and of the LM head of Qwen3-30B-A3B on B200 derived GEMM by GEMM from the
+# config's shapes, every byte resource against the bytes of the peak roofline at the rates file's fractions
+# (constraints/rates/b200.toml: each fraction with its source there), and the achievable MFU.
+
+
+def _layout(**toggles) -> k3opt.Layout:
+    """Qwen3-30B-A3B on B200 (8-GPU NVLink domains): EP16 spans two domains, so the all-to-all crosses the NIC
+    too; full recompute (one more forward: 4/3 of the layer's FLOPs); activations offloaded to the host."""
+    return k3opt.make_layout(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8, context=4096,
+                             split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8,
+                             toggles={"activation_offload": True, "fused_cross_entropy": True, **toggles})
+
+
+@pytest.fixture(scope="module")
+def qwen_b200():
+    """The coefficients without NCCL's per-call latency (its alpha terms are pinned in tests/test_rates.py), so that
+    every link second here is bytes over a rate."""
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    # Without the measured shape table too: these GEMM-by-GEMM figures pin the cube-edge curve (the path a precision
+    # without a table column takes); tests/test_gemm_shapes.py pins the table.
+    # hbm_quantize too: every HBM byte here at the one copy fraction (tests/test_gemm_shapes.py pins the cast rate).
+    bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None, "gemm_shape": None,
+                                                 "hbm_quantize": None})
+    return coefficients(Shape.of(_layout()), model, cluster, rates=bare), model, cluster
+
+
+def _size(m: float, out: int, inp: int) -> float:
+    """The measured GEMM size curve of the rates file at the cube-equivalent edge (M out in)^(1/3)."""
+    return float(load_rates("b200").size_factor(np.array([np.cbrt(m * out * inp)]))[0])
+
+
+def test_mxfp8_moe_layer_tensor_time_gemm_by_gemm(qwen_b200):
+    """One Qwen3-30B-A3B layer, T = 4,096 tokens per microbatch, 6 T out in FLOPs per GEMM:
+    GQA q [4096, 2048], k and v [512, 2048], o [2048, 4096] in MXFP8 at 4,500 TF x 0.564 (dense);
+    the router [128, 2048] stays BF16 at 2,250 TF x 0.716; the experts w1, w3 [768, 2048] and w2 [2048, 768],
+    8 active per token, are grouped MXFP8 GEMMs at 4,500 TF x 0.534 whose M is the tokens one expert receives:
+    T k e / E = 4096 x 8 x 16 / 128 = 4,096. Full recompute runs the forward again: x 4/3. The attention core,
+    32 heads x (128 + 128) FLOPs per token per document token over 4,096 tokens per unit, runs its forward units (1,
+    and 1 more recomputed) at BF16 x 0.391 and its 2 backward units at BF16 x 0.333."""
+    cf, _, _ = qwen_b200
+    T, m_expert = 4096, 4096 * 8 * 16 / 128
+    dense = sum(6 * T * o * i / (MXFP8_PEAK * DENSE_MXFP8 * _size(T, o, i))
+                for o, i in ((4096, 2048), (512, 2048), (512, 2048), (2048, 4096)))
+    router = 6 * T * 128 * 2048 / (BF16_PEAK * DENSE_BF16 * _size(T, 128, 2048))
+    experts = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8 * _size(m_expert, o, i))
+                  for o, i in ((768, 2048), (768, 2048), (2048, 768)))
+    unit = T * 32 * 256 * 4096 / BF16_PEAK
+    core = 2 * unit / ATTENTION + 2 * unit / ATTENTION_BACKWARD
+    assert cf.achievable["tensor"][5] == pytest.approx((dense + router + experts) * 4 / 3 + core, rel=1e-12, abs=0)
+
+
+def test_lm_head_tensor_time_with_fused_cross_entropy(qwen_b200):
+    """The last edge: the untied LM head [151936, 2048] stays BF16 (6 T V d at 2,250 TF x 0.716, no recompute),
+    and the fused cross-entropy recomputes the logits in backward: 2 T V d more at the same rate."""
+    cf, _, _ = qwen_b200
+    T, V, d = 4096, 151936, 2048
+    head = 6 * T * V * d / (BF16_PEAK * DENSE_BF16 * _size(T, V, d)) + 2 * T * V * d / (BF16_PEAK * DENSE_BF16)
+    assert cf.achievable["tensor"][cf.last] == pytest.approx(head, rel=1e-12, abs=0)
+    assert cf.achievable["tensor"][cf.first] == 0.0  # the embedding is a lookup
+
+
+def test_link_bytes_split_between_collectives_and_the_all_to_all(qwen_b200):
+    """Every NVLink / NIC byte of the peak roofline (bytes = seconds x link peak) is either collective traffic
+    at the link's measured fraction or EP all-to-all at HybridEP's measured bandwidth; host-link bytes run at
+    the link peak (no measured fraction)."""
+    cf, _, _ = qwen_b200
+    a, t = cf.achievable, cf.time
+    for res, peak, frac, a2a in (("nvlink", NVLINK, NVLINK_FRAC, A2A_NVLINK), ("nic", NIC, NIC_FRAC, A2A_NIC)):
+        assert a[f"ep_{res}"][5] > 0 and a[res][5] > 0
+        got = a[res] * peak * frac + a[f"ep_{res}"] * a2a
+        np.testing.assert_allclose(got, t[res] * peak, rtol=1e-12, atol=0)
+    assert a["ep_nic"][cf.last] == 0.0  # the head has no all-to-all
+    assert a["host_link"][5] > 0
+    np.testing.assert_allclose(a["host_link"], t["host_link"], rtol=1e-12, atol=0)
+
+
+def test_per_update_times_at_the_measured_fractions(qwen_b200):
+    """Per update: Newton-Schulz FLOPs at BF16 x 0.716, optimizer HBM traffic at x 0.74, the view refresh
+    all-gather at the collective fractions; against the same work at the peaks."""
+    cf, _, _ = qwen_b200
+    for res, frac in (("tensor", DENSE_BF16), ("hbm", HBM_FRAC), ("nvlink", NVLINK_FRAC), ("nic", NIC_FRAC)):
+        assert cf.update[res].sum() > 0, res
+        np.testing.assert_allclose(cf.update_achievable[res], cf.update[res] / frac, rtol=1e-12, atol=0)
+
+
+def test_host_gradient_shards_move_at_the_host_link_peak():
+    """ZeRO-2 host gradients: the FP32 shard goes to the host once per update at the host-link peak."""
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    cf = coefficients(Shape.of(_layout(pipeline_zero2_host_grads=True)), model, cluster)
+    assert cf.update["host_link"][5] > 0
+    np.testing.assert_allclose(cf.update_achievable["host_link"], cf.update["host_link"], rtol=1e-12, atol=0)
+
+
+def test_hbm_bound_kernels_scale_with_the_hbm_fraction(qwen_b200):
+    """Halving the measured HBM fraction doubles the weight-traffic and memory-bound kernel times exactly and
+    leaves the GEMM and link times alone."""
+    cf, model, cluster = qwen_b200
+    rates = load_rates("b200").model_copy(update={"gemm_shape": None, "hbm_quantize": None})  # as the fixture's
+    half = rates.model_copy(update={"hbm": rates.hbm.model_copy(update={"value": HBM_FRAC / 2})})
+    slow = coefficients(Shape.of(_layout()), model, cluster, rates=half)
+    for res in ("hbm", "vector"):
+        assert cf.achievable[res][5] > 0
+        np.testing.assert_allclose(slow.achievable[res], 2 * cf.achievable[res], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(slow.update_achievable["hbm"], 2 * cf.update_achievable["hbm"], rtol=1e-12)
+    np.testing.assert_array_equal(slow.achievable["tensor"], cf.achievable["tensor"])
+    # The weight-side traffic alone: HBM bytes of the peak roofline = weight traffic + memory-bound kernels'.
+    assert cf.achievable["hbm"][5] * HBM * HBM_FRAC < cf.time["hbm"][5] * HBM
+
+
+def test_achievable_mfu_is_model_flops_over_the_bf16_peak():
+    """MFU = model FLOPs per token x tokens/s / (GPUs x BF16 peak); tokens/s = tokens per update / step."""
+    lay = _layout()
+    ev = k3opt.evaluate(lay, model="qwen3-30b-a3b", cluster="b200")
+    st = ev.step
+    # Tokens per update: 8 microbatches x 4,096 tokens x 16 data-parallel replicas (dense FSDP 16 = 32 / PP 2).
+    tps = 8 * 4096 * 16 / st.achievable_step_time_s
+    assert st.achievable_tokens_per_s_per_gpu == pytest.approx(tps / 32, rel=1e-12, abs=0)
+    # The peak-bound MFU has the same model FLOPs per token: MFU = F x (tokens/s per GPU) / BF16 peak.
+    flops_per_token = st.mfu * BF16_PEAK / st.tokens_per_s_per_gpu
+    assert st.achievable_mfu == pytest.approx(flops_per_token * (tps / 32) / BF16_PEAK, rel=1e-14, abs=0)
+    # Without an EP overlap schedule the all-to-all over the NIC (43.74 GB/s for ~0.44 s of the stage's bytes)
+    # is exposed and binds the stage.
+    assert st.achievable_binding == "ep_all_to_all (exposed)" and st.achievable_exposed_ep_s > 0
+    assert st.rates == "b200"
+
+
+def test_an_expert_gemm_sees_t_k_e_over_e_tokens():
+    """The routed GEMM's M is the tokens one expert receives, T k e / E: at EP16 4096 x 8 x 16 / 128 = 4,096, at
+    EP8 (one 8-GPU domain) 2,048. Only the experts' size factors change, so the layer's achievable tensor time
+    moves by the three expert GEMMs re-read on the measured size curve (x 4/3 for full recompute)."""
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    ep8 = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", precision="mxfp8", domain_gpus_used=8)
+    cube = load_rates("b200").model_copy(update={"gemm_shape": None})  # the cube-edge curve's path
+    t8 = coefficients(Shape.of(ep8), model, cluster, rates=cube).achievable["tensor"][5]
+    t16 = coefficients(Shape.of(_layout()), model, cluster, rates=cube).achievable["tensor"][5]
+    T = 4096
+    diff = sum(6 * T * o * i * 8 / (MXFP8_PEAK * GROUPED_MXFP8) * (1 / _size(2048, o, i) - 1 / _size(4096, o, i))
+               for o, i in ((768, 2048), (768, 2048), (2048, 768))) * 4 / 3
+    assert diff > 0
+    assert t8 - t16 == pytest.approx(diff, rel=1e-9, abs=0)
+
+
+# Full recompute runs each decoder layer's forward once more, and only the layers: at the achievable rates every
+# Qwen3-30B-A3B decoder layer (48 identical MoE layers, config.json) has the same tensor time, the last one too, and the
+# LM-head edge costs the same with and without full recompute (the head's logits are not recomputed).
+
+def _tensor(recompute: str):
+    lay = k3opt.make_layout(gpus=16, pp=1, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=1, context=4096,
+                            split=[48], recompute=recompute, domain_gpus_used=8)
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"),
+                      rates=load_rates("b200"))
+    return cf.achievable["tensor"]  # 48 layers, then the embedding edge and the head edge
+
+
+def test_every_decoder_layer_is_recomputed_and_the_head_is_not():
+    full, selective = _tensor("full"), _tensor("selective")
+    assert len(full) == 48 + 2
+    assert full[47] == pytest.approx(full[0], rel=1e-12, abs=0)  # the last decoder layer like the first
+    assert full[0] > selective[0]
+    assert full[49] == pytest.approx(selective[49], rel=1e-12, abs=0) and full[49] > 0
+    assert full[48] == 0.0  # the embedding lookup runs no GEMM
+
+
+# The achievable tensor time of K3's chunked delta-rule scan (KDA layers), derived from the config's shapes and the
+# measured attention-kernel fractions of constraints/rates/gb200-nvl72.toml.
+
+def test_kda_scan_flops_run_at_the_attention_kernels_rates():
+    """K3's KDA layer 0 has no softmax attention; its chunked delta-rule scan, 3 x 96 heads x (64 x (4 + 3) x 128 +
+    6 x 128 x 128) = 44,826,624 FLOPs per token (fwd + bwd; fla chunk_kda, chunk 64, head dim 128), runs as the
+    attention core: its forward third at BF16 2,500 TF x 0.391, its backward two thirds at x 0.333. Halving both
+    measured fractions adds exactly that time again (T = 4,096, no recompute) and leaves the GEMMs alone."""
+    lay = k3opt.make_layout(gpus=64, pp=1, ep=64, dense_fsdp=64, expert_fsdp=1, microbatches=1, context=4096,
+                            split=[93], recompute="none")
+    m, c = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    r = load_rates("gb200-nvl72")
+    slow = r.model_copy(update={
+        "attention_core": r.attention_core.model_copy(update={"value": 0.391 / 2}),
+        "attention_core_backward": r.attention_core_backward.model_copy(update={"value": 0.333 / 2})})
+    a = coefficients(Shape.of(lay), m, c, rates=r).achievable["tensor"]
+    b = coefficients(Shape.of(lay), m, c, rates=slow).achievable["tensor"]
+    core = 4096 * 3 * 96 * (64 * 7 * 128 + 6 * 128 * 128)
+    added = core / 3 / (2500e12 * 0.391) + core * 2 / 3 / (2500e12 * 0.333)
+    assert b[0] - a[0] == pytest.approx(added, rel=1e-9, abs=0)
+    assert b[-1] == a[-1]  # the LM head: GEMMs only
+
+
+# The achievable step's update: compute plus the data-parallel communication left exposed beyond its overlap window
+# (dp_overlap_microbatches x the stage time; Megatron overlaps the gradient reduce-scatter with the last microbatch's
+# backward and the parameter all-gather with the first forward). Qwen3-30B-A3B on 32 B200 GPUs, whose update all-gathers
+# and reduces over dense FSDP 16 across two NVLink domains.
+
+LAYOUT = dict(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8, context=4096, split=[24, 24],
+              recompute="full", domain_gpus_used=8)
+
+
+def _step(overlap: float, **fields):
+    lay = k3opt.make_layout(**{**LAYOUT, **fields})
+    r = load_rates("b200")
+    rates = r.model_copy(update={"overlap": r.overlap.model_copy(update={"dp_overlap_microbatches": overlap})})
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    return achievable_step(coefficients(Shape.of(lay), model, cluster, rates=rates), lay.split, rates, cluster)
+
+
+def test_a_window_of_no_microbatch_exposes_all_update_communication():
+    """Window 0: every second of update communication is exposed, so the update is compute + that; a window of
+    1,000 stage-microbatches hides it all (exposed 0) and leaves the compute alone. The difference of the two
+    updates, and of the two steps, is the exposed communication of the first."""
+    bare, hidden = _step(0.0), _step(1000.0)
+    assert hidden.update_comm_exposed_s == 0.0
+    assert bare.update_comm_exposed_s > 0
+    assert bare.update_time_s - hidden.update_time_s == pytest.approx(bare.update_comm_exposed_s, rel=1e-9)
+    assert bare.step_time_s - hidden.step_time_s == pytest.approx(bare.update_comm_exposed_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("fields", [{}, {"ep_overlap": True},
+                                    {"dense_sharding": "no_shard", "context": 128, "domain_gpus_used": 1}])
+def test_evaluate_reports_the_achievable_steps_parts(fields):
+    """evaluate()'s step carries the parts of the achievable step at the shipped rates (one stage-microbatch
+    window): stage, update, its exposed communication (not zero when a DDP all-reduce over the NIC outlasts a
+    128-token stage-microbatch), the unpaired all-to-all (not zero under an EP overlap schedule); step = slots x
+    stage + update + unpaired, slots = M + p - 1 = 9 for 1F1B."""
+    lay = k3opt.make_layout(**{**LAYOUT, **fields})
+    st = k3opt.evaluate(lay, model="qwen3-30b-a3b", cluster="b200").step
+    ach = _step(1.0, **fields)
+    assert (ach.unpaired_ep_s > 0) == ("ep_overlap" in fields)
+    assert (ach.update_comm_exposed_s > 0) == ("dense_sharding" in fields)
+    assert (st.achievable_stage_time_s, st.achievable_update_time_s, st.achievable_update_comm_exposed_s,
+            st.achievable_unpaired_ep_s) == (ach.stage_time_s, ach.update_time_s, ach.update_comm_exposed_s,
+                                             ach.unpaired_ep_s)
+    assert st.achievable_step_time_s == pytest.approx(
+        9 * st.achievable_stage_time_s + st.achievable_update_time_s + st.achievable_unpaired_ep_s, rel=1e-12)
