@@ -1,5 +1,7 @@
 """The schedule replay (Megatron's 1F1B / interleaved order over per-chunk forward and backward times) against
-schedules worked out by hand, the textbook bubble for equal chunks, and evaluate()'s schedule-priced step."""
+schedules worked out by hand: the makespan, every operation's start and end, the warmup forwards and the hops charged
+to the sending rank; the textbook bubble for equal chunks, the per-chunk times the replay reads, and evaluate()'s
+schedule-priced step."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import numpy as np
 import pytest
 
 import k3opt
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.cost.evaluate import chunk_times_s
 from k3opt.cost.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
 
 DATA = Path(__file__).parents[1] / "data"
@@ -130,3 +134,89 @@ def test_critical_path_equals_a_trace_over_the_event_loop(p, v, m):
                      (rng.uniform(0.1, 2, k), rng.uniform(0.1, 4, k))]:
         got, want = critical_path(p, v, m, fwd, bwd), _path_over_events(p, v, m, fwd, bwd)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+# Every operation of the pipeline replay (k3opt.cost.schedule.replay_ops: rank, forward?, global chunk, microbatch,
+# start, end), worked by hand on two small schedules; the pipeline picture draws these tuples, the makespan is only
+# their latest end.
+
+def test_1f1b_two_ranks_two_microbatches():
+    """p = 2, v = 1, M = 2, forward 1 s and backward 2 s per chunk, no hop. Megatron's 1F1B: rank 0 warms up with
+    p - r - 1 = 1 forward, then F(mb 1), B(mb 0), B(mb 1); rank 1 alternates F, B from the start. Rank 1's F(0)
+    waits for rank 0's F(0) (ends at 1); its B(0) follows its own F(0); its F(1) waits for rank 0's F(1) (2) and for
+    rank 1 itself (4); rank 0's B(0) waits for rank 1's B(0) (4), its B(1) for rank 1's B(1) (7)."""
+    ops = replay_ops(2, 1, 2, np.ones(2), 2 * np.ones(2))
+    assert sorted(ops) == sorted([
+        (0, True, 0, 0, 0.0, 1.0), (0, True, 0, 1, 1.0, 2.0), (0, False, 0, 0, 4.0, 6.0), (0, False, 0, 1, 7.0, 9.0),
+        (1, True, 1, 0, 1.0, 2.0), (1, False, 1, 0, 2.0, 4.0), (1, True, 1, 1, 4.0, 5.0), (1, False, 1, 1, 5.0, 7.0)])
+
+
+def test_hops_are_charged_to_the_sending_rank():
+    """p = 3, v = 1, M = 1, forward 1 s, backward 2 s, hop 0.1 / 0.2 / 0.4 s out of ranks 0 / 1 / 2. Forward: rank 0
+    [0, 1]; rank 1 starts 1 + 0.1; rank 2 starts 2.1 + 0.2. Backward: rank 2 right after its forward [3.3, 5.3];
+    rank 1 waits 5.3 + 0.4 (sent by rank 2) [5.7, 7.7]; rank 0 waits 7.7 + 0.2 (sent by rank 1) [7.9, 9.9]."""
+    ops = sorted(replay_ops(3, 1, 1, np.ones(3), 2 * np.ones(3), np.array([0.1, 0.2, 0.4])))
+    want = [(0, False, 0, 0, 7.9, 9.9), (0, True, 0, 0, 0.0, 1.0), (1, False, 1, 0, 5.7, 7.7),
+            (1, True, 1, 0, 1.1, 2.1), (2, False, 2, 0, 3.3, 5.3), (2, True, 2, 0, 2.3, 3.3)]
+    assert [op[:4] for op in ops] == [w[:4] for w in want]
+    for op, w in zip(ops, want, strict=True):
+        assert op[4:] == pytest.approx(w[4:], rel=1e-12, abs=0), op
+
+
+# Megatron's operation order and the pipeline replay on hand-worked cases, and the per-chunk times the replay reads,
+# each figure worked out from the schedule rules or the layer shapes.
+
+def _forwards_before_the_first_backward(ops) -> int:
+    return next(i for i, (is_f, _, _) in enumerate(ops) if not is_f)
+
+
+@pytest.mark.parametrize(("p", "v", "m", "warm"), [
+    # Megatron schedules.py, interleaved: (p - r - 1) x 2 + (v - 1) x p, capped at v M.
+    (4, 2, 8, [10, 8, 6, 4]),
+    (4, 3, 2, [6, 6, 6, 6]),         # 2 x 3 + 2 x 4 = 14 > v M = 6: all forwards first
+    # 1F1B: p - r - 1, capped at M.
+    (4, 1, 8, [3, 2, 1, 0]),
+    (4, 1, 2, [2, 2, 1, 0]),
+])
+def test_warmup_forwards_follow_megatron(p, v, m, warm):
+    for r in range(p):
+        ops = pipeline_order(p, v, m, r)
+        assert len(ops) == 2 * v * m
+        # The steady phase opens with one forward before its first backward (none left after a full warmup).
+        assert _forwards_before_the_first_backward(ops) == min(warm[r] + 1, v * m), r
+
+
+def test_replay_waits_for_the_hop_from_the_sending_rank():
+    """p = 3, v = 1, M = 1, forward 1, 2, 3 s and backward 4, 5, 6 s per chunk, hops 1, 10, 100 s out of ranks
+    0, 1, 2: f0 + h0 + f1 + h1 + f2, then b2 right after, + h2 (rank 2 sends) + b1 + h1 + b0
+    = 1 + 1 + 2 + 10 + 3 + 6 + 100 + 5 + 10 + 4 = 142 s."""
+    got = replay_makespan(3, 1, 1, np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0, 6.0]),
+                          np.array([1.0, 10.0, 100.0]))
+    assert got == 142.0
+
+
+def test_chunk_times_share_the_rank_time_by_work_and_split_backward_3_to_1_under_full_recompute():
+    """Llama 3 70B, PP 2 x VP 2, split 20 / 20 / 30 / 10 layers: rank 0 runs chunks 0 and 2, rank 1 chunks 1
+    and 3. A rank's time per microbatch is shared among its chunks by their work (the 30-layer chunk takes more
+    than the 20-layer one), and each chunk splits forward : backward = 1 : 2 + 1 under full recompute (SC21
+    section 3.5: the backward is twice the forward, recompute replays one forward)."""
+    lay = k3opt.make_layout(gpus=32, pp=2, vp=2, dense_fsdp=16, microbatches=8, context=4096,
+                            split=[20, 20, 30, 10], recompute="full", fsdp_lifecycle="accumulate")
+    model, cluster = k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72")
+    ev = k3opt.evaluate(lay, model=model, cluster=cluster)
+    cf = coefficients(Shape.of(lay), model, cluster)
+    fwd, bwd = chunk_times_s(cf, list(ev.ranks), lay)
+    np.testing.assert_allclose(bwd, 3 * fwd, rtol=1e-12)
+    for r in (0, 1):
+        assert fwd[r] + bwd[r] + fwd[r + 2] + bwd[r + 2] == pytest.approx(ev.ranks[r].stage_time_s, rel=1e-12, abs=0)
+    assert fwd[2] > 1.4 * fwd[0]       # 30 layers against 20 (plus the embedding's small work)
+    # The replayed step: the pipeline's makespan over these chunk times plus the exposed update.
+    update = max(max(r.update_s.values()) for r in ev.ranks)
+    assert ev.step.schedule_step_time_s == pytest.approx(replay_makespan(2, 2, 8, fwd, bwd) + update, rel=1e-12, abs=0)
+    # Selective recompute: backward = 2 x forward.
+    sel = lay.model_copy(update={"recompute": "selective"})
+    ev_sel = k3opt.evaluate(sel, model=model, cluster=cluster)
+    f_sel, b_sel = chunk_times_s(coefficients(Shape.of(sel), model, cluster), list(ev_sel.ranks), sel)
+    np.testing.assert_allclose(b_sel, 2 * f_sel, rtol=1e-12)
+    # 20 layers against 10 plus the LM head (128,256 x 8,192 = 1.05B parameters, about 1.2 layers of 0.86B)
+    assert fwd[1] > 1.4 * fwd[3]
