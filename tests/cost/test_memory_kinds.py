@@ -186,3 +186,49 @@ def test_cp_ring_and_nccl_all_to_all_peers(rt):
     nccl_a2a = k3opt.evaluate(lay, runtime=rt.model_copy(update={"hybridep": False}))
     assert _items(nccl_a2a)["nccl_p2p"].bytes == 8 * 64 * MIB
     assert _items(nccl_a2a)["hybridep_buffers"].bytes == 0 < _items(ev)["hybridep_buffers"].bytes
+
+
+# HybridEP's buffers as evaluate() prices them from the runtime preset (2 B per dispatched value, 4 B per routing
+# probability), only on the ranks that hold MoE layers, and the runtime's items in evaluate()'s dict, on figures worked
+# out from the layer shapes.
+
+def _item_bytes(rank) -> dict[str, int]:
+    return {i.key: i.bytes for i in rank.memory_items}
+
+
+def test_hybridep_buffers_only_on_ranks_holding_moe_layers():
+    """DeepSeek-V3, PP 2 split 3 / 58: rank 0 holds the three dense layers only (no EP all-to-all, no HybridEP
+    buffer); rank 1 holds the MoE layers. Its buffer: T = 4,096 tokens x 8 EP ranks in one domain = 32,768
+    tokens; x 7,168 (no latent: the hidden state is dispatched) x 2 B = 469,762,048 B, plus probabilities
+    32,768 x (256 / 8 = 32 experts x 8 ranks) x 4 B = 33,554,432 B: 503,316,480 B."""
+    lay = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=4, context=4096,
+                            split=[3, 58], recompute="full")
+    ev = k3opt.evaluate(lay, model="deepseek-v3", cluster="gb200-nvl72", runtime=RT)
+    assert ev.ranks[0].counts["moe_layers"] == 0
+    assert _item_bytes(ev.ranks[0])["hybridep_buffers"] == 0
+    assert _item_bytes(ev.ranks[1])["hybridep_buffers"] == 32_768 * 7168 * 2 + 32_768 * 32 * 8 * 4 == 503_316_480
+    # Split 4 / 57: rank 0 now holds layer 3, its one MoE layer, and the same buffer.
+    one = k3opt.evaluate(lay.model_copy(update={"split": [4, 57]}), model="deepseek-v3", cluster="gb200-nvl72",
+                         runtime=RT)
+    assert one.ranks[0].counts["moe_layers"] == 1
+    assert _item_bytes(one.ranks[0])["hybridep_buffers"] == 503_316_480
+
+
+def test_hybridep_buffer_of_a_model_without_latent_moe():
+    """Qwen3-30B-A3B measured layout (mb-20): 4 rows x 4,096 = 16,384 tokens x 8 EP ranks = 131,072 tokens;
+    x 2,048 (the hidden size: Qwen3 has no latent) x 2 B + 131,072 x (128 / 8 = 16 experts x 8) x 4 B."""
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    ev = k3opt.evaluate(lay, runtime=RT)
+    assert _item_bytes(ev.ranks[0])["hybridep_buffers"] == 131_072 * 2048 * 2 + 131_072 * 16 * 8 * 4 == 603_979_776
+
+
+def test_to_dict_carries_the_runtime_and_its_items():
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    ev = k3opt.evaluate(lay, runtime=RT)
+    d = ev.to_dict()
+    assert d["runtime"] == RT
+    items = d["ranks"][0]["memory_items"]
+    assert items["hybridep_buffers"] == {"bytes": 603_979_776, "where": "outside",
+                                         "formula": next(i.formula for i in ev.ranks[0].memory_items
+                                                         if i.key == "hybridep_buffers")}
+    assert k3opt.evaluate(lay).to_dict()["runtime"] is None

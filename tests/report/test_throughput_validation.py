@@ -9,6 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+import k3opt
 from k3opt.cli import main
 from k3opt.inputs.presets import load_layout
 from k3opt.report.throughput import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
@@ -100,3 +101,16 @@ def test_stage_gap_is_what_the_measured_step_leaves_beyond_the_stage(validation)
     assert row.layers_per_rank == 48
     out = CliRunner().invoke(main, ["validate-throughput"]).output
     assert "GAP per stage-microbatch" in out and f"GAP {row.stage_gap_ms:+8.1f} ms" in out
+
+
+# The validation rows evaluate() gives a measured layout: the step time, and the tokens/s per GPU at the peak and at the
+# achievable rates.
+
+def test_throughput_rows_at_the_peak_and_at_the_achievable_rates():
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    ev = k3opt.evaluate(lay)
+    rows = [(c.figure, c.unit, c.measured) for c in ev.validation]
+    m = lay.measured.tokens_per_s_per_gpu
+    assert rows == [("step time", "s", lay.measured.step_time_s), ("tokens/s per GPU", "tokens/s", m),
+                    ("tokens/s per GPU at achievable rates", "tokens/s", m)]
+    assert ev.validation[2].modeled == ev.step.achievable_tokens_per_s_per_gpu
