@@ -6,6 +6,9 @@ is keyed by the fields it reads. These tests build varied shapes of the K3 model
 the caches, each right after a partner that differs from it in one field only (so a key that left that field out
 would return the partner's arrays), and compare every field, array by array, with a build of the same shape from
 empty caches. The last tests break a key on purpose and check that the comparison sees it.
+
+The key itself is a spec's JSON, memoized per spec object (k3opt.cost.coefficients._spec_json): a spec object the
+memo has not seen (a fresh copy) gets the key pydantic serializes and the same coefficients.
 """
 
 from __future__ import annotations
@@ -235,3 +238,17 @@ def test_activation_balancing_shares_the_layer_build(k3, extra):
     raw_off = build(key, *C.cache_key(model, cluster))
     assert raw_on.keys() == raw_off.keys()
     assert [k for k in raw_on if not _same(raw_on[k], raw_off[k])] == []
+
+
+# The cache key of a spec object the JSON memo has not seen.
+
+def test_a_fresh_spec_object_gets_the_key_pydantic_serializes_and_the_same_coefficients():
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    lay = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=2, context=4096,
+                            split=[24, 24])
+    a = coefficients(Shape.of(lay), model, cluster)
+    fresh_model, fresh_cluster = model.model_copy(deep=True), cluster.model_copy(deep=True)
+    b = coefficients(Shape.of(lay), fresh_model, fresh_cluster)
+    assert b.model_json == a.model_json == model.model_dump_json()
+    np.testing.assert_array_equal(b.master, a.master)
+    np.testing.assert_array_equal(b.time["nvlink"], a.time["nvlink"])
