@@ -226,12 +226,13 @@ def _layout(**toggles) -> k3opt.Layout:
 
 @pytest.fixture(scope="module")
 def qwen_b200():
-    """The coefficients without NCCL's per-call latency (its alpha terms are pinned in tests/test_rates.py), so that
-    every link second here is bytes over a rate."""
+    """The coefficients without NCCL's per-call latency (its alpha terms are pinned in tests/cost/test_rates.py), so
+    that every link second here is bytes over a rate."""
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
     # Without the measured shape table too: these GEMM-by-GEMM figures pin the cube-edge curve (the path a precision
-    # without a table column takes); tests/test_gemm_shapes.py pins the table.
-    # hbm_quantize too: every HBM byte here at the one copy fraction (tests/test_gemm_shapes.py pins the cast rate).
+    # without a table column takes); tests/inputs/test_gemm_shapes.py pins the table.
+    # hbm_quantize too: every HBM byte here at the one copy fraction (tests/inputs/test_gemm_shapes.py pins the cast
+    # rate).
     bare = load_rates("b200").model_copy(update={"collective_base_latency_us": None, "gemm_shape": None,
                                                  "hbm_quantize": None})
     return coefficients(Shape.of(_layout()), model, cluster, rates=bare), model, cluster

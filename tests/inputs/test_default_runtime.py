@@ -172,7 +172,8 @@ def test_cli_plan_says_which_runtime_and_where_it_came_from(cluster_with_default
     data = json.loads(out.output)
     assert (data["runtime"], data["runtime_from"]) == (GB200_RUNTIME, "cluster default")
     assert data["layouts"][0]["layout"]["runtime"] == GB200_RUNTIME
-    # Where the proof stopped: nothing left open when it ran to its gap (a FEASIBLE plan: tests/test_seed_proof.py).
+    # Where the proof stopped: nothing left open when it ran to its gap (a FEASIBLE plan:
+    # tests/search/test_seed_proof.py).
     if data["status"] == "OPTIMAL":
         assert (data["open_shapes"], data["holding"]) == (0, None)
     else:

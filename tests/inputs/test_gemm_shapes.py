@@ -83,7 +83,7 @@ def test_routed_expert_gemms_pass_by_pass_on_the_table():
       fc1 forward (m 2048, n 1536, k 2048), data gradient (2048, 2048, 1536), weight gradient (1536, 2048, 2048);
       fc2 forward (2048, 2048, 768), data gradient (2048, 768, 2048), weight gradient (2048, 768, 2048).
     1,536 and 768 sit log2(1.5) = 0.585 of the way from 1,024 to 2,048 and from 512 to 1,024. The memory-bound part
-    is 5 x 80,576 B a token (tests/test_achievable_terms.py) x 4,096 tokens at 8 TB/s x 0.74."""
+    is 5 x 80,576 B a token (tests/cost/test_achievable_terms.py) x 4,096 tokens at 8 TB/s x 0.74."""
     f = math.log2(1.5)
     fc1 = [F8[(2048, 1024, 2048)] + f * (F8[(2048, 2048, 2048)] - F8[(2048, 1024, 2048)]),   # 1,244.016
            F8[(2048, 2048, 1024)] + f * (F8[(2048, 2048, 2048)] - F8[(2048, 2048, 1024)]),   # 1,238.010

@@ -1,7 +1,7 @@
 """The anytime Pareto front on the K3 default job: cut by a short time limit, it still returns layouts that are
 mutually non-dominated, at least one epsilon step apart in peak, each the public evaluate()'s figures for its
 layout, with a proven bound no higher than its own step time. The exact front on the small model is checked
-against enumeration in tests/test_search.py."""
+against enumeration in tests/search/test_search.py."""
 
 from __future__ import annotations
 
