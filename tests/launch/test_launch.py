@@ -1,0 +1,342 @@
+"""Launch export (Megatron-LM, Megatron-Bridge, torchtitan) and the frameworks' limits as search constraints.
+
+Expected values come from the model shapes and the seed-000 reference batch, and from independent
+re-implementations of the frameworks' own rules (Megatron's layout grammar, torchtitan's mesh sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.inputs.errors import SpecError, UnknownTargetError
+from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
+from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
+from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
+
+DATA = Path(__file__).parents[1] / "data"
+FLAGS_FILE = DATA / "megatron_lm_flags.txt"
+# The default plan's layout (k3opt plan --top 1 on the k3-512-4k job).
+DEFAULT = {
+    "gpus": 512, "pp": 8, "vp": 1, "cp": 1, "ep": 64, "expert_fsdp": 1, "dense_fsdp": 64, "microbatches": 64,
+    "rows": 1, "context": 4096, "split": [9, 9, 10, 11, 12, 14, 14, 14], "recompute": "selective",
+    "fsdp_lifecycle": "per_microbatch", "reserve_gib": 4.0, "domain_gpus_used": 64, "model": "kimi-k3",
+    "toggles": {"fp8_activations": True, "moe_backward_rewrite": True, "dispatch_recompute": True,
+                "fused_situ": True},
+}
+ALL_ON = {t: True for t in TOGGLE_NAMES}
+
+
+def _layout(**over) -> k3opt.Layout:  # noqa: ANN003
+    return k3opt.make_layout(**{**DEFAULT, **over})
+
+
+def _variants() -> list[k3opt.Layout]:
+    """Layouts that between them reach every switch the Megatron export can emit."""
+    return [
+        _layout(),
+        _layout(recompute="full", fsdp_lifecycle="accumulate", toggles=ALL_ON),
+        _layout(recompute="none", toggles={"activation_offload": True, "ep_dedup": True}),
+        _layout(vp=2, microbatches=64, split=[6] * 15 + [3], toggles={}),
+        _layout(fp8_block_size=32, toggles={"fp8_activations": True}),
+    ]
+
+
+def _megatron_flags(text: str) -> list[str]:
+    """Every --flag on a non-comment line of a Megatron-LM export."""
+    return [tok for line in text.splitlines() if not line.lstrip().startswith("#")
+            for tok in line.split() if tok.startswith("--")]
+
+
+def _expand_layout(s: str) -> list[str]:
+    """Megatron's PipelineParallelLayerLayout.parse_str_to_list, re-implemented from its description: drop
+    commas, expand (X)*n, then c*n (one character), split on '|'."""
+    s = s.replace(",", "")
+    s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    return s.split("|")
+
+
+# ------------------------------------------------------------------------------------ Megatron-LM
+
+
+def test_flag_file_names_its_commit():
+    head = [ln for ln in FLAGS_FILE.read_text().splitlines() if ln.startswith("#")]
+    assert any("NVIDIA/Megatron-LM" in ln and MEGATRON_LM_COMMIT in ln for ln in head)
+    flags = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
+    # The launch-flags notes count about 400 literal add_argument flags and about 465 generated ones at d98e8a64.
+    assert 800 < len(flags) < 950
+    # Fields the notes list as excluded from the command line must not be there.
+    assert "--cpu-offloading" not in flags and "--fp8-dot-product-attention" not in flags
+    assert "--virtual-pipeline-model-parallel-size" not in flags
+
+
+@pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
+def test_every_emitted_megatron_lm_flag_is_defined(layout):
+    defined = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
+    emitted = _megatron_flags(to_launch(layout, "megatron-lm").text)
+    assert emitted, "no flags emitted"
+    assert sorted(set(emitted) - defined) == []
+
+
+def test_variants_reach_every_megatron_switch():
+    emitted = set()
+    for lay in _variants():
+        emitted |= set(_megatron_flags(to_launch(lay, "megatron-lm").text))
+    for flag in ("--fp8-format", "--fp8-recipe", "--fine-grained-activation-offloading", "--offload-modules",
+                 "--moe-flex-dispatcher-backend", "--recompute-method", "--recompute-modules",
+                 "--accumulate-allreduce-grads-in-fp32", "--pipeline-model-parallel-layout"):
+        assert flag in emitted
+
+
+def test_megatron_layout_has_the_exact_per_stage_counts():
+    text = to_launch(_layout(), "megatron-lm").text
+    value = re.search(r"--pipeline-model-parallel-layout '([^']+)'", text).group(1)
+    stages = _expand_layout(value)
+    assert [s.count("t") for s in stages] == [9, 9, 10, 11, 12, 14, 14, 14]
+    assert stages[0].startswith("E") and stages[-1].endswith("L")
+    assert "".join(stages).count("E") == 1 and "".join(stages).count("L") == 1
+
+
+def test_interleaved_layout_stage_i_runs_on_rank_i_mod_pp():
+    lay = _layout(vp=2, split=[5, 6, 7, 8, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 3], toggles={})
+    value = re.search(r"--pipeline-model-parallel-layout '([^']+)'",
+                      to_launch(lay, "megatron-lm").text).group(1)
+    stages = _expand_layout(value)
+    assert len(stages) == 16  # 2 virtual stages per rank: Megatron sets VPP = 16 / PP8 = 2
+    # k3opt's chunk j runs on rank j mod p, Megatron's stage i on pp_rank i % PP: same list, same order.
+    assert [s.count("t") for s in stages] == lay.split
+
+
+def test_megatron_batch_flags_from_the_reference_batch():
+    text = to_launch(_layout(), "megatron-lm").text
+    # Seed 000: 16,777,216 tokens per update at 4096 tokens per sequence = 4096 sequences; DP = 512 / 8 = 64,
+    # so M = 4096 / (1 x 64) = 64.
+    assert "--global-batch-size 4096" in text and "--micro-batch-size 1" in text
+    assert "--seq-length 4096" in text
+    assert "--moe-layer-freq '[0]+[1]*92'" in text  # layer 0 is the one dense-FFN layer of 93
+
+
+def test_megatron_lm_lists_what_has_no_switch():
+    launch = to_launch(_layout(), "megatron-lm")
+    decisions = " ".join(m.decision for m in launch.missing)
+    # The default plan's toggles without a Megatron switch, the KDA layers, the per-microbatch lifecycle.
+    for word in ("moe_backward_rewrite", "dispatch_recompute", "fused_situ", "KDA", "per_microbatch"):
+        assert word in decisions
+    for m in launch.missing:
+        assert f"# {m.line()}" in launch.text
+    # A switch that exists is not listed as missing.
+    assert "fp8_activations" not in decisions
+
+
+# ------------------------------------------------------------------------------------ Megatron-Bridge
+
+
+def test_bridge_overrides_carry_kda_layers_and_the_layout():
+    launch = to_launch(_layout(), "megatron-bridge")
+    keys = dict(launch.settings)
+    # K3: 93 layers, full attention at i % 4 == 3 for i < 92 plus i = 92 (24 layers) -> 69 KDA layers,
+    # 1-indexed for Bridge: 1, 2, 3, 5, 6, 7, 9, ..., 91 (layer 92 (0-based), number 93, is MLA).
+    kda = [int(x) for x in keys["model.kimi_kda_layers"].strip("[]").split(",")]
+    assert len(kda) == 69 and kda[:4] == [1, 2, 3, 5] and kda[-1] == 91 and 4 not in kda
+    stages = _expand_layout(keys["model.pipeline_model_parallel_layout"].strip('"'))
+    assert [s.count("t") for s in stages] == DEFAULT["split"]
+    for prefix in ("model.", "ddp.", "optimizer.", "mixed_precision.", "train."):
+        assert any(k.startswith(prefix) for k in keys)
+    assert keys["train.global_batch_size"] == "4096"
+    assert "KDA" not in " ".join(m.decision for m in launch.missing)
+
+
+def test_bridge_refusals_are_listed_in_the_export():
+    launch = to_launch(_layout(vp=2, cp=2, dense_fsdp=32, split=[6] * 15 + [3], toggles={}), "megatron-bridge")
+    decisions = [m.decision for m in launch.missing]
+    assert "vp = 2" in decisions and "cp = 2" in decisions
+
+
+@pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
+def test_every_emitted_bridge_key_is_a_config_field(layout):
+    text = (DATA / "megatron_bridge_keys.txt").read_text()
+    assert "067f987df03b8355b03192d88d70f1709fedf51a" in text and MEGATRON_LM_COMMIT in text
+    defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
+    emitted = [k for k, _ in to_launch(layout, "megatron-bridge").settings]
+    assert "model.kimi_kda_layers" in emitted
+    assert sorted(set(emitted) - defined) == []
+
+
+# ------------------------------------------------------------------------------------ torchtitan
+
+
+def test_torchtitan_toml_sections():
+    lay = _layout(cp=2, dense_fsdp=32, ep=32, expert_fsdp=2, microbatches=128)
+    cfg = tomllib.loads(to_launch(lay, "torchtitan").body)
+    par = cfg["parallelism"]
+    # FSDP mesh dp_shard x cp = dense_fsdp 32 -> dp_shard 16; the 512 / 8 = 64 stage ranks = replicate x 16 x 2:
+    # replicate 2.
+    assert par["data_parallel_shard_degree"] == 16 and par["data_parallel_replicate_degree"] == 2
+    assert par["context_parallel_degree"] == 2 and par["expert_parallel_degree"] == 32
+    parts = par["module_fqns_per_model_part"]
+    assert [sum(n.startswith("layers.") for n in p) for p in parts] == DEFAULT["split"]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    # DP = 512 / (8 x 2) = 32 ranks; M = 128 microbatches of 1 row: 128 per DP rank, 4096 sequences per update.
+    assert cfg["training"] == {"local_batch_size": 128, "global_batch_size": 4096, "seq_len": 4096}
+    assert cfg["activation_checkpoint"]["mode"] == "selective"
+
+
+def _toml_keys(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += _toml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
+
+
+@pytest.mark.parametrize("layout", _variants(), ids=lambda lay: f"pp{lay.pp}v{lay.vp}-{lay.recompute.value}")
+def test_every_emitted_torchtitan_key_is_defined(layout):
+    text = (DATA / "torchtitan_keys.txt").read_text()
+    assert "e347b1e5e6b6941d789d16d340145294d82dc71e" in text
+    defined = {ln for ln in text.splitlines() if ln and not ln.startswith("#")}
+    emitted = _toml_keys(tomllib.loads(to_launch(layout, "torchtitan").body))
+    assert emitted and sorted(set(emitted) - defined) == []
+
+
+# ------------------------------------------------------------------------------------ every format, CLI
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cli_export_writes_file_and_lists_missing_on_stderr(tmp_path, fmt):
+    out = tmp_path / "launch.txt"
+    layout = tmp_path / "lay.toml"
+    layout.write_text(to_toml(_layout()))
+    res = CliRunner().invoke(main, ["export", str(layout), "--format", fmt, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "NO SWITCH: toggle moe_backward_rewrite" in text
+    assert "NO SWITCH: toggle moe_backward_rewrite" in res.stderr
+
+
+def to_toml(lay: k3opt.Layout) -> str:
+    data = lay.model_dump(mode="json", exclude_none=True)
+    toggles = data.pop("toggles")
+    # JSON scalars and lists of numbers are valid TOML values (true/false, numbers, quoted strings).
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    lines += ["[toggles]"] + [f"{k} = {json.dumps(v)}" for k, v in toggles.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_unknown_format_is_one_line_exit_2():
+    res = CliRunner().invoke(main, ["export", "k3-gb200-512-reference", "--format", "deepspeed"])
+    assert res.exit_code == 2
+    assert res.stderr.strip().count("\n") == 0 and "megatron-bridge" in res.stderr
+    with pytest.raises(UnknownTargetError):
+        to_launch(_layout(), "deepspeed")
+    with pytest.raises(UnknownTargetError):
+        launch_refusals(_layout(), "nemo")
+
+
+def test_unknown_job_target_is_a_spec_error(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('gpus = 512\ntokens_per_update = 16777216\ntarget = "deepspeed"\n')
+    with pytest.raises(SpecError, match="target"):
+        k3opt.load_job(job)
+    res = CliRunner().invoke(main, ["plan", str(job)])
+    assert res.exit_code == 2 and "target" in res.stderr and "Traceback" not in res.output
+
+
+# ------------------------------------------------------------------------------------ limits
+
+
+def test_every_limit_names_a_file_and_a_commit():
+    for lim in LIMITS:
+        assert lim.target in FORMATS
+        assert re.search(r"\.py\b", lim.source) and re.search(r"\b[0-9a-f]{8}\b", lim.source), lim
+    for target, table in NO_SWITCH.items():
+        for ns in table:
+            assert ns.toggle in TOGGLE_NAMES, (target, ns.toggle)
+            assert re.search(r"\b[0-9a-f]{8}\b", ns.source)
+
+
+def test_job_target_names_the_export_formats():
+    import typing
+
+    ann = k3opt.Job.model_fields["target"].annotation
+    literal = next(a for a in typing.get_args(ann) if a is not type(None))
+    assert set(typing.get_args(literal)) == set(FORMATS)
+
+
+def test_apply_target_limits_narrows_the_search(model):
+    job = k3opt.load_job("k3-512-4k").model_copy(update={"target": "megatron-bridge"})
+    narrowed = apply_target_limits(job, model).search
+    assert narrowed.vp == [1] and narrowed.cp == [1]
+    assert narrowed.fsdp_lifecycle == [FsdpLifecycle.ACCUMULATE]
+    assert {ns.toggle for ns in NO_SWITCH["megatron-bridge"]} <= set(narrowed.forbid_toggles)
+    # Toggles with a Megatron switch stay searchable.
+    assert not {"fp8_activations", "activation_offload", "ep_dedup"} & set(narrowed.forbid_toggles)
+    untouched = k3opt.load_job("k3-512-4k")
+    assert apply_target_limits(untouched, model) == untouched
+
+
+def test_launch_refusals(model):
+    ok = _layout(fsdp_lifecycle="accumulate", toggles={"fp8_activations": True})
+    assert launch_refusals(ok, "megatron-bridge", model) == []
+    bad = _layout(vp=2, split=[6] * 15 + [3], ep=32, fsdp_lifecycle="accumulate", toggles={})
+    reasons = launch_refusals(bad, "megatron-bridge", model)
+    assert any(r.startswith("vp = 2") for r in reasons)
+    # dense_fsdp 64 != ep 32 x expert_fsdp 1: Megatron derives the expert shard degree (it would be 2).
+    assert any("dense_fsdp 64 != ep x expert_fsdp = 32 x 1" in r for r in reasons)
+    assert any("moe_backward_rewrite" in r for r in launch_refusals(_layout(), "torchtitan", model))
+    # Megatron's interleaved schedule: M = 60 leaves a last group of 60 mod 8 = 4 < PP8 microbatches.
+    odd = _layout(vp=2, split=[6] * 15 + [3], microbatches=60, fsdp_lifecycle="accumulate", toggles={})
+    assert any("not divisible by pp 8" in r for r in launch_refusals(odd, "megatron-lm", model))
+    assert not any("divisible" in r for r in launch_refusals(odd.model_copy(update={"microbatches": 64}),
+                                                             "megatron-lm", model))
+
+
+def test_target_job_never_returns_a_refused_layout():
+    """A tiny model where the unconstrained best layouts break Megatron-Bridge's rules; with the target set,
+    every returned layout is one Bridge can run."""
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    spec = {
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [1, 2], "cp": [1, 2], "ep": [2, 4], "expert_fsdp": [1, 2],
+                   "dense_fsdp": [1, 2], "recompute": ["full"],
+                   "forbid_toggles": [t for t in TOGGLE_NAMES if t not in ("fused_situ", "fp8_activations")]},
+    }
+    free = k3opt.plan(k3opt.Job.model_validate(spec), model=tiny, cluster=slow, top=3, pareto=False)
+    assert any(launch_refusals(it.layout, "megatron-bridge", tiny) for it in free.layouts)
+    bound = k3opt.plan(k3opt.Job.model_validate({**spec, "target": "megatron-bridge"}), model=tiny, cluster=slow,
+                       top=3, pareto=False)
+    assert bound.layouts
+    for it in bound.layouts:
+        assert launch_refusals(it.layout, "megatron-bridge", tiny) == []
+        assert it.layout.recompute == Recompute.FULL
+    assert bound.layouts[0].rank_time_s >= free.layouts[0].rank_time_s
+    # OPTIMAL within the default 1% gap among runnable layouts: the bound never above the best returned.
+    assert bound.bound <= bound.layouts[0].rank_time_s
+    assert bound.status != "OPTIMAL" or bound.gap <= 0.01 + 1e-12
+
+
+def test_cli_plan_with_target_exports_and_shows_the_cost(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2]\ndense_fsdp = [2]\n'
+        'expert_fsdp = [1]\nvp = [1, 2]\nrecompute = ["full"]\n')
+    out = tmp_path / "launch.sh"
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--target", "megatron-bridge",
+                                    "--export", "megatron-lm", "--save", "1", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "launch target megatron-bridge: best" in res.output and "the limits cost" in res.output
+    flags = _megatron_flags(out.read_text())
+    defined = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
+    assert flags and set(flags) <= defined
+    assert "NO SWITCH" in res.stderr  # K3-style KDA layers have no Megatron-LM switch
+    res = CliRunner().invoke(main, ["plan", str(job), "--export", "nemo"])
+    assert res.exit_code == 2 and "unknown launch format" in res.stderr

@@ -1,0 +1,116 @@
+"""Throughput validation rows: one measured layout per expressible public row, each with its source, and the
+`k3opt validate-throughput` table. The measured figures are typed in the layouts from the public table; the
+tests check the plumbing and the arithmetic, not a tuned error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.inputs.presets import load_layout
+from k3opt.report.throughput import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
+
+# The rows of the public table (Megatron-Bridge docs/performance-summary.md at 067f987d): id -> TPS/GPU.
+PUBLIC_ROWS = {"MB-1": 5248, "MB-2": 4224, "MB-12": 4992, "MB-13": 4256, "MB-14": 3328, "MB-17": 6944,
+               "MB-18": 5680, "MB-20": 26112, "MB-21": 5328, "MB-22": 3139, "MB-23": 4018}
+
+
+@pytest.fixture(scope="module")
+def validation():
+    return validate_throughput()
+
+
+def test_every_public_row_is_a_layout_or_named_as_not_expressible():
+    names = {load_layout(p).name for p in measured_layouts()}
+    assert names | set(NOT_EXPRESSIBLE) == set(PUBLIC_ROWS)
+    assert not names & set(NOT_EXPRESSIBLE)
+
+
+def test_layouts_carry_their_source_and_the_table_figure():
+    for p in measured_layouts():
+        lay = load_layout(p)
+        # Settings from a pinned Megatron-Bridge commit: the perf recipes of 067f987d, or the performance configs of
+        # v0.4.2 (c8101293), the release whose docs/performance-summary.md table is the 26.04.01 one.
+        assert ("Megatron-Bridge@067f987df03b8355b03192d88d70f1709fedf51a" in lay.source
+                or "Megatron-Bridge@v0.4.2 (c810129341a84e58f4cbed3093f70668a088c028)" in lay.source), lay.name
+        assert lay.measured.tokens_per_s_per_gpu == PUBLIC_ROWS[lay.name]
+        # Step time = GBS x seq / (TPS x GPUs) with GBS = DP x M x MBS.
+        gbs = lay.dp * lay.microbatches * lay.rows
+        assert lay.measured.step_time_s == pytest.approx(gbs * lay.context / (PUBLIC_ROWS[lay.name] * lay.gpus),
+                                                         abs=1e-4)
+
+
+def test_errors_and_mean_absolute_error_are_the_stated_arithmetic(validation):
+    for r in validation.rows:
+        assert r.error_pct == pytest.approx(100 * (r.predicted_tps_per_gpu - r.measured_tps_per_gpu)
+                                            / r.measured_tps_per_gpu)
+        # The achievable ceilings are at most the peaks, so the achievable prediction never beats the bound.
+        assert r.predicted_tps_per_gpu <= r.roofline_tps_per_gpu * (1 + 1e-9)
+    errs = [abs(r.error_pct) for r in validation.rows]
+    assert validation.mean_abs_error_pct == pytest.approx(sum(errs) / len(errs))
+
+
+def test_cli_prints_every_row_and_the_mae(validation):
+    result = CliRunner().invoke(main, ["validate-throughput"])
+    assert result.exit_code == 0, result.output
+    for r in validation.rows:
+        assert f"| {r.id} |" in result.output
+    assert f"Mean absolute error (achievable): {validation.mean_abs_error_pct:.1f}%" in result.output
+    data = json.loads(CliRunner().invoke(main, ["validate-throughput", "--json"]).output)
+    assert len(data["rows"]) == len(validation.rows)
+
+
+def test_26_04_01_rows_run_without_ep_overlap_as_their_release_did():
+    """The 26.04.01 table's Qwen3 and GB200 / GB300 DeepSeek-V3 rows ran the performance configs of Megatron-Bridge
+    v0.4.2, where moe_a2a_overlap = False (scripts/performance/configs/*/..._workload_base_configs.py, the
+    WorkloadBaseConfig default in scripts/performance/utils/utils.py): their layouts keep the all-to-all exposed.
+    MB-14 (B200) ran DeepEP with moe_a2a_overlap = True in the same release, and keeps the overlap."""
+    by_name = {load_layout(p).name: load_layout(p) for p in measured_layouts()}
+    for name in ("MB-12", "MB-13", "MB-17", "MB-18", "MB-20"):
+        assert "v0.4.2" in by_name[name].source and not by_name[name].ep_overlap, name
+    assert by_name["MB-14"].ep_overlap and by_name["MB-14"].dispatcher == "deepep"
+
+
+def test_model_flops_per_token_match_the_runs_own_count(validation):
+    """The published TFLOP/s/GPU / TPS/GPU is Megatron's FLOPs per token for that run: the structure of each new
+    family (GQA, MLA, MoE with shared experts, MTP) reproduces it within 1% on the 26.04 rows; the 25.11 BF16 row
+    (MB-22, archive table) counts 4.4% fewer."""
+    for r in validation.rows:
+        rel = r.flops_per_token / r.measured_flops_per_token - 1
+        assert abs(rel) < (0.05 if r.id == "MB-22" else 0.01), (r.id, rel)
+
+
+def test_stage_gap_is_what_the_measured_step_leaves_beyond_the_stage(validation):
+    """MB-20 runs PP 1 with 16 microbatches (GBS 512 / (DP 8 x MBS 4)), so its step is 16 stage-microbatches plus
+    the update and the unpaired all-to-all: the GAP per stage-microbatch is (10.0392 s measured - update -
+    unpaired) / 16 - stage, and the 48 layers sit on one rank. The prediction is optimistic there, so it is
+    positive."""
+    from k3opt import evaluate
+
+    row = next(r for r in validation.rows if r.id == "MB-20")
+    st = evaluate(load_layout("mb-20-qwen3-30b-a3b-gb200")).step
+    unpaired = st.achievable_unpaired_ep_s
+    assert st.achievable_step_time_s == pytest.approx(16 * st.achievable_stage_time_s + st.achievable_update_time_s
+                                                      + unpaired)
+    want = ((512 * 4096 / (26112 * 8) - st.achievable_update_time_s - unpaired) / 16 - st.achievable_stage_time_s) * 1e3
+    assert row.stage_gap_ms == pytest.approx(want) and row.stage_gap_ms > 0 and row.error_pct > 0
+    assert row.layers_per_rank == 48
+    out = CliRunner().invoke(main, ["validate-throughput"]).output
+    assert "GAP per stage-microbatch" in out and f"GAP {row.stage_gap_ms:+8.1f} ms" in out
+
+
+# The validation rows evaluate() gives a measured layout: the step time, and the tokens/s per GPU at the peak and at the
+# achievable rates.
+
+def test_throughput_rows_at_the_peak_and_at_the_achievable_rates():
+    lay = k3opt.load_layout("layouts/measured/mb-20-qwen3-30b-a3b-gb200.toml")
+    ev = k3opt.evaluate(lay)
+    rows = [(c.figure, c.unit, c.measured) for c in ev.validation]
+    m = lay.measured.tokens_per_s_per_gpu
+    assert rows == [("step time", "s", lay.measured.step_time_s), ("tokens/s per GPU", "tokens/s", m),
+                    ("tokens/s per GPU at achievable rates", "tokens/s", m)]
+    assert ev.validation[2].modeled == ev.step.achievable_tokens_per_s_per_gpu

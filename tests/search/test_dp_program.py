@@ -1,0 +1,82 @@
+"""The stage dynamic program of the v = 1 bounds (search/bounds.py) against brute force: on a six-layer model with
+every searchable toggle allowed, its (work, memory) min-max over contiguous splits, computed rank by rank on the
+boundaries each rank can hold, equals the min over every split of the max of the per-rank cost tables evaluated
+over every range. (The min-max split heuristic is checked against every split in test_search.py.)"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.inputs.specs import FsdpLifecycle, Recompute
+from k3opt.search import bounds as B
+from k3opt.search import frames as FR
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+def _splits(layers: int, chunks: int):
+    for cuts in itertools.combinations(range(1, layers), chunks - 1):
+        edges = (0, *cuts, layers)
+        yield [edges[i + 1] - edges[i] for i in range(chunks)]
+
+
+@pytest.fixture(scope="module")
+def space():
+    tiny, slow = k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")
+    toggles = [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in FR.NEVER_CHOSEN + FR.FIXED_TOGGLES]
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [1, 2],
+                   "dense_sharding": ["optim"], "require_toggles": [], "forbid_toggles": []},
+    })
+    assert {"activation_offload", "balance_activations"} <= set(toggles)
+    frames = FR.enumerate_frames(job, tiny, 8)
+    assert {f.pp for f in frames} == {1, 2, 4}
+    return job, tiny, slow, frames
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_stage_program_equals_brute_force_over_splits(space, force):
+    job, tiny, slow, frames = space
+    allowed = FR.allowed_on(job)
+    checked = mixed = 0
+    for f in frames:
+        for rc in (Recompute.NONE, Recompute.FULL):
+            md = FR.ActMode(rc, False, False, False, False)
+            lc = FsdpLifecycle.PER_MICROBATCH
+            cf = FR.coefficients(FR.frame_shape(job, f, md, lc), tiny, slow)
+            lean = FR.memory_view(job, f, md, lc, tiny, slow)
+            off = FR.coefficients(FR.frame_shape(job, f, md, lc, activation_offload=True), tiny, slow)
+            caps = [2**40]
+            for cap in caps:
+                stage, peak, split = B._dp_bounds(cf, lean, off, slow, cap, allowed, force=force)
+                s = B._ranges(cf, lean, off, slow, cap, allowed, force)
+                full = slice(0, cf.n_layers + 1)
+                tables = [B._rank_block(r, full, full, s) for r in range(f.pp)]
+                best_t = best_m = math.inf
+                seen, peaks = set(), []
+                for sp in _splits(cf.n_layers, f.pp):
+                    edges = np.concatenate([[0], np.cumsum(sp)])
+                    t = max(tables[r][0][edges[r], edges[r + 1]] for r in range(f.pp))
+                    m = max(tables[r][1][edges[r], edges[r + 1]] for r in range(f.pp))
+                    best_t, best_m = min(best_t, t), min(best_m, m)
+                    seen.add(math.isfinite(t))
+                    peaks.append(m)
+                assert stage == best_t
+                assert peak == best_m
+                if math.isfinite(stage):
+                    edges = np.concatenate([[0], np.cumsum(split)])
+                    assert max(tables[r][0][edges[r], edges[r + 1]] for r in range(f.pp)) == stage
+                checked += 1
+                mixed += seen == {True, False}
+                if len(caps) == 1 and f.pp > 1:
+                    # Then a cap at the median split's peak, so that memory rules out some splits and not others.
+                    caps.append(int(sorted(peaks)[len(peaks) // 2]))
+    assert checked >= 12 and mixed >= 2  # memory rules out some splits of a node and not others
