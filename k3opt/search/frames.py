@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import numpy as np
 from k3opt.cost import comm
 from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
+from k3opt.inputs import toggles as toggle_registry
 from k3opt.inputs.presets import load_cluster, load_runtime
 from k3opt.inputs.specs import (
     GIB,
@@ -29,16 +31,14 @@ from k3opt.inputs.specs import (
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 
-ACT_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
-"""Toggles that change the saved-for-backward set; they form one-hot activation modes with the recompute mode."""
-RANK_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
-                "fused_cross_entropy", "moonep")
-"""Toggles that act on one rank-level term each; they are Boolean decisions of the frame model."""
-NEVER_CHOSEN = ("moonep",)
-"""MoonEP only adds memory here: its benefit, expert-load balance, is outside the forced-balanced routing model.
-It is searched only when a job requires it."""
-FIXED_TOGGLES = ("ep_dedup",)
-"""A property of the dispatcher, not a memory decision: set it with [search] require_toggles."""
+# The search's toggle sets, from the toggle registry (k3opt.inputs.toggles): activation toggles form one-hot modes
+# with the recompute mode; rank toggles are Boolean decisions of the node model; a rank toggle never chosen (MoonEP,
+# whose benefit, expert-load balance, is outside the forced-balanced routing model) and a fixed one (the
+# dispatcher's dedup) are searched only when a job requires them.
+ACT_TOGGLES = toggle_registry.ACT_TOGGLES
+RANK_TOGGLES = toggle_registry.RANK_TOGGLES
+NEVER_CHOSEN = toggle_registry.NEVER_CHOSEN
+FIXED_TOGGLES = toggle_registry.FIXED_TOGGLES
 
 
 @dataclass(frozen=True, order=True)
@@ -212,15 +212,19 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
     )
 
 
+SHAPE_FIELDS_IN_LAYOUT = tuple(fl.name for fl in dataclasses.fields(Shape)
+                               if fl.name in Layout.model_fields and fl.name != "document_length")
+"""The Shape fields a Layout also has: layout_of copies every one of them, so no field the cost model priced is
+dropped on the way back (document_length stays the job's, None meaning the context)."""
+
+
 def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = "") -> Layout:
-    return Layout(
-        gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
-        microbatches=f.microbatches, rows=job.rows, context=job.context, document_length=job.document_length,
-        split=split, recompute=shape.recompute, fsdp_lifecycle=shape.fsdp_lifecycle, toggles=shape.toggles,
-        reserve_gib=job.reserve_gib, domain_gpus_used=f.domain_gpus_used, model=job.model, cluster=job.cluster,
-        runtime=job.runtime, name=name, dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding,
-        grad_dtype=f.grad_dtype, precision=f.precision,
-    )
+    """The Layout of a priced shape: every Shape field it shares (the frame's degrees and policies, which
+    frame_shape copied from `f`, the node's recompute, lifecycle and toggles, the stack settings), the split, and
+    the job's context, reserve and presets."""
+    carried = {k: getattr(shape, k) for k in SHAPE_FIELDS_IN_LAYOUT}
+    return Layout(**carried, document_length=job.document_length, split=split, reserve_gib=job.reserve_gib,
+                  model=job.model, cluster=job.cluster, runtime=job.runtime, name=name)
 
 
 def sharding_group(f: Frame) -> tuple:

@@ -56,6 +56,8 @@ from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gath
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
+from k3opt.inputs.toggles import ToggleKind
+from k3opt.inputs.toggles import names as toggle_names
 from k3opt.search import replay_bound
 from k3opt.search.frames import (
     ActMode,
@@ -115,8 +117,7 @@ class _Arrays:
     exchange and stage of others."""
 
 
-VARIANT_TOGGLES = ("activation_offload", "balance_activations", "pipeline_zero2_host_grads", "p2p_muon",
-                   "fused_cross_entropy")
+VARIANT_TOGGLES = toggle_names(ToggleKind.RANK, searched=True)
 """Rank toggles that trade work for bytes: each is a global decision (every rank or none), so the bound is the
 least over their settings, each with its own work and bytes (never the work of one setting with the bytes of
 another)."""

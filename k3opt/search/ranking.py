@@ -19,6 +19,8 @@ import numpy as np
 from k3opt.cost.achievable import ranking_view, with_fields
 from k3opt.cost.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
+from k3opt.inputs.toggles import ToggleKind
+from k3opt.inputs.toggles import names as toggle_names
 
 
 def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
@@ -55,7 +57,7 @@ def step_floor(slots: float, stage: float, update: float, hidden: float, hidden_
     return slots * s + update + max(0.0, hidden - hidden_stages * s)
 
 
-FLOOR_TOGGLES = ("fp8_activations", "fused_situ", "moe_backward_rewrite", "dispatch_recompute")
+FLOOR_TOGGLES = toggle_names(ToggleKind.ACTIVATION)
 """The activation toggles (search/frames.ACT_TOGGLES) a work floor ranges over by default."""
 
 
@@ -131,10 +133,10 @@ def _least_hidden(shapes: list[Shape], model_json: str, cluster_json: str, rates
     return {res: np.minimum.reduce([v.update_hidden[res] for v in views]) for res in views[0].update_hidden}
 
 
-ACT_TRAFFIC = ("activation_offload", "balance_activations")
+ACT_TRAFFIC = toggle_names(moves_saved_set=True)
 """Rank toggles that move the saved set over a link: with one on, the activation toggles lower that link's time too,
 and the floor is the elementwise least of every combination's arrays."""
-VECTOR_ONLY = ("fp8_activations", "fused_situ", "moe_backward_rewrite")
+VECTOR_ONLY = toggle_names(vector_only=True)
 """Activation toggles whose only effect on a time array without offload is the memory-bound kernels' traffic (the
 saved set they shrink is streamed there); the dispatch recompute also replays the all-to-all."""
 

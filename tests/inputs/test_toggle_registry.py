@@ -62,3 +62,11 @@ def test_a_registered_switch_is_emitted_and_a_no_switch_is_refused(target: str) 
             assert refused and sw.source in refused[0] and missing
         else:
             assert not refused and not missing
+
+
+def test_the_activation_modes_have_one_flag_per_activation_toggle() -> None:
+    from dataclasses import fields
+
+    from k3opt.search.frames import ActMode
+
+    assert tuple(f.name for f in fields(ActMode))[1:] == T.ACT_TOGGLES

@@ -1,0 +1,38 @@
+"""No projection drops a Layout field: a layout priced by the search's types (its frame and its Shape) comes back
+from layout_of with every field it had, including the stack settings the job cannot name."""
+
+from __future__ import annotations
+
+import k3opt
+from k3opt.cost.coefficients import Shape
+from k3opt.inputs.specs import Dtype, FsdpLifecycle, Job, Precision, Recompute, ShardGranularity, ShardingPolicy
+from k3opt.search.frames import frame_of, layout_of
+
+# Every field set away from its default; `measured` and `source` describe a measurement, not a layout to price.
+NOT_PRICED = {"measured", "source"}
+
+
+def _unusual_layout() -> k3opt.Layout:
+    return k3opt.make_layout(
+        gpus=128, pp=2, vp=2, cp=2, ep=8, expert_fsdp=2, dense_fsdp=16, microbatches=6, rows=2, context=8192,
+        document_length=2048, split=[2, 1, 2, 1], recompute=Recompute.SELECTIVE,
+        fsdp_lifecycle=FsdpLifecycle.ACCUMULATE, toggles={"fp8_activations": True, "p2p_muon": True},
+        reserve_gib=3.5, fp8_block_size=32, ce_chunk_tokens=512, offload_resident_layers=3, domain_gpus_used=64,
+        model="kimi-k3-4layer-proxy", cluster="gb300-nvl72", name="unusual", dense_sharding=ShardingPolicy.OPTIM,
+        expert_sharding=ShardingPolicy.OPTIM_GRADS, optimizer_shard_granularity=ShardGranularity.TENSOR,
+        grad_dtype=Dtype.BF16, optimizer_state_dtype=Dtype.BF16, lazy_optimizer_state=True,
+        runtime="megatron-te-hybridep-gb200", precision=Precision.MXFP8, ep_overlap=True, dispatcher="deepep",
+    )
+
+
+def test_every_layout_field_survives_the_search_types() -> None:
+    lay = _unusual_layout()
+    defaults = {name: f.get_default(call_default_factory=True) for name, f in k3opt.Layout.model_fields.items()}
+    unset = {name for name in k3opt.Layout.model_fields if getattr(lay, name) == defaults[name]} - NOT_PRICED
+    assert not unset, f"the round trip must set these away from their defaults too: {sorted(unset)}"
+    job = Job(model=lay.model, cluster=lay.cluster, gpus=lay.gpus, context=lay.context, rows=lay.rows,
+              document_length=lay.document_length, reserve_gib=lay.reserve_gib, runtime=lay.runtime,
+              search={"microbatches": [lay.microbatches]})
+    back = layout_of(job, frame_of(lay), Shape.of(lay), list(lay.split), name=lay.name)
+    for name in set(k3opt.Layout.model_fields) - NOT_PRICED:
+        assert getattr(back, name) == getattr(lay, name), name
