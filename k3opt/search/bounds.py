@@ -1,6 +1,6 @@
 """Lower bounds on a frame's or a node's step time and worst-rank peak, over every split and toggle.
 
-The search prunes with these; each must stay below every layout it stands for (tests/test_search.py)."""
+The search prunes with these; each must stay below every layout it stands for (tests/search/test_search.py)."""
 
 from __future__ import annotations
 

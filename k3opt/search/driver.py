@@ -1128,7 +1128,7 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
 def _most_sharded_first(frames: list[Frame]) -> list[Frame]:
     """Frames by descending expert x dense FSDP degree (stable otherwise). The peak bound of `frame_lower_bound`
     (the mean of master, optimizer, BF16 view and gradient bytes) only shrinks as either degree grows by a
-    multiple (each state is divided by its shard count; tests/test_search.py checks it over every frame of the
+    multiple (each state is divided by its shard count; tests/search/test_search.py checks it over every frame of the
     test job), so once a shape is over the HBM line every less-sharded shape of its group is too."""
     return sorted(frames, key=lambda f: -f.expert_fsdp * f.dense_fsdp)
 

@@ -312,7 +312,7 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
     # an identity is never reused while its entry exists.
     # The runtime items (memory_outside.runtime_items) read the degrees, the tokens and the placement only: any
     # activation mode, microbatch count, sharding policy, gradient dtype and precision gives the same budget, so
-    # the frames that differ only there share one (tests/test_search.py checks it over a job's frames).
+    # the frames that differ only there share one (tests/search/test_search.py checks it over a job's frames).
     degrees = Frame(frame.pp, frame.vp, frame.cp, frame.ep, frame.expert_fsdp, frame.dense_fsdp, 1, frame.gpus,
                     domain_gpus_used=frame.domain_gpus_used)
     key = (job.model_dump_json(), degrees, id(model), id(cluster))

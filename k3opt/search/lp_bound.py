@@ -248,7 +248,7 @@ class _VariantSearch:
     Variants that differ only in the toggles that leave the saved set and its schedule alone (ZeRO-2 host
     gradients, P2P Muon, the chunked cross entropy) form a key (mode, offload, balancing). Each of those toggles
     only adds work (k3opt.cost.coefficients: ZeRO-2 host-link traffic, P2P Muon update traffic, the chunked cross
-    entropy one more LM-head forward; tests/test_lp_early_exit.py checks it), so the key's base, each of them at
+    entropy one more LM-head forward; tests/search/test_lp_early_exit.py checks it), so the key's base, each of them at
     its least-work choice, has every time and update array at or below each variant of the key's: a floor of the
     base that reaches the least so far or the line settles the key before its other variants are built (on the
     default job, 6 of the 8 keys of a PP8 VP4 group node)."""

@@ -79,7 +79,7 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec, free: tuple
     ranking_view, which only sums, scales and takes maxima of those arrays, so it stays below each mode's view.
     Without one, or with the saved set moved over a link (ACT_TRAFFIC): the elementwise least of every
     combination's arrays (there the toggles lower the activation HBM or link traffic).
-    tests/test_bounds_below_k3_layouts.py checks the floor against every mode."""
+    tests/search/test_bounds_below_k3_layouts.py checks the floor against every mode."""
     recs = tuple(recomputes) if recomputes is not None else (shape.recompute,)
     lcs = tuple(lifecycles) if lifecycles is not None else (shape.fsdp_lifecycle,)
     return _work_floor(shape, tuple(free), recs, lcs, *cache_key(model, cluster))
