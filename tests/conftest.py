@@ -10,7 +10,7 @@ import pytest
 
 import k3opt
 from k3opt.inputs import memo
-from k3opt.search import driver, front, incumbents, lp_bound, node_model, policy, ranking, replay_bound
+from k3opt.search import driver, front, incumbents, lp_bound, node_model, policy, replay_bound
 
 
 def _mutmut_phase() -> str:
@@ -51,13 +51,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _clear_caches() -> None:
-    """Empties every cache of the cost model and of the inputs (k3opt.inputs.memo), then the search's."""
+    """Empties every cache (each registers itself with k3opt.inputs.memo)."""
     memo.clear_all()
-    # The search's caches, not yet registered with k3opt.inputs.memo.
-    for fn in (ranking._ranked, ranking._work_floor, ranking._coarse_work_floor, ranking._LEAST,
-               ranking._least_vector, ranking._least_vector_any_recompute):
-        fn.cache_clear()
-    node_model._NODE_PATHS.clear()
 
 
 @pytest.fixture(scope=shared_scope)

@@ -15,6 +15,7 @@ import numpy as np
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
+from k3opt.inputs.memo import Memo
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -604,8 +605,7 @@ def _rank_rows_cols(r: int, p: int, L: int) -> tuple[slice, slice]:
     return rows, cols
 
 
-@functools.lru_cache(maxsize=8)
-def _grid(L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _build_grid(L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(a, b) index grids over boundaries 0..L and the mask of proper ranges b > a (read-only, shared)."""
     idx = np.arange(L + 1)
     a_i, b_i = np.meshgrid(idx, idx, indexing="ij")
@@ -613,6 +613,9 @@ def _grid(L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for arr in (a_i, b_i, valid):
         arr.setflags(write=False)
     return a_i, b_i, valid
+
+
+_grid = Memo(_build_grid, maxsize=8)
 
 
 def _range_max(arr: np.ndarray, L: int) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from k3opt.cost import comm
 from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs import toggles as toggle_registry
+from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.presets import load_cluster, load_runtime
 from k3opt.inputs.specs import (
     GIB,
@@ -271,7 +271,7 @@ def undominated_modes(job: Job, f: Frame, modes: list[ActMode], lcs: list[FsdpLi
     return keep
 
 
-_UNDOMINATED: dict[tuple, tuple[tuple[ActMode, ...], ModelSpec, ClusterSpec]] = {}
+_UNDOMINATED: dict[tuple, tuple[tuple[ActMode, ...], ModelSpec, ClusterSpec]] = register({})
 """undominated_modes by (job, frame, modes, lifecycles, model, cluster); the value keeps the specs alive so an
 identity is never reused while its entry exists."""
 
@@ -327,9 +327,11 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
     return hit[0]
 
 
-_BUDGETS: dict[tuple, tuple[int, ModelSpec, ClusterSpec]] = {}
+_BUDGETS: dict[tuple, tuple[int, ModelSpec, ClusterSpec]] = register({})
 
 
-@functools.lru_cache(maxsize=16)
-def _runtime(name: str) -> RuntimeSpec:
+def _build_runtime(name: str) -> RuntimeSpec:
     return load_runtime(name)
+
+
+_runtime = Memo(_build_runtime, maxsize=16)

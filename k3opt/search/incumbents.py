@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import math
 import time as _time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ import numpy as np
 from k3opt.cost.achievable import rank_sums
 from k3opt.cost.coefficients import Coefficients, Shape
 from k3opt.cost.evaluate import evaluate
+from k3opt.inputs.memo import Memo
 from k3opt.inputs.presets import load_runtime
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute, RuntimeSpec
 from k3opt.inputs.toggles import ToggleKind
@@ -845,9 +845,11 @@ def _costs_nothing(job: Job, src: PlanItem, f: Frame, cfg: Config, model: ModelS
     return ev.fits and ev.step.rank_time_s <= src.rank_time_s
 
 
-@functools.lru_cache(maxsize=16)
-def _runtime(name: str) -> RuntimeSpec:
+def _build_runtime(name: str) -> RuntimeSpec:
     return load_runtime(name)
+
+
+_runtime = Memo(_build_runtime, maxsize=16)
 
 
 class Neighbours:

@@ -40,7 +40,6 @@ contiguous chunks, by CP-SAT), which the driver runs on an interleaved node whos
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -55,6 +54,7 @@ from ortools.sat.python import cp_model
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
+from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.inputs.toggles import ToggleKind
 from k3opt.inputs.toggles import names as toggle_names
@@ -436,7 +436,7 @@ def _floor(slots: float, stage: float, a: _Arrays, p: int) -> float:
 
 
 
-_GRANULAR: dict[tuple, tuple[float, bool]] = {}
+_GRANULAR: dict[tuple, tuple[float, bool]] = register({})
 """granular_stage by its whole input (every resource's array, L, p, v): (value, exact); a value that is not exact
 is a stop the stage was shown to reach. Frames whose floors differ only in what the stage does not read (the
 microbatch count, the sharding of state) share one program."""
@@ -963,14 +963,16 @@ def _paths(f: Frame, c0: Coefficients, full: bool) -> np.ndarray:
     return _paths_of(f.pp, f.vp, f.microbatches, c0.n_layers, full)
 
 
-@functools.lru_cache(maxsize=256)
-def _paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
+def _build_paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
     beta = replay_bound.betas([full])
     paths = replay_bound.seed_paths(p, v, m, np.ones(L), beta[0])
     out = np.array(replay_bound.undominated([replay_bound.path_coefficients(nf, nb, beta) for nf, nb in paths]),
                    dtype=float)
     out.setflags(write=False)
     return out
+
+
+_paths_of = Memo(_build_paths_of, maxsize=256)
 
 
 def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:
@@ -1002,12 +1004,14 @@ def _undominated(comps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     return list(_undominated_cached(tuple(comps)))
 
 
-@functools.lru_cache(maxsize=4096)
-def _undominated_cached(comps: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+def _build_undominated_cached(comps: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
     arr = np.unique(np.array(comps, dtype=float), axis=0)
     covered = np.all(arr[None, :, :] >= arr[:, None, :], axis=2)  # covered[i, j]: j covers i
     np.fill_diagonal(covered, False)
     return tuple(tuple(float(x) for x in c) for c in arr[~covered.any(axis=1)])
+
+
+_undominated_cached = Memo(_build_undominated_cached, maxsize=4096)
 
 
 def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray, b_eq: np.ndarray,

@@ -18,6 +18,7 @@ from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import peak_inflight, persistent_layer_bytes, pp_packet_bytes
 from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, schedule_slot_units
 from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.memo import register
 from k3opt.inputs.specs import MIB, ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
 from k3opt.search import replay_bound
 from k3opt.search.bounds import DP_HINTS, LP_BOUNDS, node_key, node_lower_bound
@@ -868,7 +869,7 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
                                    relative_gap, node_key(job, f, recompute, lifecycle, model, cluster))
 
 
-_NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+_NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = register({})
 """Replay paths found at a node's solutions, kept for its next solve (a node cut by its slice is solved again)."""
 
 

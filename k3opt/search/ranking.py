@@ -12,12 +12,12 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from functools import lru_cache
 
 import numpy as np
 
 from k3opt.cost.achievable import ranking_view, with_fields
 from k3opt.cost.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
+from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
 from k3opt.inputs.toggles import ToggleKind
 from k3opt.inputs.toggles import names as toggle_names
@@ -28,10 +28,12 @@ def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) ->
     return _ranked(shape, *cache_key(model, cluster))
 
 
-@lru_cache(maxsize=2048)  # a miss costs one ranking_view over the cached coefficients
-def _ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
+def _build_ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
     cluster, rates = specs_of_key(cluster_json, rates_json)
     return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
+
+
+_ranked = Memo(_build_ranked, maxsize=2048)  # a miss costs one ranking_view over the cached coefficients
 
 
 def update_means(update: Mapping[str, np.ndarray], hidden: Mapping[str, np.ndarray], p: int) -> tuple[float, float]:
@@ -85,8 +87,7 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec, free: tuple
     return _work_floor(shape, tuple(free), recs, lcs, *cache_key(model, cluster))
 
 
-@lru_cache(maxsize=4096)
-def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...], lcs: tuple[FsdpLifecycle, ...],
+def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...], lcs: tuple[FsdpLifecycle, ...],
                 model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
     view = _ranked(shape, model_json, cluster_json, rates_json)
     off = shape.toggles.model_copy(update={t: False for t in free})
@@ -124,6 +125,9 @@ def _work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...]
     return with_fields(view, time=time, update=update, update_hidden=hidden)
 
 
+_work_floor = Memo(_build_work_floor, maxsize=4096)
+
+
 def _least_hidden(shapes: list[Shape], model_json: str, cluster_json: str, rates_json: str
                   ) -> dict[str, np.ndarray]:
     """Elementwise least update communication (`update_hidden`) of the shapes' ranked views. The activation
@@ -146,8 +150,7 @@ VECTOR_MARGIN = 1e-9
 the rounding of the HBM sums it is the difference of (~1e-16 of the weight traffic)."""
 
 
-@lru_cache(maxsize=1024)
-def _least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
+def _build_least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
                   rates_json: str) -> np.ndarray:
     """Per layer, the least achievable memory-bound kernel (`vector`) time over every combination of the `free`
     toggles (the shape's others kept), less VECTOR_MARGIN. Those kernels stream the saved set, the FP8 quantize
@@ -165,8 +168,10 @@ def _least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_
     return out
 
 
-@lru_cache(maxsize=256)
-def _least_vector_any_recompute(key: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
+_least_vector = Memo(_build_least_vector, maxsize=1024)
+
+
+def _build_least_vector_any_recompute(key: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
                                 rates_json: str) -> np.ndarray:
     """`_least_vector` least over every recompute mode, for a `_vector_shape` key (its recompute mode ignored):
     shared by every shape of those tokens, toggles and precision (at 8,192 GPUs, ten thousand frame bounds)."""
@@ -174,6 +179,9 @@ def _least_vector_any_recompute(key: Shape, free: tuple[str, ...], model_json: s
                              for rc in Recompute])
     out.setflags(write=False)
     return out
+
+
+_least_vector_any_recompute = Memo(_build_least_vector_any_recompute, maxsize=256)
 
 
 def _vector_shape(shape: Shape) -> Shape:
@@ -197,8 +205,7 @@ def coarse_work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec,
     return _coarse_work_floor(shape, tuple(free), *cache_key(model, cluster))
 
 
-@lru_cache(maxsize=2048)
-def _coarse_work_floor(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
+def _build_coarse_work_floor(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
                        rates_json: str) -> Coefficients:
     view = _ranked(shape, model_json, cluster_json, rates_json)
     raw = coefficients_of_key(shape, model_json, cluster_json, rates_json)
@@ -214,8 +221,11 @@ def _coarse_work_floor(shape: Shape, free: tuple[str, ...], model_json: str, clu
     return with_fields(view, time=time)
 
 
-_LEAST: dict = type("_LeastCache", (dict,), {"cache_clear": dict.clear})()
-"""`_least_arrays` by what its arrays read; `cache_clear()` empties it like the functools caches."""
+_coarse_work_floor = Memo(_build_coarse_work_floor, maxsize=2048)
+
+
+_LEAST: dict = register({})
+"""`_least_arrays` by what its arrays read."""
 
 
 def _least_arrays(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str, rates_json: str

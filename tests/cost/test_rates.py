@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import k3opt
+import k3opt.report.text
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.inputs.errors import SpecError
 from k3opt.inputs.presets import preset_names

@@ -13,6 +13,7 @@ import pytest
 
 import k3opt
 import k3opt.inputs.rates
+import k3opt.report.text
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute, ShardingPolicy
 from k3opt.search import enumerate_frames
