@@ -204,11 +204,13 @@ class _Search:
         """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
         self.recs = job.search.recompute or list(Recompute)
         self.lcs = lifecycles(job)
-        self.budget = min(5.0, max(1.0, 0.05 * self.time_limit))
+        self.budget = min(POLICY.heuristic_max_s,
+                          max(POLICY.heuristic_min_s, POLICY.heuristic_share * self.time_limit))
         """Seconds the heuristic passes and the sibling pricing get (the first pass half of it), the walks twice it."""
-        self.base_slice = max(1.0, self.time_limit / 20)
+        self.base_slice = max(1.0, self.time_limit / POLICY.first_slices)
         """A node's first CP-SAT slice; each slice that cuts it doubles the next."""
-        self.seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * self.time_limit), 0.3 * self.time_limit)
+        self.seed_left = min(max(POLICY.seed_min_s, POLICY.seed_share * self.time_limit),
+                             POLICY.seed_max_share * self.time_limit)
         """Seconds left to the seeding's two parts (before and after the bounding pass)."""
         self.ctrl_c = _CtrlC()
         self.prefetch = Prefetch([], math.inf)
@@ -436,12 +438,13 @@ class _Search:
     def _round_robin(self) -> bool:
         """The second heuristic pass (incumbents.incumbents) over the frames not ranked yet, unless the fastest
         layout is within POLICY.round_robin_above of the queue's least bound: whether it was (`near`)."""
-        # Frames whose persistent bytes leave a fifth of the budget for activations first, then by estimate.
-        ordered = visiting_order([((e.peak > 0.8 * self.caps[e.frame], self.estimates[e.frame]), e.frame)
+        # Frames whose persistent bytes leave room for activations (POLICY.roomy_share) first, then by estimate.
+        roomy = POLICY.roomy_share
+        ordered = visiting_order([((e.peak > roomy * self.caps[e.frame], self.estimates[e.frame]), e.frame)
                                   for e in self.queue])
-        # Without a fitting heuristic layout the phase ends at 30% of the limit (at least `budget` after the
-        # bounds), leaving CP-SAT the time to find a layout or prove there is none.
-        deadline = max(_time.monotonic() + self.budget, self.t0 + 0.3 * self.time_limit)
+        # Without a fitting heuristic layout the phase ends at POLICY.seed_max_share of the limit (at least `budget`
+        # after the bounds), leaving CP-SAT the time to find a layout or prove there is none.
+        deadline = max(_time.monotonic() + self.budget, self.t0 + POLICY.seed_max_share * self.time_limit)
         rest = [e for e in ordered if e[1] not in self.best_of]
         # Only without a layout at hand, or while the fastest is far above the queue's least bound: then the walks
         # have not met the pipeline shapes that lead, and this pass's round-robin over them does (at 8,192 and

@@ -53,6 +53,28 @@ class SearchPolicy:
     climbs move a layout by a few percent; a fastest layout that far above the bound belongs to a pipeline shape
     that does not lead."""
 
+    heuristic_share: float = 0.05
+    """Share of the time limit the heuristic passes and the sibling pricing get (the first pass half of it, the
+    walks twice it), between heuristic_min_s and heuristic_max_s: a pass prices a few dozen frames per second."""
+
+    heuristic_min_s: float = 1.0
+    """Least seconds for the heuristic passes: below it a pass prices too few frames to find a fitting layout."""
+
+    heuristic_max_s: float = 5.0
+    """Most seconds for the heuristic passes: past it a pass finds no lead the walks after it would not find."""
+
+    seed_max_share: float = 0.3
+    """Most share of the time limit the seeding may take in all, and the end of the second heuristic pass when no
+    fitting layout is at hand: the rest is left to CP-SAT to find a layout or prove there is none."""
+
+    first_slices: int = 20
+    """A node's first CP-SAT slice is the time limit over this (at least a second); each slice that cuts the node
+    doubles the next, so a hard node gets its time in growing pieces while easier ones are reached."""
+
+    roomy_share: float = 0.8
+    """The second heuristic pass first visits frames whose persistent bytes are at most this share of their
+    budget: they leave a fifth of it to activations, where fitting layouts are likely."""
+
     # -- the seeding (search/incumbents.py)
     library_configs: int = 4
     """Configurations of the front so far tried on each further frame the seeding visits (spread fastest to
