@@ -27,6 +27,7 @@ import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.coefficients import DEFAULT_DISPATCHER, Coefficients, balance_moved_bytes, memory_bound_forward_share
+from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import backward_over_forward, chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.inputs.rates import RatesSpec, rates_for
 from k3opt.inputs.specs import ClusterSpec, Recompute
@@ -135,12 +136,12 @@ def rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[flo
         if j > 0:
             hop = (r - 1) % p
             out["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += (
-                (1 + closes_cum[s]) * cf.stream_bytes * pp_spb[hop])
+                pp_packet_bytes(closes_cum[s], cf.stream_bytes) * pp_spb[hop])
         if j < k - 1:
             out["nvlink" if cf.pp_on_nvlink[r] else "nic"] += (
-                (1 + closes_cum[e]) * cf.stream_bytes * pp_spb[r])
+                pp_packet_bytes(closes_cum[e], cf.stream_bytes) * pp_spb[r])
     if cf.balanced_inflight is not None:
-        n_peak = max(sum(c) for c in cf.compositions[r])
+        n_peak = peak_inflight(cf.compositions[r])
         if n_peak > cf.balanced_inflight:
             act = float(cf.act[idx].sum())
             peak_rate = 1 / cf.balance_seconds_per_byte

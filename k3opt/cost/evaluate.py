@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from k3opt.cost.achievable import achievable_for, chunk_rows, rank_indices, slowest_index
-from k3opt.cost.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients
+from k3opt.cost.coefficients import RESOURCES, Coefficients, Shape, balance_moved_bytes, coefficients, step_gather_bytes
 from k3opt.cost.ledger import (
     ACTIVATION,
     LEDGER,
@@ -437,15 +437,8 @@ def _optimizer_transient(rc: _RankChunks) -> float:
     """The optimizer step's gather (P2P Muon: twice the resident parameters; else the sharding policy's step
     gather) with the Newton-Schulz working set of the largest matrix."""
     cf = rc.cf
-    view = rc.total(cf.view_params)
-    resident = rc.total(cf.resident_params)
+    gather = rc.total(step_gather_bytes(cf, cf.shape.toggles.p2p_muon))
     ns_ws = max(float(cf.ns_working_set[i]) for i in rc.idx)
-    if cf.shape.toggles.p2p_muon:
-        gather = 2 * resident
-    elif cf.step_gather is not None:
-        gather = rc.total(cf.step_gather)
-    else:
-        gather = 2 * view
     return optimizer_transient_bytes(gather, ns_ws, cf.step_gather_with_ns)
 
 

@@ -115,15 +115,20 @@ view, quantized copies): grads change form under pipeline ZeRO-2, the MoonEP slo
 accumulation buffer the FSDP lifecycle."""
 
 
-def persistent_layer_bytes(cf: Coefficients) -> np.ndarray:
-    """Per layer, the bytes of the always-held persistent terms (ALWAYS_HELD): what every rank holding that layer
-    holds for the whole step, whatever the search decides."""
+def layer_bytes(cf: Coefficients, keys: Sequence[str]) -> np.ndarray:
+    """Per layer, the sum of the declared per-layer coefficients of the ledger terms `keys`, added in that order."""
     total = np.zeros_like(cf.master, dtype=float)
-    for key in ALWAYS_HELD:
+    for key in keys:
         arr = getattr(cf, TERMS[key].coefficient)
         if len(arr):  # quantized_weights is empty under BF16
             total = total + arr
     return total
+
+
+def persistent_layer_bytes(cf: Coefficients) -> np.ndarray:
+    """Per layer, the bytes of the always-held persistent terms (ALWAYS_HELD): what every rank holding that layer
+    holds for the whole step, whatever the search decides."""
+    return layer_bytes(cf, ALWAYS_HELD)
 
 
 def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float | np.ndarray:

@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import Evaluation, evaluate
+from k3opt.cost.ledger import layer_bytes
 from k3opt.inputs.errors import InfeasibleJobError
 from k3opt.inputs.labels import degrees_text
 from k3opt.inputs.presets import load_cluster, load_model
@@ -1148,7 +1149,7 @@ def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Fram
     terms = {"master": cf.master.sum() / f.pp, "optimizer": cf.optimizer.sum() / f.pp,
              "bf16_view": cf.bf16_view.sum() / f.pp, "grads": cf.grads.sum() / f.pp}
     top = sorted(terms.items(), key=lambda kv: -kv[1])
-    state = (cf.master + cf.grads + cf.optimizer).sum() * (f.gpus // f.pp)
+    state = layer_bytes(cf, ("master", "grads", "optimizer")).sum() * (f.gpus // f.pp)
     state_text = f"{state / 2**40:,.2f} TiB" if state >= 2**40 else f"{state / GIB:,.1f} GiB"
     gpus = ", ".join(str(g) for g in job.gpu_counts)
     shape = (f"PP{f.pp} EP{f.ep} expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "

@@ -20,6 +20,7 @@ import numpy as np
 from k3opt.cost.achievable import rank_sums
 from k3opt.cost.coefficients import Coefficients, Shape
 from k3opt.cost.evaluate import evaluate
+from k3opt.cost.ledger import layer_bytes
 from k3opt.inputs.memo import Memo
 from k3opt.inputs.presets import load_runtime
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute, RuntimeSpec
@@ -125,7 +126,7 @@ def iter_candidate_splits(cf: Coefficients, cap: float) -> Iterator[list[int]]:
     s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work)
     if new(s):
         yield s
-    persistent = cf.master + cf.optimizer + cf.bf16_view + cf.grads + cf.grad_accum
+    persistent = layer_bytes(cf, ("master", "optimizer", "bf16_view", "grads", "grad_accum"))
     held = np.zeros(K)
     for j in range(K):
         r, k = j % p, j // p
