@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from k3opt.cost import comm
-from k3opt.cost.schedule import inflight_compositions, schedule_slots
+from k3opt.cost.schedule import composition_peak, inflight_compositions, schedule_slots
 from k3opt.cost.structure import Block, Saved, Structure, Tensor, structure_of
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
@@ -676,7 +676,7 @@ _compositions = Memo(_build_compositions, maxsize=256)
 
 def _build_balanced_inflight(p: int, v: int, m: int) -> float:
     """Activation balancing's target (seed 001): the mean over ranks of each rank's peak in-flight microbatches."""
-    return float(np.mean([max(sum(c) for c in cr) for cr in _compositions(p, v, m)]))
+    return float(np.mean([composition_peak(cr) for cr in _compositions(p, v, m)]))
 
 
 _balanced_inflight = Memo(_build_balanced_inflight, maxsize=256)

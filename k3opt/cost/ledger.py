@@ -16,6 +16,7 @@ from enum import StrEnum
 import numpy as np
 
 from k3opt.cost.coefficients import Coefficients
+from k3opt.cost.schedule import composition_peak
 
 
 class Phase(StrEnum):
@@ -137,9 +138,8 @@ def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float |
     return (1 + streams) * stream_bytes
 
 
-def peak_inflight(compositions: Sequence[Sequence[int]]) -> int:
-    """The most chunk-microbatches a rank holds at once over its in-flight compositions."""
-    return max(sum(c) for c in compositions)
+peak_inflight = composition_peak
+"""The most chunk-microbatches a rank holds at once over its in-flight compositions (k3opt.cost.schedule)."""
 
 
 def optimizer_transient_bytes(gather: float, ns_working_set: float, with_ns: bool) -> float:

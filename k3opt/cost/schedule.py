@@ -10,6 +10,7 @@ forward by forward so that the worst mix of chunks is found, not assumed.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -62,9 +63,14 @@ def _build_inflight_compositions(p: int, v: int, m: int, r: int) -> tuple[tuple[
 inflight_compositions = Memo(_build_inflight_compositions, maxsize=4096)
 
 
+def composition_peak(compositions: Sequence[Sequence[int]]) -> int:
+    """The most chunk-microbatches a rank holds at once over its in-flight compositions."""
+    return max(sum(c) for c in compositions)
+
+
 def peak_inflight(p: int, v: int, m: int, r: int) -> int:
     """Chunk-microbatches (microbatches when v = 1) rank r holds at its peak."""
-    return max(sum(c) for c in inflight_compositions(p, v, m, r))
+    return composition_peak(inflight_compositions(p, v, m, r))
 
 
 def bubble_overhead(p: int, v: int, m: int) -> float:
