@@ -1,5 +1,5 @@
 """Benchmark: points and time of the anytime Pareto front of a job (default: the K3 512-GPU job) under a time limit,
-as `k3opt pareto JOB --time-limit T` runs it (`plan(job, top=5, pareto=True, time_limit=T)`). Prints one line per
+as `k3opt pareto JOB --time-limit T` runs it (`k3opt.pareto(job, top=5, time_limit=T)`). Prints one line per
 run (points, wall s, CPU s of this process, load average before and after, proven or not) and the points. Run by
 hand: `python bench/pareto_points.py [JOB] [--time-limit S] [--runs N]`. Not a test: what a time limit reaches
 depends on the machine and its load."""
@@ -28,7 +28,7 @@ def main() -> None:
     for _ in range(args.runs):
         load0 = os.getloadavg()[0]
         wall, cpu = time.monotonic(), time.process_time()
-        plan = k3opt.plan(job, top=5, pareto=True, time_limit=args.time_limit)
+        plan = k3opt.pareto(job, top=5, time_limit=args.time_limit)
         wall, cpu = time.monotonic() - wall, time.process_time() - cpu
         print(f"{len(plan.pareto)} points in {wall:.1f} s wall, {cpu:.1f} s CPU, load {load0:.2f} -> "
               f"{os.getloadavg()[0]:.2f}, {'exact' if plan.pareto_complete else 'not proven'}")

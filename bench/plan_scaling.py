@@ -35,7 +35,7 @@ def machine() -> str:
 def _row(label: str, job: Job, model: k3opt.ModelSpec, top: int, time_limit: float, workers: int) -> str:
     t0 = time.monotonic()
     try:
-        plan = k3opt.plan(job, model=model, top=top, pareto=False, time_limit=time_limit, workers=workers)
+        plan = k3opt.plan(job, model=model, top=top, time_limit=time_limit, workers=workers)
     except k3opt.K3optError as err:
         return f"| {label} | {job.gpus:,} | {top} | | | ERROR | | | {time.monotonic() - t0:.1f} | {err} | | | | |"
     wall = time.monotonic() - t0

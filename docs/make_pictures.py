@@ -45,7 +45,7 @@ def main() -> None:
         return
     from k3opt.report.plots import ledger_plot, pareto_plot, timeline_plot
 
-    plan = k3opt.plan(k3opt.load_job("k3-512-4k"), top=1, pareto=True, time_limit=args.time_limit)
+    plan = k3opt.pareto(k3opt.load_job("k3-512-4k"), top=1, time_limit=args.time_limit)
     best = plan.layouts[0]
     print(f"status {plan.status}, best {best.rank_time_s:.3f} s ranked ({best.step_time_s:.3f} s roofline), "
           f"front of {len(plan.pareto)} layouts")

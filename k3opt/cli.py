@@ -24,7 +24,9 @@ from k3opt.inputs.presets import format_validation_error, load_job, load_layout
 from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
 from k3opt.launch import check_format, to_launch
+from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
+from k3opt.report.live import LiveProgress
 from k3opt.report.text import explain_text, plan_text
 from k3opt.report.throughput import validate_throughput, validation_table
 from k3opt.report.validate import rows_text, validation_rows
@@ -163,19 +165,6 @@ def _load_job(job: str | None, gpus: tuple[int, ...]):  # noqa: ANN202
     return j
 
 
-def _progress(enabled: bool):  # noqa: ANN202
-    if not enabled:
-        return None
-    state = {"last": 0.0}
-
-    def report(solved: int, total: int, elapsed: float) -> None:
-        if elapsed > 3 and elapsed - state["last"] >= 2:
-            state["last"] = elapsed
-            click.echo(f"  ... {solved} models solved, {elapsed:.0f} s", err=True)
-
-    return report
-
-
 _plan_options = [
     click.argument("job", required=False),
     click.option("--gpus", type=click.IntRange(min=1), multiple=True,
@@ -223,11 +212,12 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
     free = None
     if j.target is not None:
         # Two searches: the cost of the target's limits is the best without them against the best with them.
-        free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
-                        pareto=False, progress=_progress(not as_json), gap=gap)
+        with LiveProgress(not as_json, f"plan without the {j.target} limits") as live:
+            free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
+                            progress=live.callback, gap=gap)
     try:
-        result = run_plan(j, top=top, time_limit=time_limit, workers=workers, pareto=False,
-                          progress=_progress(not as_json), gap=gap)
+        with LiveProgress(not as_json, "plan") as live:
+            result = run_plan(j, top=top, time_limit=time_limit, workers=workers, progress=live.callback, gap=gap)
     except InfeasibleJobError as err:
         if free is None:
             raise
@@ -309,12 +299,15 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         _check_png(plot_path)
     j = _load_job(job, gpus)
     limit = max(0.1, time_limit - _process_seconds() - _OUTPUT_RESERVE_S)
-    result = run_plan(j, top=top, time_limit=limit, workers=workers, pareto=True, pareto_step_gib=step_gib,
-                      progress=_progress(not as_json), gap=gap)
+    with LiveProgress(not as_json, "pareto") as live:
+        result = run_pareto(j, top=top, time_limit=limit, workers=workers, step_gib=step_gib,
+                            progress=live.callback, gap=gap)
     df = plan_frame(result.pareto)
     if len(df):
         df["front_bound_s"] = [it.front_bound_s for it in result.pareto]
         df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in result.pareto]
+        # Proven: no layout of any frame at the point's peak or less is faster (its front bound is its step time).
+        df["proven"] = [it.front_gap is not None and it.front_gap <= PROVEN_TOL for it in result.pareto]
     if csv_path:
         df.to_csv(csv_path, index=False)
     if plot_path:
@@ -328,7 +321,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         return
     cols = ["rank", "gpus", "pp", "vp", "ep", "expert_fsdp", "dense_fsdp", "microbatches", "recompute",
             "achievable_step_time_s", "step_time_s", "achievable_tokens_per_s_per_gpu", "tokens_per_s_per_gpu",
-            "peak_gib", "headroom_gib", "front_bound_s", "front_gap_pct"]
+            "peak_gib", "headroom_gib", "front_bound_s", "front_gap_pct", "proven"]
     worst = max((it.front_gap or 0.0 for it in result.pareto), default=0.0)
     if result.pareto_complete:
         status = f"exact at the {step_gib:g} GiB step"
@@ -344,6 +337,9 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     if csv_path:
         click.echo(f"wrote {len(df)} rows to {csv_path}")
 
+
+PROVEN_TOL = 1e-9
+"""Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
 
 _OUTPUT_RESERVE_S = 2.0
 """Seconds the pareto command keeps, out of its time limit, for building and writing the table after the search

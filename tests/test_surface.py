@@ -27,7 +27,7 @@ PUBLIC_API = frozenset({
     "ClusterSpec", "Evaluation", "InfeasibleJobError", "Job", "K3optError", "Layout", "LayoutError", "ModelSpec",
     "PresetNotFoundError", "RankEvaluation", "SpecError", "StepTime", "Toggles", "evaluate", "load_cluster",
     "load_job", "load_layout", "load_model", "make_layout", "Plan", "PlanItem", "plan", "RuntimeSpec", "load_runtime",
-    "to_launch",
+    "to_launch", "pareto",
 })
 
 CLI_COMMANDS = frozenset({"explain", "plan", "pareto", "export", "validate", "validate-throughput"})

@@ -55,6 +55,7 @@ from k3opt.search.lp_bound import contiguous_fits
 from k3opt.search.node_model import solve_frame
 from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
+from k3opt.search.progress import Progress, ProgressFn, Ticker
 from k3opt.search.ranking import ranked_coefficients
 from k3opt.search.result import OpenBound, Plan, PlanItem
 
@@ -65,9 +66,6 @@ def _key(ev: Evaluation) -> tuple[float, int]:
     """Plans rank by the achievable step time (the roofline without a rates file), ties to the lower peak."""
     return (ev.step.rank_time_s, ev.peak_bytes)
 
-
-ProgressFn = Callable[[int, int, float], None]
-"""progress(CP-SAT solves so far, shapes queued, seconds since the call): called after each solve."""
 
 
 class _CtrlC:
@@ -105,7 +103,7 @@ FEASIBLE."""
 
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
-         time_limit: float = 60.0, workers: int = 2, pareto: bool = True, pareto_step_gib: float = 1.0,
+         time_limit: float = 60.0, workers: int = 2, pareto: bool = False, pareto_step_gib: float = 1.0,
          progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
     """Ranked layouts (best first, one per frame) and the Pareto front over (step time, worst-rank peak).
 
@@ -124,8 +122,15 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     search = _Search(job, model, cluster, top=top, time_limit=time_limit, workers=workers, pareto=pareto,
                      pareto_step_gib=pareto_step_gib, progress=progress, gap=gap)
     with search.ctrl_c:
-        search.first_pass()
-        search.bound_shapes()
+        try:
+            search.first_pass()
+            search.bound_shapes()
+        except KeyboardInterrupt:
+            # Off the main thread Ctrl-C raises (_CtrlC): with a layout at hand the plan still returns it, its bound
+            # 0 (shapes left unbounded).
+            if not search.best_of:
+                raise
+            search.unbounded = True
         search.start_helper()
         search.run()
     return search.finish()
@@ -192,7 +197,9 @@ class _Search:
                  progress: ProgressFn | None, gap: float) -> None:
         self.t0 = _time.monotonic()
         self.job, self.top, self.workers, self.gap = job, top, workers, gap
-        self.pareto, self.pareto_step_gib, self.progress = pareto, pareto_step_gib, progress
+        self.pareto, self.pareto_step_gib = pareto, pareto_step_gib
+        self.ticker = Ticker(progress, self.t0)
+        self.phase = "first layouts"
         self.total_limit = time_limit
         self.time_limit = ranked_time_limit(time_limit) if pareto else time_limit
         """The ranked search's share of the limit: with the front, the front has the rest (search/front.py)."""
@@ -253,6 +260,8 @@ class _Search:
         self.ready: list[_Entry] = []
         """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
         self.solved = 0
+        self.shapes_bounded = 0
+        """Shapes through `bound_shapes` (queued, or settled by their first bounds)."""
         self.size: dict[str, int] = {}
         self.timed_out = self.interrupted = False
         self.residual = math.inf
@@ -268,8 +277,45 @@ class _Search:
     # -- small reads of the state
 
     def _stopped(self) -> bool:
-        """Ctrl-C's flag: the heuristics and the helper stop on it."""
+        """Ctrl-C's flag: the heuristics stop on it (and report progress when they ask)."""
+        self._tick()
         return self.ctrl_c.flag
+
+    def _flag(self) -> bool:
+        """Ctrl-C's flag alone: what the helper stops on."""
+        return self.ctrl_c.flag
+
+    def _tick(self, phase: str | None = None) -> None:
+        """A progress snapshot to the caller when one is due (search/progress.py); a new phase forces one."""
+        if phase is not None and phase != self.phase:
+            self.phase = phase
+            force = True
+        else:
+            force = False
+        if self.ticker.due(force):
+            self.ticker.send(self._snapshot)
+
+    def _open_bound(self) -> float:
+        """The least bound of what is still open: the queue's least entry, the nodes the bounding pass holds, the
+        entry being worked on, and the bounds of the nodes left behind (`residual`)."""
+        return min(self.queue.top().bound if self.queue else math.inf, self.residual, self.current,
+                   min((e.bound for e in self.ready), default=math.inf))
+
+    def _snapshot(self, elapsed: float, front_points: int = 0, front_settled: tuple[int, int] | None = None
+                  ) -> Progress:
+        """The search's state now: best layout, least open bound (once every shape is bounded), shapes settled."""
+        best = min((it.rank_time_s for it in list(self.best_of.values())), default=None)
+        bound = None
+        if self.phase not in ("first layouts", "bounding shapes") and not self.unbounded:
+            least = self._open_bound()
+            bound = min(least, best) if best is not None else (least if math.isfinite(least) else None)
+        total = len(self.frames)
+        if front_settled is not None:
+            settled, total = front_settled
+        else:
+            open_frames = {e.frame for e in self.queue} | {e.frame for e in self.ready}
+            settled = max(0, self.shapes_bounded - len(open_frames))
+        return Progress(self.phase, elapsed, best, bound, settled, total, self.solved, front_points)
 
     def _ranked(self) -> list[PlanItem]:
         return sorted(self.best_of.values(), key=lambda it: _key(it.evaluation))
@@ -338,13 +384,15 @@ class _Search:
         tasks = [(("first", i), partial(_first_bounds, job=self.job, model=self.model, cluster=self.cluster,
                                         hbm_line=self.hbm_line, members=tuple(mem), known=known))
                  for i, mem in enumerate(by_group.values())]
+        self._tick("bounding shapes")
         with Prefetch(tasks if self.workers > 1 else [], math.inf, deadline=self.deadline,
-                      stop=self._stopped) as sharing:
+                      stop=self._flag) as sharing:
             for key, program in tasks:
                 if self._bounding_cut():
                     break
                 ahead = sharing.take(key)
                 self._enqueue_shapes(ahead if ahead is not None else program(math.inf))
+                self._tick()
 
     def _bounding_cut(self) -> bool:
         """Whether Ctrl-C (or, with the front, the ranked share of the time) stops `bound_shapes`: the shapes not
@@ -359,6 +407,7 @@ class _Search:
     def _enqueue_shapes(self, rows: list[tuple[Frame, tuple[float, float] | None, int | None, float | None]]
                         ) -> None:
         """One sharding group's first bounds (`_first_bounds`) recorded, its shapes with an estimate queued."""
+        self.shapes_bounded += len(rows)
         for f, lb, cap, estimate in rows:
             if lb is None:
                 self.over_line.add(f)  # dominated: a shape with more sharding of the same state is over the line
@@ -383,7 +432,7 @@ class _Search:
         tasks = (_pass_tasks(self.job, self.model, self.cluster, list(self.estimates), self.members_of, self.recs,
                              self.lcs, self.lbs, self.caps, self.deadline)
                  if self.workers > 1 and not self.unbounded else [])
-        self.prefetch = Prefetch(tasks, self._stop_line(self._kth()), deadline=self.deadline, stop=self._stopped)
+        self.prefetch = Prefetch(tasks, self._stop_line(self._kth()), deadline=self.deadline, stop=self._flag)
 
     # -- the seeding, the bounding pass, the solves
 
@@ -395,12 +444,16 @@ class _Search:
         try:
             if self.unbounded:
                 raise KeyboardInterrupt
+            self._tick("seeding")
             self._first_seeding()
+            self._tick("bounding pass")
             self._bounding_pass()
             self._requeue_ready()
             self.last_pick = None  # the seeding between is neither kind of step
             if not (self.timed_out or self.interrupted):
+                self._tick("seeding")
                 self._second_seeding()
+                self._tick("solving")
                 self._search_queue(solving=True)
         except KeyboardInterrupt:
             self.interrupted = True
@@ -528,6 +581,7 @@ class _Search:
             entry, diving = self._pick(line, now)
             if self.process(entry, diving, line, solving) is _Outcome.STOPPED:
                 break
+            self._tick()
 
     def _line_at_top(self) -> _Line | None:
         """This step's pruning line, handed to the helper; None when the search stops here: the queue's least entry
@@ -747,8 +801,6 @@ class _Search:
         elif status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
             self.residual = min(self.residual, node_bound)  # proven to the relative gap only
         self.current = math.inf
-        if self.progress:
-            self.progress(self.solved, self.candidates, _time.monotonic() - self.t0)
         return _Outcome.SOLVED
 
     # -- the plan
@@ -758,7 +810,7 @@ class _Search:
         behind) and gap, the status, and what a FEASIBLE plan leaves open."""
         if self.ctrl_c.flag:
             self.interrupted = True
-        bound = min(self.queue.top().bound if self.queue else math.inf, self.residual)
+        bound = self._open_bound()
         ranked = self._ranked()
         if not ranked:
             self._raise_nothing_found(bound)
@@ -772,6 +824,7 @@ class _Search:
         open_shapes, holding = (0, None) if status == "OPTIMAL" else _open_bounds(
             self.queue, ranked[self.top - 1] if len(ranked) >= self.top else None, self.gap, self.frame_tightened,
             self.tightened)
+        self._tick("done")
         return Plan(job=self.job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                     frames_total=len(self.frames), frames_solved=self.solved,
                     solve_time_s=_time.monotonic() - self.t0, model_size=self.size, pareto_complete=complete,
@@ -792,10 +845,16 @@ class _Search:
     def _front(self, ranked: list[PlanItem]) -> tuple[list[PlanItem], bool]:
         """The Pareto front (search/front.py) and whether it is complete; after Ctrl-C, the best layout alone."""
         if self.pareto and not self.ctrl_c.flag and (self.unbounded or not self.interrupted):
+            self._tick("front")
             return build_front(self.job, self.model, self.cluster, self.best_of, ranked, self.pareto_step_gib,
                                self.t0, self.total_limit, self.workers, lower_bounds=self.lbs,
-                               over_line=self.over_line, estimates=self.estimates)
+                               over_line=self.over_line, estimates=self.estimates, on_progress=self._front_tick)
         return (ranked[:1] if self.interrupted else [], False)
+
+    def _front_tick(self, points: int, settled: int, total: int) -> None:
+        """The front's progress: its points, and its frames settled (dominated or solved) out of those to prove."""
+        if self.ticker.due():
+            self.ticker.send(partial(self._snapshot, front_points=points, front_settled=(settled, total)))
 
     def _status(self, ranked: list[PlanItem], bound: float, proven_gap: float) -> str:
         """OPTIMAL when the search ended on its own with the bound within the gap of the top-th layout, and the

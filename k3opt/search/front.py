@@ -100,16 +100,19 @@ class _Facts:
 def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
                 ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
                 lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
-                estimates: dict[Frame, float] | None = None) -> tuple[list[PlanItem], bool]:
+                estimates: dict[Frame, float] | None = None,
+                on_progress: Callable[[int, int, int], None] | None = None) -> tuple[list[PlanItem], bool]:
     """The front (see the module docstring) from the ranked search's layouts (`ranked`, `best_of`), by the
     monotonic deadline t0 + time_limit. Returns its points, fastest first per GPU count, each with its
     `front_bound_s`, and whether it is complete (exact at the step; False when the time limit cut it short).
     `lower_bounds`: the frame_lower_bound of frames already bounded (by the driver), not computed again;
     `over_line`: frames whose peak bound the driver showed over HBM minus the reserve (no layout of theirs
     fits: left out, as a bound would leave them); `estimates`: the driver's frame_estimate of the frames it
-    queued, the order the seeding visits them in."""
+    queued, the order the seeding visits them in; `on_progress(points, frames settled, frames to prove)` is called
+    as it moves."""
     search = _FrontSearch(job, model, cluster, best_of, ranked, step_gib, t0, time_limit, workers, lower_bounds,
                           over_line, estimates)
+    search.on_progress = on_progress
     search.seed()
     complete = search.bound_rest() and search.prove()
     return search.finish(), complete
@@ -138,6 +141,7 @@ class _FrontSearch:
         # The seeding: the ranked search's frames first, then the frames the driver queued (with their estimates)
         # and the frames next to any that adds to the front, spread over the pipeline depths (_Visits).
         self.runtime = load_runtime(job.runtime) if job.runtime is not None else None
+        self.on_progress: Callable[[int, int, int], None] | None = None
         self.started = _time.monotonic()
         self.seed_end = self.started + POLICY.front_seed_share * max(0.0, self.deadline - self.started)
         self.est = dict(estimates or {})
@@ -177,6 +181,10 @@ class _FrontSearch:
     def _point_ids(self) -> set[int]:
         return {id(p) for p in self.points}
 
+    def report(self, settled: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(len(self.points), settled, total)
+
     # -- 1. seed
 
     def seed(self) -> None:
@@ -201,6 +209,7 @@ class _FrontSearch:
                     break  # no frame left to visit and nothing left to fill
                 self.filling = -math.inf  # no frame left to visit: filling only
                 continue
+            self.report(0, len(self.frames))
             if (f in self.seen or f in self.skip or not self.fits_bound(f)
                     or (f in self.facts.frame and self.dominated(f, *self.facts.frame[f]))):
                 continue
@@ -271,7 +280,8 @@ class _FrontSearch:
         complete = True
         self.build_s = POLICY.build_guess_s
         queue = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(self.facts.frame.items()))
-        for t_lb, m_lb, _, f in queue:
+        for n, (t_lb, m_lb, _, f) in enumerate(queue):
+            self.report(n, len(queue))
             if self.dominated(f, t_lb, m_lb):
                 continue
             if _time.monotonic() > self.deadline:

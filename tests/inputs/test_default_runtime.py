@@ -96,7 +96,7 @@ def test_plain_job_plans_on_the_device_line_under_a_short_limit():
     """K3 on 512 GB200 GPUs with nothing but the job's sizes (VP searched, no [search] table, no runtime): a
     fitting layout with its proven gap under a time limit far below a proof, planned with gb200-nvl72's runtime,
     so its device peak (not only its live tensors) is under HBM - reserve."""
-    plan = k3opt.plan(k3opt.Job(**PLAIN), top=1, pareto=False, time_limit=30)
+    plan = k3opt.plan(k3opt.Job(**PLAIN), top=1, time_limit=30)
     assert plan.layouts and plan.status in ("OPTIMAL", "FEASIBLE")
     assert 0 <= plan.gap < 1 and plan.bound <= plan.layouts[0].rank_time_s
     best = plan.layouts[0]
@@ -132,15 +132,15 @@ def test_runtime_none_plans_exactly_as_a_cluster_without_a_default(cluster_with_
     """On a cluster naming a default runtime: without `runtime` the plan's device peaks fit under HBM - reserve
     with the runtime's items; `runtime = "none"` gives the very plan of the same cluster without a default
     (live tensors against HBM - reserve)."""
-    plan = k3opt.plan(k3opt.Job.model_validate(_tiny_job(cluster_with_default)), top=2, pareto=False, gap=0)
+    plan = k3opt.plan(k3opt.Job.model_validate(_tiny_job(cluster_with_default)), top=2, gap=0)
     line = 4096 * MIB - GIB // 2
     for it in plan.layouts:
         assert it.layout.runtime == GB200_RUNTIME and it.evaluation.fits
         assert it.evaluation.peak_device_bytes <= line
         assert it.evaluation.peak_bytes <= live_bound_bytes(4096, 0.5)
     none = k3opt.plan(k3opt.Job.model_validate(_tiny_job(cluster_with_default, runtime="none")), top=2,
-                      pareto=False, gap=0)
-    bare = k3opt.plan(k3opt.Job.model_validate(_tiny_job(DATA / "slow-cluster.toml")), top=2, pareto=False, gap=0)
+                      gap=0)
+    bare = k3opt.plan(k3opt.Job.model_validate(_tiny_job(DATA / "slow-cluster.toml")), top=2, gap=0)
     assert [it.layout.runtime for it in none.layouts] == [None, None]
     assert [it.layout.model_dump(exclude={"cluster"}) for it in none.layouts] == \
         [it.layout.model_dump(exclude={"cluster"}) for it in bare.layouts]
@@ -194,7 +194,7 @@ def test_unknown_runtime_in_a_job_is_one_line(tmp_path):
                                                         f"{GB200_RUNTIME}"):
         k3opt.load_job(job)
     with pytest.raises(k3opt.PresetNotFoundError, match="unknown runtime preset 'megatron-h100'"):
-        k3opt.plan(k3opt.Job(**PLAIN, runtime="megatron-h100"), top=1, pareto=False)  # not loaded from a file
+        k3opt.plan(k3opt.Job(**PLAIN, runtime="megatron-h100"), top=1)  # not loaded from a file
     out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--time-limit", "5"])
     assert out.exit_code == 2
     assert out.output.count("\n") == 1 and out.output.startswith("k3opt: error: unknown runtime preset")

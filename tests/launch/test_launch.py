@@ -309,10 +309,10 @@ def test_target_job_never_returns_a_refused_layout():
                    "dense_fsdp": [1, 2], "recompute": ["full"],
                    "forbid_toggles": [t for t in TOGGLE_NAMES if t not in ("fused_situ", "fp8_activations")]},
     }
-    free = k3opt.plan(k3opt.Job.model_validate(spec), model=tiny, cluster=slow, top=3, pareto=False)
+    free = k3opt.plan(k3opt.Job.model_validate(spec), model=tiny, cluster=slow, top=3)
     assert any(launch_refusals(it.layout, "megatron-bridge", tiny) for it in free.layouts)
     bound = k3opt.plan(k3opt.Job.model_validate({**spec, "target": "megatron-bridge"}), model=tiny, cluster=slow,
-                       top=3, pareto=False)
+                       top=3)
     assert bound.layouts
     for it in bound.layouts:
         assert launch_refusals(it.layout, "megatron-bridge", tiny) == []

@@ -20,7 +20,7 @@ GIB = 2**30
 @pytest.fixture(scope="module")
 def k3_plan():
     job = k3opt.load_job("k3-512-4k")
-    return job, k3opt.plan(job, top=1, time_limit=8.0, pareto=True)
+    return job, k3opt.pareto(job, top=1, time_limit=8.0)
 
 
 def test_time_limited_k3_front_is_non_dominated(k3_plan):

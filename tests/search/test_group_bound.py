@@ -253,7 +253,7 @@ def test_plan_with_group_bounds_proves_the_enumerated_optimum(tiny, slow, monkey
     job = _job(1.5)
     frames = enumerate_frames(job, tiny, 8)
     best = min(t for t in _enumerated(job, frames, tiny, slow).values() if t is not None)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=1e-5, time_limit=60)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=1e-5, time_limit=60)
     assert calls and max(calls) >= 2
     assert plan.bound <= best + 1e-9
     assert plan.status == "OPTIMAL"

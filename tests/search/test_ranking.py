@@ -96,10 +96,10 @@ def test_plan_ranks_by_the_achievable_step_like_enumeration(rated):
     # The space separates the two rankings: some frame's roofline-best layout (its split) is not its best by the
     # achievable step time (PP 2: the roofline balances the GEMMs, the achievable step the GEMMs + elementwise).
     assert any(_best_per_frame(rows, col=3)[f][2] > best[f][2] + TOL_S for f in best)
-    one = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    one = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert one.status == "OPTIMAL" and one.gap == 0
     assert one.layouts[0].rank_time_s == pytest.approx(want[0], abs=TOL_S)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=len(want), pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=len(want), gap=0)
     assert [it.rank_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
     # PP 1 replays the one rank's microbatches: the formula up to rounding, and the ranked time is the larger
     assert all(it.rank_time_s == pytest.approx(it.evaluation.step.achievable_step_time_s, rel=1e-12)
@@ -154,7 +154,7 @@ def test_interleaved_bounds_and_optimum_on_the_achievable_step(rated):
                 t_n, _ = node_lower_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
                 t_t = tight_node_bound(job, f, rc, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
                 assert min(node) >= max(t_n, t_t) - 1e-9, (f, rc, min(node), t_n, t_t)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[2] for r in rows), abs=TOL_S)
 
@@ -165,7 +165,7 @@ def test_pareto_front_on_the_achievable_step_equals_enumeration(rated):
     tiny, slow = rated
     job = _job()
     rows = _enumerate(job, tiny, slow)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, gap=0, pareto_step_gib=1 / 1024)
+    plan = k3opt.pareto(job, model=tiny, cluster=slow, top=1, gap=0, step_gib=1 / 1024)
     assert plan.pareto_complete
     mib = 2**20
     points = sorted((r[2], r[4]) for r in rows)
@@ -190,7 +190,7 @@ def test_without_rates_the_plan_ranks_by_the_roofline():
     spec = _job().model_dump(mode="json", exclude_none=True)
     spec["search"].update({"pp": [2], "ep": [2]})
     job = k3opt.Job.model_validate(spec)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     it = plan.layouts[0]
     assert it.evaluation.step.achievable_step_time_s is None and it.rank_time_s == it.step_time_s
     assert "(peak roofline: no rates file)" in k3opt.report.text.plan_text(plan)
@@ -224,7 +224,7 @@ def test_update_communication_beyond_its_window_is_ranked(rated, tmp_path):
     best = min(rows, key=lambda r: r[2])
     want = best[2]
     assert best[5] > 0  # the best layout's update communication outlasts its window
-    plan = k3opt.plan(job, model=tiny, cluster=slower, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slower, top=1, gap=0)
     assert plan.status == "OPTIMAL" and plan.gap == 0
     assert plan.layouts[0].rank_time_s == pytest.approx(want, abs=TOL_S)
 

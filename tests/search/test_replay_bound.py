@@ -199,7 +199,7 @@ def test_interleaved_plan_is_optimal_against_enumeration():
                     if ev.fits and (best is None or ev.step.rank_time_s < best):
                         best = ev.step.rank_time_s
     assert best is not None
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=1e-6)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=1e-6)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(best, rel=1e-9)
     assert best * (1 - 1e-6) <= plan.bound <= best + 1e-9

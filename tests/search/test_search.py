@@ -113,7 +113,7 @@ def test_space_is_tight_enough_to_matter(enumerated, job, tiny):
 
 
 def test_cpsat_optimum_equals_enumeration(job, tiny, slow, enumerated):
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.status == "OPTIMAL" and plan.gap == 0
     (f_best, (t_best, m_best, _)), *_ = _best_per_frame(enumerated)
     got = plan.layouts[0]
@@ -143,7 +143,7 @@ def test_node_cuts_belong_to_the_specs_they_were_priced_with(job, tiny, slow, en
 
 def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
     k = 4
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=k, gap=0)
     want = _best_per_frame(enumerated)[:k]
     assert [it.rank_time_s for it in plan.layouts] == pytest.approx([v[0] for _, v in want], abs=TOL_S)
     best = dict(_best_per_frame(enumerated))
@@ -167,10 +167,10 @@ def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
     """On the v = 1 frames (the epsilon solves prove the step formula, which is the ranked time there) the front is
     complete and equals enumeration. With v = 2 frames too, a layout whose replayed schedule is longer than its
     formula ranks by the replay, so the front is not proven complete, but every point's bound still holds."""
-    whole = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=True, gap=0, pareto_step_gib=1 / 1024)
+    whole = k3opt.pareto(job, model=tiny, cluster=slow, top=1, gap=0, step_gib=1 / 1024)
     _front_bounds_hold(whole, sorted((t, m) for _, t, m, _ in enumerated))
     v1 = job.model_copy(update={"search": job.search.model_copy(update={"vp": [1]})})
-    plan = k3opt.plan(v1, model=tiny, cluster=slow, top=1, pareto=True, gap=0, pareto_step_gib=1 / 1024)
+    plan = k3opt.pareto(v1, model=tiny, cluster=slow, top=1, gap=0, step_gib=1 / 1024)
     points = sorted((t, m) for f, t, m, _ in enumerated if f.vp == 1)
     _front_bounds_hold(plan, points)
     assert plan.pareto_complete
@@ -203,7 +203,7 @@ def test_presolve_off_gives_the_same_objective(job, tiny, slow):
 def test_returned_layouts_are_distinct_ranked_fitting_and_honour_the_job(job, tiny, slow):
     """Replaces a re-run of the evaluate() call the search already makes: what can go wrong in the search's own
     bookkeeping is the order, duplicates, the fit under capacity minus the reserve and the job's batch."""
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, gap=0)
     times = [it.rank_time_s for it in plan.layouts]
     assert len(times) == 3 and times == sorted(times)
     assert len({it.layout.model_dump_json() for it in plan.layouts}) == 3
@@ -217,7 +217,7 @@ def test_returned_layouts_are_distinct_ranked_fitting_and_honour_the_job(job, ti
 def test_k3_on_64_gb200_is_infeasible_with_the_smallest_peak():
     job = k3opt.Job(gpus=64, tokens_per_update=64 * 4096, reserve_gib=4.0, search={"vp": [1]})
     with pytest.raises(k3opt.InfeasibleJobError, match=r"smallest worst-rank peak .* at least [\d,.]+ GiB"):
-        k3opt.plan(job, top=1, pareto=False, time_limit=60)
+        k3opt.plan(job, top=1, time_limit=60)
 
 
 def test_a_job_whose_state_fits_but_whose_activations_do_not_says_so(tiny, slow):
@@ -230,7 +230,7 @@ def test_a_job_whose_state_fits_but_whose_activations_do_not_says_so(tiny, slow)
     assert not any(True for rc, lc in itertools.product(Recompute, FsdpLifecycle)
                    for _ in _pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, 2.8, tiny, slow))
     with pytest.raises(k3opt.InfeasibleJobError) as err:
-        k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=30)
+        k3opt.plan(job, model=tiny, cluster=slow, top=1, time_limit=30)
     text = str(err.value)
     assert re.search(r"the model state fits \(at least ([\d.]+) of ([\d.]+) GiB usable", text), text
     low, usable = map(float, re.search(r"at least ([\d.]+) of ([\d.]+) GiB", text).groups())
@@ -244,8 +244,10 @@ def test_cli_infeasible_job_exits_2(tmp_path):
     path.write_text("gpus = 64\ntokens_per_update = 262144\n[search]\nvp = [1]\n")
     result = CliRunner().invoke(main, ["plan", str(path)])
     assert result.exit_code == 2
-    assert result.output.startswith("k3opt: error: no layout fits on 64 gb200-nvl72 GPUs")
-    assert "30.35 TiB" in result.output
+    # One error line; the live progress may have printed plain lines before it (stderr is not a terminal here).
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("k3opt: error:")]
+    assert len(errors) == 1 and errors[0].startswith("k3opt: error: no layout fits on 64 gb200-nvl72 GPUs")
+    assert "30.35 TiB" in errors[0]
 
 
 def test_cli_plan_save_roundtrip(tmp_path, job):
@@ -272,7 +274,7 @@ def test_cli_plan_save_roundtrip(tmp_path, job):
 def test_job_without_a_valid_microbatch_count_is_explained():
     job = k3opt.Job(gpus=512, tokens_per_update=12345)
     with pytest.raises(k3opt.InfeasibleJobError, match="tokens_per_update"):
-        k3opt.plan(job, top=1, pareto=False)
+        k3opt.plan(job, top=1)
 
 
 def test_pareto_spans_gpu_counts(tiny, slow):
@@ -282,7 +284,7 @@ def test_pareto_spans_gpu_counts(tiny, slow):
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "forbid_toggles": FORBIDDEN},
     })
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=True, gap=0)
+    plan = k3opt.pareto(job, model=tiny, cluster=slow, top=2, gap=0)
     assert {it.layout.gpus for it in plan.pareto} <= {4, 8}
     crit = [(-it.evaluation.step.tokens_per_s_per_gpu, it.layout.gpus, it.peak_bytes) for it in plan.pareto]
     for i, a in enumerate(crit):
@@ -342,7 +344,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
                     if ev.fits:
                         rows.append((f, rc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[2] for r in rows), abs=TOL_S)
     for f in frames:
@@ -384,7 +386,7 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
     assert best is not None
     least = min(t for t, _ in formula)
     best_of_formula_optimum = min(r for t, r in formula if t <= least + TOL_S)
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     top = plan.layouts[0].rank_time_s
     # The search proves the step formula; a layout whose replayed schedule is longer ranks by the replay. Its bound
     # stays below every layout, it finds at least the formula's optimum, and OPTIMAL means the enumerated best.
@@ -434,12 +436,17 @@ def test_minmax_split_equals_enumeration():
 
 
 def test_interrupt_returns_the_best_so_far(job, tiny, slow):
-    """Ctrl-C (KeyboardInterrupt) after the first solved node: the plan returns the layouts found, FEASIBLE, with a
-    bound no higher than the best step time."""
-    def interrupt(*_):
-        raise KeyboardInterrupt
+    """Ctrl-C (KeyboardInterrupt) once a layout is at hand and the seeding has started: the plan returns the layouts
+    found, FEASIBLE, with a bound no higher than the best step time."""
+    seen = []
 
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, pareto=False, gap=0, progress=interrupt)
+    def interrupt(p):
+        seen.append(p.phase)
+        if p.incumbent_s is not None and p.phase in ("seeding", "bounding pass", "solving"):
+            raise KeyboardInterrupt
+
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=2, gap=0, progress=interrupt)
+    assert seen[-1] == "done" and seen[-2] in ("seeding", "bounding pass", "solving")
     assert plan.status == "FEASIBLE" and plan.layouts
     assert all(it.evaluation.fits for it in plan.layouts)
     assert plan.bound <= plan.layouts[0].rank_time_s and 0 <= plan.gap < 1
@@ -467,7 +474,7 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
                     if ev.fits:
                         rows.append((f, rc, lc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
     assert plan.layouts[0].layout.cp == 2
@@ -498,7 +505,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
                     if ev.fits:
                         rows.append((f, rc, lc, ev.step.rank_time_s, ev.peak_bytes))
     assert rows and len({r[0] for r in rows}) > 1
-    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, pareto=False, gap=0)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=3, gap=0)
     assert plan.status == "OPTIMAL"
     best = {}
     for f, _, _, t, m in rows:
@@ -796,7 +803,7 @@ def test_a_node_bound_stopped_at_the_line_closes_it(tiny, slow, monkeypatch):
 
     monkeypatch.setattr(driver, "tight_node_bound", at_line)
     monkeypatch.setattr(driver, "group_node_bound", lambda job, members, *a, **k: -math.inf)
-    plan = k3opt.plan(interleaved_small_job(), model=tiny, cluster=slow, top=1, pareto=False, gap=0.01)
+    plan = k3opt.plan(interleaved_small_job(), model=tiny, cluster=slow, top=1, gap=0.01)
     assert plan.frames_solved == 0
     assert plan.status == "OPTIMAL" and plan.gap <= 0.01 + 1e-8
 

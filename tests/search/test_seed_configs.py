@@ -59,6 +59,6 @@ def test_the_driver_shares_one_record_between_its_seeding_calls(tiny, slow, pp2_
         return real(*a, **k)
 
     monkeypatch.setattr(driver, "seed", spy)
-    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=20)
     # Two calls before the bounding pass's, a third after it unless its bounds close the search at once.
     assert len(seen) >= 2 and seen[0] is not None and all(c is seen[0] for c in seen)

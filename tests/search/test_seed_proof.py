@@ -108,7 +108,7 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     monkeypatch.setattr(driver, "solve_frame", solve_spy)
     # The spy's layouts of 1e-9 s would lower the line search/prefetch's process stops at: no helper process.
     monkeypatch.setattr(driver, "Prefetch", lambda tasks, line, **k: Prefetch([], line))
-    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=20)
     assert plan.status == "OPTIMAL"
     names = [e[0] for e in events]
     assert names[:2] == ["seed", "seed"]
@@ -129,7 +129,7 @@ def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job
     exact one, from a gap-0 plan). Lost, they would leave only closed entries: a bound at or over the line."""
     import time
 
-    exact = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=60, gap=0.0)
+    exact = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=60, gap=0.0)
     assert exact.status == "OPTIMAL"
     limit = 4.0
     real_seed, real_solve = driver.seed, driver.solve_frame
@@ -150,7 +150,7 @@ def test_nodes_left_for_cp_sat_keep_the_bound_under_the_line(tiny, slow, pp2_job
     monkeypatch.setattr(driver, "seed", seed_past_the_limit)
     monkeypatch.setattr(driver, "solve_frame", count)
     before = time.monotonic()
-    cut = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit)
+    cut = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=limit)
     assert later and not solves and cut.status == "FEASIBLE"
     assert cut.bound < cut.layouts[0].rank_time_s * (1 - driver.DEFAULT_GAP)
     assert cut.bound <= exact.layouts[0].rank_time_s * (1 + 1e-12)
@@ -182,7 +182,7 @@ def test_with_top_above_one_the_first_part_stalls_on_the_fastest(tiny, slow, pp2
 
     monkeypatch.setattr(driver, "seed", seed_spy)
     monkeypatch.setattr(driver, "spread", spread_spy)
-    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, pareto=False, time_limit=20)
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=2, time_limit=20)
     assert events[0] == ("seed", None, "none given") and events[2] == ("spread",)
     assert events[1] in (("seed", 1, POLICY.first_patience_s), ("seed", 1, POLICY.first_patience_near_s))
     assert all(e[1] == 2 for e in events[3:] if e[0] == "seed")  # the part after the pass: the top-th
@@ -207,7 +207,7 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
 
     monkeypatch.setattr(driver, "incumbents", spy)
     with pytest.raises(_Captured):
-        k3opt.plan(job, model=model, cluster=cluster, top=1, pareto=False, time_limit=60)
+        k3opt.plan(job, model=model, cluster=cluster, top=1, time_limit=60)
     frames = enumerate_frames(job, model, 512, cluster)
     heads: dict = {}
     for f in frames:
@@ -251,7 +251,7 @@ def _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above: floa
     monkeypatch.setattr(driver, "incumbents", inc_spy)
     monkeypatch.setattr(driver, "seed", seed_spy)
     monkeypatch.setattr(driver, "Prefetch", prefetch_spy)
-    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=20)
+    plan = k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=20)
     assert plan.layouts
     return events
 
@@ -334,5 +334,5 @@ def test_the_first_pass_takes_half_the_budget_at_most_first_pass_s(tiny, slow, p
         return real(*a, **k)
 
     monkeypatch.setattr(driver, "incumbents", spy)
-    assert k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit).layouts
+    assert k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=limit).layouts
     assert calls[0] == pytest.approx(budget_s) and POLICY.first_pass_s == 1.5

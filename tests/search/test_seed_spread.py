@@ -130,7 +130,7 @@ def test_the_driver_bounds_the_sibling_pricing_by_its_time_limit(tiny, slow, pp2
 
     monkeypatch.setattr(driver, "seed", slow_seed)
     before = time.monotonic()
-    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, pareto=False, time_limit=limit)
+    k3opt.plan(pp2_job, model=tiny, cluster=slow, top=1, time_limit=limit)
     assert len(calls) == 1 and seen_done
     deadline, stop = calls[0]
     assert before < deadline <= before + limit + 0.05  # plan() starts its clock a few ms after `before`

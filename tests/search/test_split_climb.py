@@ -214,5 +214,5 @@ def test_the_plan_climbs_to_a_tenth_of_its_gap(pp2_job, monkeypatch):
     monkeypatch.setattr(inc, "split_climb", spy)
     model = k3opt.load_model(DATA / "tiny-moe.toml")
     cluster = k3opt.load_cluster(DATA / "slow-cluster.toml")
-    k3opt.plan(pp2_job, model=model, cluster=cluster, top=1, pareto=False, time_limit=20, gap=0.02)
+    k3opt.plan(pp2_job, model=model, cluster=cluster, top=1, time_limit=20, gap=0.02)
     assert seen and all(g == POLICY.seed_gain * 0.02 for g in seen)

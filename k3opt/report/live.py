@@ -1,0 +1,99 @@
+"""The CLI's live view of a running search (plan, pareto): the latest search.progress.Progress snapshot, with its
+own clock so the elapsed time moves during a long CP-SAT slice that sends none.
+
+On a terminal: a rich Live panel on stderr, refreshed `refresh_per_second` times a second and cleared at the end.
+Elsewhere (a log, a pipe): one plain line every `period_s` seconds on stderr. Disabled (--json): nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time as _time
+from typing import IO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from k3opt.search.progress import Progress
+
+
+class LiveProgress:
+    """A progress callback (`live(p)` stores the snapshot) and a context manager that shows it while open."""
+
+    def __init__(self, enabled: bool, title: str = "k3opt", stream: IO[str] | None = None,
+                 period_s: float = 5.0, refresh_per_second: float = 4.0, terminal: bool | None = None) -> None:
+        self.enabled, self.title = enabled, title
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.period_s, self.refresh = period_s, refresh_per_second
+        self.latest: Progress | None = None
+        self.received = self.started = _time.monotonic()
+        self._lock = threading.Lock()
+        self._live: Live | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, p: Progress) -> None:
+        with self._lock:
+            self.latest, self.received = p, _time.monotonic()
+
+    def now(self) -> Progress | None:
+        """The latest snapshot with its elapsed time moved to now."""
+        with self._lock:
+            p, received = self.latest, self.received
+        if p is None:
+            return None
+        return dataclasses.replace(p, elapsed_s=p.elapsed_s + _time.monotonic() - received)
+
+    def __rich__(self) -> Table:
+        p = self.now()
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column()
+        if p is None:
+            t.add_row(self.title, f"starting ({_time.monotonic() - self.started:.0f} s)")
+            return t
+        gap = f"{100 * p.gap:.2f}%" if p.gap is not None else "-"
+        t.add_row(self.title, f"{p.phase}, {p.elapsed_s:.1f} s")
+        t.add_row("best", f"{p.incumbent_s:.3f} s" if p.incumbent_s is not None else "none yet")
+        t.add_row("bound", f"{p.bound_s:.3f} s" if p.bound_s is not None else "not yet (shapes being bounded)")
+        t.add_row("gap", gap)
+        t.add_row("shapes settled", f"{p.shapes_settled:,} / {p.shapes_total:,}")
+        t.add_row("models solved", f"{p.models_solved:,}")
+        if p.phase == "front":
+            t.add_row("front points", f"{p.front_points}")
+        return t
+
+    def _plain(self) -> None:
+        while not self._stop.wait(self.period_s):
+            p = self.now()
+            if p is not None:
+                print(p.line(), file=self.stream, flush=True)
+
+    def __enter__(self) -> LiveProgress:
+        if not self.enabled:
+            return self
+        if self.terminal:
+            console = Console(file=self.stream, force_terminal=True)
+            self._live = Live(self, console=console, refresh_per_second=self.refresh, transient=True)
+            self._live.start()
+        else:
+            self._thread = threading.Thread(target=self._plain, name="k3opt-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def callback(self) -> LiveProgress | None:
+        """What the search gets: this object when enabled, else None (no snapshots built at all)."""
+        return self if self.enabled else None
