@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from k3opt.inputs.errors import InfeasibleJobError
+from k3opt.inputs.placement import resolve_placement
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
 from k3opt.inputs.specs import ClusterSpec, Job, ModelSpec
@@ -47,12 +48,12 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     search keeps one layout per frame, and whether a frame is runnable depends only on its degrees once the toggles
     are narrowed, so asking for more frames and filtering keeps the optimum among runnable layouts; the request
     grows until `top` runnable ones are found or the search runs out of frames."""
-    job = resolve_job_runtime(job, cluster)
-    target = getattr(job, "target", None)
-    if target is None:
-        return search_plan(job, model=model, cluster=cluster, top=top, **kwargs)
     m = model if isinstance(model, ModelSpec) else load_model(model or job.model)
     c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
+    job = resolve_placement(resolve_job_runtime(job, c), m, c)
+    target = getattr(job, "target", None)
+    if target is None:
+        return search_plan(job, model=m, cluster=c, top=top, **kwargs)
     narrowed = apply_target_limits(job, m)
     ask = top
     while True:

@@ -111,3 +111,29 @@ def test_make_layout_raises_layout_error():
 def test_every_error_is_a_k3opt_error():
     for exc in (k3opt.SpecError, k3opt.LayoutError, k3opt.PresetNotFoundError, k3opt.InfeasibleJobError):
         assert issubclass(exc, k3opt.K3optError)
+
+
+JOB_CASES = {
+    # The job's placement fields: racks must be a positive integer, the GPUs must fit in the racks, and a pinned
+    # GPUs-per-domain no larger than the cluster's NVLink domain (72 on GB200 NVL72).
+    "racks_zero": ("racks = 0\ngpus = 512\n", "racks"),
+    "racks_negative": ("racks = -3\n", "racks"),
+    "racks_string": ('racks = "eight"\n', "racks"),
+    "more_gpus_than_racks_hold": ("racks = 7\ngpus = 512\n", "512 GPUs do not fit in 7 racks of 72 GPUs (504)"),
+    "domain_above_its_size": ("gpus = 512\ndomain_gpus_used = 96\n",
+                              "domain_gpus_used (96) exceeds the 72-GPU NVLink domain"),
+    "neither_gpus_nor_racks": ("context = 4096\n", "give gpus"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JOB_CASES))
+def test_job_placement_errors_exit_2_with_one_line(tmp_path, case):
+    text, fragment = JOB_CASES[case]
+    path = _write(tmp_path, "tokens_per_update = 16777216\n" + text, "job.toml")
+    result = CliRunner().invoke(main, ["plan", str(path), "--time-limit", "5"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("k3opt: error:"), lines
+    assert fragment in lines[0]
+    with pytest.raises(k3opt.K3optError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        k3opt.plan(k3opt.load_job(path), time_limit=5)

@@ -89,7 +89,7 @@ def test_step_components_and_ledger_keys_are_the_frozen_sets(reference_eval):
 
 TO_DICT_KEYS = frozenset({"layout", "model", "cluster", "params", "capacity_bytes", "peak_bytes", "worst_rank", "fits",
                           "ranks", "terms", "step", "validation", "runtime", "peak_allocated_bytes",
-                          "peak_reserved_bytes", "peak_device_bytes"})
+                          "peak_reserved_bytes", "peak_device_bytes", "placement"})
 RANK_KEYS = frozenset({"rank", "chunks", "ledger_bytes", "persistent_bytes", "activation_phase_bytes",
                        "optimizer_phase_bytes", "peak_bytes", "headroom_bytes", "fits", "in_flight", "host_bytes",
                        "host_fits", "time_per_microbatch_s", "update_s", "binding", "counts", "allocated_bytes",
@@ -107,6 +107,11 @@ def test_json_result_carries_the_same_numbers_under_frozen_keys(live):
     d = ev.to_dict()
     assert set(d) == TO_DICT_KEYS
     assert (d["model"], d["cluster"]) == ("kimi-k3", "gb200-nvl72")
+    # The reference layout names no domain_gpus_used: 512 GPUs on whole 72-GPU racks hold ceil(512 / 72) = 8 racks,
+    # 576 GPUs, 64 of them idle.
+    pl = d["placement"]
+    assert (pl["gpus_used"], pl["gpus_per_domain"], pl["domains_held"], pl["gpus_held"]) == (512, 72, 8, 576)
+    assert pl["tokens_per_s_per_gpu_held"] == pytest.approx(pl["tokens_per_s_per_gpu_used"] * 512 / 576)
     assert d["layout"]["pp"] == 8 and d["layout"]["split"] == [12] * 7 + [9]
     assert d["params"] == {"total": 2_779_931_738_208, "muon": 2_777_072_664_576, "adamw": 2_859_073_632,
                            "routed": 2_722_740_830_208, "active_matrix": 104_174_092_288,

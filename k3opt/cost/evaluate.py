@@ -250,9 +250,34 @@ class Evaluation:
         """Capacity minus the worst device peak."""
         return self.capacity_bytes - self.peak_device_bytes
 
+    @property
+    def gpus_per_domain(self) -> int:
+        """GPUs the layout uses in each NVLink domain (its `domain_gpus_used`, else the whole domain)."""
+        return min(self.layout.domain_gpus_used or self.cluster.nvlink_domain_gpus, self.cluster.nvlink_domain_gpus)
+
+    @property
+    def domains_held(self) -> int:
+        """NVLink domains (racks) the placement holds: ceil(gpus / GPUs per domain)."""
+        return -(-self.layout.gpus // self.gpus_per_domain)
+
+    @property
+    def gpus_held(self) -> int:
+        """GPUs of the domains held, used or idle: domains held x domain size."""
+        return self.domains_held * self.cluster.nvlink_domain_gpus
+
+    @property
+    def tokens_per_s_per_gpu_held(self) -> float:
+        """Tokens per second at the ranked step time, per GPU held (idle GPUs of the held domains count)."""
+        return self.step.tokens_per_update / self.step.rank_time_s / self.gpus_held
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the same numbers the tables print."""
         return {
+            "placement": {"gpus_used": self.layout.gpus, "gpus_per_domain": self.gpus_per_domain,
+                          "domains_held": self.domains_held, "gpus_held": self.gpus_held,
+                          "tokens_per_s_per_gpu_used": self.step.tokens_per_update / self.step.rank_time_s
+                          / self.layout.gpus,
+                          "tokens_per_s_per_gpu_held": self.tokens_per_s_per_gpu_held},
             "layout": self.layout.model_dump(mode="json", exclude_none=True),
             "model": self.model.name,
             "cluster": self.cluster.name,

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.errors import LayoutError, SpecError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -591,7 +591,11 @@ class Job(StrictModel):
 
     model: str = "kimi-k3"
     cluster: str = "gb200-nvl72"
-    gpus: GpuCount | list[GpuCount]
+    gpus: GpuCount | list[GpuCount] | None = None
+    """GPUs the job runs on (a list: a capacity sweep). Absent: `racks` sets them (k3opt.inputs.placement)."""
+    racks: PosInt | None = None
+    """NVLink domains (racks) the job may hold. With `gpus`, a bound on the domains a placement takes; without, the
+    planner chooses the GPUs per domain and so the GPU count (k3opt.inputs.placement.resolve_placement)."""
     context: PosInt = 4096
     rows: PosInt = 1
     tokens_per_update: PosInt | None = None
@@ -600,8 +604,8 @@ class Job(StrictModel):
     reserve_gib: NonNegFloat = 0.0
     """HBM kept back per GPU for what is not itemized (see Layout.reserve_gib)."""
     domain_gpus_used: PosInt | None = None
-    """GPUs used per NVLink domain (placement); default: `domain_gpus_for`, the job's GPUs spread evenly over the
-    fewest domains that hold them."""
+    """GPUs used per NVLink domain, pinned. Absent: the planner chooses it per parallel shape among whole domains
+    and the sizes that tile the shape's rank blocks (k3opt.search.frames.domain_options)."""
     runtime: str | None = None
     """Runtime preset or file for the memory outside live tensors (see Layout.runtime). Absent: the cluster's
     `default_runtime` (live tensors only if it names none); "none": live tensors only, explicitly."""
@@ -616,24 +620,18 @@ class Job(StrictModel):
 
     @property
     def gpu_counts(self) -> list[int]:
+        """The GPU counts searched; a job that gives only `racks` has them once resolve_placement has run."""
+        if self.gpus is None:
+            raise SpecError("the job gives racks but no gpus: plan it through k3opt.plan, which chooses the GPUs "
+                            "per rack (k3opt.inputs.placement.resolve_placement)")
         return list(self.gpus) if isinstance(self.gpus, list) else [self.gpus]
-
-    def domain_gpus_for(self, gpus: int, domain_gpus: int) -> int | None:
-        """GPUs per NVLink domain the plan places `gpus` GPUs on: the job's `domain_gpus_used`, else an even share
-        of the fewest `domain_gpus`-GPU domains that hold them when it divides evenly (512 GPUs on NVL72 need 8
-        racks either way: 8 x 64, not 7 x 72 + 8, whose last rack splits every rank block), else whole domains
-        (None)."""
-        if self.domain_gpus_used is not None:
-            return self.domain_gpus_used
-        n = -(-gpus // domain_gpus)
-        if n > 1 and gpus % n == 0 and gpus // n < domain_gpus:
-            return gpus // n
-        return None
 
     @model_validator(mode="after")
     def _microbatches(self) -> Job:
         if self.tokens_per_update is None and not self.search.microbatches:
             raise ValueError("give tokens_per_update or a [search] microbatches list")
+        if self.gpus is None and self.racks is None:
+            raise ValueError("give gpus (GPUs to run on) or racks (NVLink domains the job may hold), or both")
         if isinstance(self.gpus, list) and not self.gpus:
             raise ValueError("gpus is an empty list")
         return self

@@ -190,6 +190,34 @@ def open_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
             "settles more of them."]
 
 
+def _per_domain(u: int | None, d: int) -> str:
+    return f"whole racks ({d} per rack)" if u is None or u == d else f"{u} of {d} GPUs per rack"
+
+
+def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
+    """The best layout's placement (racks held against GPUs used, throughput per GPU used and held) and, against
+    each other placement searched at its GPU count, why it was chosen."""
+    ev = plan.layouts[0].evaluation
+    d = ev.cluster.nvlink_domain_gpus
+    used, held = ev.layout.gpus, ev.gpus_held
+    per_used = ev.step.tokens_per_update / ev.step.rank_time_s / used
+    lines = [f"placement: {ev.domains_held} racks x {ev.gpus_per_domain} of {d} GPUs ({used} GPUs used, {held} "
+             f"held, {held - used} idle); tokens/s per GPU used {per_used:,.0f}, per GPU held "
+             f"{ev.tokens_per_s_per_gpu_held:,.0f}"]
+    mine = ev.layout.domain_gpus_used
+    others = [o for o in plan.placements if o.domain_gpus_used != mine]
+    if plan.job.domain_gpus_used is not None:
+        lines.append("  pinned by the job's domain_gpus_used")
+    elif not others:
+        lines.append("  the only placement searched: no other GPUs-per-rack size tiles a rank block differently")
+    best = plan.layouts[0].rank_time_s
+    for o in others:
+        why = (f"best found {o.best_s:.3f} s ({o.best_s / best - 1:+.1%})" if o.best_s is not None else
+               "no layout fits" if o.bound_s == float("inf") else f"no layout found, bound {o.bound_s:.3f} s")
+        lines.append(f"  over {_per_domain(o.domain_gpus_used, d)}, {o.domains_held} racks: {why}")
+    return lines
+
+
 def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Plan
     job = plan.job
     gpus = ", ".join(str(g) for g in job.gpu_counts)
@@ -207,6 +235,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
             "(the heuristic layouts and the bounds settled every shape)" if plan.status == "OPTIMAL" else
             "(no CP-SAT model solved; the bounds did not settle every shape)"),
         *open_lines(plan),
+        *placement_lines(plan),
         "",
     ]
     df = plan_frame(plan.layouts)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NoReturn
 
+from k3opt.cost import comm
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import layer_bytes
@@ -34,6 +35,7 @@ from k3opt.search.frames import (
     ActMode,
     Frame,
     allocated_capacity_bytes,
+    domains_held,
     enumerate_frames,
     frame_of,
     frame_shape,
@@ -57,7 +59,7 @@ from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.progress import Progress, ProgressFn, Ticker
 from k3opt.search.ranking import ranked_coefficients
-from k3opt.search.result import OpenBound, Plan, PlanItem
+from k3opt.search.result import OpenBound, PlacementOption, Plan, PlanItem
 
 # ------------------------------------------------------------------------------------- driver
 
@@ -358,8 +360,14 @@ class _Search:
         # Ordered by sharding alone, the default job's leading pipeline shape (PP8 VP4) comes 13th, and without its
         # walk the search misses its fastest layout. The pass has half the budget, at most POLICY.first_pass_s.
         heads: dict[tuple[int, int], tuple[tuple, Frame]] = {}
+        d = self.cluster.nvlink_domain_gpus
         for f in self.frames:
-            key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp)
+            pl = comm.placement(f.gpus, f.pp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp,
+                                min(f.domain_gpus_used or d, d))
+            # Of the placements of one shape, the most local first (an EP group inside a rack, then the shard
+            # groups, then the PP hops): the walks then start from a layout whose traffic stays on NVLink.
+            key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp, -pl.ep_local, -pl.dense_fsdp_local,
+                   -pl.expert_fsdp_local, -sum(pl.pp_hop_in_domain))
             if (f.pp, f.vp) not in heads or key < heads[(f.pp, f.vp)][0]:
                 heads[(f.pp, f.vp)] = (key, f)
         for _, f in heads.values():
@@ -828,7 +836,25 @@ class _Search:
         return Plan(job=self.job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                     frames_total=len(self.frames), frames_solved=self.solved,
                     solve_time_s=_time.monotonic() - self.t0, model_size=self.size, pareto_complete=complete,
-                    first_layout_s=self.first_layout_s, open_shapes=open_shapes, holding=holding)
+                    first_layout_s=self.first_layout_s, open_shapes=open_shapes, holding=holding,
+                    placements=self._placements(top_items[0].layout.gpus))
+
+    def _placements(self, gpus: int) -> list[PlacementOption]:
+        """Each GPUs-per-domain choice at `gpus` GPUs: the best layout found under it and its shapes' least first
+        bound (0 for a shape never bounded; a shape over the HBM line has no layout), best first."""
+        best: dict[int | None, float] = {}
+        bound: dict[int | None, float] = {}
+        for f in self.frames:
+            if f.gpus != gpus:
+                continue
+            u = f.domain_gpus_used
+            b = math.inf if f in self.over_line else self.lbs.get(f, (0.0, 0.0))[0]
+            bound[u] = min(bound.get(u, math.inf), b)
+            if f in self.best_of:
+                best[u] = min(best.get(u, math.inf), self.best_of[f].rank_time_s)
+        d = self.cluster.nvlink_domain_gpus
+        opts = [PlacementOption(gpus, u, domains_held(gpus, u, d), best.get(u), bound[u]) for u in bound]
+        return sorted(opts, key=lambda o: (o.best_s is None, o.best_s or math.inf, o.bound_s))
 
     def _raise_nothing_found(self, bound: float) -> NoReturn:
         """No layout at all: KeyboardInterrupt after Ctrl-C; else InfeasibleJobError, with the time limit when the

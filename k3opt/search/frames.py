@@ -126,7 +126,6 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
     s = job.search
     if cluster is None:
         cluster = load_cluster(job.cluster)
-    domain = job.domain_gpus_for(gpus, cluster.nvlink_domain_gpus)
     L = model.num_layers
     experts = model.moe.num_experts if model.moe else 1
     grad_dtypes = list(dict.fromkeys(s.grad_dtype or [Dtype.FP32]))
@@ -157,11 +156,58 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                 for e in _allowed([d for d in _divisors(stage) if experts % d == 0], s.ep):
                     for fe in _allowed(_divisors(stage // e), s.expert_fsdp):
                         for fd in _allowed(_divisors(dp), s.dense_fsdp):  # dense FSDP groups are dp indices
-                            for m in ms:
-                                for (pd, pe), g, q in itertools.product(_policy_pairs(s, fd, fe), grad_dtypes,
-                                                                        precisions):
-                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, domain))
+                            for m, (pd, pe), g, q, u in itertools.product(
+                                    ms, _policy_pairs(s, fd, fe), grad_dtypes, precisions,
+                                    domain_options(job, gpus, p, c, e, fe, fd, cluster.nvlink_domain_gpus)):
+                                frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u))
     return frames
+
+
+def domains_held(gpus: int, used: int | None, domain_gpus: int) -> int:
+    """NVLink domains (racks) a placement holds: ceil(gpus / GPUs used per domain)."""
+    return -(-gpus // min(used or domain_gpus, domain_gpus))
+
+
+def _placement_signature(gpus: int, p: int, c: int, e: int, fe: int, fd: int, u: int) -> tuple:
+    """Everything the cost model reads of a placement (k3opt.cost.comm.placement for the step, each stage's group
+    members per domain for its buffers, and whether the world and a CP group fit in one domain): two sizes with
+    the same signature price every layout alike."""
+    stage = gpus // p
+    members = tuple(comm.members_at_offset(stage, c, e, fe, fd, u, (st * stage) % u) for st in range(p))
+    return (comm.placement(gpus, p, c, e, fe, fd, u), members, gpus <= u, c <= u)
+
+
+def _build_domain_options(job_racks: int | None, pinned: int | None, gpus: int, p: int, c: int, e: int, fe: int,
+                          fd: int, domain_gpus: int) -> tuple[int | None, ...]:
+    """See domain_options (memoized on the degrees alone)."""
+    if pinned is not None:
+        return (pinned,)
+    stage = gpus // p
+    sizes = {domain_gpus} | {domain_gpus // b * b for b in (c * e, c * e * fe, c * fd, stage) if b <= domain_gpus}
+    n = -(-gpus // domain_gpus)
+    if gpus % n == 0:
+        sizes.add(gpus // n)  # the fewest domains, evenly filled
+    if job_racks is not None:
+        sizes = {u for u in sizes if domains_held(gpus, u, domain_gpus) <= job_racks}
+    kept: dict[tuple, int] = {}
+    # Fewest domains held first, then the fuller domains: of sizes that price alike, the one that idles least.
+    for u in sorted(sizes, key=lambda u: (domains_held(gpus, u, domain_gpus), -u)):
+        kept.setdefault(_placement_signature(gpus, p, c, e, fe, fd, u), u)
+    return tuple(None if u == domain_gpus else u for u in sorted(kept.values(), reverse=True))
+
+
+_domain_options = Memo(_build_domain_options, maxsize=65536)
+
+
+def domain_options(job: Job, gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain_gpus: int
+                   ) -> tuple[int | None, ...]:
+    """GPUs per NVLink domain the search chooses among for one shape (None: whole domains): the job's pinned
+    `domain_gpus_used`, else whole domains, the even fill of the fewest domains, and for each rank block of the
+    shape that fits a domain (CP x EP, the expert shard group, the dense shard group, the PP stage) the largest
+    multiple of the block a domain holds, so no block straddles two domains. Within `racks` when the job gives
+    them. Sizes that the cost model cannot tell apart (_placement_signature) collapse to the one holding fewest
+    domains."""
+    return _domain_options(job.racks, job.domain_gpus_used, gpus, p, c, e, fe, fd, domain_gpus)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,18 @@ class OpenBound:
     """The line a bound must reach for the gap to close: the top-th layout's step time less the relative gap."""
 
 
+@dataclass(frozen=True)
+class PlacementOption:
+    """One placement the search considered at a GPU count: GPUs used per NVLink domain (None: whole domains), the
+    domains it holds, the best layout found under it (None: none priced) and the least bound of its shapes."""
+
+    gpus: int
+    domain_gpus_used: int | None
+    domains_held: int
+    best_s: float | None
+    bound_s: float
+
+
 @dataclass
 class Plan:
     """What `plan()` returns: the status, the proven bound and gap, the ranked layouts, the Pareto front."""
@@ -81,6 +93,8 @@ class Plan:
     longer run has to settle."""
     holding: OpenBound | None = None
     """The least bound left when the search stopped short of its gap (None when OPTIMAL)."""
+    placements: list[PlacementOption] = field(default_factory=list)
+    """The placements searched at the best layout's GPU count, best first: why the plan's placement was chosen."""
 
     def to_frame(self, which: str = "pareto") -> pd.DataFrame:
         """The CSV schema: one row per layout, every decision and every ledger term a column, units in names."""
@@ -103,6 +117,8 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             "optimizer_shard_granularity": lay.optimizer_shard_granularity.value,
             "grad_dtype": lay.grad_dtype.value, "optimizer_state_dtype": lay.optimizer_state_dtype.value,
             "runtime": ev.runtime.name if ev.runtime is not None else "",
+            "gpus_per_domain": ev.gpus_per_domain, "domains_held": ev.domains_held, "gpus_held": ev.gpus_held,
+            "ranked_tokens_per_s_per_gpu_held": ev.tokens_per_s_per_gpu_held,
         }
         row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
         s = ev.step
