@@ -330,13 +330,13 @@ def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN
     return 2 * saved_bytes * max(0.0, 1 - balanced / held)
 
 
-def step_gather_bytes(cf: Coefficients, p2p_muon: bool, *, whole_view: bool = False) -> np.ndarray:
+def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
     """Per-layer bytes all-gathered at the optimizer step (evaluate.rank_ledger): under P2P Muon the pulled
     resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view where the
-    coefficients have none, or with `whole_view` whatever the policy)."""
+    coefficients have none)."""
     if p2p_muon:
         return 2 * cf.resident_params
-    return 2 * cf.view_params if whole_view or cf.step_gather is None else cf.step_gather
+    return 2 * cf.view_params if cf.step_gather is None else cf.step_gather
 
 
 def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:

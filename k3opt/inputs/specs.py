@@ -536,6 +536,12 @@ class Layout(StrictModel):
                 f"expert_fsdp ({self.expert_fsdp}) must divide the {edp} expert-data-parallel ranks "
                 f"(gpus / (pp * ep) = {n} / ({p} * {e}))"
             )
+        if self.vp > 1 and self.microbatches % p:
+            # Megatron's interleaved order runs microbatches in groups of pp per model chunk and raises on a
+            # remainder (megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving);
+            # in k3opt.cost.schedule.pipeline_order a partial group leaves a rank waiting on a chunk that never comes.
+            raise ValueError(f"microbatches ({self.microbatches}) must be a multiple of pp ({p}) when vp > 1 "
+                             f"(Megatron's interleaved schedule runs microbatches in groups of pp)")
         if len(self.split) != p * self.vp:
             raise ValueError(
                 f"split has {len(self.split)} entries but pp * vp = {p} * {self.vp} = {p * self.vp} chunks"

@@ -62,10 +62,6 @@ LIMITS: tuple[Limit, ...] = (
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
     Limit("megatron-bridge", "fsdp_lifecycle", "fsdp_lifecycle = accumulate (same Megatron core rule for Muon)",
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
-    Limit("megatron-lm", "microbatches",
-          "vp > 1 needs microbatches divisible by pp: the interleaved schedule runs groups of pp microbatches per "
-          "virtual stage and raises on a remainder below pp",
-          f"megatron/core/pipeline_parallel/schedules.py L1160-1180 {MLM}"),
     Limit("torchtitan", "expert_fsdp", "dense_fsdp = ep x expert_fsdp: efsdp = dp_shard x cp x tp / ep is derived",
           f"torchtitan/config/job_config.py (expert_parallel_degree) {TT}"),
     Limit("torchtitan", "cp", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
@@ -96,9 +92,6 @@ def launch_refusals(layout: Layout, target: str, model: ModelSpec | None = None)
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE:
         out.append(f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the distributed optimizer "
                    f"(accumulate) runs [{_source(target, 'fsdp_lifecycle')}]")
-    if target == "megatron-lm" and layout.vp > 1 and layout.microbatches % layout.pp:
-        out.append(f"vp = {layout.vp} with microbatches {layout.microbatches} not divisible by pp {layout.pp} "
-                   f"[{_source(target, 'microbatches')}]")
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
         out.append(f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]")
     for ns in NO_SWITCH[target]:

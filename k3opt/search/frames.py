@@ -159,7 +159,8 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                             for m, (pd, pe), g, q, u in itertools.product(
                                     ms, _policy_pairs(s, fd, fe), grad_dtypes, precisions,
                                     domain_options(job, gpus, p, c, e, fe, fd, cluster.nvlink_domain_gpus)):
-                                frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u))
+                                if v == 1 or m % p == 0:  # interleaving needs whole groups of p (Layout)
+                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u))
     return frames
 
 
@@ -331,10 +332,10 @@ def bound_persistent_bytes(cf: Coefficients, grads: np.ndarray | None) -> np.nda
     return out if grads is None else out + grads
 
 
-def least_step_gather(cf: Coefficients, allowed: set[str], *, whole_view: bool = False) -> np.ndarray:
+def least_step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:
     """Per-layer optimizer-step gather at or below every setting of P2P Muon the job allows: the lesser of
     `step_gather_bytes` without it and with it (where allowed)."""
-    gather = step_gather_bytes(cf, False, whole_view=whole_view)
+    gather = step_gather_bytes(cf, False)
     return np.minimum(gather, step_gather_bytes(cf, True)) if "p2p_muon" in allowed else gather
 
 

@@ -110,6 +110,9 @@ class _Arrays:
     """The update's communication per resource (`Coefficients.update_hidden`): only its excess over
     `hidden_stages` x stage adds to the step."""
     hidden_stages: float = 0.0
+    with_ns: bool = True
+    """Whether the optimizer phase holds the step gather and the Newton-Schulz working set at once (the default
+    policy, `Coefficients.step_gather_with_ns`); else the larger of the two (ledger.optimizer_transient_bytes)."""
     updates: tuple[tuple[float, float, float], ...] = ()
     """Per node these arrays stand for (a group's members, each variant), its (stage, update compute, update
     communication) at least their means over the ranks (`ranking.update_means`): one node's triple bounds its
@@ -139,7 +142,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
     c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
     grads = _zero2_grads(c0, f.vp) if toggles.get("pipeline_zero2_host_grads") else c0.grads
     persistent = bound_persistent_bytes(c0, grads)
-    opt = step_gather_bytes(c0, bool(toggles.get("p2p_muon")), whole_view=True)
+    opt = step_gather_bytes(c0, bool(toggles.get("p2p_muon")))
     L = c0.n_layers
     ep = c0.ep_buffers
     if "moonep" in allowed:
@@ -149,7 +152,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
                      logits=float(c0.logits), ep_min=float(ep),
                      hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
                      hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
-                     updates=(node_terms(c0, f.pp),))
+                     updates=(node_terms(c0, f.pp),), with_ns=c0.step_gather_with_ns)
     return arrays, c0
 
 
@@ -546,6 +549,7 @@ def _merge(arrays: list[_Arrays]) -> _Arrays:
         **{k: np.min([getattr(a, k) for a in arrays], axis=0) for k in ("persistent", "opt", "act")},
         **{k: min(getattr(a, k) for a in arrays) for k in ("ws_min", "nsws_min", "logits", "ep_min")},
         hi=np.max([a.hi for a in arrays], axis=0),
+        with_ns=all(a.with_ns for a in arrays),  # the max form is at or below the sum: valid for every member
     )
 
 
@@ -806,7 +810,13 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         else:
             for comp in comps:
                 le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
-        le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L) - a.nsws_min)
+        # The optimizer phase (ledger.optimizer_transient_bytes): gather + NS under the default policy, else
+        # max(gather, NS), which is at least each of them.
+        if a.with_ns:
+            le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L) - a.nsws_min)
+        else:
+            le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L))
+            le([kp] * v, r, room - fixed - a.nsws_min)
     return np.array(rows), rhs
 
 
@@ -832,9 +842,9 @@ def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model:
     """Whether a layout of node (f, rc, lc) with f.vp > 1 might fit, with whole layers in contiguous chunks: the
     memory rows of `lean_fits` (the leanest bytes of every variant, each allowed offload setting) over one Boolean
     per layer and chunk (`_contiguous`). None when CP-SAT neither finds a split nor proves there is none within
-    `time_limit` seconds. The linear relaxation drops contiguity, and at long contexts a node it says fits can have
-    no contiguous split: K3 PP8 VP2 CP16 EP32 at 128K context (dropping only contiguity, or keeping it only between
-    virtual stages, the split fits), which the node model's bound takes minutes to prove and this program seconds."""
+    `time_limit` seconds. The linear relaxation drops contiguity, and a node it says fits can have no contiguous
+    split, which the node model's bound can take minutes to prove and this program seconds. Its optimizer-phase rows
+    are the lean view's (`lean_arrays`: no Newton-Schulz working set), so where that phase binds it says yes."""
     lean = memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
     a = lean_arrays(job, f, lean)
     cap = float(allocated_capacity_bytes(job, f, model, cluster))
@@ -908,9 +918,9 @@ def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
     if "moonep" in allowed:
         ep = min(ep, lean.moonep_buffers)
     return _Arrays(time={}, update={}, persistent=bound_persistent_bytes(lean, grads),
-                   opt=least_step_gather(lean, allowed, whole_view=True), act=lean.act,
+                   opt=least_step_gather(lean, allowed), act=lean.act,
                    ws_min=float(lean.working_set[:L].min()), nsws_min=0.0, logits=float(lean.logits),
-                   ep_min=float(ep), hi=np.zeros(L + 2))
+                   ep_min=float(ep), hi=np.zeros(L + 2), with_ns=lean.step_gather_with_ns)
 
 
 def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list[Coefficients], cap: float,

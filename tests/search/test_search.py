@@ -570,27 +570,6 @@ def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserv
     assert sharper >= 2
 
 
-def test_contiguity_is_what_leaves_a_k3_128k_node_without_a_split():
-    """K3 at 128K context, PP8 VP2 CP16 EP32 eFSDP2 dFSDP4 M32 under selective recompute and the per-microbatch
-    lifecycle, the node that held the shipped job's bound: the fractional memory rows over its leanest bytes fit
-    (with offload), so its relaxation bounds it at 31.6 s and CP-SAT's bound stalls there; in whole layers over
-    contiguous chunks they do not. (The node model with its objective cleared proves the same in about 30 s on 2
-    cores: measured, not run here.) On the six-layer model no node separates the two, hence this one."""
-    from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view
-    from k3opt.search.lp_bound import contiguous_fits, lean_fits
-
-    job = k3opt.load_job("k3-512-128k")
-    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
-    f = next(f for f in enumerate_frames(job, model, 512, cluster)
-             if (f.pp, f.vp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp, f.microbatches) == (8, 2, 16, 32, 2, 4, 32)
-             and f.dense_sharding.value == f.expert_sharding.value == "optim_grads")
-    rc, lc = Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH
-    lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, model, cluster)
-    assert lean_fits(job, f, lean, float(allocated_capacity_bytes(job, f, model, cluster)),
-                     cluster.host_memory_bytes)
-    assert contiguous_fits(job, f, rc, lc, model, cluster, 60.0) is False
-
-
 def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, slow, monkeypatch):
     """A node whose CP-SAT slice found no layout (status UNKNOWN) has its contiguous whole-layer fit tested once
     (`lp_bound.contiguous_fits`); proven impossible, the node leaves the queue instead of returning for a doubled
