@@ -248,6 +248,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
             "solve_time_s": result.solve_time_s, "models_solved": result.frames_solved,
             "open_shapes": result.open_shapes,
             "holding": dataclasses.asdict(result.holding) if result.holding is not None else None,
+            "placements": [dataclasses.asdict(o) for o in result.placements],
             "layouts": [it.evaluation.to_dict() for it in result.layouts],
         }
         if free is not None:

@@ -59,7 +59,7 @@ class Frame:
     grad_dtype: Dtype = Dtype.FP32
     precision: Precision = Precision.BF16
     domain_gpus_used: int | None = None
-    """GPUs used per NVLink domain (Job.domain_gpus_for); None: whole domains."""
+    """GPUs used per NVLink domain (one of `domain_options`); None: whole domains."""
 
 
 DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)

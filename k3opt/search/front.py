@@ -71,7 +71,7 @@ from k3opt.search.result import PlanItem
 
 
 def ranked_time_limit(time_limit: float) -> float:
-    """The ranked search's share of a `plan(..., pareto=True)` time limit (POLICY.front_ranked_share)."""
+    """The ranked search's share of a `k3opt.pareto` time limit (POLICY.front_ranked_share)."""
     return POLICY.front_ranked_share * time_limit
 
 

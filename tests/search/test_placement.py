@@ -131,3 +131,38 @@ def test_search_chooses_the_placement_enumeration_does(placement_job, tiny, six)
     want_u = min(best, key=best.get)
     assert plan.layouts[0].rank_time_s == pytest.approx(best[want_u], abs=TOL_S)
     assert plan.layouts[0].layout.domain_gpus_used == want_u
+
+
+def test_cli_plan_prints_the_placement_and_why(tmp_path, placement_job):
+    """On 6-GPU domains with a slow NIC the plan reports 2 racks x 4 GPUs (8 used, 12 held, 4 idle) and, against
+    whole domains (6 + 2, also 2 racks), the slower best it found there; --json carries the same choices."""
+    import json
+
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    cluster = tmp_path / "six.toml"
+    cluster.write_text((DATA / "slow-cluster.toml").read_text().replace('name = "slow-test"', 'name = "slow-six"')
+                       .replace("nvlink_domain_gpus = 4", "nvlink_domain_gpus = 6")
+                       .replace("nic_gbps = 2", "nic_gbps = 0.05"))
+    job = tmp_path / "job.toml"
+    data = placement_job.model_dump(mode="json", exclude_none=True)
+    data["cluster"] = str(cluster)
+    search = data.pop("search")
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    lines += ["[search]"] + [f"{k} = {json.dumps(v)}" for k, v in search.items() if v not in (None, [])]
+    job.write_text("\n".join(lines) + "\n")
+    out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0"])
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert "placement: 2 racks x 4 of 6 GPUs (8 GPUs used, 12 held, 4 idle)" in text
+    why = [ln for ln in text.splitlines() if ln.startswith("  over whole racks (6 per rack), 2 racks: ")]
+    # Either the best layout found under whole racks, slower, or (never priced) its shapes' least bound.
+    assert len(why) == 1 and ("best found" in why[0] and "(+" in why[0] or "no layout found, bound" in why[0])
+    res = json.loads(CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0", "--json"]).output)
+    assert [o["domain_gpus_used"] for o in res["placements"]] == [4, None]
+    whole = res["placements"][1]
+    assert whole["best_s"] is None or res["placements"][0]["best_s"] < whole["best_s"]
+    assert res["layouts"][0]["placement"] == {**res["layouts"][0]["placement"], "gpus_per_domain": 4,
+                                              "domains_held": 2, "gpus_held": 12, "gpus_used": 8}
