@@ -37,4 +37,8 @@ def resolve_placement(job: Job, model: ModelSpec, cluster: ClusterSpec) -> Job:
         if g > held:
             raise SpecError(f"{g} GPUs do not fit in {job.racks} racks of {d} GPUs ({held}); raise racks to "
                             f"{-(-g // d)} or lower gpus")
+        u = job.domain_gpus_used
+        if u is not None and -(-g // u) > job.racks:
+            raise SpecError(f"{g} GPUs at domain_gpus_used = {u} take {-(-g // u)} racks, more than racks = "
+                            f"{job.racks}; raise racks or domain_gpus_used")
     return job
