@@ -91,6 +91,15 @@ def slow() -> k3opt.ClusterSpec:
     return k3opt.load_cluster(Path(__file__).parent / "data" / "slow-cluster.toml")
 
 
+def contiguous_splits(layers: int, chunks: int):
+    """Every split of `layers` layers into `chunks` contiguous chunks of at least one layer (C(L - 1, K - 1))."""
+    import itertools
+
+    for cuts in itertools.combinations(range(1, layers), chunks - 1):
+        edges = (0, *cuts, layers)
+        yield [edges[i + 1] - edges[i] for i in range(chunks)]
+
+
 INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
 
 

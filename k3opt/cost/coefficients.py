@@ -16,6 +16,7 @@ from k3opt.cost import comm
 from k3opt.cost.schedule import composition_peak, inflight_compositions, schedule_slots
 from k3opt.cost.structure import Block, Saved, Structure, Tensor, structure_of
 from k3opt.inputs.memo import Memo, register
+from k3opt.inputs.placement import domain_block
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
 from k3opt.inputs.specs import (
     BF16,
@@ -632,7 +633,7 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
     only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
     cluster = _cluster_of(cluster_json)
     tg = shape.toggles
-    domain = min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
+    domain = domain_block(shape.domain_gpus_used, cluster.nvlink_domain_gpus)
     pl = placement_of(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
     terms = _layer_terms(LayerShape.of(shape, pl), model_json, cluster_json, rates_json)
     comps = _compositions(shape.pp, shape.vp, shape.microbatches)

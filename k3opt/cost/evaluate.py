@@ -33,6 +33,7 @@ from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, r
 from k3opt.cost.sharding import owned_per_rank, whole_params
 from k3opt.cost.structure import ParamCounts, structure_of
 from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model, load_runtime
 from k3opt.inputs.specs import (
     GIB,
@@ -253,12 +254,12 @@ class Evaluation:
     @property
     def gpus_per_domain(self) -> int:
         """GPUs the layout uses in each NVLink domain (its `domain_gpus_used`, else the whole domain)."""
-        return min(self.layout.domain_gpus_used or self.cluster.nvlink_domain_gpus, self.cluster.nvlink_domain_gpus)
+        return domain_block(self.layout.domain_gpus_used, self.cluster.nvlink_domain_gpus)
 
     @property
     def domains_held(self) -> int:
         """NVLink domains (racks) the placement holds: ceil(gpus / GPUs per domain)."""
-        return -(-self.layout.gpus // self.gpus_per_domain)
+        return domains_held(self.layout.gpus, self.layout.domain_gpus_used, self.cluster.nvlink_domain_gpus)
 
     @property
     def gpus_held(self) -> int:
@@ -268,15 +269,14 @@ class Evaluation:
     @property
     def tokens_per_s_per_gpu_held(self) -> float:
         """Tokens per second at the ranked step time, per GPU held (idle GPUs of the held domains count)."""
-        return self.step.tokens_per_update / self.step.rank_time_s / self.gpus_held
+        return self.step.rank_tokens_per_s_per_gpu * self.layout.gpus / self.gpus_held
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the same numbers the tables print."""
         return {
             "placement": {"gpus_used": self.layout.gpus, "gpus_per_domain": self.gpus_per_domain,
                           "domains_held": self.domains_held, "gpus_held": self.gpus_held,
-                          "tokens_per_s_per_gpu_used": self.step.tokens_per_update / self.step.rank_time_s
-                          / self.layout.gpus,
+                          "tokens_per_s_per_gpu_used": self.step.rank_tokens_per_s_per_gpu,
                           "tokens_per_s_per_gpu_held": self.tokens_per_s_per_gpu_held},
             "layout": self.layout.model_dump(mode="json", exclude_none=True),
             "model": self.model.name,

@@ -19,6 +19,7 @@ from k3opt.cost import comm
 from k3opt.cost.coefficients import Shape
 from k3opt.cost.coefficients import placement_of as cached_placement
 from k3opt.inputs.memo import Memo
+from k3opt.inputs.placement import domain_block
 from k3opt.inputs.specs import GIB, ClusterSpec, ModelSpec, RuntimeSpec
 
 
@@ -32,7 +33,7 @@ class MemoryItem:
 
 def _domain(shape: Shape, cluster: ClusterSpec) -> int:
     """GPUs of one NVLink domain the job uses (the placement's block size)."""
-    return min(shape.domain_gpus_used or cluster.nvlink_domain_gpus, cluster.nvlink_domain_gpus)
+    return domain_block(shape.domain_gpus_used, cluster.nvlink_domain_gpus)
 
 
 def placement_of(shape: Shape, cluster: ClusterSpec) -> comm.Placement:

@@ -9,6 +9,16 @@ from k3opt.inputs.errors import SpecError
 from k3opt.inputs.specs import ClusterSpec, Job, ModelSpec
 
 
+def domain_block(used: int | None, domain_gpus: int) -> int:
+    """GPUs a placement uses in each NVLink domain: `domain_gpus_used`, else (None) the whole domain."""
+    return min(used or domain_gpus, domain_gpus)
+
+
+def domains_held(gpus: int, used: int | None, domain_gpus: int) -> int:
+    """NVLink domains (racks) a placement holds: ceil(gpus / GPUs used per domain)."""
+    return -(-gpus // domain_block(used, domain_gpus))
+
+
 def fill_sizes(model: ModelSpec, domain_gpus: int) -> list[int]:
     """GPUs per domain that a job given only racks is planned with: the whole domain, and for each rank block
     size b that fits a domain (a power of two: stages, shard groups; a divisor of the expert count: EP groups)
@@ -36,9 +46,9 @@ def resolve_placement(job: Job, model: ModelSpec, cluster: ClusterSpec) -> Job:
     for g in job.gpu_counts:
         if g > held:
             raise SpecError(f"{g} GPUs do not fit in {job.racks} racks of {d} GPUs ({held}); raise racks to "
-                            f"{-(-g // d)} or lower gpus")
+                            f"{domains_held(g, None, d)} or lower gpus")
         u = job.domain_gpus_used
-        if u is not None and -(-g // u) > job.racks:
-            raise SpecError(f"{g} GPUs at domain_gpus_used = {u} take {-(-g // u)} racks, more than racks = "
-                            f"{job.racks}; raise racks or domain_gpus_used")
+        if u is not None and domains_held(g, u, d) > job.racks:
+            raise SpecError(f"{g} GPUs at domain_gpus_used = {u} take {domains_held(g, u, d)} racks, more than "
+                            f"racks = {job.racks}; raise racks or domain_gpus_used")
     return job

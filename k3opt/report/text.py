@@ -200,7 +200,7 @@ def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     ev = plan.layouts[0].evaluation
     d = ev.cluster.nvlink_domain_gpus
     used, held = ev.layout.gpus, ev.gpus_held
-    per_used = ev.step.tokens_per_update / ev.step.rank_time_s / used
+    per_used = ev.step.rank_tokens_per_s_per_gpu
     lines = [f"placement: {ev.domains_held} racks x {ev.gpus_per_domain} of {d} GPUs ({used} GPUs used, {held} "
              f"held, {held - used} idle); tokens/s per GPU used {per_used:,.0f}, per GPU held "
              f"{ev.tokens_per_s_per_gpu_held:,.0f}"]

@@ -19,6 +19,7 @@ from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import layer_bytes
 from k3opt.inputs.errors import InfeasibleJobError
 from k3opt.inputs.labels import degrees_text
+from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.bounds import (
@@ -35,7 +36,6 @@ from k3opt.search.frames import (
     ActMode,
     Frame,
     allocated_capacity_bytes,
-    domains_held,
     enumerate_frames,
     frame_of,
     frame_shape,
@@ -363,7 +363,7 @@ class _Search:
         d = self.cluster.nvlink_domain_gpus
         for f in self.frames:
             pl = comm.placement(f.gpus, f.pp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp,
-                                min(f.domain_gpus_used or d, d))
+                                domain_block(f.domain_gpus_used, d))
             # Of the placements of one shape, the most local first (an EP group inside a rack, then the shard
             # groups, then the PP hops): the walks then start from a layout whose traffic stays on NVLink.
             key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp, -pl.ep_local, -pl.dense_fsdp_local,

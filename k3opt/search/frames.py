@@ -14,6 +14,7 @@ from k3opt.cost.ledger import layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs import toggles as toggle_registry
 from k3opt.inputs.memo import Memo, register
+from k3opt.inputs.placement import domains_held
 from k3opt.inputs.presets import load_cluster, load_runtime
 from k3opt.inputs.specs import (
     GIB,
@@ -164,11 +165,6 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
     return frames
 
 
-def domains_held(gpus: int, used: int | None, domain_gpus: int) -> int:
-    """NVLink domains (racks) a placement holds: ceil(gpus / GPUs used per domain)."""
-    return -(-gpus // min(used or domain_gpus, domain_gpus))
-
-
 def _placement_signature(gpus: int, p: int, c: int, e: int, fe: int, fd: int, u: int) -> tuple:
     """Everything the cost model reads of a placement (k3opt.cost.comm.placement for the step, each stage's group
     members per domain for its buffers, and whether the world and a CP group fit in one domain): two sizes with
@@ -185,7 +181,7 @@ def _build_domain_options(job_racks: int | None, pinned: int | None, gpus: int, 
         return (pinned,)
     stage = gpus // p
     sizes = {domain_gpus} | {domain_gpus // b * b for b in (c * e, c * e * fe, c * fd, stage) if b <= domain_gpus}
-    n = -(-gpus // domain_gpus)
+    n = domains_held(gpus, None, domain_gpus)
     if gpus % n == 0:
         sizes.add(gpus // n)  # the fewest domains, evenly filled
     if job_racks is not None:

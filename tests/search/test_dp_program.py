@@ -5,12 +5,12 @@ over every range. (The min-max split heuristic is checked against every split in
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import contiguous_splits
 
 import k3opt
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
@@ -19,11 +19,6 @@ from k3opt.search import frames as FR
 
 DATA = Path(__file__).parents[1] / "data"
 
-
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +57,7 @@ def test_stage_program_equals_brute_force_over_splits(space, force):
                 tables = [B._rank_block(r, full, full, s) for r in range(f.pp)]
                 best_t = best_m = math.inf
                 seen, peaks = set(), []
-                for sp in _splits(cf.n_layers, f.pp):
+                for sp in contiguous_splits(cf.n_layers, f.pp):
                     edges = np.concatenate([[0], np.cumsum(sp)])
                     t = max(tables[r][0][edges[r], edges[r + 1]] for r in range(f.pp))
                     m = max(tables[r][1][edges[r], edges[r + 1]] for r in range(f.pp))

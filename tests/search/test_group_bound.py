@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import contiguous_splits
 
 import k3opt
 from k3opt.inputs.presets import make_layout
@@ -22,11 +23,6 @@ DATA = Path(__file__).parents[1] / "data"
 ALLOWED = ("fp8_activations", "activation_offload")
 LC = FsdpLifecycle.PER_MICROBATCH
 
-
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
 
 
 def _job(reserve: float) -> k3opt.Job:
@@ -47,7 +43,7 @@ def _enumerated(job, frames, tiny, slow) -> dict:
     for f, rc in itertools.product(frames, ("none", "full")):
         best = None
         for flags in itertools.product([False, True], repeat=len(ALLOWED)):
-            for split in _splits(tiny.num_layers, 4):
+            for split in contiguous_splits(tiny.num_layers, 4):
                 lay = make_layout(gpus=8, pp=2, vp=2, ep=2, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
                                   microbatches=f.microbatches, context=2048, split=split, recompute=rc,
                                   fsdp_lifecycle=LC, toggles=dict(zip(ALLOWED, flags, strict=True)),

@@ -9,7 +9,7 @@ import itertools
 import math
 
 import pytest
-from conftest import PP2_VP2_TOGGLES, pp2_vp2_memory_job
+from conftest import PP2_VP2_TOGGLES, contiguous_splits, pp2_vp2_memory_job
 
 import k3opt
 from k3opt.inputs.presets import make_layout
@@ -20,11 +20,6 @@ from k3opt.search.lp_bound import interleaved_lp_bound
 CONTEXT = 256
 """Short rows keep the saved activations small, so the optimizer phase (persistent + its transient) binds."""
 
-
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
 
 
 @pytest.mark.parametrize("policy", ["optim", "optim_grads", "optim_grads_params"])
@@ -40,7 +35,7 @@ def test_relaxation_stays_under_every_fitting_layout_where_the_optimizer_phase_b
         best = math.inf
         for flags in itertools.product([False, True], repeat=len(PP2_VP2_TOGGLES)):
             toggles = dict(zip(PP2_VP2_TOGGLES, flags, strict=True))
-            for split in _splits(tiny.num_layers, 4):
+            for split in contiguous_splits(tiny.num_layers, 4):
                 lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches,
                                   context=CONTEXT, split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles,
                                   reserve_gib=3.0, dense_sharding=policy)

@@ -8,14 +8,15 @@ import itertools
 from pathlib import Path
 
 import pytest
+from conftest import contiguous_splits
 
 import k3opt
 from k3opt.inputs.errors import SpecError
-from k3opt.inputs.placement import resolve_placement
+from k3opt.inputs.placement import domains_held, resolve_placement
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Job, Recompute
 from k3opt.search import enumerate_frames
-from k3opt.search.frames import domain_options, domains_held
+from k3opt.search.frames import domain_options
 
 DATA = Path(__file__).parents[1] / "data"
 TOL_S = 1e-4
@@ -100,11 +101,6 @@ def placement_job():
     })
 
 
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
-
 
 def test_search_chooses_the_placement_enumeration_does(placement_job, tiny, six):
     frames = enumerate_frames(placement_job, tiny, 8, six)
@@ -112,7 +108,7 @@ def test_search_chooses_the_placement_enumeration_does(placement_job, tiny, six)
     best: dict[int | None, float] = {}
     for f in frames:
         for rc, flags in itertools.product((Recompute.NONE, Recompute.FULL), [(False,), (True,)]):
-            for split in _splits(tiny.num_layers, f.pp * f.vp):
+            for split in contiguous_splits(tiny.num_layers, f.pp * f.vp):
                 lay = make_layout(gpus=8, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp,
                                   dense_fsdp=f.dense_fsdp, microbatches=f.microbatches, rows=1, context=2048,
                                   split=split, recompute=rc, fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import contiguous_splits
 
 import k3opt
 import k3opt.inputs.rates
@@ -44,11 +45,6 @@ def _job() -> k3opt.Job:
     })
 
 
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
-
 
 def _enumerate(job, tiny, slow, allowed=ALLOWED, lcs=(FsdpLifecycle.PER_MICROBATCH,)):
     """(frame, recompute, achievable s, roofline s, peak, update communication exposed s, split) of every fitting
@@ -57,7 +53,7 @@ def _enumerate(job, tiny, slow, allowed=ALLOWED, lcs=(FsdpLifecycle.PER_MICROBAT
     for f in enumerate_frames(job, tiny, 8):
         for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), lcs):
             for flags in itertools.product([False, True], repeat=len(allowed)):
-                for split in _splits(tiny.num_layers, f.pp * f.vp):
+                for split in contiguous_splits(tiny.num_layers, f.pp * f.vp):
                     lay = make_layout(gpus=8, pp=f.pp, vp=f.vp, ep=f.ep, dense_fsdp=f.dense_fsdp,
                                       microbatches=f.microbatches, context=2048, split=split, recompute=rc,
                                       fsdp_lifecycle=lc,

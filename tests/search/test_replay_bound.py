@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import interleaved_small_job
+from conftest import contiguous_splits, interleaved_small_job
 from ortools.sat.python import cp_model
 
 import k3opt
@@ -105,11 +105,6 @@ def _slack(fm: FrameModel) -> float:
     return (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
 
 
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
-
 
 def test_node_bound_below_the_ranked_time_small_model():
     """PP2 VP2 on the small model, every split, no / full recompute, with and without activation offload and
@@ -125,7 +120,7 @@ def test_node_bound_below_the_ranked_time_small_model():
     for md in fm.modes:
         for off, bal in itertools.product([False, True], repeat=2):
             toggles = {"activation_offload": off, "balance_activations": bal}
-            for split in _splits(tiny.num_layers, f.pp * f.vp):
+            for split in contiguous_splits(tiny.num_layers, f.pp * f.vp):
                 ev = k3opt.evaluate(layout_of(job, f, frame_shape(job, f, md, lc, **toggles), split),
                                     model=tiny, cluster=slow)
                 if not ev.fits:
@@ -194,7 +189,7 @@ def test_interleaved_plan_is_optimal_against_enumeration():
         for md in act_modes(job):
             for off, bal in itertools.product([False, True], repeat=2):
                 shape = frame_shape(job, f, md, lc, activation_offload=off, balance_activations=bal)
-                for split in _splits(tiny.num_layers, f.pp * f.vp):
+                for split in contiguous_splits(tiny.num_layers, f.pp * f.vp):
                     ev = k3opt.evaluate(layout_of(job, f, shape, split), model=tiny, cluster=slow)
                     if ev.fits and (best is None or ev.step.rank_time_s < best):
                         best = ev.step.rank_time_s

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import INTERLEAVED_TOGGLES, PP2_VP2_TOGGLES, interleaved_small_job, pp2_vp2_memory_job
+from conftest import INTERLEAVED_TOGGLES, PP2_VP2_TOGGLES, contiguous_splits, interleaved_small_job, pp2_vp2_memory_job
 
 import k3opt
 from k3opt.cli import main
@@ -73,11 +73,6 @@ def _assert_bounds_below(job, frames, rows, tiny, slow, recs) -> None:
                 assert min(r[4] for r in node) >= m_n - 1
 
 
-def _splits(layers: int, chunks: int):
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
-
 
 @pytest.fixture(scope="module")
 def enumerated(job, tiny, slow):
@@ -87,7 +82,7 @@ def enumerated(job, tiny, slow):
         for rc, lc in itertools.product(Recompute, FsdpLifecycle):
             for flags in itertools.product([False, True], repeat=len(ALLOWED)):
                 toggles = dict(zip(ALLOWED, flags, strict=True))
-                for split in _splits(tiny.num_layers, f.pp * f.vp):
+                for split in contiguous_splits(tiny.num_layers, f.pp * f.vp):
                     lay = _frame_layout(f, split, rc, lc, toggles)
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
@@ -338,7 +333,7 @@ def test_all_toggles_optimum_and_bounds_match_enumeration(tiny, slow):
         for rc in (Recompute.NONE, Recompute.FULL):
             for flags in itertools.product([False, True], repeat=len(toggles)):
                 tg = dict(zip(toggles, flags, strict=True))
-                for split in _splits(tiny.num_layers, 2):
+                for split in contiguous_splits(tiny.num_layers, 2):
                     ev = k3opt.evaluate(_frame_layout(f, split, rc, FsdpLifecycle.PER_MICROBATCH, tg),
                                         model=tiny, cluster=slow)
                     if ev.fits:
@@ -375,7 +370,7 @@ def test_interleaved_optimum_equals_enumeration(tiny, slow):
     for f in frames:
         for rc in ("none", "full"):
             for flags in itertools.product([False, True], repeat=len(allowed)):
-                for split in _splits(tiny.num_layers, 4):
+                for split in contiguous_splits(tiny.num_layers, 4):
                     lay = _frame_layout(f, split, rc, FsdpLifecycle.PER_MICROBATCH,
                                         dict(zip(allowed, flags, strict=True)))
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
@@ -411,7 +406,7 @@ def test_minmax_split_equals_enumeration():
         worst = max(fixed[j] + cost[j, bounds[j]:bounds[j + 1]].sum() for j in range(chunks))
         best = min(
             max(fixed[j] + cost[j, sum(s[:j]):sum(s[:j + 1])].sum() for j in range(chunks))
-            for s in _splits(layers, chunks))
+            for s in contiguous_splits(layers, chunks))
         assert sum(got) == layers and min(got) >= 1
         assert worst == pytest.approx(best, rel=1e-6)
     # With a memory cap every chunk must hold: the optimum over the splits that fit, None when none does.
@@ -421,7 +416,7 @@ def test_minmax_split_equals_enumeration():
         fixed = rng.uniform(0.0, 2.0, size=chunks)
         mem = rng.uniform(0.2, 2.0, size=(chunks, layers))
         mem_fixed = rng.uniform(0.0, 1.0, size=chunks)
-        fitting = [s for s in _splits(layers, chunks)
+        fitting = [s for s in contiguous_splits(layers, chunks)
                    if all(mem_fixed[j] + mem[j, sum(s[:j]):sum(s[:j + 1])].sum() <= cap for j in range(chunks))]
         got = minmax_split(cost, fixed, mem, mem_fixed, cap)
         if not fitting:
@@ -468,7 +463,7 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
     for f in frames:
         for rc, lc in itertools.product(Recompute, FsdpLifecycle):
             for flags in itertools.product([False, True], repeat=len(ALLOWED)):
-                for split in _splits(tiny.num_layers, f.pp):
+                for split in contiguous_splits(tiny.num_layers, f.pp):
                     lay = _frame_layout(f, split, rc, lc, dict(zip(ALLOWED, flags, strict=True)))
                     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                     if ev.fits:
@@ -499,7 +494,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
     for f in frames:
         for rc, lc in itertools.product((Recompute.NONE, Recompute.FULL), FsdpLifecycle):
             for flags in itertools.product([False, True], repeat=len(ALLOWED)):
-                for split in _splits(tiny.num_layers, 2):
+                for split in contiguous_splits(tiny.num_layers, 2):
                     ev = k3opt.evaluate(_frame_layout(f, split, rc, lc, dict(zip(ALLOWED, flags, strict=True))),
                                         model=tiny, cluster=slow)
                     if ev.fits:
@@ -537,7 +532,7 @@ def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
     (rc, lc): every setting of the `allowed` toggles on every split of the layers into 4 chunks."""
     for flags in itertools.product([False, True], repeat=len(allowed)):
         toggles = dict(zip(allowed, flags, strict=True))
-        for split in _splits(tiny.num_layers, 4):
+        for split in contiguous_splits(tiny.num_layers, 4):
             lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
                               split=split, recompute=rc, fsdp_lifecycle=lc, toggles=toggles, reserve_gib=reserve)
             ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
@@ -708,7 +703,7 @@ def test_interleaved_bounds_below_every_layout_when_pp_packets_bind(tiny, slow, 
     })
     (f,) = enumerate_frames(job, tiny, 8)
     times = []
-    for split in _splits(tiny.num_layers, 4):
+    for split in contiguous_splits(tiny.num_layers, 4):
         lay = make_layout(gpus=8, pp=2, vp=2, ep=2, dense_fsdp=2, microbatches=f.microbatches, context=2048,
                           split=split, recompute=Recompute.NONE, fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,
                           reserve_gib=0.5)
