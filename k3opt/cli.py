@@ -23,14 +23,17 @@ from k3opt.inputs.labels import degrees_text, split_text
 from k3opt.inputs.presets import format_validation_error, load_job, load_layout
 from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
+from k3opt.inputs.sweep import load_sweep
 from k3opt.launch import check_format, to_launch
 from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
-from k3opt.report.live import LiveProgress
-from k3opt.report.text import explain_text, plan_text
+from k3opt.report.live import LiveProgress, SweepLive
+from k3opt.report.text import explain_text, plan_text, sweep_table
 from k3opt.report.throughput import validate_throughput, validation_table
 from k3opt.report.validate import rows_text, validation_rows
 from k3opt.search.result import plan_frame
+from k3opt.sweep import SweepSettings, run_sweep
+from k3opt.sweep.store import check_out, read_rows
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -337,6 +340,77 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         click.echo(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     if csv_path:
         click.echo(f"wrote {len(df)} rows to {csv_path}")
+
+
+@main.command()
+@click.argument("grid", type=click.Path(dir_okay=False))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="Output .csv or .parquet: one row per point and layout. A rerun into it solves only new points.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Points planned at once on the local process pool  [default: the CPU count]")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CP-SAT threads per plan  [default: CPUs / workers locally, 2 per Ray task]")
+@click.option("--ray", "ray_address", default=None, metavar="auto|local|ADDRESS",
+              help="Run the points as Ray tasks: 'local' starts Ray here, 'auto' or an address joins a cluster "
+                   "(needs k3opt[ray]).")
+@click.option("--top", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Layouts per point: the best and the next K-1.")
+@click.option("--time-limit", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds per point's plan.")
+@click.option("--gap", type=click.FloatRange(min=0.0, max=1.0), default=0.01, show_default=True,
+              help="Relative gap at which each plan stops and reports OPTIMAL.")
+@click.option("--train-tokens", type=click.FloatRange(min=1.0), default=15e12, show_default=True,
+              help="Token budget of the days-to-train and GPU-hour columns.")
+@click.option("--usd-per-gpu-hour", type=click.FloatRange(min=0.0), default=None,
+              help="Price per GPU-hour (GPUs held): adds train_usd.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of tokens/s per GPU and days to train against GPU count.")
+@_user_errors
+def sweep(grid: str, out_path: str, workers: int | None, threads: int | None, ray_address: str | None, top: int,
+          time_limit: float, gap: float, train_tokens: float, usd_per_gpu_hour: float | None,
+          plot_path: str | None) -> None:
+    """Plan every point of GRID (a job file with a [sweep] table of lists: its product) into --out, one row per
+    point (with --top K, K rows); a point that fails is a row with its reason."""
+    if plot_path:
+        _check_png(plot_path)
+    check_out(out_path)
+    grid_spec = load_sweep(grid)
+    cores = os.cpu_count() or 1
+    workers = workers or cores
+    threads = threads or (2 if ray_address else max(1, cores // workers))
+    settings = SweepSettings(top=top, time_limit=time_limit, gap=gap, threads=threads, train_tokens=train_tokens,
+                             usd_per_gpu_hour=usd_per_gpu_hour)
+    axes = " x ".join(f"{k} {len(v)}" for k, v in grid_spec.axes.items())
+    click.echo(f"sweep {grid}: {grid_spec.size()} points ({axes}), "
+               f"{'Ray ' + ray_address if ray_address else f'{workers} local workers'}, {threads} CP-SAT "
+               f"thread(s) per plan, {time_limit:g} s per plan", err=True)
+    with SweepLive(True) as live:
+        res = run_sweep(grid_spec, out_path, settings, workers=workers, ray=ray_address, progress=live)
+    df = read_rows(res.out)
+    click.echo(sweep_table(df[df["point_key"].astype(str).isin(res.keys)]))
+    st = res.status
+    click.echo(f"wrote {len(df)} rows to {res.out}: {st.done} points ({st.skipped} already in the file), "
+               f"{st.failed} failed")
+    if plot_path:
+        _sweep_picture(df, plot_path)
+
+
+def _sweep_picture(df, path: str) -> None:  # noqa: ANN001 - a pandas DataFrame
+    from k3opt.report import plots
+
+    plots.sweep_plot(df, path)
+    click.echo(f"wrote {path}", err=True)
+
+
+@main.command("sweep-plot")
+@click.argument("results", type=click.Path(dir_okay=False, exists=True))
+@click.argument("png", type=click.Path(dir_okay=False))
+@_user_errors
+def sweep_plot_cmd(results: str, png: str) -> None:
+    """Draw a sweep's output (RESULTS, .csv or .parquet) into PNG: tokens/s per GPU and days to train against GPU
+    count, one line per value of the other swept keys, points with no fitting layout marked."""
+    _check_png(png)
+    _sweep_picture(read_rows(results), png)
 
 
 PROVEN_TOL = 1e-9

@@ -18,7 +18,8 @@ ALLOWED = {
     "launch": {"inputs", "launch"},
     "planner": {"inputs", "search", "launch"},
     "report": {"inputs", "cost", "search", "report"},
-    "cli": {"inputs", "cost", "search", "launch", "planner", "report"},
+    "sweep": {"inputs", "search", "planner", "sweep"},
+    "cli": {"inputs", "cost", "search", "launch", "planner", "report", "sweep"},
     "__init__": {"inputs", "cost", "search", "launch", "planner"},
 }
 # The one import left inside a function: matplotlib loads only when a picture is asked for.

@@ -7,6 +7,7 @@ Elsewhere (a log, a pipe): one plain line every `period_s` seconds on stderr. Di
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import time as _time
@@ -97,3 +98,51 @@ class LiveProgress:
     def callback(self) -> LiveProgress | None:
         """What the search gets: this object when enabled, else None (no snapshots built at all)."""
         return self if self.enabled else None
+
+
+class SweepLive:
+    """The live view of a sweep (k3opt.sweep.run): a rich progress bar over the points on a terminal (done,
+    failed, running, ETA), else a plain line whenever a point finishes, at most every `period_s` seconds, and a
+    last one at the end. A callback for run_sweep and a context manager, like LiveProgress."""
+
+    def __init__(self, enabled: bool, stream: IO[str] | None = None, period_s: float = 5.0,
+                 terminal: bool | None = None) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.period_s = period_s
+        self.last_line = -math.inf
+        self.latest = None
+        self._bar = Progress(TextColumn("sweep"), BarColumn(), TextColumn("{task.description}"),
+                             TimeElapsedColumn(), console=Console(file=self.stream, force_terminal=True),
+                             transient=False)
+        self._task = None
+
+    @staticmethod
+    def text(s) -> str:  # noqa: ANN001 - k3opt.sweep.run.SweepStatus
+        eta = s.eta_s()
+        return (f"{s.done}/{s.total} points done ({s.skipped} from the file), {s.failed} failed, {s.running} "
+                f"running, ETA {'-' if eta is None else f'{eta:.0f} s'}")
+
+    def __call__(self, s) -> None:  # noqa: ANN001
+        self.latest = s
+        if not self.enabled:
+            return
+        if self.terminal:
+            if self._task is None:
+                self._task = self._bar.add_task(self.text(s), total=s.total)
+            self._bar.update(self._task, completed=s.done, description=self.text(s))
+        elif _time.monotonic() - self.last_line >= self.period_s or s.done == s.total:
+            self.last_line = _time.monotonic()
+            print(self.text(s), file=self.stream, flush=True)
+
+    def __enter__(self) -> SweepLive:
+        if self.enabled and self.terminal:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.enabled and self.terminal:
+            self._bar.stop()

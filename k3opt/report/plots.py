@@ -12,6 +12,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+import pandas as pd
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -20,7 +21,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from k3opt.cost.evaluate import Evaluation  # noqa: E402
 from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
-from k3opt.inputs.errors import LayoutError  # noqa: E402
+from k3opt.inputs.errors import LayoutError, SpecError  # noqa: E402
 from k3opt.inputs.labels import degrees_text  # noqa: E402
 from k3opt.inputs.specs import GIB  # noqa: E402
 
@@ -216,3 +217,43 @@ def timeline_plot(ev: Evaluation, path: str | Path) -> None:
 
 
 __all__ = ["ledger_plot", "pareto_plot", "pipeline_schedule", "timeline_plot", "in_flight_peak"]
+
+
+# -------------------------------------------------------------------------------- capacity sweep
+
+
+def sweep_plot(df: pd.DataFrame, path: str | Path) -> None:
+    """A sweep's first picture: tokens/s per GPU held and days to train its token budget against GPU count, one
+    line per value of the other swept keys (context, cluster, ...), from each point's best layout; points with no
+    fitting layout are marked x on the axis."""
+    if "gpus" not in df.columns and "sweep_gpus" not in df.columns:
+        raise SpecError("sweep plot: the output has no GPU count column (no point planned)")
+    best = df[df["rank"].isna() | (df["rank"] == 1)] if "rank" in df.columns else df
+    swept = [c for c in best.columns if c.startswith("sweep_") and c not in ("sweep_gpus", "sweep_racks")]
+    best = best.assign(series=best[swept].astype(str).agg(" ".join, axis=1) if swept else "all",
+                       x=best["gpus"].fillna(best.get("sweep_gpus")) if "gpus" in best else best["sweep_gpus"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, grp in best.groupby("series", sort=False):
+        ok = grp[grp["status"] != "FAILED"].sort_values("x")
+        bad = grp[grp["status"] == "FAILED"]
+        label = " ".join(w.removeprefix("sweep_") for w in str(name).split()) if swept else "all points"
+        for ax, col in zip(axes, ("ranked_tokens_per_s_per_gpu_held", "train_days"), strict=True):
+            line = ax.plot(ok["x"], ok[col], marker="o", label=label)[0] if len(ok) else None
+            if len(bad):
+                ax.scatter(bad["x"], np.zeros(len(bad)), marker="x", s=60,
+                           color=line.get_color() if line else "red", label=f"{label}: no layout" if not line
+                           else None)
+    axes[0].set_ylabel("tokens/s per GPU held (best layout)")
+    budget = best["train_tokens"].dropna()
+    axes[1].set_ylabel(f"days to train {budget.iloc[0]:.3g} tokens" if len(budget) else "days to train")
+    ticks = sorted({int(x) for x in best["x"].dropna()})
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("GPUs")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, title=", ".join(c.removeprefix("sweep_") for c in swept) or None)
+    fig.suptitle("capacity sweep: x marks points with no fitting layout")
+    _save(fig, path)

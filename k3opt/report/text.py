@@ -274,3 +274,24 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
             raise K3optError(f"--show-ledger {show_ledger}: the plan has layouts 1..{len(plan.layouts)}")
         lines += ["", explain_text(plan.layouts[show_ledger - 1].evaluation, terms=False)]
     return "\n".join(lines)
+
+
+def sweep_table(df: pd.DataFrame) -> str:
+    """A sweep's output, one line per point: its swept values, status, gap, best layout, ranked step time,
+    tokens/s per GPU held and days to train (or the reason it failed)."""
+    if df.empty:
+        return "(no points)"
+    best = df[df["rank"].isna() | (df["rank"] == 1)] if "rank" in df.columns else df
+    swept = [c for c in best.columns if c.startswith("sweep_")]
+    lines = []
+    for _, r in best.sort_values("point").iterrows():
+        values = " ".join(f"{c.removeprefix('sweep_')}={r[c]}" for c in swept)
+        if r["status"] == "FAILED":
+            lines.append(f"{values}: FAILED: {r['reason']}")
+            continue
+        lay = (f"PP{int(r['pp'])} VP{int(r['vp'])} CP{int(r['cp'])} EP{int(r['ep'])} eFSDP{int(r['expert_fsdp'])} "
+               f"dFSDP{int(r['dense_fsdp'])} M{int(r['microbatches'])} {r['recompute']}")
+        lines.append(f"{values}: {r['status']} gap {100 * r['gap']:.2f}%, {lay}, {r['ranked_step_time_s']:.3f} s, "
+                     f"{r['ranked_tokens_per_s_per_gpu_held']:,.0f} tokens/s per GPU held, "
+                     f"{r['train_days']:.1f} days for {r['train_tokens']:.3g} tokens")
+    return "\n".join(lines)
