@@ -25,6 +25,7 @@ from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
 from k3opt.inputs.sweep import load_sweep
 from k3opt.launch import check_format, to_launch
+from k3opt.planner import binding_limits, limit_price
 from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
 from k3opt.report.live import LiveProgress, SweepLive
@@ -237,12 +238,18 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
             launch = to_launch(result.layouts[n - 1].layout, export_fmt, j.model)
     elif export_fmt is not None:
         launch = to_launch(result.layouts[0].layout, export_fmt, j.model)
-    cost = None
+    cost, prices = None, []
     if free is not None:
         best, unlimited = result.layouts[0].rank_time_s, free.layouts[0].rank_time_s
         cost = (f"launch target {j.target}: best {best:.3f} s with its limits, {unlimited:.3f} s without "
                 f"({_short(free.layouts[0].layout)}); the limits cost "
                 f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
+        binding = binding_limits(free.layouts[0].layout, j.target, j.model)
+        for lim in binding if best > unlimited else []:
+            with LiveProgress(not as_json, f"plan with {lim} lifted") as live:
+                prices.append(limit_price(j, best, lim, time_limit=time_limit, workers=workers, gap=gap,
+                                          progress=live.callback))
+        prices.sort(key=lambda p: -(p.saves_s or 0.0))
     if as_json:
         rt = planning_runtime(result.job, result.layouts[0].evaluation.cluster)
         out = {
@@ -256,7 +263,8 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         }
         if free is not None:
             out.update({"target": j.target, "best_without_target_s": free.layouts[0].rank_time_s,
-                        "layout_without_target": free.layouts[0].evaluation.to_dict()["layout"]})
+                        "layout_without_target": free.layouts[0].evaluation.to_dict()["layout"],
+                        "limit_prices": [dataclasses.asdict(p) for p in prices]})
         if launch is not None and save is None:
             out["export"] = {"format": launch.format, "text": launch.text,
                              "missing": [m.line() for m in launch.missing]}
@@ -265,6 +273,10 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         click.echo(plan_text(result, show_ledger))
         if cost:
             click.echo(f"\n{cost}")
+            if prices:
+                click.echo("what each binding limit costs (the plan re-run with that limit lifted alone):")
+                for p in prices:
+                    click.echo(f"  {p.line()}")
         if save is not None and launch is None:
             click.echo(f"\nwrote layout {save[0]} to {save[1]}")
     if launch is not None:

@@ -4,28 +4,30 @@ the ranked search is done; `pareto` also builds the front over (step time, worst
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
-from k3opt.inputs.errors import InfeasibleJobError
+from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.placement import resolve_placement
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
-from k3opt.inputs.specs import ClusterSpec, Job, ModelSpec
-from k3opt.launch import apply_target_limits, launch_refusals
+from k3opt.inputs.specs import ClusterSpec, Job, Layout, ModelSpec
+from k3opt.launch import FORMATS, apply_target_limits, launch_refusals, limit_text, refusals
 from k3opt.search import plan as search_plan
 from k3opt.search.driver import DEFAULT_GAP
 from k3opt.search.progress import ProgressFn
-from k3opt.search.result import Plan
+from k3opt.search.result import Plan, PlanItem
 
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          *, time_limit: float = 60.0, workers: int = 2, progress: ProgressFn | None = None,
-         gap: float = DEFAULT_GAP) -> Plan:
+         gap: float = DEFAULT_GAP, lifted: frozenset[str] = frozenset()) -> Plan:
     """The `top` fastest layouts of `job` that fit every rank, best first, with the proven bound and gap; returns
     as soon as the ranked search is proven to `gap` (or at `time_limit`). `Plan.pareto` is empty: the front is
-    k3opt.pareto. `progress`, when given, is called with a search.progress.Progress snapshot as the search moves."""
+    k3opt.pareto. `progress`, when given, is called with a search.progress.Progress snapshot as the search moves.
+    `lifted`: limit ids of the job's target (k3opt.launch.refusals) left out, to price them (`limit_prices`)."""
     return _run(job, model, cluster, top, dict(time_limit=time_limit, workers=workers, pareto=False,
-                                               progress=progress, gap=gap))
+                                               progress=progress, gap=gap), lifted)
 
 
 def pareto(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
@@ -38,8 +40,62 @@ def pareto(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec 
                                                pareto_step_gib=step_gib, progress=progress, gap=gap))
 
 
+@dataclass(frozen=True)
+class LimitPrice:
+    """What one launch-target limit costs: the best step time with every limit of the target against the best
+    with this one lifted alone."""
+
+    limit: str
+    """Its id (k3opt.launch.refusals): vp, cp, expert_fsdp, fsdp_lifecycle or toggle:NAME."""
+    text: str
+    best_s: float | None
+    """The best ranked step time with this limit lifted (None: nothing runnable was found even so)."""
+    saves_s: float | None
+    """Step time it would save: best with every limit - best_s."""
+
+    def line(self) -> str:
+        what = f"{self.limit.removeprefix('toggle:')} has no switch" if self.limit.startswith("toggle:") \
+            else f"{self.limit} limited"
+        if self.saves_s is None:
+            return f"{what}: lifting it alone finds no runnable layout ({self.text})"
+        if self.saves_s < 5e-4:
+            return f"{what}: saves nothing lifted alone, it pays only with other limits lifted ({self.text})"
+        return f"{what}: {-self.saves_s:+.3f} s per step lifted alone ({self.text})"
+
+
+def binding_limits(best_free: Layout, target: str, model: ModelSpec | str | None = None) -> list[str]:
+    """The ids of the limits of `target` that the best layout without its limits breaks: those that bind."""
+    m = model if isinstance(model, ModelSpec) else load_model(model or best_free.model or "kimi-k3")
+    return list(dict.fromkeys(k for k, _ in refusals(best_free, target, m)))
+
+
+def limit_price(job: Job, best_s: float, limit: str, model: ModelSpec | str | None = None,
+                cluster: ClusterSpec | str | None = None, *, time_limit: float = 60.0, workers: int = 2,
+                gap: float = DEFAULT_GAP, progress: ProgressFn | None = None) -> LimitPrice:
+    """One limit of job.target priced: the job re-planned with `limit` lifted alone, against `best_s`, the best
+    with every limit."""
+    if job.target is None:
+        raise SpecError("a limit price needs a job with a launch target; set `target` or pass --target")
+    try:
+        res = plan(job, model, cluster, top=1, time_limit=time_limit, workers=workers, gap=gap,
+                   lifted=frozenset({limit}), progress=progress)
+        t: float | None = res.layouts[0].rank_time_s
+    except InfeasibleJobError:
+        t = None
+    return LimitPrice(limit, limit_text(job.target, limit), t, None if t is None else best_s - t)
+
+
+def limit_prices(job: Job, best_s: float, binding: list[str], model: ModelSpec | str | None = None,
+                 cluster: ClusterSpec | str | None = None, **kwargs: Any) -> list[LimitPrice]:
+    """Every binding limit priced alone (`limit_price`), largest saving first. The prices need not add up to the
+    cost of all the limits together: the best layout without them may need two lifted at once."""
+    m = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+    out = [limit_price(job, best_s, lim, m, cluster, **kwargs) for lim in binding]
+    return sorted(out, key=lambda p: -(p.saves_s or 0.0))
+
+
 def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | None, top: int,
-         kwargs: dict[str, Any]) -> Plan:
+         kwargs: dict[str, Any], lifted: frozenset[str] = frozenset()) -> Plan:
     """The search of `job` after it takes its cluster's default runtime when it names none
     (k3opt.inputs.runtime.resolve_job_runtime).
 
@@ -53,14 +109,15 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     job = resolve_placement(resolve_job_runtime(job, c), m, c)
     target = getattr(job, "target", None)
     if target is None:
-        return search_plan(job, model=m, cluster=c, top=top, **kwargs)
-    narrowed = apply_target_limits(job, m)
+        return _with_targets(search_plan(job, model=m, cluster=c, top=top, **kwargs), m)
+    narrowed = apply_target_limits(job, m, lifted)
     ask = top
     while True:
         res = search_plan(narrowed, model=m, cluster=c, top=ask, **kwargs)
-        ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m)]
+        ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m, lifted)]
         exhausted = len(res.layouts) < ask
-        if len(ok) >= top or exhausted or res.status != "OPTIMAL" or ask >= 64:
+        # Past OPTIMAL a wider request costs another search; it is made only while nothing runnable is found.
+        if len(ok) >= top or exhausted or (res.status != "OPTIMAL" and ok) or ask >= 64:
             break
         ask *= 4
     if not ok:
@@ -68,7 +125,7 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
             f"no layout that {target} can run was found ({len(res.layouts)} ranked layouts all break its "
             f"derived expert sharding rule dense_fsdp = ep x expert_fsdp); widen [search] or drop the target")
     res.layouts = ok[:top]
-    res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m)]
+    res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m, lifted)]
     best = res.layouts[0].rank_time_s
     gap = kwargs["gap"]
     if res.status == "OPTIMAL":
@@ -77,4 +134,14 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
         # `best` was refused, so a runnable layout takes at least (1 - gap) x best: proven within the gap.
         res.bound = max(res.bound, best * (1 - gap))
     res.gap = (best - res.bound) / best if best else 0.0
+    return _with_targets(res, m)
+
+
+def _with_targets(res: Plan, model: ModelSpec) -> Plan:
+    """Each ranked and front layout with the launch targets that can run it (PlanItem.runs_on)."""
+    def mark(it: PlanItem) -> PlanItem:
+        return replace(it, runs_on=tuple(t for t in FORMATS if not launch_refusals(it.layout, t, model)))
+
+    res.layouts = [mark(it) for it in res.layouts]
+    res.pareto = [mark(it) for it in res.pareto]
     return res

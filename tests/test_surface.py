@@ -30,7 +30,8 @@ PUBLIC_API = frozenset({
     "to_launch", "pareto",
 })
 
-CLI_COMMANDS = frozenset({"explain", "plan", "pareto", "export", "validate", "validate-throughput"})
+CLI_COMMANDS = frozenset({"explain", "plan", "pareto", "export", "validate", "validate-throughput", "sweep",
+                          "sweep-plot"})
 
 # Options of each command (-h / --help come from the group and are checked separately).
 CLI_OPTIONS = {
@@ -42,9 +43,12 @@ CLI_OPTIONS = {
     "export": frozenset({"--format", "--model", "--out"}),
     "validate": frozenset({"--folder", "--json"}),
     "validate-throughput": frozenset({"--json"}),
+    "sweep": frozenset({"--out", "--workers", "--threads", "--ray", "--top", "--time-limit", "--gap", "--train-tokens",
+                        "--usd-per-gpu-hour", "--plot"}),
+    "sweep-plot": frozenset(),
 }
 CLI_ARGUMENTS = {"explain": ("layout",), "plan": ("job",), "pareto": ("job",), "export": ("layout",), "validate": (),
-                 "validate-throughput": ()}
+                 "validate-throughput": (), "sweep": ("grid",), "sweep-plot": ("results", "png")}
 
 STEP_COMPONENTS = frozenset({"compute", "hbm", "nvlink", "nic", "host_link", "microbatch_work", "bubble",
                              "exposed_update"})

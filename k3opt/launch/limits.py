@@ -77,32 +77,53 @@ def _has_kda(model: ModelSpec) -> bool:
     return bool(kda_layers(model))
 
 
-def launch_refusals(layout: Layout, target: str, model: ModelSpec | None = None) -> list[str]:
-    """Every reason `target` cannot run `layout` as k3opt priced it (empty: it can). Each names its source."""
+def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
+             lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
+    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle) and `toggle:NAME` for a toggle with no
+    switch."""
     check_format(target)
-    out: list[str] = []
+    out: list[tuple[str, str]] = []
     if target == "megatron-bridge" and layout.vp > 1:
-        out.append(f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]")
+        out.append(("vp", f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]"))
     if target == "megatron-bridge" and layout.cp > 1 and (model is None or _has_kda(model)):
-        out.append(f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]")
+        out.append(("cp", f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]"))
     if layout.dense_fsdp != layout.ep * layout.expert_fsdp:
         src = _source(target, "expert_fsdp")
-        out.append(f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x {layout.expert_fsdp}: "
-                   f"the expert sharding degree is derived [{src}]")
+        out.append(("expert_fsdp", f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x "
+                                   f"{layout.expert_fsdp}: the expert sharding degree is derived [{src}]"))
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE:
-        out.append(f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the distributed optimizer "
-                   f"(accumulate) runs [{_source(target, 'fsdp_lifecycle')}]")
+        out.append(("fsdp_lifecycle", f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the "
+                                      f"distributed optimizer (accumulate) runs [{_source(target, 'fsdp_lifecycle')}]"))
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
-        out.append(f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]")
+        out.append(("cp", f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]"))
     for ns in NO_SWITCH[target]:
         if getattr(layout.toggles, ns.toggle):
-            out.append(f"toggle {ns.toggle} has no switch [{ns.source}]")
-    return out
+            out.append((f"toggle:{ns.toggle}", f"toggle {ns.toggle} has no switch [{ns.source}]"))
+    return [(k, why) for k, why in out if k not in lifted]
 
 
-def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
+def launch_refusals(layout: Layout, target: str, model: ModelSpec | None = None,
+                    lifted: frozenset[str] = frozenset()) -> list[str]:
+    """Every reason `target` cannot run `layout` as k3opt priced it (empty: it can), each naming its source; the
+    limits in `lifted` (ids as in `refusals`) do not count."""
+    return [why for _, why in refusals(layout, target, model, lifted)]
+
+
+def limit_text(target: str, limit: str) -> str:
+    """What limit id `limit` of `target` is, in one phrase with its source."""
+    if limit.startswith("toggle:"):
+        name = limit.removeprefix("toggle:")
+        src = next((ns.source for ns in NO_SWITCH[target] if ns.toggle == name), "")
+        return f"{name} has no switch in {target} [{src}]"
+    lim = next((x for x in LIMITS if x.target == target and x.name == limit), None)
+    return f"{lim.rule} [{lim.source}]" if lim is not None else f"{target} limit {limit}"
+
+
+def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozenset[str] = frozenset()) -> Job:
     """The job narrowed to what job.target can run (unchanged when no target): vp / cp lists, the FSDP
-    lifecycle, and every toggle without a switch added to forbid_toggles.
+    lifecycle, and every toggle without a switch added to forbid_toggles; but the limits in `lifted` (ids as in
+    `refusals`), left as the job had them, to price each limit alone.
 
     The derived expert-DP rule (dense_fsdp = ep x expert_fsdp) couples three degrees, which the [search] lists
     cannot say; `k3opt.planner.plan` filters frames that break it (see launch_refusals)."""
@@ -114,6 +135,8 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
     upd: dict = {}
 
     def narrow(name: str, allowed: list) -> None:
+        if name in lifted:
+            return
         cur = getattr(s, name)
         upd[name] = [v for v in cur if v in allowed] if cur is not None else list(allowed)
 
@@ -125,7 +148,7 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None) -> Job:
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
     forbid = list(s.forbid_toggles)
     for ns in NO_SWITCH[target]:
-        if ns.toggle not in forbid:
+        if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:
             forbid.append(ns.toggle)
     required = [t for t in s.require_toggles if t in forbid]
     if required:

@@ -245,6 +245,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
         "achievable_step_time_s": "achievable_s", "step_time_s": "step_s",
         "ranked_tokens_per_s": "tokens/s", "ranked_mfu_pct": "MFU%", "peak_gib": "live_GiB",
         "peak_device_gib": "device_GiB", "headroom_gib": "headroom_GiB", "binding_resource": "binds",
+        "runs_on": "runs_on",
     }
     if rates:
         df["binding_resource"] = df["achievable_binding_resource"]

@@ -18,6 +18,8 @@ class PlanItem:
     front_bound_s: float | None = None
     """On a Pareto point: a proven lower bound on the ranked step time of every layout of its GPU count in the
     peak range the point stands for (search/front.py); None elsewhere."""
+    runs_on: tuple[str, ...] | None = None
+    """The launch targets that can run the layout as priced (k3opt.launch.limits); None where not checked."""
 
     @property
     def step_time_s(self) -> float:
@@ -119,6 +121,7 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             "runtime": ev.runtime.name if ev.runtime is not None else "",
             "gpus_per_domain": ev.gpus_per_domain, "domains_held": ev.domains_held, "gpus_held": ev.gpus_held,
             "ranked_tokens_per_s_per_gpu_held": ev.tokens_per_s_per_gpu_held,
+            "runs_on": "" if getattr(it, "runs_on", None) is None else " ".join(it.runs_on) or "none",
         }
         row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
         s = ev.step

@@ -15,7 +15,7 @@ from k3opt.inputs.errors import K3optError
 from k3opt.inputs.presets import load_cluster, load_model, load_runtime
 from k3opt.inputs.specs import NO_RUNTIME, Job
 from k3opt.inputs.sweep import SweepPoint
-from k3opt.planner import plan
+from k3opt.planner import binding_limits, limit_prices, plan
 from k3opt.search.result import plan_frame
 
 ANSWER_SETTINGS = ("top", "time_limit", "gap")
@@ -89,12 +89,27 @@ def point_rows(point: SweepPoint, key: str, settings: SweepSettings) -> list[dic
     except Exception as err:  # noqa: BLE001 - one point's defect must not end a sweep of hundreds; it is recorded
         reason = f"internal error ({type(err).__name__}: {err}); please report it with this point's job"
         return [{**head, "status": "FAILED", "reason": reason, "wall_s": time.monotonic() - t0}]
+    if job.target is not None:
+        head.update(_limit_columns(job, res.layouts[0].rank_time_s, settings))
     wall = time.monotonic() - t0
     df = plan_frame(res.layouts)
     # Per-rank columns differ with PP from point to point: the worst rank's ledger stays, the rest is in explain.
     df = df[[c for c in df.columns if not (c.startswith("rank") and c[4:5].isdigit())]]
     return [price({**head, "status": res.status, "gap": res.gap, "bound_s": res.bound, "reason": "", "wall_s": wall,
                    **rec}, settings) for rec in df.to_dict("records")]
+
+
+def _limit_columns(job: Job, best_s: float, settings: SweepSettings) -> dict[str, Any]:
+    """A targeted point's limit prices (k3opt.planner.limit_prices): the best without the target's limits, what
+    they cost together, and per binding limit the step time it saves lifted alone (`limit_<id>_saves_s`)."""
+    kw = {"time_limit": settings.time_limit, "workers": settings.threads, "gap": settings.gap}
+    free = plan(job.model_copy(update={"target": None}), top=1, **kw)
+    out: dict[str, Any] = {"best_without_target_s": free.layouts[0].rank_time_s,
+                           "limits_cost_s": best_s - free.layouts[0].rank_time_s}
+    binding = binding_limits(free.layouts[0].layout, job.target, job.model)
+    for p in limit_prices(job, best_s, binding, **kw) if best_s > free.layouts[0].rank_time_s else []:
+        out[f"limit_{p.limit.replace('toggle:', 'toggle_')}_saves_s"] = p.saves_s
+    return out
 
 
 def price(row: dict[str, Any], settings: SweepSettings) -> dict[str, Any]:

@@ -236,3 +236,19 @@ def test_the_cli_sweep_prints_each_point_and_draws_the_picture(tmp_path: Path) -
     png2 = tmp_path / "again.png"
     res = CliRunner().invoke(main, ["sweep-plot", str(out), str(png2)])
     assert res.exit_code == 0 and png2.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_targeted_point_carries_its_limit_prices(tmp_path: Path) -> None:
+    data = Path(__file__).parents[1] / "data"
+    grid = _file(tmp_path, f'model = "{data / "tiny-moe.toml"}"\ncluster = "{data / "slow-cluster.toml"}"\n'
+                           'gpus = 8\ncontext = 2048\ntokens_per_update = 32768\nreserve_gib = 1.5\n[search]\n'
+                           'pp = [2]\nep = [2, 4]\nvp = [1, 2]\nrecompute = ["full"]\n'
+                           '[sweep]\ntarget = ["megatron-bridge"]\n')
+    run_sweep(load_sweep(grid), tmp_path / "t.csv", SweepSettings(time_limit=30.0, threads=1), workers=1)
+    row = read_rows(tmp_path / "t.csv").iloc[0]
+    assert row["target"] == "megatron-bridge" and row["vp"] == 1
+    assert row["limits_cost_s"] == pytest.approx(row["ranked_step_time_s"] - row["best_without_target_s"])
+    saves = [c for c in row.index if c.startswith("limit_") and c.endswith("_saves_s")]
+    # within the 1% gap each plan is proven to, lifting one limit saves at most what lifting all of them does
+    slack = 0.011 * row["ranked_step_time_s"]
+    assert saves and all(-slack <= row[c] <= row["limits_cost_s"] + slack for c in saves)

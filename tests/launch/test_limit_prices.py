@@ -1,0 +1,101 @@
+"""What each launch-target limit costs: the plan re-run with one limit lifted alone, checked against the same
+job narrowed by hand through its [search] lists (the lifting mechanism against an explicit construction)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.inputs.specs import TOGGLE_NAMES
+from k3opt.launch import NO_SWITCH, launch_refusals
+from k3opt.launch.common import kda_layers
+from k3opt.planner import binding_limits, limit_prices
+
+DATA = Path(__file__).parents[1] / "data"
+TARGET = "megatron-bridge"
+SPEC = {
+    "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+    "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5,
+    "search": {"pp": [2], "vp": [1, 2], "cp": [1, 2], "ep": [2, 4], "expert_fsdp": [1, 2],
+               "dense_fsdp": [1, 2], "recompute": ["full"],
+               "forbid_toggles": [t for t in TOGGLE_NAMES if t not in ("fused_situ", "fp8_activations")]},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")
+
+
+def _by_hand(lifted: str, model: k3opt.ModelSpec, cluster: k3opt.ClusterSpec) -> float:
+    """The best runnable layout with every Megatron-Bridge limit but `lifted`, written as [search] lists and a
+    filter on the derived expert sharding degree, without a target."""
+    search = dict(SPEC["search"])
+    if lifted != "vp":
+        search["vp"] = [1]
+    if lifted != "cp" and kda_layers(model):
+        search["cp"] = [1]
+    if lifted != "fsdp_lifecycle":
+        search["fsdp_lifecycle"] = ["accumulate"]
+    search["forbid_toggles"] = sorted(set(search["forbid_toggles"]) | {
+        ns.toggle for ns in NO_SWITCH[TARGET] if f"toggle:{ns.toggle}" != lifted})
+    res = k3opt.plan(k3opt.Job.model_validate({**SPEC, "search": search}), model=model, cluster=cluster, top=64,
+                     gap=0.0)
+    ok = [it for it in res.layouts if lifted == "expert_fsdp" or it.layout.dense_fsdp == it.layout.ep *
+          it.layout.expert_fsdp]
+    return ok[0].rank_time_s
+
+
+def test_each_binding_limit_is_priced_as_the_plan_narrowed_by_hand_without_it(tiny):
+    model, cluster = tiny
+    free = k3opt.plan(k3opt.Job.model_validate(SPEC), model=model, cluster=cluster, top=1, gap=0.0)
+    job = k3opt.Job.model_validate({**SPEC, "target": TARGET})
+    bound = k3opt.plan(job, model=model, cluster=cluster, top=1, gap=0.0)
+    binding = binding_limits(free.layouts[0].layout, TARGET, model)
+    # the ids are those of the free best's refusals, each once
+    assert len(binding) == len(launch_refusals(free.layouts[0].layout, TARGET, model)) >= 1
+    prices = limit_prices(job, bound.layouts[0].rank_time_s, binding, model, cluster, gap=0.0)
+    assert {p.limit for p in prices} == set(binding)
+    for p in prices:
+        assert p.best_s == pytest.approx(_by_hand(p.limit, model, cluster), rel=1e-12), p.limit
+        assert p.saves_s == pytest.approx(bound.layouts[0].rank_time_s - p.best_s, rel=1e-12)
+        # lifting a limit widens the search: never slower than with all of them, never faster than with none
+        assert free.layouts[0].rank_time_s - 1e-9 <= p.best_s <= bound.layouts[0].rank_time_s + 1e-9
+    assert [p.saves_s for p in prices] == sorted((p.saves_s for p in prices), reverse=True)
+
+
+def test_every_row_names_the_targets_that_can_run_it(tiny):
+    model, cluster = tiny
+    free = k3opt.plan(k3opt.Job.model_validate(SPEC), model=model, cluster=cluster, top=3)
+    bound = k3opt.plan(k3opt.Job.model_validate({**SPEC, "target": TARGET}), model=model, cluster=cluster, top=3)
+    assert all(TARGET in it.runs_on for it in bound.layouts)
+    for it in free.layouts:
+        # a VP > 1 layout cannot run on Bridge's K3 spec; a layout with a toggle no framework has runs nowhere
+        if it.layout.vp > 1 or it.layout.toggles.fused_situ:
+            assert TARGET not in it.runs_on
+    assert list(bound.to_frame("layouts")["runs_on"]) == [" ".join(it.runs_on) or "none" for it in bound.layouts]
+
+
+def test_cli_plan_with_a_target_prints_and_reports_each_limit_price(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2, 4]\nvp = [1, 2]\n'
+        'recompute = ["full"]\n')
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--target", TARGET, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    prices = out["limit_prices"]
+    assert prices and all({"limit", "text", "best_s", "saves_s"} <= set(p) for p in prices)
+    assert out["layouts"][0]["layout"]["vp"] == 1
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--target", TARGET])
+    assert res.exit_code == 0, res.output
+    assert "what each binding limit costs" in res.output
+    for p in prices:
+        assert p["limit"].removeprefix("toggle:") in res.output
+    assert "runs_on" in res.output
