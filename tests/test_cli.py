@@ -47,3 +47,16 @@ def test_explain_other_cluster_preset():
     result = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--cluster", "h100-sxm"])
     assert result.exit_code == 0
     assert "DOES NOT FIT" in result.output
+
+
+def test_a_commands_time_limit_counts_from_its_own_start(monkeypatch):
+    """The first command of a process counts the process's start-up; a later one in the same process (a test
+    runner, a notebook) counts from its own start, not from the process's."""
+    import k3opt.cli as cli
+
+    monkeypatch.setattr(cli, "_STARTED", [])
+    monkeypatch.setattr(cli, "_process_seconds", lambda: 1000.0)  # a process 1,000 s old
+    CliRunner().invoke(cli.main, ["export", "nowhere.toml", "--format", "nemo"])
+    assert cli._command_seconds() >= 1000.0  # the first command: the start-up counts
+    CliRunner().invoke(cli.main, ["export", "nowhere.toml", "--format", "nemo"])
+    assert cli._command_seconds() < 60.0

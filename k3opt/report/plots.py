@@ -17,6 +17,7 @@ import pandas as pd
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from k3opt.cost.evaluate import Evaluation  # noqa: E402
 from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
@@ -239,15 +240,19 @@ def sweep_plot(df: pd.DataFrame, path: str | Path) -> None:
         label = " ".join(w.removeprefix("sweep_") for w in str(name).split()) if swept else "all points"
         for ax, col in zip(axes, ("ranked_tokens_per_s_per_gpu_held", "train_days"), strict=True):
             line = ax.plot(ok["x"], ok[col], marker="o", label=label)[0] if len(ok) else None
+            open_ = ok[ok["status"] != "OPTIMAL"]
+            if line is not None and len(open_):  # not proven to the gap: drawn hollow
+                ax.scatter(open_["x"], open_[col], s=70, facecolors="white", edgecolors=line.get_color(), zorder=3)
             if len(bad):
-                ax.scatter(bad["x"], np.zeros(len(bad)), marker="x", s=60,
-                           color=line.get_color() if line else "red", label=f"{label}: no layout" if not line
-                           else None)
+                # at the foot of the axes whatever their scale: a failed point has no value to draw
+                ax.scatter(bad["x"], np.full(len(bad), 0.03), marker="x", s=60, clip_on=False,
+                           transform=blended_transform_factory(ax.transData, ax.transAxes),
+                           color=line.get_color() if line else "red",
+                           label=f"{label}: no layout" if not line else None)
     axes[0].set_ylabel("tokens/s per GPU held (best layout)")
     budget = best["train_tokens"].dropna()
     axes[1].set_ylabel(f"days to train {budget.iloc[0]:.3g} tokens" if len(budget) else "days to train")
     ticks = sorted({int(x) for x in best["x"].dropna()})
-    axes[1].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
@@ -255,5 +260,6 @@ def sweep_plot(df: pd.DataFrame, path: str | Path) -> None:
         ax.set_xlabel("GPUs")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, title=", ".join(c.removeprefix("sweep_") for c in swept) or None)
-    fig.suptitle("capacity sweep: x marks points with no fitting layout")
+    fig.suptitle("capacity sweep: hollow points are not proven to the gap (FEASIBLE); x marks points with no layout "
+                 "(infeasible, or none found in the time limit)", fontsize=10)
     _save(fig, path)

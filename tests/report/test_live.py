@@ -6,8 +6,9 @@ import io
 import re
 import time
 
-from k3opt.report.live import LiveProgress
+from k3opt.report.live import LiveProgress, SweepLive
 from k3opt.search.progress import Progress
+from k3opt.sweep.run import SweepStatus
 
 SNAP = Progress("solving", 7.0, incumbent_s=18.631, bound_s=18.474, shapes_settled=1234, shapes_total=9330,
                 models_solved=5)
@@ -42,3 +43,22 @@ def test_disabled_view_prints_nothing_and_gives_no_callback():
         assert live.callback is None
         time.sleep(0.05)
     assert out.getvalue() == ""
+
+
+def test_sweep_progress_counts_done_failed_running_and_eta():
+    out = io.StringIO()
+    st = SweepStatus(total=10, done=3, failed=1, running=2, skipped=1, started=time.monotonic() - 20.0)
+    with SweepLive(True, stream=out, period_s=0.0, terminal=False) as live:
+        live(st)
+    line = out.getvalue().strip()
+    # 2 points planned in this run in 20 s: 10 s each, 7 left -> 70 s
+    assert line.startswith("3/10 points done (1 from the file), 1 failed, 2 running, ETA 7")
+    assert 69 <= float(re.search(r"ETA ([\d.]+) s", line).group(1)) <= 72
+    tty = io.StringIO()
+    with SweepLive(True, stream=tty, terminal=True) as live:
+        live(st)
+    assert "3/10 points done" in tty.getvalue()
+    quiet = io.StringIO()
+    with SweepLive(False, stream=quiet, terminal=False) as live:
+        live(st)
+    assert quiet.getvalue() == ""
