@@ -125,6 +125,8 @@ class Structure:
 
     # -- helpers --------------------------------------------------------------------------------
     def _opt(self, qualified: str) -> str:
+        if self.model.optimizer.name == "adamw":
+            return "adamw"
         return "adamw" if qualified in self._adamw else "muon"
 
     def is_full(self, i: int) -> bool:

@@ -157,8 +157,20 @@ class MTPSpec(StrictModel):
 
 
 class OptimizerSpec(StrictModel):
+    """The optimizer a model trains with: Muon for its 2-D matrices (AdamW for the rest: embeddings, norms, the head,
+    `adamw_matrices`), or AdamW for every tensor. AdamW keeps two moments per parameter, Muon one momentum; only
+    Muon runs Newton-Schulz at the step (its time and its working set)."""
+
+    name: Literal["muon", "adamw"] = "muon"
     adamw_matrices: list[str] = Field(default_factory=list)
-    """2-D text matrices assigned to AdamW instead of Muon (names as in k3opt.cost.structure)."""
+    """Under Muon, 2-D text matrices assigned to AdamW instead (names as in k3opt.cost.structure)."""
+
+    @model_validator(mode="after")
+    def _matrices_under_muon(self) -> OptimizerSpec:
+        if self.name == "adamw" and self.adamw_matrices:
+            raise ValueError("adamw_matrices names matrices taken out of Muon; with name = \"adamw\" every tensor is "
+                             "AdamW already: remove adamw_matrices")
+        return self
 
 
 class ModelSpec(StrictModel):

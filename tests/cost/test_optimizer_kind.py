@@ -1,0 +1,69 @@
+"""The model's optimizer (ModelSpec.optimizer.name): Muon for the matrices, or AdamW for every tensor. AdamW keeps
+two moments per parameter and runs no Newton-Schulz; the figures come from the parameter count and the bytes."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.presets import preset_dir
+
+LLAMA_PARAMS = 141_107_412_992 // 2  # meta-llama/Meta-Llama-3-70B model.safetensors.index.json, all BF16
+GIB = 2**30
+
+
+def _llama(name: str) -> k3opt.ModelSpec:
+    data = tomllib.loads((preset_dir("model") / "llama3-70b.toml").read_text())
+    data["optimizer"] = {"name": name}
+    return k3opt.ModelSpec.model_validate(data)
+
+
+def _eval(model: k3opt.ModelSpec) -> k3opt.Evaluation:
+    # 64 GPUs, one stage, the whole state sharded over 64 ranks (element granularity): every rank owns P / 64
+    layout = k3opt.make_layout(gpus=64, pp=1, vp=1, cp=1, ep=1, expert_fsdp=1, dense_fsdp=64, microbatches=2,
+                               rows=1, context=8192, split=[80], recompute="full", fsdp_lifecycle="accumulate")
+    return k3opt.evaluate(layout, model=model, cluster=k3opt.load_cluster("gb200-nvl72"))
+
+
+def test_adamw_keeps_two_fp32_moments_per_owned_parameter():
+    ev = _eval(_llama("adamw"))
+    assert structure_of(_llama("adamw")).params.muon == 0
+    # exp_avg + exp_avg_sq, 4 B each, of the P / 64 parameters a rank owns
+    assert ev.ranks[0].ledger["optimizer"] == pytest.approx(2 * 4 * LLAMA_PARAMS / 64, rel=1e-12)
+
+
+def test_muon_keeps_one_momentum_for_its_matrices_and_two_moments_for_the_rest():
+    model = _llama("muon")
+    p = structure_of(model).params
+    # embedding 128,256 x 8,192 and the untied head: AdamW; the 80 layers' matrices: Muon; norms: AdamW
+    assert p.total - p.muon >= 2 * 128_256 * 8192
+    ev = _eval(model)
+    assert ev.ranks[0].ledger["optimizer"] == pytest.approx((4 * p.muon + 8 * (p.total - p.muon)) / 64, rel=1e-12)
+
+
+def test_only_muon_runs_newton_schulz():
+    muon, adamw = _eval(_llama("muon")), _eval(_llama("adamw"))
+    # Newton-Schulz is the update's only tensor-core work; AdamW's update is elementwise (HBM)
+    assert muon.ranks[0].update_s["tensor"] > 0 and adamw.ranks[0].update_s["tensor"] == 0
+    assert adamw.ranks[0].update_s["hbm"] > muon.ranks[0].update_s["hbm"]  # two moments read and written
+    # AdamW's step transient is the BF16 parameter gather alone: no Newton-Schulz working set beside it
+    assert adamw.ranks[0].ledger["optimizer_transient"] <= muon.ranks[0].ledger["optimizer_transient"]
+
+
+@pytest.mark.parametrize("table, says", [
+    ('name = "sgd"', "optimizer.name"),
+    ('name = "adamw"\nadamw_matrices = ["gqa.q_proj"]', "remove adamw_matrices"),
+])
+def test_a_bad_optimizer_is_one_line_and_exit_2(tmp_path, table, says):
+    text = (preset_dir("model") / "llama3-70b.toml").read_text() + f"\n[optimizer]\n{table}\n"
+    model = tmp_path / "m.toml"
+    model.write_text(text)
+    res = CliRunner().invoke(main, ["explain", "mb-2-llama3-70b-gb200", "--model", str(model)])
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], res.output
