@@ -107,10 +107,12 @@ def test_an_internal_error_in_one_point_is_recorded(tmp_path: Path, monkeypatch:
     assert row["status"] == "FAILED" and "ZeroDivisionError: boom" in row["reason"]
 
 
-def test_a_rerun_solves_only_the_points_not_in_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_rerun_solves_only_the_points_not_in_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        suffix: str) -> None:
     grid = _file(tmp_path, QWEN + "gpus = 8\n[sweep]\ncontext = [4096, 8192]\n")
     settings = SweepSettings(time_limit=30.0, threads=1)
-    out = tmp_path / "r.csv"
+    out = tmp_path / f"r{suffix}"
     calls: list[int] = []
     real = sweep_run.point_rows
 
