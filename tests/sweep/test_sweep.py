@@ -254,3 +254,16 @@ def test_a_targeted_point_carries_its_limit_prices(tmp_path: Path) -> None:
     # within the 1% gap each plan is proven to, lifting one limit saves at most what lifting all of them does
     slack = 0.011 * row["ranked_step_time_s"]
     assert saves and all(-slack <= row[c] <= row["limits_cost_s"] + slack for c in saves)
+
+
+def test_the_price_is_paid_on_the_gpus_held() -> None:
+    # 64 GPUs used of one 72-GPU rack: the idle 8 are paid for too
+    row = {"status": "OPTIMAL", "ranked_tokens_per_s": 2.0e6, "gpus": 64, "gpus_held": 72}
+    out = sweep_rows.price(row, SweepSettings(train_tokens=1.8e12, usd_per_gpu_hour=3.0))
+    # 1.8e12 tokens at 2e6 tokens/s: 9e5 s = 250 h = 10.4167 days; 72 GPUs x 250 h = 18,000 GPU-hours
+    assert out["train_days"] == pytest.approx(9e5 / 86400, rel=1e-12)
+    assert out["train_gpu_hours"] == pytest.approx(18_000.0, rel=1e-12)
+    assert out["train_usd"] == pytest.approx(54_000.0, rel=1e-12)
+    assert out["gpu_hours_per_trillion_tokens"] == pytest.approx(10_000.0, rel=1e-12)  # 72 x 5e5 s / 3600
+    failed = sweep_rows.price({"status": "FAILED", "reason": "x"}, SweepSettings())
+    assert failed["train_days"] is None and failed["train_usd"] is None
