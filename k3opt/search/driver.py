@@ -41,6 +41,7 @@ from k3opt.search.frames import (
     frame_shape,
     layout_of,
     lifecycles,
+    policy_group,
     sharding_group,
 )
 from k3opt.search.front import build_front, ranked_time_limit
@@ -253,6 +254,8 @@ class _Search:
         """The interleaved frames in the queue by `sharding_group`: a node's group bound covers all of them."""
         self.group_bounds: dict[tuple, float] = {}
         """Group bounds by sharding group (a frame's) and by (sharding group, recompute, lifecycle) (a node's)."""
+        self.policy_members: dict[tuple, list[Frame]] = {}
+        """The interleaved frames in the queue by `policy_group` (several sharding groups)."""
         self.unlifted: dict[tuple, dict] = {}
         """Per sharding group whose frame bound is not lifted yet (bounds.lift_group_bound), its nodes' own bounds."""
         self.frame_tightened: set[Frame] = set()
@@ -437,6 +440,7 @@ class _Search:
         for f in self.estimates:
             if f.vp > 1:
                 self.members_of.setdefault(sharding_group(f), []).append(f)
+                self.policy_members.setdefault(policy_group(f), []).append(f)
         tasks = (_pass_tasks(self.job, self.model, self.cluster, list(self.estimates), self.members_of, self.recs,
                              self.lcs, self.lbs, self.caps, self.deadline)
                  if self.workers > 1 and not self.unbounded else [])
@@ -652,6 +656,13 @@ class _Search:
         (bounds.frame_dp_bound), each sending it back when above its bound; then its nodes replace it."""
         f = e.frame
         if f.vp > 1 and f not in self.frame_tightened:
+            # First one program over the shape's FSDP *and* sharding-policy variants: where activations bind (K3 at
+            # 16K context) it settles several sharding groups at once; where it stays under the shape's bound, the
+            # sharding group's own program follows.
+            pb = self._policy_group_bound(f, line)
+            if pb > e.bound + 1e-12:
+                return self._requeue(e, pb)
+        if f.vp > 1 and f not in self.frame_tightened:
             # The shape's FSDP variants first, as for nodes below (bounds.group_frame_bound).
             gb = self._group_frame_bound(f, e.bound, line)
             if gb > e.bound + 1e-12:
@@ -675,6 +686,18 @@ class _Search:
         self.current = math.inf
         self.dive = f if diving else self.dive
         return _Outcome.EXPANDED
+
+    def _policy_group_bound(self, f: Frame, line: _Line) -> float:
+        """bounds.group_frame_bound over f's `policy_group` (-inf when it holds one sharding group only: that
+        group's own program is the same and tighter)."""
+        key = ("policy", policy_group(f))
+        if key not in self.group_bounds:
+            mem = self.policy_members.get(key[1], [])
+            several = len({sharding_group(g) for g in mem}) > 1
+            self.group_bounds[key] = group_frame_bound(
+                self.job, tuple(mem), self.model, self.cluster, stop_at=line.stop, deadline=self.deadline
+            ) if several else -math.inf
+        return self.group_bounds[key]
 
     def _group_frame_bound(self, f: Frame, t_lb: float, line: _Line) -> float:
         """The bound of f's sharding group (bounds.group_frame_bound over its interleaved members; -inf for a

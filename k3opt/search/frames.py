@@ -279,6 +279,13 @@ def sharding_group(f: Frame) -> tuple:
             f.precision, f.domain_gpus_used)
 
 
+def policy_group(f: Frame) -> tuple:
+    """A frame's shape but for its FSDP degrees, sharding policies and gradient dtype: several sharding groups,
+    which share the schedule and the activations. One group program over all of them (the least of their
+    persistent bytes and work) settles them at once where the activations bind (long contexts)."""
+    return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.precision, f.domain_gpus_used)
+
+
 def allowed_on(job: Job) -> set[str]:
     return {t for t in RANK_TOGGLES + ACT_TOGGLES if True in choices(job, t)}
 

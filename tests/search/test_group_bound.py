@@ -16,7 +16,7 @@ from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search import tight_node_bound
 from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bound
-from k3opt.search.frames import enumerate_frames, sharding_group
+from k3opt.search.frames import enumerate_frames, policy_group, sharding_group
 from k3opt.search.prefetch import Prefetch
 
 DATA = Path(__file__).parents[1] / "data"
@@ -422,3 +422,34 @@ def test_the_k3_8192_shape_bound_is_the_least_over_lifecycles_of_each_lifecycles
     job, model, cluster, (f,) = _k3_8192(16, 4, 64, 128, "optim_grads", ((8, 128),))
     each = [frame_dp_bound(_one_lifecycle(job, lc), f, model, cluster)[0] for lc in FsdpLifecycle]
     assert frame_dp_bound(job, f, model, cluster)[0] == pytest.approx(min(each), rel=1e-9)
+
+
+def test_one_program_over_the_sharding_policies_stays_below_every_layout(tiny, slow):
+    """The driver's first program for an interleaved shape spans its sharding-policy and gradient-dtype variants
+    too (frames.policy_group: several sharding groups): below every enumerated layout of every member."""
+    job = _job(1.5)
+    job = job.model_copy(update={"search": job.search.model_copy(update={
+        "dense_sharding": ["optim_grads_params", "optim"], "grad_dtype": ["fp32", "bf16"]})})
+    frames = enumerate_frames(job, tiny, 8)
+    assert len({sharding_group(f) for f in frames}) == 4 and len({policy_group(f) for f in frames}) == 1
+    best = None
+    for f, rc in itertools.product(frames, ("none", "full")):
+        for flags in itertools.product([False, True], repeat=len(ALLOWED)):
+            for split in contiguous_splits(tiny.num_layers, 4):
+                lay = make_layout(gpus=8, pp=2, vp=2, ep=2, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
+                                  microbatches=f.microbatches, context=2048, split=split, recompute=rc,
+                                  fsdp_lifecycle=LC, toggles=dict(zip(ALLOWED, flags, strict=True)),
+                                  reserve_gib=job.reserve_gib, dense_sharding=f.dense_sharding,
+                                  expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                if ev.fits and (best is None or ev.step.rank_time_s < best):
+                    best = ev.step.rank_time_s
+    assert best is not None
+    bound = group_frame_bound(job, tuple(frames), tiny, slow)
+    assert 0 < bound <= best + 1e-9
+    # no looser than the least of its sharding groups' own programs by more than the policies' spread
+    groups = {}
+    for f in frames:
+        groups.setdefault(sharding_group(f), []).append(f)
+    own = min(group_frame_bound(job, tuple(m), tiny, slow) for m in groups.values())
+    assert bound <= own + 1e-9
