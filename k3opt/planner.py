@@ -58,7 +58,7 @@ class LimitPrice:
             else f"{self.limit} limited"
         if self.saves_s is None:
             return f"{what}: lifting it alone finds no runnable layout ({self.text})"
-        if self.saves_s < 5e-4:
+        if self.saves_s < 5e-4:  # under half the printed resolution (0.001 s): it would print as -0.000 s
             return f"{what}: saves nothing lifted alone, it pays only with other limits lifted ({self.text})"
         return f"{what}: {-self.saves_s:+.3f} s per step lifted alone ({self.text})"
 

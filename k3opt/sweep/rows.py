@@ -120,9 +120,10 @@ def price(row: dict[str, Any], settings: SweepSettings) -> dict[str, Any]:
     if row.get("status") == "FAILED" or tps is None or math.isnan(tps):  # NaN: a failed point's row
         return {**row, "train_days": None, "gpu_hours_per_trillion_tokens": None, "train_gpu_hours": None,
                 "train_usd": None}
-    gpu_hours = row["gpus_held"] * settings.train_tokens / tps / HOURS
+    gpu_hours_per_token = row["gpus_held"] / tps / HOURS
+    gpu_hours = gpu_hours_per_token * settings.train_tokens
     return {**row, "train_days": settings.train_tokens / tps / DAYS,
-            "gpu_hours_per_trillion_tokens": row["gpus_held"] * 1e12 / tps / HOURS,
+            "gpu_hours_per_trillion_tokens": gpu_hours_per_token * 1e12,
             "train_gpu_hours": gpu_hours,
             "train_usd": gpu_hours * settings.usd_per_gpu_hour if settings.usd_per_gpu_hour is not None else None}
 

@@ -74,6 +74,8 @@ def test_every_row_names_the_targets_that_can_run_it(tiny):
     free = k3opt.plan(k3opt.Job.model_validate(SPEC), model=model, cluster=cluster, top=3)
     bound = k3opt.plan(k3opt.Job.model_validate({**SPEC, "target": TARGET}), model=model, cluster=cluster, top=3)
     assert all(TARGET in it.runs_on for it in bound.layouts)
+    # the free plan's best layouts include some Bridge refuses (test_launch: the unconstrained best breaks its rules)
+    assert any(it.layout.vp > 1 or it.layout.toggles.fused_situ for it in free.layouts)
     for it in free.layouts:
         # a VP > 1 layout cannot run on Bridge's K3 spec; a layout with a toggle no framework has runs nowhere
         if it.layout.vp > 1 or it.layout.toggles.fused_situ:
