@@ -21,7 +21,7 @@ import click
 from k3opt.cost.evaluate import evaluate
 from k3opt.inputs.errors import InfeasibleJobError, K3optError, SpecError
 from k3opt.inputs.labels import degrees_text, split_text
-from k3opt.inputs.presets import format_validation_error, load_job, load_layout
+from k3opt.inputs.presets import format_validation_error, layout_toml, load_job, load_layout
 from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
 from k3opt.inputs.sweep import load_sweep
@@ -32,8 +32,8 @@ from k3opt.planner import plan as run_plan
 from k3opt.report.live import LiveProgress, SweepLive
 from k3opt.report.text import explain_text, plan_text, sweep_table
 from k3opt.report.throughput import validate_throughput, validation_table
-from k3opt.report.validate import rows_text, validation_rows
-from k3opt.search.result import plan_frame
+from k3opt.report.validate import fit_rows, fit_text, rows_text, validation_rows
+from k3opt.search.result import front_frame
 from k3opt.sweep import SweepSettings, run_sweep
 from k3opt.sweep.store import check_out, read_rows
 
@@ -156,6 +156,10 @@ def validate(folder: str | None, as_json: bool) -> None:
     click.echo("Memory: modeled vs measured (GAP = measured - modeled, never absorbed; kind: allocated = live "
                "tensors, reserved = + allocator slack, device = + memory outside the allocator)")
     click.echo(rows_text([r for r in rows if r.unit == "GiB"]))
+    click.echo("")
+    click.echo("Fit: each run's modeled device peak (worst rank; its runtime, else the cluster's default) against its "
+               "GPU's HBM; every run here ran, so NO marks memory the model over-counts or a saving it cannot express")
+    click.echo(fit_text(fit_rows(folder)))
     if any(r.figure.startswith("tokens/s") for r in rows):
         click.echo("")
         click.echo(validation_table(validate_throughput(Path(folder) if folder else None)))
@@ -322,12 +326,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     with LiveProgress(not as_json, "pareto") as live:
         result = run_pareto(j, top=top, time_limit=limit, workers=workers, step_gib=step_gib,
                             progress=live.callback, gap=gap)
-    df = plan_frame(result.pareto)
-    if len(df):
-        df["front_bound_s"] = [it.front_bound_s for it in result.pareto]
-        df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in result.pareto]
-        # Proven: no layout of any frame at the point's peak or less is faster (its front bound is its step time).
-        df["proven"] = [it.front_gap is not None and it.front_gap <= PROVEN_TOL for it in result.pareto]
+    df = front_frame(result.pareto)
     if csv_path:
         df.to_csv(csv_path, index=False)
     if plot_path:
@@ -431,9 +430,6 @@ def sweep_plot_cmd(results: str, png: str) -> None:
     _sweep_picture(read_rows(results), png)
 
 
-PROVEN_TOL = 1e-9
-"""Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
-
 _OUTPUT_RESERVE_S = 2.0
 """Seconds the pareto command keeps, out of its time limit, for building and writing the table after the search
 (about 1 s for a few dozen rows on a loaded 2-core machine)."""
@@ -462,17 +458,33 @@ def _process_seconds() -> float:
 
 
 def _write_layout(layout, path: str) -> None:  # noqa: ANN001
-    data = layout.model_dump(mode="json", exclude_none=True)
-    toggles = data.pop("toggles")
-    data.pop("measured", None)
-    lines = ["# Saved by k3opt plan; `k3opt explain FILE` prints its ledger."]
-    for k, v in data.items():
-        lines.append(f"{k} = {json.dumps(v)}")
-    lines.append("")
-    lines.append("[toggles]")
-    lines += [f"{k} = {json.dumps(v)}" for k, v in toggles.items()]
     with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+        fh.write(layout_toml(layout))
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True,
+              help="TCP port (0: any free port, printed at start).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; the default keeps the lab on this machine.")
+@click.option("--sweep", "sweeps", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="A sweep output (.csv / .parquet) whose table and picture the Sweeps tab shows (repeatable).")
+@_user_errors
+def serve(port: int, host: str, sweeps: tuple[str, ...]) -> None:
+    """The planning lab in the browser: explore one layout's ledger, step time and pipeline with controls, run
+    plans and fronts with their live state, and read the validation (needs the `serve` extra)."""
+    try:
+        import uvicorn
+
+        from k3opt.serve import create_app
+    except ImportError as err:
+        raise K3optError(f"k3opt serve needs the serve extra ({err.name} is missing): "
+                         "pip install 'k3opt[serve]'") from None
+    for path in sweeps:
+        read_rows(path)  # a bad sweep file fails here, in one line, not on the page
+    app = create_app([Path(p) for p in sweeps])
+    click.echo(f"k3opt lab on http://{host}:{port}/ (Ctrl-C stops it)", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 @main.command("validate-throughput")

@@ -64,6 +64,13 @@ class AchievableStep:
     (`schedule.chunk_times`), plus the update and the unpaired all-to-all."""
     chunk_s: tuple[tuple[float, float], ...] = ()
     """(forward, backward) seconds per microbatch of every global chunk that replay runs."""
+    stage_s: tuple[dict[str, float], ...] = ()
+    """Per rank: seconds per stage-microbatch on each resource at the achievable rates, its exposed all-to-all on
+    the resource it rides (the stage time is the largest)."""
+    stage_binding: tuple[str, ...] = ()
+    """Per rank: the resource that sets its stage time, or "ep_all_to_all (exposed)" when the exposed all-to-all is
+    the larger part of it."""
+    stage_exposed_ep_s: tuple[float, ...] = ()
 
 
 TIE_ROUNDING = 1e-12
@@ -290,9 +297,9 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
         binding = max(t, key=t.get)
         if exposed > t[binding] - exposed:
             binding = "ep_all_to_all (exposed)"
-        stages.append((max(t.values()), binding, exposed))
+        stages.append((max(t.values()), binding, exposed, t))
     slowest = slowest_index([st[0] for st in stages])
-    _, binding, exposed = stages[slowest]
+    _, binding, exposed, _ = stages[slowest]
     stage = max(st[0] for st in stages)
     update_compute = update_comm = 0.0
     for r in range(sh.pp):
@@ -314,6 +321,8 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
         update_comm_exposed_s=comm_exposed, unpaired_ep_s=unpaired,
         schedule_step_time_s=replayed + update + unpaired,
         chunk_s=tuple(zip(fwd.tolist(), bwd.tolist(), strict=True)),
+        stage_s=tuple(st[3] for st in stages), stage_binding=tuple(st[1] for st in stages),
+        stage_exposed_ep_s=tuple(st[2] for st in stages),
     )
 
 

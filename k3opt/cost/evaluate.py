@@ -157,6 +157,11 @@ class StepTime:
     ranked_chunk_s: tuple[tuple[float, float], ...] = ()
     """(forward, backward) seconds per microbatch of every global chunk, as the replay at the ranking's rates
     (ranked_schedule_time_s) runs them: the timeline plot draws these."""
+    achievable_rank_stage_s: tuple[dict[str, float], ...] = ()
+    """Per rank: seconds per stage-microbatch on each resource at the achievable rates (AchievableStep.stage_s);
+    empty without a rates file."""
+    achievable_rank_binding: tuple[str, ...] = ()
+    achievable_rank_exposed_ep_s: tuple[float, ...] = ()
     components: dict[str, float] = field(default_factory=dict)
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
     `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
@@ -695,6 +700,8 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_update_comm_exposed_s=ach.update_comm_exposed_s, achievable_stage_time_s=ach.stage_time_s,
         achievable_update_time_s=ach.update_time_s, achievable_unpaired_ep_s=ach.unpaired_ep_s,
         achievable_schedule_step_time_s=ach.schedule_step_time_s, ranked_chunk_s=ach.chunk_s,
+        achievable_rank_stage_s=ach.stage_s, achievable_rank_binding=ach.stage_binding,
+        achievable_rank_exposed_ep_s=ach.stage_exposed_ep_s,
     )
 
 

@@ -5,6 +5,7 @@ A bad file is one clear line (SpecError, PresetNotFoundError); a cluster's or jo
 
 from __future__ import annotations
 
+import json
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -140,3 +141,15 @@ def load_runtime(name_or_path: str | Path | RuntimeSpec = DEFAULT_RUNTIME) -> Ru
     if isinstance(name_or_path, RuntimeSpec):
         return name_or_path
     return load_spec(RuntimeSpec, name_or_path, "runtime")
+
+
+def layout_toml(layout: Layout) -> str:
+    """A layout as the TOML file load_layout reads back (its measurement left out): top-level fields, then
+    [toggles]."""
+    data = layout.model_dump(mode="json", exclude_none=True)
+    toggles = data.pop("toggles")
+    data.pop("measured", None)
+    lines = ["# Saved by k3opt; `k3opt explain FILE` prints its ledger."]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in data.items()]
+    lines += ["", "[toggles]"] + [f"{k} = {json.dumps(v)}" for k, v in toggles.items()]
+    return "\n".join(lines) + "\n"

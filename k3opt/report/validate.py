@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3opt.cost.evaluate import Comparison, evaluate
-from k3opt.inputs.presets import load_layout, preset_dir
+from k3opt.inputs.presets import load_cluster, load_layout, preset_dir
+from k3opt.inputs.specs import GIB, NO_RUNTIME
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,49 @@ def validation_rows(folder: str | Path | None = None) -> list[ValidationRow]:
         rows += [ValidationRow(c.figure, c.modeled, c.measured, c.unit, c.kind or "-", layout=name)
                  for c in ev.validation]
     return rows
+
+
+@dataclass(frozen=True)
+class FitRow:
+    """Whether a measured run fits its GPU as modeled: the worst rank's device peak (the ledger plus the runtime's
+    memory outside live tensors: the layout's runtime, else its cluster's default) against the HBM. A run that ran
+    and is judged not to fit is a memory term counted too large, or a saving the layout does not express."""
+
+    layout: str
+    model: str
+    cluster: str
+    runtime: str
+    device_gib: float
+    hbm_gib: float
+
+    @property
+    def fits(self) -> bool:
+        return self.device_gib <= self.hbm_gib
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fits": self.fits}
+
+
+def fit_rows(folder: str | Path | None = None) -> list[FitRow]:
+    """One row per measured layout: modeled device peak against HBM."""
+    rows = []
+    for path in measured_layouts(folder):
+        layout = load_layout(path)
+        cluster = load_cluster(layout.cluster or "gb200-nvl72")
+        runtime = layout.runtime or cluster.default_runtime or NO_RUNTIME
+        ev = evaluate(layout, cluster=cluster, runtime=runtime)
+        rows.append(FitRow(layout.name or path.stem, ev.model.name, cluster.name, runtime,
+                           ev.peak_device_bytes / GIB, cluster.hbm_bytes / GIB))
+    return rows
+
+
+def fit_text(rows: list[FitRow]) -> str:
+    import pandas as pd
+
+    df = pd.DataFrame([{"layout": r.layout, "model": r.model, "cluster": r.cluster, "runtime": r.runtime,
+                        "device GiB": r.device_gib, "HBM GiB": r.hbm_gib, "fits": "yes" if r.fits else "NO"}
+                       for r in rows])
+    return df.to_string(index=False, float_format=lambda x: f"{x:,.1f}")
 
 
 def rows_text(rows: list[ValidationRow]) -> str:

@@ -153,3 +153,18 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             row.update({f"rank{r.rank}_{kind}_gib": getattr(r, f"{kind}_bytes") / GIB for r in ev.ranks})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+PROVEN_TOL = 1e-9
+"""Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
+
+
+def front_frame(points: list[PlanItem]) -> pd.DataFrame:
+    """The Pareto CSV: plan_frame's columns plus each point's proven front bound, its gap and whether it is
+    proven (no layout of any frame at the point's peak or less is faster: its front bound is its step time)."""
+    df = plan_frame(points)
+    if len(df):
+        df["front_bound_s"] = [it.front_bound_s for it in points]
+        df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in points]
+        df["proven"] = [it.front_gap is not None and it.front_gap <= PROVEN_TOL for it in points]
+    return df
