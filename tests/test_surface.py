@@ -31,7 +31,7 @@ PUBLIC_API = frozenset({
 })
 
 CLI_COMMANDS = frozenset({"explain", "plan", "pareto", "export", "validate", "validate-throughput", "sweep",
-                          "sweep-plot"})
+                          "sweep-plot", "serve"})
 
 # Options of each command (-h / --help come from the group and are checked separately).
 CLI_OPTIONS = {
@@ -46,9 +46,11 @@ CLI_OPTIONS = {
     "sweep": frozenset({"--out", "--workers", "--threads", "--ray", "--top", "--time-limit", "--gap", "--train-tokens",
                         "--usd-per-gpu-hour", "--plot"}),
     "sweep-plot": frozenset(),
+    "serve": frozenset({"--port", "--host", "--sweep"}),
 }
 CLI_ARGUMENTS = {"explain": ("layout",), "plan": ("job",), "pareto": ("job",), "export": ("layout",), "validate": (),
-                 "validate-throughput": (), "sweep": ("grid",), "sweep-plot": ("results", "png")}
+                 "validate-throughput": (), "sweep": ("grid",), "sweep-plot": ("results", "png"),
+                 "serve": ()}
 
 STEP_COMPONENTS = frozenset({"compute", "hbm", "nvlink", "nic", "host_link", "microbatch_work", "bubble",
                              "exposed_update"})
