@@ -441,8 +441,13 @@ class _Static:
     """Shape-independent per-layer arrays of one model (length L + 2)."""
 
     pn_muon: np.ndarray
+    """Non-routed Muon parameters."""
     p_adam: np.ndarray
+    """Non-routed AdamW parameters."""
     p_routed: np.ndarray
+    """Routed expert parameters (either optimizer)."""
+    pr_adam: np.ndarray
+    """Routed expert parameters under AdamW (a model with optimizer.name = "adamw")."""
     active: np.ndarray
     attn: np.ndarray
     scan: np.ndarray
@@ -511,8 +516,9 @@ def _build_static(model_json: str) -> _Static:
         q_elements=per(quantized_cast_elements),
         q_params_nonrouted=q_sum(lambda t: 0 if t.routed else t.numel),
         q_params_routed=q_sum(lambda t: t.numel if t.routed else 0),
-        pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw")),
-        p_routed=per(lambda b: b.params(routed=True)), active=per(lambda b: b.active_matrix_params),
+        pn_muon=per(lambda b: b.params("muon", routed=False)), p_adam=per(lambda b: b.params("adamw", routed=False)),
+        p_routed=per(lambda b: b.params(routed=True)), pr_adam=per(lambda b: b.params("adamw", routed=True)),
+        active=per(lambda b: b.active_matrix_params),
         attn=per(lambda b: b.attention_flops_per_token_per_doc_token), scan=per(lambda b: b.scan_flops_per_token),
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
         head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
@@ -772,11 +778,13 @@ class _LayerBuild:
         sa = _static(model_json)
         n = model.num_layers + 2
         e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
-        pn_muon, p_adam, p_routed = sa.pn_muon, sa.p_adam, sa.p_routed
+        pn_muon, p_adam, p_routed, pr_adam = sa.pn_muon, sa.p_adam, sa.p_routed, sa.pr_adam
+        pr_muon = p_routed - pr_adam
         pn = pn_muon + p_adam
-        # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e).
-        res_muon = pn_muon / fd + p_routed / (e * fe)
-        res_adam = p_adam / fd
+        # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e). The routed
+        # experts are EP-local whichever optimizer trains them (Muon under K3's split, AdamW for every tensor).
+        res_muon = pn_muon / fd + pr_muon / (e * fe)
+        res_adam = p_adam / fd + pr_adam / (e * fe)
         # Each of the dense and expert groups shards nothing, the optimizer (masters + state), also the
         # gradients, or also the parameters (the FSDP accounting).
         pol_d, pol_e = shape.dense_sharding, shape.expert_sharding
@@ -787,7 +795,8 @@ class _LayerBuild:
             layer=np.arange(n) < model.num_layers, full=shape.recompute == Recompute.FULL,
             accumulate=shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE,
             stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam,
-            view=pn + p_routed / e, own_muon=pn_muon / opt_fd + p_routed / (e * opt_fe), own_adam=p_adam / opt_fd,
+            view=pn + p_routed / e, own_muon=pn_muon / opt_fd + pr_muon / (e * opt_fe),
+            own_adam=p_adam / opt_fd + pr_adam / (e * opt_fe),
             opt_fd=opt_fd, opt_fe=opt_fe, g_fd=fd if pol_d in _GRADS_SHARDED else 1,
             g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes, sd=shape.optimizer_state_dtype.bytes,
             lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),

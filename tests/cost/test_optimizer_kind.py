@@ -60,10 +60,32 @@ def test_only_muon_runs_newton_schulz():
     ('name = "adamw"\nadamw_matrices = ["gqa.q_proj"]', "remove adamw_matrices"),
 ])
 def test_a_bad_optimizer_is_one_line_and_exit_2(tmp_path, table, says):
-    text = (preset_dir("model") / "llama3-70b.toml").read_text() + f"\n[optimizer]\n{table}\n"
+    preset = (preset_dir("model") / "llama3-70b.toml").read_text()
+    text = preset[:preset.index("[optimizer]")] + f"[optimizer]\n{table}\n"
     model = tmp_path / "m.toml"
     model.write_text(text)
     res = CliRunner().invoke(main, ["explain", "mb-2-llama3-70b-gb200", "--model", str(model)])
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], res.output
+
+
+def test_adamw_experts_stay_ep_local():
+    """Qwen3-30B-A3B trains every tensor with AdamW (its preset, as Megatron-Bridge's recipe): the routed experts'
+    moments are still those of the rank's EP-local experts. Layer 5 from config.json: attention q 4096 x 2048,
+    k and v 512 x 2048, o 2048 x 4096 (18,874,368), q/k norms 2 x 128, the two RMSNorms 2 x 2048, router
+    128 x 2048: D = 19,140,864; experts 128 x 3 x 768 x 2048 = 603,979,776. EP 16, dense FSDP 16, expert FSDP 1:
+    the rank owns D / 16 + E / 16 = 38,945,040 parameters, two FP32 moments each."""
+    model = k3opt.load_model("qwen3-30b-a3b")
+    assert model.optimizer.name == "adamw"
+    lay = k3opt.make_layout(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8, context=4096,
+                            split=[24, 24], recompute="full", domain_gpus_used=8)
+    ev = k3opt.evaluate(lay, model=model, cluster="b200")
+    per_layer_owned = 19_140_864 // 16 + 603_979_776 // 16
+    assert per_layer_owned == 38_945_040
+    # rank 0 holds layers 0-23 and the embedding (151,936 x 2048, AdamW, sharded over the 16 dense ranks)
+    assert ev.ranks[0].ledger["optimizer"] == pytest.approx(8 * (24 * per_layer_owned + 151_936 * 2048 / 16),
+                                                           rel=1e-12)
+    # the BF16 view keeps D + E / e per layer whatever the optimizer
+    assert ev.ranks[0].ledger["bf16_view"] == pytest.approx(
+        2 * (24 * (19_140_864 + 603_979_776 // 16) + 151_936 * 2048), rel=1e-12)
