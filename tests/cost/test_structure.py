@@ -6,6 +6,8 @@ block; and the multi-token-prediction module."""
 
 from __future__ import annotations
 
+from muon_variants import under_muon
+
 import k3opt
 from k3opt.cost.structure import Structure, structure_of
 
@@ -13,18 +15,20 @@ M, A = "muon", "adamw"
 
 
 def _qwen3_30b_variant(tmp_path, extra: str = "", bias: bool = False) -> k3opt.ModelSpec:
+    """The Qwen3-30B-A3B preset under Muon (its recipe trains with AdamW), `extra` lines in its [optimizer] table."""
     text = (k3opt.inputs.presets.preset_dir("model") / "qwen3-30b-a3b.toml").read_text()
+    text = text[:text.index("[optimizer]")] + '[optimizer]\nname = "muon"\n' + extra
     if bias:
         text = text.replace("qk_norm = true", "qk_norm = true\nattention_bias = true")
     path = tmp_path / "variant.toml"
-    path.write_text(text + extra)
+    path.write_text(text)
     return k3opt.load_model(path)
 
 
 def test_qwen3_gqa_block_inventory_from_the_config():
     """Qwen/Qwen3-30B-A3B config.json: hidden 2048, 32 query heads and 4 KV heads of 128, per-head q/k RMSNorm,
     no attention bias. q = 32 x 128 = 4096, kv = 4 x 128 = 512 ([out, in] as in the checkpoint)."""
-    st = Structure(k3opt.load_model("qwen3-30b-a3b"))
+    st = Structure(under_muon("qwen3-30b-a3b"))
     blk = st.layers[7][0]
     assert (blk.name, blk.kind) == ("layer7.gqa", "gqa")
     got = [(t.name, t.shape, t.optimizer, t.count, t.routed, t.active_per_token) for t in blk.tensors]
@@ -49,7 +53,7 @@ def test_qwen3_gqa_block_inventory_from_the_config():
 def test_llama3_gqa_block_has_no_norms_and_no_bias():
     """meta-llama/Meta-Llama-3-70B config.json: hidden 8192, 64 heads, 8 KV heads of 128, no qk-norm or bias:
     q = 8192, kv = 1024; 3 x 64 x (128 + 128) causal score/value FLOPs per token per document token."""
-    blk = Structure(k3opt.load_model("llama3-70b")).layers[0][0]
+    blk = Structure(under_muon("llama3-70b")).layers[0][0]
     assert [(t.name, t.shape, t.optimizer) for t in blk.tensors] == [
         ("gqa.q_proj", (8192, 8192), M), ("gqa.k_proj", (1024, 8192), M), ("gqa.v_proj", (1024, 8192), M),
         ("gqa.o_proj", (8192, 8192), M)]
@@ -73,7 +77,7 @@ def test_adamw_matrices_move_each_gqa_projection_by_name(tmp_path):
     """optimizer.adamw_matrices names the GQA projections as k3opt.cost.structure spells them; each named one moves
     to AdamW, the others stay on Muon."""
     for name in ("gqa.q_proj", "gqa.k_proj", "gqa.v_proj", "gqa.o_proj"):
-        model = _qwen3_30b_variant(tmp_path, extra=f'\n[optimizer]\nadamw_matrices = ["{name}"]\n')
+        model = _qwen3_30b_variant(tmp_path, extra=f'adamw_matrices = ["{name}"]\n')
         blk = Structure(model).layers[0][0]
         assert {t.name: t.optimizer for t in blk.tensors if t.is_matrix} == {
             n: (A if n == name else M) for n in ("gqa.q_proj", "gqa.k_proj", "gqa.v_proj", "gqa.o_proj")}
@@ -120,7 +124,7 @@ def test_only_the_full_attention_layers_are_gqa():
 # per expert, kept under AdamW like every vector and never multiplied by a token.
 
 def test_deepseek_v3_moe_block_inventory():
-    st = structure_of(k3opt.load_model("deepseek-v3"))
+    st = structure_of(under_muon("deepseek-v3"))
     layer = st.layers[3]  # layers 0-2 are dense (first_k_dense_replace = 3): layer 3 is the first MoE layer
     moe = [(t.name, t.shape, t.optimizer, t.count, t.routed, t.active_per_token)
            for b in layer for t in b.tensors if t.name.startswith("moe.")]
@@ -174,7 +178,7 @@ def test_qwen3_moe_block_saved_items():
 # (seed 003's K3 proxy: KDA layers 0-2, MLA layer 3) is not the layer before it.
 
 def test_deepseek_v3_mtp_module_tensors():
-    st = structure_of(k3opt.load_model("deepseek-v3"))
+    st = structure_of(under_muon("deepseek-v3"))
     (proj,) = [b for b in st.last if b.kind == "mtp"]
     assert [(t.name, t.shape, t.optimizer, t.count) for t in proj.tensors] == [
         ("mtp.enorm", (7168,), "adamw", 1),
@@ -217,3 +221,14 @@ def test_the_mtp_projection_follows_adamw_matrices_by_name():
     st = structure_of(k3opt.ModelSpec.model_validate(data))
     (proj,) = [b for b in st.last if b.kind == "mtp"]
     assert {t.name: t.optimizer for t in proj.tensors}["mtp.eh_proj"] == "adamw"
+
+
+def test_the_adamw_presets_train_every_tensor_with_adamw():
+    """DeepSeek-V3, Qwen3 and Llama 3 pretrain with Adam in Megatron-Bridge (recipes/common.py _pretrain_common ->
+    recipes/utils/optimizer_utils.py), Kimi K2 and K3 with Muon: a preset's [optimizer] name says which."""
+    for name in ("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "llama3-70b"):
+        st = structure_of(k3opt.load_model(name))
+        assert {t.optimizer for blocks in (*st.layers, st.first, st.last) for b in blocks for t in b.tensors} == {A}
+        assert st.params.muon == 0, name
+    for name in ("kimi-k3", "kimi-k2"):
+        assert structure_of(k3opt.load_model(name)).params.muon > 0, name
