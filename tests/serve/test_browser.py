@@ -95,8 +95,11 @@ def test_2_a_pp_change_redraws_the_ledger(page: sync_api.Page) -> None:
     # Half the stages: rank 0 holds 24 of 93 layers instead of 12, so its FP32 master shard about doubles.
     assert float(_cell(page, "master", 0)) > 1.8 * float(master_before)
     assert page.locator("#ledger-table thead th").count() == 1 + 4
-    # One drawn segment per forward and per backward: 2 x PP x VP x M = 2 x 4 x 1 x 64.
-    assert page.locator("#timeline-chart .scatterlayer .js-line").count() == 512
+    # One segment (start, end, gap) per forward and per backward: 2 x PP x VP x M = 2 x 4 x 1 x 64 operations, drawn
+    # on the chart's WebGL canvas.
+    segments = page.evaluate("document.getElementById('timeline-chart').data.map((t) => t.x.length / 3)")
+    assert segments == [256, 256]
+    assert page.locator("#timeline-chart canvas.gl-canvas-context").count() == 1
 
 
 def test_3_bad_input_shows_its_line_beside_its_control(page: sync_api.Page) -> None:
