@@ -223,6 +223,9 @@ class Coefficients:
     balance_seconds_per_byte: float = 0.0
     step_gather: np.ndarray | None = field(default=None, repr=False)
     """BF16 bytes all-gathered into fresh buffers at the optimizer step (without P2P Muon), by sharding policy."""
+    step_grad_copy: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """FP32 copies of the owned gradient shard made at the optimizer step when the gradient buffer is BF16 (zero with
+    FP32 gradients): the step's FP32 main parameters take FP32 gradients."""
     step_gather_with_ns: bool = True
     """The Newton-Schulz working set adds to the step gather (default policy) instead of preceding it."""
     model_json: str = field(default="", repr=False)
@@ -332,12 +335,13 @@ def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN
 
 
 def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
-    """Per-layer bytes all-gathered at the optimizer step (evaluate.rank_ledger): under P2P Muon the pulled
-    resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view where the
-    coefficients have none)."""
+    """Per-layer bytes the optimizer step adds beside the Newton-Schulz working set (evaluate.rank_ledger): under
+    P2P Muon the pulled resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view
+    where the coefficients have none); plus the FP32 copies of a BF16 gradient shard (step_grad_copy)."""
+    copy = cf.step_grad_copy if len(cf.step_grad_copy) else 0.0
     if p2p_muon:
-        return 2 * cf.resident_params
-    return 2 * cf.view_params if cf.step_gather is None else cf.step_gather
+        return 2 * cf.resident_params + copy
+    return (2 * cf.view_params if cf.step_gather is None else cf.step_gather) + copy
 
 
 def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:
@@ -828,6 +832,11 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         view_params=b.view, resident_params=b.resident,
         quantized_weights=2 * b.qb * b.q_view if b.lowp else np.zeros(n),
         step_gather=_step_gather(b), step_gather_with_ns=default_policy,
+        # Megatron's optimizers keep FP32 main parameters; with a BF16 gradient buffer the step hands each owned
+        # shard main_grad.float() as its .grad (NVIDIA/Megatron-LM@2edffadb megatron/core/optimizer/
+        # distrib_optimizer.py _copy_model_grads_to_main_grads, `shard_main_param.grad = shard_model_grad.float()`;
+        # an FP32 buffer's .float() is the buffer itself). They live until the next zero_grad, before any forward.
+        step_grad_copy=4 * own if b.gd < 4 else np.zeros(n),
     )
 
 

@@ -527,7 +527,9 @@ def _policy_formulas(layout: Layout) -> dict[str, str]:
         "optimizer": f"Muon momentum {sd} B + AdamW moments {2 * sd} B per owned parameter{owner}",
         "optimizer_transient": "without P2P Muon, BF16 all-gathered at the step: optim_grads_params groups 2 x "
                                "params (plus Newton-Schulz), optim / optim_grads in place (element) or into "
-                               "receive buffers after Newton-Schulz (tensor): max(2 x sharded params, NS)",
+                               "receive buffers after Newton-Schulz (tensor): max(2 x sharded params, NS)"
+                               + ("; plus the FP32 copy of the BF16 gradient shard the rank owns, 4 x owned params"
+                                  if g < 4 else ""),
     }
 
 

@@ -98,7 +98,8 @@ LEDGER: tuple[TermDecl, ...] = (
              "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy"),
     TermDecl("optimizer_transient", Phase.OPTIMIZER, Aggregate.STEP, "ns_working_set", "p2p_muon, sharding policy",
              "derived", "without P2P Muon: the full BF16 parameter group all-gathered at the step (2 x (D + E/e)); "
-             "with P2P Muon: the pulled share; plus the largest Newton-Schulz working set"),
+             "with P2P Muon: the pulled share; plus the largest Newton-Schulz working set; with a BF16 gradient "
+             "buffer, the owned shard's FP32 gradient copy (4 x owned parameters)"),
 )
 
 TERMS: dict[str, TermDecl] = {t.key: t for t in LEDGER}

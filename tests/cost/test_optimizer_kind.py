@@ -89,3 +89,24 @@ def test_adamw_experts_stay_ep_local():
     # the BF16 view keeps D + E / e per layer whatever the optimizer
     assert ev.ranks[0].ledger["bf16_view"] == pytest.approx(
         2 * (24 * (19_140_864 + 603_979_776 // 16) + 151_936 * 2048), rel=1e-12)
+
+
+def test_a_bf16_gradient_buffer_is_copied_to_fp32_for_the_owned_shard_at_the_step():
+    """Megatron keeps FP32 main parameters; with a BF16 gradient buffer (grad_reduce_in_fp32 = False, as every
+    Megatron-Bridge performance config sets) the step gives each owned shard main_grad.float() as its .grad
+    (Megatron-LM distrib_optimizer.py _copy_model_grads_to_main_grads). Qwen3-30B-A3B, Megatron's distributed
+    optimizer (`optim`: state sharded, gradient buffer whole), EP 16, DP 16: rank 0 owns 24 x 38,945,040 layer
+    parameters (test_adamw_experts_stay_ep_local) plus the embedding's 151,936 x 2048 / 16; AdamW runs no
+    Newton-Schulz and the distributed optimizer gathers in place, so the step adds the FP32 copy alone."""
+    owned = 24 * 38_945_040 + 151_936 * 2048 / 16
+    view = 24 * (19_140_864 + 603_979_776 // 16) + 151_936 * 2048
+    base = dict(gpus=32, pp=2, ep=16, dense_fsdp=16, expert_fsdp=1, microbatches=8, context=4096, split=[24, 24],
+                recompute="full", domain_gpus_used=8, dense_sharding="optim", expert_sharding="optim",
+                fsdp_lifecycle="accumulate")
+    bf16 = k3opt.evaluate(k3opt.make_layout(**base, grad_dtype="bf16"), model="qwen3-30b-a3b", cluster="b200")
+    fp32 = k3opt.evaluate(k3opt.make_layout(**base, grad_dtype="fp32"), model="qwen3-30b-a3b", cluster="b200")
+    assert bf16.ranks[0].ledger["optimizer_transient"] == pytest.approx(4 * owned, rel=1e-12)
+    assert fp32.ranks[0].ledger["optimizer_transient"] == 0
+    # the gradient buffer itself is whole under `optim`: 2 B (BF16) or 4 B (FP32) per element of the view
+    assert bf16.ranks[0].ledger["grads"] == pytest.approx(2 * view, rel=1e-12)
+    assert fp32.ranks[0].ledger["grads"] == pytest.approx(4 * view, rel=1e-12)

@@ -11,6 +11,7 @@ from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.inputs.errors import SpecError
 from k3opt.inputs.presets import preset_names
 from k3opt.inputs.rates import load_rates, rates_for
+from k3opt.inputs.specs import FsdpLifecycle, ShardingPolicy
 
 
 @pytest.mark.parametrize("name", preset_names("rates"))
@@ -267,12 +268,13 @@ def test_collective_latency_inside_one_nvlink_domain():
 
 
 def test_collective_latency_across_domains_per_microbatch_reduce_scatter():
-    """MB-14's layout on B200 (8-GPU domains) with gradients reduce-scattered every microbatch: EP32 and DP32 each
-    span 4 domains, 8.4 + 28 x 3.4 + 3 x 14.0 = 145.6 us a call, on the NIC. Per microbatch a dense layer (0) pays
-    the DP reduce-scatter, an MoE layer (10) that plus the routing-map all-gather; per update, the parameter
-    all-gather of each layer."""
+    """MB-14's layout on B200 (8-GPU domains) under FSDP (optim_grads_params) with gradients reduce-scattered every
+    microbatch: EP32 and DP32 each span 4 domains, 8.4 + 28 x 3.4 + 3 x 14.0 = 145.6 us a call, on the NIC. Per
+    microbatch a dense layer (0) pays the DP reduce-scatter, an MoE layer (10) that plus the routing-map all-gather;
+    per update, the parameter all-gather of each layer."""
+    fsdp = ShardingPolicy.OPTIM_GRADS_PARAMS
     mb, up = _latency_delta("layouts/measured/mb-14-deepseek-v3-b200.toml", "deepseek-v3", "b200",
-                            fsdp_lifecycle="per_microbatch")
+                            fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH, dense_sharding=fsdp, expert_sharding=fsdp)
     ring = (8.4 + 28 * 3.4 + 3 * 14.0) * 1e-6
     assert not mb["nvlink"].any()
     assert mb["nic"][0] == pytest.approx(ring, rel=1e-12)

@@ -80,6 +80,7 @@ function schedule(event) {
   }
   clearTimeout(lab.timer);
   lab.pending = true;
+  lab.seq++;  // a response still on its way answers older values: it is dropped, and the page stays pending
   lab.timer = setTimeout(evaluateNow, 30);
 }
 

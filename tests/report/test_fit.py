@@ -1,0 +1,42 @@
+"""`k3opt validate`'s Fit table: each measured run's modeled device peak against its GPU's HBM."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import k3opt
+from k3opt.cli import main
+from k3opt.report.validate import fit_rows, measured_layouts
+
+
+def test_every_measured_run_has_a_fit_row_on_its_device_line():
+    rows = {r.layout: r for r in fit_rows()}
+    assert len(rows) == len(measured_layouts())
+    ref = rows["k3-gb200-512-reference"]
+    # GB200: nvidia-smi's 189,471 MiB; the reference run's device line: 132.83 GiB (explain's DEVICE row, rank 0)
+    assert ref.hbm_gib == pytest.approx(189_471 / 1024, abs=1e-9) and ref.fits
+    assert ref.device_gib == pytest.approx(132.83, abs=0.005)
+    # a layout naming no runtime is judged with its cluster's default (GB200: the HybridEP runtime), B200 has none
+    assert rows["MB-13"].runtime == "megatron-te-hybridep-gb200" and rows["MB-14"].runtime == "none"
+
+
+def test_a_run_over_its_hbm_is_marked_no():
+    row = next(r for r in fit_rows() if r.layout == "MB-2")
+    assert row.device_gib > row.hbm_gib and not row.fits and row.to_dict()["fits"] is False
+    out = CliRunner().invoke(main, ["validate"]).output
+    fit = out[out.index("Fit:"):]
+    assert any(ln.split()[0] == "MB-2" and ln.split()[-1] == "NO" for ln in fit.splitlines()[2:] if ln.strip())
+
+
+def test_the_measured_layouts_carry_their_recipes_optimizer_settings():
+    """Megatron-Bridge's performance configs: distributed optimizer with FSDP off (`optim`), BF16 gradient buffer
+    (grad_reduce_in_fp32 = False), DeepSeek-V3's Adam moments in BF16, Kimi K2's dist_muon at tensor granularity."""
+    for name in ("mb-12-deepseek-v3-gb300", "mb-13-deepseek-v3-gb200", "mb-14-deepseek-v3-b200",
+                 "mb-22-deepseek-v3-gb200", "mb-17-qwen3-235b-a22b-gb300", "mb-18-qwen3-235b-a22b-gb200",
+                 "mb-20-qwen3-30b-a3b-gb200", "mb-21-kimi-k2-gb300"):
+        lay = k3opt.load_layout(name)
+        assert (lay.dense_sharding.value, lay.expert_sharding.value, lay.grad_dtype.value) == \
+            ("optim", "optim", "bf16"), name
+        assert lay.optimizer_state_dtype.value == ("bf16" if "deepseek" in name else "fp32"), name
+    assert k3opt.load_layout("mb-21-kimi-k2-gb300").optimizer_shard_granularity.value == "tensor"
