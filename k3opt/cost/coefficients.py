@@ -62,7 +62,8 @@ class Shape:
     expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
     grad_dtype: Dtype = Dtype.FP32
-    optimizer_state_dtype: Dtype = Dtype.FP32
+    optimizer_state_dtype: Dtype | None = None
+    """None: the model's optimizer.state_dtype."""
     lazy_optimizer_state: bool = False
     precision: Precision = Precision.BF16
     """Compute precision of the linear GEMMs; a search enumerates it from Job.precisions."""
@@ -127,7 +128,7 @@ class LayerShape:
     expert_sharding: ShardingPolicy
     optimizer_shard_granularity: ShardGranularity
     grad_dtype: Dtype
-    optimizer_state_dtype: Dtype
+    optimizer_state_dtype: Dtype | None
     precision: Precision
     dispatcher: str | None
     ep_local: int
@@ -223,6 +224,8 @@ class Coefficients:
     balance_seconds_per_byte: float = 0.0
     step_gather: np.ndarray | None = field(default=None, repr=False)
     """BF16 bytes all-gathered into fresh buffers at the optimizer step (without P2P Muon), by sharding policy."""
+    state_bytes: int = 4
+    """Bytes per optimizer-state element: the layout's optimizer_state_dtype, else the model's."""
     step_grad_copy: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """FP32 copies of the owned gradient shard made at the optimizer step when the gradient buffer is BF16 (zero with
     FP32 gradients): the step's FP32 main parameters take FP32 gradients."""
@@ -802,7 +805,8 @@ class _LayerBuild:
             view=pn + p_routed / e, own_muon=pn_muon / opt_fd + pr_muon / (e * opt_fe),
             own_adam=p_adam / opt_fd + pr_adam / (e * opt_fe),
             opt_fd=opt_fd, opt_fe=opt_fe, g_fd=fd if pol_d in _GRADS_SHARDED else 1,
-            g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes, sd=shape.optimizer_state_dtype.bytes,
+            g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes,
+            sd=(shape.optimizer_state_dtype or model.optimizer.state_dtype).bytes,
             lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),
             q_view=sa.q_params_nonrouted + sa.q_params_routed / e,
         )
@@ -836,7 +840,7 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         # shard main_grad.float() as its .grad (NVIDIA/Megatron-LM@2edffadb megatron/core/optimizer/
         # distrib_optimizer.py _copy_model_grads_to_main_grads, `shard_main_param.grad = shard_model_grad.float()`;
         # an FP32 buffer's .float() is the buffer itself). They live until the next zero_grad, before any forward.
-        step_grad_copy=4 * own if b.gd < 4 else np.zeros(n),
+        step_grad_copy=4 * own if b.gd < 4 else np.zeros(n), state_bytes=b.sd,
     )
 
 

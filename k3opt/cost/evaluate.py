@@ -540,7 +540,7 @@ def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...], dp_rank: int | N
     sh = cf.shape
     out: dict[str, float] = {"master": 0.0, "optimizer": 0.0}
     grads = 0.0
-    sd, gd = sh.optimizer_state_dtype.bytes, sh.grad_dtype.bytes
+    sd, gd = cf.state_bytes, sh.grad_dtype.bytes
     sharded_grads = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
     for routed, pol, f in ((False, sh.dense_sharding, sh.dense_fsdp), (True, sh.expert_sharding, sh.expert_fsdp)):
         group = 1 if pol == ShardingPolicy.NO_SHARD else f
@@ -580,6 +580,8 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
     cluster = (load_cluster(cluster or layout.cluster or "gb200-nvl72")
                if not isinstance(cluster, ClusterSpec) else cluster)
     check_layout(layout, model, cluster)
+    if layout.optimizer_state_dtype is None:
+        layout = layout.model_copy(update={"optimizer_state_dtype": model.optimizer.state_dtype})
     rt_name = runtime if runtime is not None else layout.runtime
     rt = load_runtime(rt_name) if rt_name not in (None, NO_RUNTIME) else None
     shape = Shape.of(layout)

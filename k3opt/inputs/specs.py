@@ -156,12 +156,23 @@ class MTPSpec(StrictModel):
     num_layers: PosInt = 1
 
 
+class Dtype(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def bytes(self) -> int:
+        return FP32 if self is Dtype.FP32 else BF16
+
+
 class OptimizerSpec(StrictModel):
     """The optimizer a model trains with: Muon for its 2-D matrices (AdamW for the rest: embeddings, norms, the head,
     `adamw_matrices`), or AdamW for every tensor. AdamW keeps two moments per parameter, Muon one momentum; only
     Muon runs Newton-Schulz at the step (its time and its working set)."""
 
     name: Literal["muon", "adamw"] = "muon"
+    state_dtype: Dtype = Dtype.FP32
+    """Muon momentum / AdamW moments dtype in the model's recipe; a layout's `optimizer_state_dtype` overrides it."""
     adamw_matrices: list[str] = Field(default_factory=list)
     """Under Muon, 2-D text matrices assigned to AdamW instead (names as in k3opt.cost.structure)."""
 
@@ -395,15 +406,6 @@ class ShardGranularity(StrEnum):
     """Whole tensors per rank (layer-wise distributed optimizer, dist_muon): the worst rank owns the most."""
 
 
-class Dtype(StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-
-    @property
-    def bytes(self) -> int:
-        return FP32 if self is Dtype.FP32 else BF16
-
-
 class MeasurementKind(StrEnum):
     """Which memory a measured peak is: torch.cuda.max_memory_allocated (live tensors), max_memory_reserved
     (plus the caching allocator's slack; torchtitan's `memory:` line), device-used (nvidia-smi,
@@ -483,8 +485,9 @@ class Layout(StrictModel):
     optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
     grad_dtype: Dtype = Dtype.FP32
     """Gradient buffer / shard dtype (Megatron `--grad-reduce-in-bf16` makes it BF16)."""
-    optimizer_state_dtype: Dtype = Dtype.FP32
-    """Muon momentum and AdamW moments dtype."""
+    optimizer_state_dtype: Dtype | None = None
+    """Muon momentum and AdamW moments dtype (absent: the model's `[optimizer] state_dtype`, FP32 unless its recipe
+    says otherwise)."""
     lazy_optimizer_state: StrictBool = False
     """Optimizer state is allocated at the first step (seed 003: Muon state absent from a pre-step reading).
     The peak counts it either way; the rank's `resident_before_first_step_bytes` leaves it out."""

@@ -731,13 +731,14 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
                 return best
             if taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0):
                 break
-            ev = evaluate(lay.model_copy(update={"split": s}), model=model, cluster=cluster, runtime=runtime)
+            moved = lay.model_copy(update={"split": s})
+            ev = evaluate(moved, model=model, cluster=cluster, runtime=runtime)
             if ev.fits and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
                 # The other moves the screen cannot tell from this one (the same rank loads: another chunk of the
                 # same ranks) are priced too, and the fastest is taken: they differ in the layers' kinds, their
                 # edges and the replayed order (K3 PP8 VP4: 18.84 s or 18.63 s for one layer moved from rank 4 to
                 # rank 5, from chunk 4 or from chunk 28).
-                best, cur, taken = PlanItem(ev.layout, ev), s, key
+                best, cur, taken = PlanItem(moved, ev), s, key
         if taken is None or best.rank_time_s > before * (1 - min_gain):
             return best
         now = list(loads(cur))

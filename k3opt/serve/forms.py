@@ -35,7 +35,7 @@ FLOAT_CONTROLS = ("reserve_gib",)
 CHOICE_CONTROLS: dict[str, tuple[str, ...]] = {
     "recompute": tuple(Recompute), "fsdp_lifecycle": tuple(FsdpLifecycle),
     "dense_sharding": tuple(ShardingPolicy), "expert_sharding": tuple(ShardingPolicy),
-    "grad_dtype": tuple(Dtype), "optimizer_state_dtype": tuple(Dtype), "precision": tuple(Precision),
+    "grad_dtype": tuple(Dtype), "optimizer_state_dtype": ("model", *Dtype), "precision": tuple(Precision),
 }
 PRESET_CONTROLS = {"model": "model", "cluster": "cluster", "runtime": "runtime"}
 """Controls that name a shipped preset (never a path: the page cannot make the server read a file)."""
@@ -144,6 +144,8 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
         fields[k] = None if form.get(k) in (None, "") else _int(form, k)
     fields.update({k: _float(form, k) for k in FLOAT_CONTROLS})
     fields.update({k: _choice(form, k, allowed) for k, allowed in CHOICE_CONTROLS.items()})
+    if fields["optimizer_state_dtype"] == "model":  # the model's [optimizer] state_dtype
+        fields["optimizer_state_dtype"] = None
     try:
         fields["split"] = parse_split(form.get("split"), fields["pp"] * fields["vp"], model.num_layers)
     except FieldError as err:

@@ -32,6 +32,7 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
                                 "context", "reserve_gib", "recompute", "fsdp_lifecycle", "dense_sharding",
                                 "expert_sharding", "grad_dtype", "optimizer_state_dtype", "precision")}
     out["domain_gpus_used"] = layout.domain_gpus_used or ""
+    out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
     out["split"] = split_text(layout.split)
     out["toggles"] = {t: bool(getattr(layout.toggles, t)) for t in TOGGLE_NAMES}
     out.update(model=layout.model, cluster=layout.cluster, runtime=runtime or "none")

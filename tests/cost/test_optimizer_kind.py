@@ -110,3 +110,19 @@ def test_a_bf16_gradient_buffer_is_copied_to_fp32_for_the_owned_shard_at_the_ste
     # the gradient buffer itself is whole under `optim`: 2 B (BF16) or 4 B (FP32) per element of the view
     assert bf16.ranks[0].ledger["grads"] == pytest.approx(2 * view, rel=1e-12)
     assert fp32.ranks[0].ledger["grads"] == pytest.approx(4 * view, rel=1e-12)
+
+
+def test_deepseek_v3_keeps_its_adam_moments_in_bf16_unless_the_layout_says_otherwise():
+    """DeepSeek-V3's recipe: exp_avg and exp_avg_sq in BF16, main parameters FP32 ([optimizer] state_dtype). Two
+    2-byte moments per owned parameter weigh what its 4-byte FP32 master does; a layout's optimizer_state_dtype
+    overrides the model's (FP32: twice the master)."""
+    assert k3opt.load_model("deepseek-v3").optimizer.state_dtype.value == "bf16"
+    assert k3opt.load_model("qwen3-30b-a3b").optimizer.state_dtype.value == "fp32"
+    lay = k3opt.load_layout("mb-13-deepseek-v3-gb200").model_copy(update={"optimizer_state_dtype": None,
+                                                                          "measured": None})
+    ev = k3opt.evaluate(lay)
+    assert ev.layout.optimizer_state_dtype.value == "bf16"
+    for r in ev.ranks:
+        assert r.ledger["optimizer"] == pytest.approx(r.ledger["master"], rel=1e-12)
+    fp32 = k3opt.evaluate(lay.model_copy(update={"optimizer_state_dtype": k3opt.inputs.specs.Dtype.FP32}))
+    assert fp32.ranks[1].ledger["optimizer"] == pytest.approx(2 * fp32.ranks[1].ledger["master"], rel=1e-12)

@@ -283,7 +283,9 @@ def test_formulas_name_the_degree_that_divides_each_term(proxy):
         "grads": "BF16 gradients: 2 x (D/f_d + E/e) (dense optim_grads, expert no_shard; unsharded = the whole "
                  "buffer)",
         "optimizer": "Muon momentum 2 B + AdamW moments 4 B per owned parameter",
-        "optimizer_transient": TRANSIENT}
+        # BF16 gradients: the step copies the owned shard to FP32 for the FP32 main parameters
+        "optimizer_transient": TRANSIENT + "; plus the FP32 copy of the BF16 gradient shard the rank owns, 4 x owned "
+                                           "params"}
     swapped = _variant(proxy, dense_sharding="no_shard", expert_sharding="optim_grads_params",
                        optimizer_shard_granularity="element")
     f = _policy_formulas(swapped)

@@ -13,7 +13,7 @@ from conftest import contiguous_splits
 
 import k3opt
 from k3opt.inputs.presets import make_layout
-from k3opt.inputs.specs import FsdpLifecycle, Recompute
+from k3opt.inputs.specs import Dtype, FsdpLifecycle, Recompute, ShardingPolicy
 from k3opt.search import tight_node_bound
 from k3opt.search.bounds import frame_dp_bound, group_frame_bound, group_node_bound
 from k3opt.search.frames import enumerate_frames, policy_group, sharding_group
@@ -429,7 +429,8 @@ def test_one_program_over_the_sharding_policies_stays_below_every_layout(tiny, s
     too (frames.policy_group: several sharding groups): below every enumerated layout of every member."""
     job = _job(1.5)
     job = job.model_copy(update={"search": job.search.model_copy(update={
-        "dense_sharding": ["optim_grads_params", "optim"], "grad_dtype": ["fp32", "bf16"]})})
+        "dense_sharding": [ShardingPolicy.OPTIM_GRADS_PARAMS, ShardingPolicy.OPTIM],
+        "grad_dtype": [Dtype.FP32, Dtype.BF16]})})
     frames = enumerate_frames(job, tiny, 8)
     assert len({sharding_group(f) for f in frames}) == 4 and len({policy_group(f) for f in frames}) == 1
     best = None
