@@ -341,10 +341,21 @@ def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
     """Per-layer bytes the optimizer step adds beside the Newton-Schulz working set (evaluate.rank_ledger): under
     P2P Muon the pulled resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view
     where the coefficients have none); plus the FP32 copies of a BF16 gradient shard (step_grad_copy)."""
-    copy = cf.step_grad_copy if len(cf.step_grad_copy) else 0.0
+    copy = step_grad_copy_bytes(cf)
     if p2p_muon:
         return 2 * cf.resident_params + copy
-    return (2 * cf.view_params if cf.step_gather is None else cf.step_gather) + copy
+    return policy_step_gather(cf) + copy
+
+
+def policy_step_gather(cf: Coefficients) -> np.ndarray:
+    """Per-layer BF16 bytes the sharding policy all-gathers into fresh buffers at the step (2 x the BF16 view where
+    the coefficients have none)."""
+    return 2 * cf.view_params if cf.step_gather is None else cf.step_gather
+
+
+def step_grad_copy_bytes(cf: Coefficients) -> np.ndarray | float:
+    """Per-layer FP32 copies of the owned gradient shard at the step (0 where the coefficients have none)."""
+    return cf.step_grad_copy if len(cf.step_grad_copy) else 0.0
 
 
 def newton_schulz_flops(rows: int, cols: int, iterations: int = 5) -> int:
@@ -806,7 +817,7 @@ class _LayerBuild:
             own_adam=p_adam / opt_fd + pr_adam / (e * opt_fe),
             opt_fd=opt_fd, opt_fe=opt_fe, g_fd=fd if pol_d in _GRADS_SHARDED else 1,
             g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes,
-            sd=(shape.optimizer_state_dtype or model.optimizer.state_dtype).bytes,
+            sd=model.optimizer.state_of(shape.optimizer_state_dtype).bytes,
             lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),
             q_view=sa.q_params_nonrouted + sa.q_params_routed / e,
         )

@@ -161,6 +161,8 @@ class StepTime:
     """Per rank: seconds per stage-microbatch on each resource at the achievable rates (AchievableStep.stage_s);
     empty without a rates file."""
     achievable_rank_binding: tuple[str, ...] = ()
+    achievable_slowest_rank: int = 0
+    """The rank whose achievable stage time sets the step (the lowest of tied ones)."""
     achievable_rank_exposed_ep_s: tuple[float, ...] = ()
     components: dict[str, float] = field(default_factory=dict)
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
@@ -581,7 +583,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
                if not isinstance(cluster, ClusterSpec) else cluster)
     check_layout(layout, model, cluster)
     if layout.optimizer_state_dtype is None:
-        layout = layout.model_copy(update={"optimizer_state_dtype": model.optimizer.state_dtype})
+        layout = layout.model_copy(update={"optimizer_state_dtype": model.optimizer.state_of(None)})
     rt_name = runtime if runtime is not None else layout.runtime
     rt = load_runtime(rt_name) if rt_name not in (None, NO_RUNTIME) else None
     shape = Shape.of(layout)
@@ -705,7 +707,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_update_time_s=ach.update_time_s, achievable_unpaired_ep_s=ach.unpaired_ep_s,
         achievable_schedule_step_time_s=ach.schedule_step_time_s, ranked_chunk_s=ach.chunk_s,
         achievable_rank_stage_s=ach.stage_s, achievable_rank_binding=ach.stage_binding,
-        achievable_rank_exposed_ep_s=ach.stage_exposed_ep_s,
+        achievable_rank_exposed_ep_s=ach.stage_exposed_ep_s, achievable_slowest_rank=ach.slowest_rank,
     )
 
 

@@ -176,6 +176,10 @@ class OptimizerSpec(StrictModel):
     adamw_matrices: list[str] = Field(default_factory=list)
     """Under Muon, 2-D text matrices assigned to AdamW instead (names as in k3opt.cost.structure)."""
 
+    def state_of(self, layout_dtype: Dtype | None) -> Dtype:
+        """The optimizer-state dtype a layout prices: its own, else the model's."""
+        return layout_dtype or self.state_dtype
+
     @model_validator(mode="after")
     def _matrices_under_muon(self) -> OptimizerSpec:
         if self.name == "adamw" and self.adamw_matrices:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key, step_gather_bytes
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key, policy_step_gather
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo
@@ -355,18 +355,14 @@ def _group_node_bound(node: _GroupNode, best: float, stop_at: float, deadline: f
     return node.floor(stage)
 
 
-def _copy(cf: Coefficients) -> np.ndarray | float:
-    return cf.step_grad_copy if len(cf.step_grad_copy) else 0.0
-
-
 def _least_bytes(views: list[Coefficients]) -> Coefficients:
     """The first view with every byte array and figure the memory tests read at its least over `views`."""
     # The step's bytes too: members of a policy group differ in sharding policy and gradient dtype, hence in their
-    # step gather and their FP32 gradient copies (coefficients.step_gather_bytes reads these four).
+    # step gather and their FP32 gradient copies (what coefficients.step_gather_bytes reads).
     return replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
         "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
         "working_set", "view_params", "resident_params", "step_grad_copy")},
-        step_gather=np.min([step_gather_bytes(vw, False) - _copy(vw) for vw in views], axis=0),
+        step_gather=np.min([policy_step_gather(vw) for vw in views], axis=0),
         logits=min(vw.logits for vw in views),
         ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
         moonep_buffers=min(vw.moonep_buffers for vw in views))

@@ -10,6 +10,9 @@ from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.inputs.specs import GIB, TOGGLE_NAMES, Job, Layout
 
+PROVEN_TOL = 1e-9
+"""Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
+
 
 @dataclass(frozen=True)
 class PlanItem:
@@ -40,6 +43,11 @@ class PlanItem:
         if self.front_bound_s is None:
             return None
         return max(0.0, (self.rank_time_s - self.front_bound_s) / self.rank_time_s)
+
+    @property
+    def proven(self) -> bool:
+        """A Pareto point no layout at its peak or less beats: its front bound is its step time (to PROVEN_TOL)."""
+        return self.front_gap is not None and self.front_gap <= PROVEN_TOL
 
 
 @dataclass(frozen=True)
@@ -155,10 +163,6 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-PROVEN_TOL = 1e-9
-"""Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
-
-
 def front_frame(points: list[PlanItem]) -> pd.DataFrame:
     """The Pareto CSV: plan_frame's columns plus each point's proven front bound, its gap and whether it is
     proven (no layout of any frame at the point's peak or less is faster: its front bound is its step time)."""
@@ -166,5 +170,5 @@ def front_frame(points: list[PlanItem]) -> pd.DataFrame:
     if len(df):
         df["front_bound_s"] = [it.front_bound_s for it in points]
         df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in points]
-        df["proven"] = [it.front_gap is not None and it.front_gap <= PROVEN_TOL for it in points]
+        df["proven"] = [it.proven for it in points]
     return df

@@ -6,6 +6,7 @@ beside, as HTTP 400 with {"error", "field"}; no input stops the server."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import re
@@ -23,10 +24,11 @@ from fastapi.staticfiles import StaticFiles
 
 from k3opt.cost.evaluate import evaluate
 from k3opt.inputs.errors import K3optError
-from k3opt.inputs.presets import layout_toml, load_layout, preset_names
+from k3opt.inputs.presets import layout_toml, load_job, load_layout, preset_names
 from k3opt.inputs.specs import TOGGLE_NAMES
 from k3opt.inputs.toggles import TOGGLES
 from k3opt.launch import FORMATS, to_launch
+from k3opt.planner import plan
 from k3opt.report.plots import sweep_plot
 from k3opt.report.throughput import validate_throughput
 from k3opt.report.validate import fit_rows, validation_rows
@@ -49,6 +51,10 @@ PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 """plotly.js as the plotly wheel ships it: the page draws with it and needs no network."""
 DEFAULT_LAYOUT = "k3-gb200-512-reference"
 """What the explorer opens on: the measured K3 reference run."""
+DEFAULT_JOB = "k3-512-4k"
+"""Whose tokens per update and launch target the Plan tab starts from: the CLI's default job."""
+_PLAN_DEFAULTS = inspect.signature(plan).parameters
+"""The Plan tab starts from k3opt.plan's own defaults (time limit, layouts)."""
 FormBody = Annotated[Any, Body()]
 """A request body of control values (checked by serve/forms.py, not by FastAPI, so errors keep the CLI's words)."""
 EXPORT_SUFFIX = {"megatron-bridge": ".txt", "megatron-lm": ".sh", "torchtitan": ".toml"}
@@ -76,7 +82,7 @@ def _form(body: Any) -> dict[str, Any]:
 
 
 def _options() -> dict[str, Any]:
-    ref = load_layout(DEFAULT_LAYOUT)
+    ref, job = load_layout(DEFAULT_LAYOUT), load_job(DEFAULT_JOB)
     return {
         "models": preset_names("model"), "clusters": preset_names("cluster"),
         "runtimes": list(RUNTIME_CHOICES) + preset_names("runtime"),
@@ -84,8 +90,9 @@ def _options() -> dict[str, Any]:
         "toggles": [{"name": t, "kind": TOGGLES[t].kind.value} for t in TOGGLE_NAMES],
         "targets": list(TARGET_CHOICES), "formats": list(FORMATS),
         "max_time_limit_s": MAX_TIME_LIMIT_S, "max_top": MAX_TOP,
-        "default": {**form_of(ref, "cluster-default"), "tokens_per_update": 16_777_216, "target": "none",
-                    "time_limit": 60, "top": 5},
+        "default": {**form_of(ref, "cluster-default"), "tokens_per_update": job.tokens_per_update,
+                    "target": job.target or "none", "time_limit": _PLAN_DEFAULTS["time_limit"].default,
+                    "top": _PLAN_DEFAULTS["top"].default},
     }
 
 

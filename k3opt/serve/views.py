@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from k3opt.cost.coefficients import RESOURCES
 from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
@@ -92,7 +90,7 @@ def _time(ev: Evaluation) -> dict[str, Any]:
         ms[EXPOSED_EP] = [1e3 * e for e in ex]
         stage = [1e3 * max(t.values()) for t in st.achievable_rank_stage_s]
         return {"ranks": ranks, "resources": [*res, EXPOSED_EP], "ms": ms, "stage_ms": stage,
-                "binding": list(st.achievable_rank_binding), "slowest_rank": int(np.argmax(stage)),
+                "binding": list(st.achievable_rank_binding), "slowest_rank": st.achievable_slowest_rank,
                 "rates": f"achievable rates '{st.rates}'"}
     tf = time_frame(ev)
     return {"ranks": ranks, "resources": list(RESOURCES),
@@ -119,7 +117,7 @@ def evaluation_view(ev: Evaluation) -> dict[str, Any]:
             "runtime": ev.runtime.name if ev.runtime is not None else "none (live tensors only)",
             "rank_time_s": st.rank_time_s, "step_time_s": st.step_time_s,
             "achievable_step_time_s": st.achievable_step_time_s, "binding": st.achievable_binding or st.binding,
-            "slowest_rank": st.slowest_rank, "bubble_fraction": st.bubble_fraction,
+            "slowest_rank": st.achievable_slowest_rank if st.rates else st.slowest_rank, "bubble_fraction": st.bubble_fraction,
             "tokens_per_s_per_gpu": st.rank_tokens_per_s_per_gpu, "mfu": st.achievable_mfu or st.mfu,
             "peak_device_gib": ev.peak_device_bytes / GIB, "peak_gib": ev.peak_bytes / GIB,
             "capacity_gib": ev.capacity_bytes / GIB, "hbm_gib": ev.cluster.hbm_bytes / GIB,
@@ -145,7 +143,7 @@ def _item(i: int, it: PlanItem) -> dict[str, Any]:
             "headroom_gib": ev.headroom_bytes / GIB, "binding": ev.step.achievable_binding or ev.step.binding,
             "toggles": toggles_text(it.layout),
             "runs_on": None if it.runs_on is None else list(it.runs_on),
-            "front_bound_s": it.front_bound_s, "front_gap": it.front_gap,
+            "front_bound_s": it.front_bound_s, "front_gap": it.front_gap, "proven": it.proven,
             "form": form_of(it.layout, it.layout.runtime)}
 
 

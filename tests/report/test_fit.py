@@ -38,6 +38,6 @@ def test_the_measured_layouts_carry_their_recipes_optimizer_settings():
         lay = k3opt.load_layout(name)
         assert (lay.dense_sharding.value, lay.expert_sharding.value, lay.grad_dtype.value) == \
             ("optim", "optim", "bf16"), name
-        state = lay.optimizer_state_dtype or k3opt.load_model(lay.model).optimizer.state_dtype
+        state = k3opt.load_model(lay.model).optimizer.state_of(lay.optimizer_state_dtype)
         assert state.value == ("bf16" if "deepseek" in name else "fp32"), name
     assert k3opt.load_layout("mb-21-kimi-k2-gb300").optimizer_shard_granularity.value == "tensor"

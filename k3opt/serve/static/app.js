@@ -282,7 +282,7 @@ async function pollPlan(id) {
       .concat(st.pareto ? ["proven"] : []),
     items.map((it) => [it.index + 1, it.layout, it.split, it.recompute, fmt(it.rank_time_s, 3),
       fmt(it.peak_device_gib), fmt(it.headroom_gib), it.binding, it.runs_on ? it.runs_on.join(" ") || "none" : "-",
-      it.toggles].concat(st.pareto ? [it.front_gap !== null && it.front_gap <= 1e-9 ? "yes" : "no"] : [])),
+      it.toggles].concat(st.pareto ? [it.proven ? "yes" : "no"] : [])),
     (i) => loadItem(items[i]));
   if (st.pareto && r.pareto.length) drawFront(r.pareto);
 }
