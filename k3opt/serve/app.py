@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import plotly
-from fastapi import Body, FastAPI, Request
+from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -95,9 +95,9 @@ def _options() -> dict[str, Any]:
                     "top": _PLAN_DEFAULTS["top"].default},
     }
 
-
 def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAPI:
-    """The lab's app; `sweeps`: sweep output files (.csv / .parquet) whose table and picture the page shows."""
+    """The lab's app; `sweeps`: sweep output files (.csv / .parquet) whose table and picture the page shows; at most
+    `max_running` plans run at once."""
     runs = Runs(max_running)
 
     @asynccontextmanager
@@ -107,8 +107,16 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
 
     app = FastAPI(title="k3opt planning lab", docs_url="/api/docs", redoc_url=None, lifespan=lifespan)
     app.state.runs = runs
-    sweep_files = list(sweeps or [])
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    _errors(app)
+    for router in (_pages(), _explore(), _plans(runs), _reports(list(sweeps or []))):
+        app.include_router(router)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    """Bad input: one line and the control it belongs beside (400; 429 when every plan slot is taken); anything else
+    a 500 with one line. The server goes on either way."""
 
     @app.exception_handler(K3optError)
     async def _k3opt_error(_: Request, err: K3optError) -> JSONResponse:
@@ -126,24 +134,37 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}", "field": None},
                             status_code=500)
 
-    @app.get("/", include_in_schema=False)
+
+
+def _pages() -> APIRouter:
+    """The page, plotly.js and the controls' choices."""
+    r = APIRouter()
+
+    @r.get("/", include_in_schema=False)
     def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
-    @app.get("/favicon.ico", include_in_schema=False)
+    @r.get("/favicon.ico", include_in_schema=False)
     def favicon() -> Response:
         return Response(status_code=204)
 
-    @app.get("/vendor/plotly.min.js", include_in_schema=False)
+    @r.get("/vendor/plotly.min.js", include_in_schema=False)
     def plotly_js() -> FileResponse:
         return FileResponse(PLOTLY_JS, media_type="text/javascript")
 
-    @app.get("/api/options")
+    @r.get("/api/options")
     def options() -> dict[str, Any]:
         """The controls' choices and the reference layout's values."""
         return _options()
 
-    @app.post("/api/evaluate")
+    return r
+
+
+def _explore() -> APIRouter:
+    """One layout: evaluate() for the explorer, and its downloads."""
+    r = APIRouter()
+
+    @r.post("/api/evaluate")
     def api_evaluate(body: FormBody, full: bool = False) -> dict[str, Any]:
         """One layout's ledger, step time and timeline (evaluate()); `?full=1` adds evaluate()'s whole record, as
         `k3opt explain --json` prints it."""
@@ -154,7 +175,7 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
             out["evaluation"] = json.loads(json.dumps(ev.to_dict(), default=float))
         return out
 
-    @app.post("/api/download/{what}")
+    @r.post("/api/download/{what}")
     def download(what: str, body: FormBody) -> Response:
         """The explorer's layout as a layout TOML (`toml`) or a launch export (megatron-bridge | megatron-lm |
         torchtitan)."""
@@ -166,7 +187,14 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         launch = to_launch(layout, what, model)
         return PlainTextResponse(launch.text, headers=_attachment(f"{what}{EXPORT_SUFFIX[what]}"))
 
-    @app.post("/api/plans")
+    return r
+
+
+def _plans(runs: Runs) -> APIRouter:
+    """Plans and fronts: start (cancelling the client's running one), state, cancel, CSV."""
+    r = APIRouter()
+
+    @r.post("/api/plans")
     def start_plan(request: Request, body: FormBody) -> dict[str, Any]:
         """Start a plan (`"pareto": true`: the front) for this client; its running plan, if any, is cancelled."""
         form = _form(body)
@@ -174,7 +202,7 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         run = runs.start(_client(request), bool(form.get("pareto")), job, model, cluster, top, limit)
         return run.to_dict()
 
-    @app.get("/api/plans/{run_id}")
+    @r.get("/api/plans/{run_id}")
     def plan_state(run_id: str) -> dict[str, Any]:
         """A plan's state: its live progress while it runs, its layouts and front once done."""
         run = _run(runs, run_id)
@@ -183,11 +211,11 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         out["result"] = plan_view(run.result) if run.result is not None and run.state == "done" else None
         return out
 
-    @app.post("/api/plans/{run_id}/cancel")
+    @r.post("/api/plans/{run_id}/cancel")
     def cancel_plan(run_id: str) -> dict[str, Any]:
         return _run(runs, run_id, cancel=True).to_dict()
 
-    @app.get("/api/plans/{run_id}/csv")
+    @r.get("/api/plans/{run_id}/csv")
     def plan_csv_file(run_id: str) -> Response:
         """The plan's CSV: the ranked layouts (`k3opt plan`'s columns) or the front (`k3opt pareto --csv`)."""
         run = _run(runs, run_id)
@@ -196,19 +224,26 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         return PlainTextResponse(plan_csv(run.result, run.pareto), media_type="text/csv",
                                  headers=_attachment(f"{'pareto' if run.pareto else 'plan'}-{run_id}.csv"))
 
-    @app.get("/api/validation")
+    return r
+
+
+def _reports(sweep_files: list[Path]) -> APIRouter:
+    """The validation of the measured layouts, and the sweeps given at start."""
+    r = APIRouter()
+
+    @r.get("/api/validation")
     def validation() -> dict[str, Any]:
         """The measured layouts: memory and throughput, modeled against measured with the GAP, and what fits."""
         tp = validate_throughput()
         return {"memory": [r.to_dict() for r in validation_rows()], "throughput": tp.to_dict(),
                 "fit": [r.to_dict() for r in fit_rows()]}
 
-    @app.get("/api/sweeps")
+    @r.get("/api/sweeps")
     def sweep_list() -> list[dict[str, Any]]:
         """The sweeps the server was started with: each one's best-layout rows."""
         return [_sweep(i, p) for i, p in enumerate(sweep_files)]
 
-    @app.get("/api/sweeps/{index}.png")
+    @r.get("/api/sweeps/{index}.png")
     def sweep_png(index: int) -> Response:
         if not 0 <= index < len(sweep_files):
             raise FieldError(f"no sweep {index}; the server has {len(sweep_files)}")
@@ -216,7 +251,8 @@ def create_app(sweeps: list[Path] | None = None, max_running: int = 2) -> FastAP
         sweep_plot(read_rows(sweep_files[index]), buf)
         return Response(buf.getvalue(), media_type="image/png")
 
-    return app
+    return r
+
 
 
 SWEEP_COLUMNS = ("status", "gap", "pp", "vp", "cp", "ep", "expert_fsdp", "dense_fsdp", "microbatches", "recompute",
