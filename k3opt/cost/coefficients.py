@@ -14,7 +14,15 @@ import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.schedule import composition_peak, inflight_compositions, schedule_slots
-from k3opt.cost.structure import Block, Saved, Structure, Tensor, structure_of
+from k3opt.cost.structure import (
+    MEGATRON_RECOMPUTE,
+    Block,
+    Saved,
+    Structure,
+    Tensor,
+    module_recompute,
+    structure_of,
+)
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domain_block
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
@@ -55,6 +63,8 @@ class Shape:
     fsdp_lifecycle: FsdpLifecycle
     toggles: Toggles
     fp8_block_size: int = 128
+    recompute_modules: tuple[str, ...] = ()
+    """Megatron's selective recompute modules (Layout.recompute_modules); empty: k3opt's selective set."""
     ce_chunk_tokens: int = 1024
     offload_resident_layers: int = 2
     domain_gpus_used: int | None = None
@@ -83,6 +93,7 @@ class Shape:
             optimizer_shard_granularity=layout.optimizer_shard_granularity, grad_dtype=layout.grad_dtype,
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
             precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
+            recompute_modules=tuple(m.value for m in layout.recompute_modules),
         )
 
     @property
@@ -120,6 +131,7 @@ class LayerShape:
     expert_fsdp: int
     dense_fsdp: int
     recompute: Recompute
+    recompute_modules: tuple[str, ...]
     fsdp_lifecycle: FsdpLifecycle
     toggles: Toggles
     fp8_block_size: int
@@ -146,6 +158,7 @@ class LayerShape:
         return cls(
             tokens=shape.tokens, context=shape.context, document_length=shape.document_length, cp=shape.cp,
             ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
+            recompute_modules=shape.recompute_modules,
             fsdp_lifecycle=shape.fsdp_lifecycle, toggles=tg, fp8_block_size=shape.fp8_block_size,
             ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,
             expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
@@ -264,8 +277,8 @@ class Coefficients:
         return self.n_layers + 1
 
 
-def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
-                    precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[float, float, float]:
+def saved_per_token(block: Block, toggles: Toggles, fp8_block: int, precision: Precision = Precision.BF16,
+                    routed: bool | None = None, only: frozenset[str] | None = None) -> tuple[float, float, float]:
     """(all saved bytes, recomputable bytes, FP8-stored bytes) per token of one block after the toggles:
     fused SiTU swaps six FP32 [R, H] copies for the BF16 [R, 2H] input (seed 004); dispatch recompute drops
     the dispatched copies; the MoE backward rewrite drops the expert outputs (seed 001); FP8 stores GEMM
@@ -273,10 +286,12 @@ def saved_per_token(block: Block, toggles: Toggles, fp8_block: int,
     input as the quantized copy the wgrad GEMM reads (Transformer Engine keeps the column-wise usage,
     TransformerEngine PR #1596): b + 1/block bytes per element; a GEMM that stays BF16 (router, output layer)
     keeps the BF16 input besides (or instead of) that copy. FP8 storage (the toggle) compresses every GEMM input.
-    `routed`: only the routed experts' saved tensors (True), only the others (False), or all (None)."""
+    `routed`: only the routed experts' saved tensors (True), only the others (False), or all (None); `only`: only
+    the saved tensors of these names."""
     total = recomputable = fp8 = 0.0
     for s in block.saved:
-        if not _kept(s, toggles) or (routed is not None and s.routed != routed):
+        if not _kept(s, toggles) or (routed is not None and s.routed != routed) or (only is not None
+                                                                                    and s.name not in only):
             continue
         b = float(s.bytes_per_token)
         if precision != Precision.BF16 and s.gemm_input:
@@ -494,6 +509,8 @@ class _Static:
     routed 0/1, runs in the compute precision 0/1)."""
     gemm_out_fused: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
+    gemm_names: tuple[str, ...] = ()
+    """Per row of `gemms`: the weight's tensor name (structure.Tensor.name)."""
 
 
 def _build_static(model_json: str) -> _Static:
@@ -515,9 +532,10 @@ def _build_static(model_json: str) -> _Static:
             else:
                 ns_n[i] += newton_schulz_flops(rows, cols) * count
             ns_ws[i] = max(ns_ws[i], newton_schulz_bytes(rows, cols))
+    gemm_tensors = [(i, b, t) for i, bl in enumerate(blocks) for b in bl for t in b.tensors
+                    if t.is_matrix and t.active_per_token > 0]
     gemm_rows = [(i, t.shape[0], t.shape[1], t.active_per_token, int(t.routed), int(quantized_gemm(b, t)))
-                 for i, bl in enumerate(blocks) for b in bl for t in b.tensors
-                 if t.is_matrix and t.active_per_token > 0]
+                 for i, b, t in gemm_tensors]
     fused = [w for bl in blocks for b in bl
              for w in fused_gemm_widths([(t.name, t.shape[0]) for t in b.tensors
                                          if t.is_matrix and t.active_per_token > 0])]
@@ -527,6 +545,7 @@ def _build_static(model_json: str) -> _Static:
 
     return _Static(
         gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6), gemm_out_fused=np.array(fused, dtype=float),
+        gemm_names=tuple(t.name for _, _, t in gemm_tensors),
         moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
@@ -610,6 +629,25 @@ def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
 
 
 _saved = Memo(_build_saved, maxsize=512)
+
+
+def _build_module_recompute(model_json: str, tokens: int, toggles: Toggles, fp8_block: int, precision: Precision,
+                            modules: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(saved bytes dropped, replayed active matrix weights) per microbatch of each layer and edge under Megatron's
+    recompute `modules` (structure.MEGATRON_RECOMPUTE)."""
+    st = structure_of(_model_of(model_json))
+    blocks: list[list[Block]] = [*st.layers, st.first, st.last]
+    dropped, replayed = np.zeros(len(blocks)), np.zeros(len(blocks))
+    for i, bl in enumerate(blocks):
+        for b in bl:
+            names, weights = module_recompute(b, modules)
+            if names:
+                dropped[i] += saved_per_token(b, toggles, fp8_block, precision, only=names)[0] * tokens
+            replayed[i] += weights
+    return dropped, replayed
+
+
+_module_recompute = Memo(_build_module_recompute, maxsize=64)
 
 
 def _build_placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
@@ -713,7 +751,7 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     cache hands the same arrays to every shape of the key."""
     b = _LayerBuild.of(shape, model_json, cluster_json)
     acts = _saved_activations(b, model_json)
-    work = _compute_work(b)
+    work = _compute_work(b, model_json)
     ep = _ep_dispatch(b)
     traffic = _microbatch_traffic(b, acts, work, ep)
     ns = _newton_schulz(b)
@@ -910,6 +948,10 @@ def _saved_activations(b: _LayerBuild, model_json: str) -> _Activations:
                                              sh.fp8_block_size, sh.precision)
     if sh.recompute == Recompute.NONE:
         act, recompute_ws = saved.copy(), np.zeros(n)
+    elif sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
+        dropped = _module_recompute(model_json, sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
+                                    sh.precision, sh.recompute_modules)[0]
+        act, recompute_ws = saved - dropped, dropped.copy()
     elif sh.recompute == Recompute.SELECTIVE:
         act, recompute_ws = saved - recomputable, recomputable.copy()
     else:
@@ -936,20 +978,26 @@ class _Work:
     """Tokens each token attends to: min(document length, context)."""
 
 
-def _compute_work(b: _LayerBuild) -> _Work:
-    """Training FLOPs: T (6 active + attention x s_eff + scan) x the recompute factor on the layers; chunked cross
-    entropy recomputes each chunk's logits in backward (one more LM-head forward)."""
+def _compute_work(b: _LayerBuild, model_json: str) -> _Work:
+    """Training FLOPs: T (6 active + attention x s_eff + scan) x the recompute factor on the layers, plus the
+    forward GEMMs Megatron's recompute modules replay (2 T x replayed weights, in the compute precision); chunked
+    cross entropy recomputes each chunk's logits in backward (one more LM-head forward)."""
     sh, sa, T, L = b.shape, b.sa, b.shape.tokens, b.model.num_layers
     active, attn, scan = sa.active, sa.attn, sa.scan
     s_eff = min(sh.document_length, sh.context)
     rc_factor = recompute_flops_factor(b.full)
     fwd_bwd = T * (6 * active + attn * s_eff + scan)
     tensor_flops = np.where(b.layer, fwd_bwd * rc_factor, fwd_bwd)
+    replay = np.zeros(b.n)
+    if sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
+        replay = 2 * T * _module_recompute(model_json, T, _activation_toggles(sh.toggles), sh.fp8_block_size,
+                                           sh.precision, sh.recompute_modules)[1]
+    tensor_flops = tensor_flops + replay
     if sh.toggles.fused_cross_entropy:
         tensor_flops[L + 1] += 2 * T * sa.head_active
     # Linear GEMMs in a low compute precision: their FLOPs run at that precision's peak.
     q_flops = 6 * T * sa.q_active
-    gemm_flops = np.where(b.layer, q_flops * rc_factor, q_flops) if b.lowp else np.zeros(b.n)
+    gemm_flops = np.where(b.layer, q_flops * rc_factor, q_flops) + replay if b.lowp else np.zeros(b.n)
     return _Work(tensor_flops=tensor_flops, gemm_flops=gemm_flops, s_eff=s_eff,
                  model_flops_per_token=float(6 * active.sum() + attn[:L].sum() * s_eff))
 
@@ -1179,8 +1227,9 @@ def _achievable_terms(b: _LayerBuild, key: tuple[str, str, str], acts: _Activati
     elementwise = memory_bound_kernel_bytes(acts.saved, full) \
         + (traffic.hbm - traffic.hbm_weights - 2 * (acts.act + acts.recompute_ws))
     elementwise = elementwise + loss_kernel_bytes(b.model, rt, T)
+    replayed = sh.recompute_modules if sh.recompute == Recompute.SELECTIVE else ()
     tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, sh.precision, full, work.s_eff,
-                                sh.toggles.fused_cross_entropy)
+                                sh.toggles.fused_cross_entropy, replayed)
     moe_gemm, moe_vector = _expert_compute(model_json, cluster_json, rates_json, T, e, sh.precision, full,
                                            _activation_toggles(sh.toggles), sh.fp8_block_size)
     achievable, update_achievable = _achievable_time(
@@ -1301,10 +1350,12 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
 
 
 def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
-                             full: bool, s_eff: int, fused_cross_entropy: bool) -> np.ndarray:
+                             full: bool, s_eff: int, fused_cross_entropy: bool,
+                             modules: tuple[str, ...] = ()) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
-    attention and scan FLOPs / (BF16 peak x attention forward / backward fraction)."""
+    attention and scan FLOPs / (BF16 peak x attention forward / backward fraction). A weight Megatron's recompute
+    `modules` replay runs its forward once more: a third of its row's seconds."""
     cluster, rt, sa = _cluster_of(cluster_json), _rates_from_json(rates_json), _static(model_json)
     tf = 1e12
     n = len(sa.moe)
@@ -1313,8 +1364,12 @@ def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str
     bf = Precision.BF16
     bf16 = cluster.bf16_tflops * tf
     g = sa.gemms
-    tensor = np.bincount(g[:, 0].astype(int), weights=_gemm_row_seconds(sa, cluster, rt, T, ep, precision),
-                         minlength=n) * rc
+    rows = _gemm_row_seconds(sa, cluster, rt, T, ep, precision)
+    tensor = np.bincount(g[:, 0].astype(int), weights=rows, minlength=n) * rc
+    if modules:
+        names = {t for m in modules for t in MEGATRON_RECOMPUTE[m].replayed}
+        again = np.array([nm in names for nm in sa.gemm_names], dtype=float)
+        tensor = tensor + np.bincount(g[:, 0].astype(int), weights=rows * again / 3, minlength=n)
     if fused_cross_entropy:
         tensor[-1] += 2 * T * sa.head_active / (bf16 * rt.gemm("dense", bf))
     # Attention and scan FLOPs are 1 forward + 2 backward units (one more forward under full recompute, rc = 4/3):

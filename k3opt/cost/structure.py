@@ -47,7 +47,8 @@ class Saved:
     """A tensor autograd keeps for backward, per token. `gemm_input`: a GEMM input (FP8-storable);
     `recomputable`: the output of an element-wise or short-conv op that selective recompute replays;
     `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output). Of a GEMM input, `bf16_reader`:
-    also read by a GEMM that stays BF16 (the router, the output layer), whose backward keeps the BF16 tensor;
+    also kept in BF16 by another backward (a GEMM that stays BF16: the router, the output layer; or the attention
+    core, which keeps its output O);
     `quantized_reader`: read by a GEMM that runs in the compute precision (which keeps its own quantized copy).
     `routed`: saved by the routed experts (the dispatched inputs, the expert activations and outputs), the part of
     the MoE block Megatron's combined 1F1B schedule runs as its `mlp` node."""
@@ -224,7 +225,10 @@ class Structure:
             Saved("mla_q", h * qk, BF16),
             Saved("mla_k", h * qk, BF16),
             Saved("mla_v", h * a.v_head_dim, BF16),
-            Saved("mla_attn_output", h * a.v_head_dim, BF16),
+            # The attention core keeps its BF16 output O for its own backward; without an output gate O is also
+            # the output projection's input, which under a low compute precision keeps its quantized copy besides.
+            Saved("mla_attn_output", h * a.v_head_dim, BF16, gemm_input=not a.output_gate,
+                  bf16_reader=not a.output_gate),
             Saved("mla_softmax_lse", h, FP32),
         ]
         if a.output_gate:
@@ -255,7 +259,7 @@ class Structure:
             Saved("gqa_q", q, BF16),
             Saved("gqa_k", kv, BF16),
             Saved("gqa_v", kv, BF16),
-            Saved("gqa_attn_output", q, BF16, gemm_input=True),
+            Saved("gqa_attn_output", q, BF16, gemm_input=True, bf16_reader=True),  # core's O + o_proj's copy
             Saved("gqa_softmax_lse", a.num_heads, FP32),
         ]
         if a.qk_norm:
@@ -462,6 +466,52 @@ class ParamCounts:
 
 SEED_001_SAVED_VALUES_PER_TOKEN = {"kda": 70_000, "mla": 75_000, "moe": 245_000}
 """Seed 001's order-of-magnitude figures, shown beside the derived values (never used as inputs)."""
+
+@dataclass(frozen=True)
+class ModuleRecompute:
+    """What one Megatron selective-recompute module drops from a block's saved set and replays in backward."""
+
+    block_kind: str
+    """The Block.kind it acts on."""
+    saved: tuple[str, ...]
+    """Saved names it drops; the checkpoint's own inputs stay saved."""
+    replayed: tuple[str, ...]
+    """Tensor names whose GEMMs run again in backward (forward only: 2 FLOPs per weight per token)."""
+    source: str
+
+
+MEGATRON_RECOMPUTE: dict[str, ModuleRecompute] = {
+    "mla_up_proj": ModuleRecompute(
+        "mla",
+        # The up-projections fuse the q / kv layernorms (TELayerNormColumnParallelLinear), so their normed inputs
+        # go with them; q, k, v are the checkpoint's outputs, discarded once the attention core has read them.
+        ("mla_q_a_norm_output", "mla_kv_a_norm_output", "mla_q", "mla_k", "mla_v"),
+        ("mla.q_b_proj", "mla.kv_b_proj"),
+        "megatron/core/transformer/multi_latent_attention.py L171-174, L855-990, L455-458 (CheckpointWithoutOutput "
+        "over qkv_up_proj_and_rope_apply, output discarded after the core attention)"),
+    "mlp": ModuleRecompute(
+        "dense_ffn",
+        ("mlp_norm_rstd", "mlp_norm_output", "ffn_swiglu_input", "ffn_situ_fp32_copies", "ffn_situ_input",
+         "ffn_act_output"),
+        ("ffn.gate_proj", "ffn.up_proj", "ffn.down_proj"),
+        "megatron/core/transformer/transformer_layer.py L537-539, L992-1010 (non-MoE layers: the MLP checkpointed "
+        "at its input, the residual stream)"),
+}
+"""Megatron's recompute modules k3opt prices, at megatron/core @ d98e8a64 (k3opt.inputs.frameworks)."""
+
+
+def module_recompute(block: Block, modules: tuple[str, ...]) -> tuple[frozenset[str], int]:
+    """(saved names dropped, replayed active matrix weights per token) of `block` under Megatron's `modules`."""
+    dropped: set[str] = set()
+    replayed = 0
+    for name in modules:
+        mr = MEGATRON_RECOMPUTE[name]
+        if block.kind != mr.block_kind:
+            continue
+        dropped.update(mr.saved)
+        replayed += sum(t.active_matrix_params for t in block.tensors if t.name in mr.replayed)
+    return frozenset(dropped), replayed
+
 
 _CACHE: dict[str, Structure] = register({})
 

@@ -29,8 +29,14 @@ def degrees_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
             f"M{shape.microbatches}")
 
 
+def recompute_text(layout: Layout) -> str:
+    """The recompute mode, with Megatron's modules when the layout names them: selective(mla_up_proj,mlp)."""
+    modules = ",".join(m.value for m in layout.recompute_modules)
+    return f"{layout.recompute.value}({modules})" if modules else layout.recompute.value
+
+
 def layout_text(layout: Layout) -> str:
     return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
             f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "
-            f"split {split_text(layout.split)} recompute={layout.recompute.value} "
+            f"split {split_text(layout.split)} recompute={recompute_text(layout)} "
             f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")

@@ -352,6 +352,17 @@ class Recompute(StrEnum):
     """Only each layer's input is kept; the layer's forward is replayed in backward."""
 
 
+class RecomputeModule(StrEnum):
+    """Megatron's selective-recompute modules (--recompute-modules) whose saved sets k3opt derives
+    (k3opt.cost.structure.MEGATRON_RECOMPUTE)."""
+
+    MLA_UP_PROJ = "mla_up_proj"
+    """The MLA query and key-value up-projections with RoPE: their outputs (the attention core's q, k, v) are
+    discarded after the core reads them and recomputed in backward."""
+    MLP = "mlp"
+    """The whole dense MLP of a non-MoE layer, checkpointed at its input."""
+
+
 class FsdpLifecycle(StrEnum):
     PER_MICROBATCH = "per_microbatch"
     """BF16 view kept for the update; gradients reduce-scattered every microbatch (seed 000 reference)."""
@@ -464,6 +475,9 @@ class Layout(StrictModel):
     """Tokens per packed document for MLA attention work; defaults to the context (upper scenario)."""
     split: list[PosInt]
     recompute: Recompute = Recompute.FULL
+    recompute_modules: list[RecomputeModule] = Field(default_factory=list)
+    """Megatron's selective recompute by module (needs recompute = "selective"): only these modules' saved
+    tensors are dropped and their forward replayed. Empty: k3opt's selective set, every element-wise output."""
     fsdp_lifecycle: FsdpLifecycle = FsdpLifecycle.PER_MICROBATCH
     toggles: Toggles = Field(default_factory=Toggles)
     reserve_gib: NonNegFloat = 0.0
@@ -537,6 +551,12 @@ class Layout(StrictModel):
 
     @model_validator(mode="after")
     def _degrees(self) -> Layout:
+        if self.recompute_modules and self.recompute != Recompute.SELECTIVE:
+            raise ValueError(f"recompute_modules {[m.value for m in self.recompute_modules]} need recompute = "
+                             f"\"selective\" (got \"{self.recompute.value}\"); set recompute = \"selective\" or "
+                             "drop recompute_modules")
+        if len(set(self.recompute_modules)) != len(self.recompute_modules):
+            raise ValueError("recompute_modules lists a module twice; name each once")
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
         if n % (p * c):
             raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")

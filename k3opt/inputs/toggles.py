@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from k3opt.inputs.frameworks import MLM, TT
-from k3opt.inputs.specs import TOGGLE_NAMES
+from k3opt.inputs.specs import TOGGLE_NAMES, ModelSpec
 
 
 class ToggleKind(StrEnum):
@@ -42,6 +42,21 @@ class NoSwitch:
 
 
 @dataclass(frozen=True)
+class BuiltIn:
+    """The target always does what the toggle prices, with no flag, for MoE models whose FFN activation is in
+    `ffn_activations`: a layout for that target must have the toggle on to price what runs. Any other model gets
+    `otherwise`."""
+
+    text: str
+    source: str
+    ffn_activations: tuple[str, ...]
+    otherwise: NoSwitch
+
+    def applies(self, model: ModelSpec | None) -> bool:
+        return model is not None and model.moe is not None and model.ffn_activation in self.ffn_activations
+
+
+@dataclass(frozen=True)
 class ToggleInfo:
     name: str
     kind: ToggleKind
@@ -56,16 +71,24 @@ class ToggleInfo:
     """Moves the saved set over a link: with it on, the activation toggles lower that link's time too."""
     vector_only: bool = False
     """Without offload, its only effect on a time array is the memory-bound kernels' traffic."""
-    switches: dict[str, Switch | NoSwitch] = field(default_factory=dict)
+    switches: dict[str, Switch | NoSwitch | BuiltIn] = field(default_factory=dict)
     """Per launch target (megatron-lm, megatron-bridge, torchtitan)."""
 
+    def switch(self, target: str, model: ModelSpec | None = None) -> Switch | NoSwitch | BuiltIn:
+        """The target's switch for this toggle and model: a BuiltIn resolves to its `otherwise` where it does not
+        apply (and when no model is given)."""
+        sw = self.switches[target]
+        if isinstance(sw, BuiltIn) and not sw.applies(model):
+            return sw.otherwise
+        return sw
 
-def _megatron(sw: Switch | NoSwitch) -> dict[str, Switch | NoSwitch]:
+
+def _megatron(sw: Switch | NoSwitch | BuiltIn) -> dict[str, Switch | NoSwitch | BuiltIn]:
     """Megatron-Bridge runs Megatron core: the same switch under its config keys, or the same missing one."""
     return {"megatron-lm": sw, "megatron-bridge": sw}
 
 
-def _tt(sw: Switch | NoSwitch) -> dict[str, Switch | NoSwitch]:
+def _tt(sw: Switch | NoSwitch | BuiltIn) -> dict[str, Switch | NoSwitch | BuiltIn]:
     return {"torchtitan": sw}
 
 
@@ -90,10 +113,19 @@ REGISTRY: tuple[ToggleInfo, ...] = (
     ToggleInfo(
         "moe_backward_rewrite", ToggleKind.ACTIVATION, ("activations", "time.hbm (expert outputs re-read)"),
         vector_only=True,
-        switches={**_megatron(NoSwitch(
-            "plan without it (expert outputs stay saved) or patch the MoE layer's backward; "
-            "--moe-grouped-gemm/--moe-permute-fusion do not drop the saved expert outputs",
-            f"megatron/core/transformer/moe/moe_layer.py {MLM}")),
+        # Megatron applies the routing probabilities inside the expert activation, so dL/dp reads the activation,
+        # not the expert outputs: for SwiGLU the fused weighted SwiGLU saves only its input and the probabilities.
+        switches={**_megatron(BuiltIn(
+            "built in: TEGroupedMLP multiplies the routing probabilities into the activation; with SwiGLU and "
+            "bias_activation_fusion the fused weighted SwiGLU saves its input and the probabilities, never the "
+            "expert outputs",
+            f"megatron/core/transformer/moe/experts.py L943-974, megatron/core/fusions/fused_bias_swiglu.py "
+            f"L266-270 {MLM}",
+            ("swiglu",),
+            NoSwitch("plan without it (expert outputs priced as saved): for another activation Megatron runs "
+                     "use_te_activation_func, whose probability multiply keeps the unweighted BF16 activation "
+                     "output instead, which this toggle does not price",
+                     f"megatron/core/transformer/moe/experts.py L951-962 {MLM}"))),
                   **_tt(NoSwitch("plan without it, or patch the MoE module's backward", f"{_TT_NO_TOML} {TT}"))}),
     ToggleInfo(
         "dispatch_recompute", ToggleKind.ACTIVATION, ("activations", "time.nvlink", "time.nic (dispatch replayed)"),
@@ -186,6 +218,14 @@ NEVER_CHOSEN = names(ToggleKind.RANK, searched=False)
 """Rank toggles the search takes only when a job requires them."""
 
 
-def no_switch(target: str) -> tuple[tuple[str, NoSwitch], ...]:
-    """(toggle, NoSwitch) for every toggle `target` cannot switch on, in Toggles field order."""
-    return tuple((name, sw) for name in TOGGLE_NAMES if isinstance(sw := TOGGLES[name].switches[target], NoSwitch))
+def no_switch(target: str, model: ModelSpec | None = None) -> tuple[tuple[str, NoSwitch], ...]:
+    """(toggle, NoSwitch) for every toggle `target` cannot switch on for `model` (any model when None), in Toggles
+    field order."""
+    return tuple((name, sw) for name in TOGGLE_NAMES
+                 if isinstance(sw := TOGGLES[name].switch(target, model), NoSwitch))
+
+
+def built_in(target: str, model: ModelSpec | None) -> tuple[tuple[str, BuiltIn], ...]:
+    """(toggle, BuiltIn) for every toggle `target` always does for `model`, in Toggles field order."""
+    return tuple((name, sw) for name in TOGGLE_NAMES
+                 if isinstance(sw := TOGGLES[name].switch(target, model), BuiltIn))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
 from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec
-from k3opt.inputs.toggles import no_switch
+from k3opt.inputs.toggles import built_in, no_switch
 from k3opt.launch.common import FORMATS, check_format, kda_layers
 
 
@@ -25,10 +25,15 @@ class NoSwitch:
     source: str
 
 
-NO_SWITCH: dict[str, tuple[NoSwitch, ...]] = {
-    target: tuple(NoSwitch(name, sw.instead, sw.source) for name, sw in no_switch(target)) for target in FORMATS
-}
-"""Per target, the toggles it has no switch for (from the toggle registry, k3opt.inputs.toggles)."""
+def no_switch_for(target: str, model: ModelSpec | None = None) -> tuple[NoSwitch, ...]:
+    """The toggles `target` has no switch for with `model` (any model when None), from the toggle registry
+    (k3opt.inputs.toggles)."""
+    return tuple(NoSwitch(name, sw.instead, sw.source) for name, sw in no_switch(target, model))
+
+
+NO_SWITCH: dict[str, tuple[NoSwitch, ...]] = {target: no_switch_for(target) for target in FORMATS}
+"""Per target, the toggles it has no switch for whatever the model; a toggle built in for some models only
+(k3opt.inputs.toggles.BuiltIn) is listed here, and `no_switch_for` with the model drops it."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
                                       f"distributed optimizer (accumulate) runs [{_source(target, 'fsdp_lifecycle')}]"))
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
         out.append(("cp", f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]"))
-    for ns in NO_SWITCH[target]:
+    for ns in no_switch_for(target, model):
         if getattr(layout.toggles, ns.toggle):
             out.append((f"toggle:{ns.toggle}", f"toggle {ns.toggle} has no switch [{ns.source}]"))
     return [(k, why) for k, why in out if k not in lifted]
@@ -122,7 +127,8 @@ def limit_text(target: str, limit: str) -> str:
 
 def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozenset[str] = frozenset()) -> Job:
     """The job narrowed to what job.target can run (unchanged when no target): vp / cp lists, the FSDP
-    lifecycle, and every toggle without a switch added to forbid_toggles; but the limits in `lifted` (ids as in
+    lifecycle, every toggle without a switch added to forbid_toggles, and every toggle the target always runs for
+    the model (k3opt.inputs.toggles.BuiltIn) added to require_toggles; but the limits in `lifted` (ids as in
     `refusals`), left as the job had them, to price each limit alone.
 
     The derived expert-DP rule (dense_fsdp = ep x expert_fsdp) couples three degrees, which the [search] lists
@@ -147,14 +153,20 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
     if target in ("megatron-lm", "megatron-bridge"):
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
     forbid = list(s.forbid_toggles)
-    for ns in NO_SWITCH[target]:
+    for ns in no_switch_for(target, model):
         if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:
             forbid.append(ns.toggle)
     required = [t for t in s.require_toggles if t in forbid]
     if required:
         raise SpecError(f"job requires toggles {required} that target {target} has no switch for; "
                         "remove them from [search] require_toggles or drop the target")
+    always = [name for name, _ in built_in(target, model)]
+    refused = [t for t in always if t in s.forbid_toggles]
+    if refused:
+        raise SpecError(f"job forbids toggles {refused} that target {target} always runs for this model; "
+                        "remove them from [search] forbid_toggles or drop the target")
     upd["forbid_toggles"] = forbid
+    upd["require_toggles"] = [*s.require_toggles, *(t for t in always if t not in s.require_toggles)]
     for name in ("vp", "cp", "fsdp_lifecycle"):
         if name in upd and not upd[name]:
             raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from k3opt.inputs.specs import FsdpLifecycle, Layout, ModelSpec, Recompute
+from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
     Missing,
@@ -22,7 +23,7 @@ from k3opt.launch.common import (
     optimizer_instances,
     run_length_expr,
 )
-from k3opt.launch.limits import NO_SWITCH
+from k3opt.launch.limits import no_switch_for
 
 SELECTIVE_MODULES = ("moe_act", "layernorm")
 """k3opt's selective recompute replays element-wise work and keeps GEMM inputs and attention outputs; of the
@@ -69,7 +70,7 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     _moe_dispatch(out, layout, model)
     _optimizer_sharding(out, layout, bridge, target)
     _model_facts(out, model, bridge)
-    _placement_and_unswitched(out, layout, target)
+    _placement_and_unswitched(out, layout, target, model)
     return out.settings, out.missing, out.notes
 
 
@@ -110,11 +111,16 @@ def _batch(out: _Decisions, lay: Layout) -> None:
 
 
 def _recompute(out: _Decisions, lay: Layout) -> None:
-    """Full recompute: one layer at a time, uniform; selective: the element-wise modules (SELECTIVE_MODULES)."""
+    """Full recompute: one layer at a time, uniform; selective: the layout's Megatron modules, or without them the
+    element-wise modules (SELECTIVE_MODULES)."""
     if lay.recompute == Recompute.FULL:
         out.settings += [Setting("--recompute-granularity", "model.recompute_granularity", "full"),
                          Setting("--recompute-method", "model.recompute_method", "uniform"),
                          Setting("--recompute-num-layers", "model.recompute_num_layers", 1)]
+    elif lay.recompute == Recompute.SELECTIVE and lay.recompute_modules:
+        out.settings += [Setting("--recompute-granularity", "model.recompute_granularity", "selective"),
+                         Setting("--recompute-modules", "model.recompute_modules",
+                                 [m.value for m in lay.recompute_modules])]
     elif lay.recompute == Recompute.SELECTIVE:
         out.settings += [Setting("--recompute-granularity", "model.recompute_granularity", "selective"),
                          Setting("--recompute-modules", "model.recompute_modules", list(SELECTIVE_MODULES))]
@@ -238,17 +244,21 @@ def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
                                    "the vision tower to the first stage in the model provider"))
 
 
-def _placement_and_unswitched(out: _Decisions, lay: Layout, target: str) -> None:
-    """What stays outside the framework: the GPUs used per NVLink domain and the toggles without a switch."""
+def _placement_and_unswitched(out: _Decisions, lay: Layout, target: str, model: ModelSpec) -> None:
+    """What stays outside the framework: the GPUs used per NVLink domain and the toggles without a switch; and
+    the toggles the framework always runs for this model, which need no flag."""
     if lay.domain_gpus_used is not None:
         out.missing.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
                                    f"no framework switch: give the launcher {lay.domain_gpus_used} ranks per rack "
                                    "(hostfile / SLURM --ntasks-per-node over the rack's nodes) so rank blocks "
                                    "follow the domains"))
-    on = {ns.toggle: ns for ns in NO_SWITCH[target]}
+    on = {ns.toggle: ns for ns in no_switch_for(target, model)}
     for t, ns in on.items():
         if getattr(lay.toggles, t):
             out.missing.append(Missing(f"toggle {t}", ns.instead))
+    for t, b in built_in(target, model):
+        priced = "priced so" if getattr(lay.toggles, t) else "priced without it, so memory is over-counted"
+        out.notes.append(f"toggle {t}: {b.text} ({priced}) [{b.source}]")
 
 
 def _flag_value(v: object) -> list[str]:

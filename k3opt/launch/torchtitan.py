@@ -13,7 +13,7 @@ import json
 
 from k3opt.inputs.specs import Layout, ModelSpec, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
-from k3opt.launch.limits import NO_SWITCH
+from k3opt.launch.limits import no_switch_for
 
 
 def _toml(v: object) -> str:
@@ -89,6 +89,11 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     ac = sections["activation_checkpoint"]
     if lay.recompute == Recompute.FULL:
         ac.append(("mode", "full"))
+    elif lay.recompute == Recompute.SELECTIVE and lay.recompute_modules:
+        ac += [("mode", "selective"), ("selective_ac_option", "op")]
+        miss.append(Missing(f"recompute_modules {[m.value for m in lay.recompute_modules]}",
+                            "no key: selective AC recomputes per op or every n-th layer, not Megatron's modules; "
+                            "re-plan without recompute_modules to price what 'op' keeps"))
     elif lay.recompute == Recompute.SELECTIVE:
         ac += [("mode", "selective"), ("selective_ac_option", "op")]
         notes.append("selective: per-op SAC ('op') saves matmul outputs and recomputes the other ops, the "
@@ -112,7 +117,7 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
         miss.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
                             f"no key: give torchrun {lay.domain_gpus_used} ranks per rack so rank blocks follow "
                             "the NVLink domains"))
-    for ns in NO_SWITCH["torchtitan"]:
+    for ns in no_switch_for("torchtitan", model):
         if getattr(lay.toggles, ns.toggle):
             miss.append(Missing(f"toggle {ns.toggle}", ns.instead))
 

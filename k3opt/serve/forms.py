@@ -21,6 +21,7 @@ from k3opt.inputs.specs import (
     ModelSpec,
     Precision,
     Recompute,
+    RecomputeModule,
     RuntimeSpec,
     ShardingPolicy,
     check_layout,
@@ -132,7 +133,19 @@ def _which(message: str, names: tuple[str, ...], changed: Any = None) -> str | N
     return words[0] if words else None
 
 
-LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *FLOAT_CONTROLS, "split", *CHOICE_CONTROLS, "toggles")
+LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *FLOAT_CONTROLS, "split", "recompute_modules",
+                   *CHOICE_CONTROLS, "toggles")
+
+
+def parse_modules(text: Any) -> list[str]:
+    """Megatron recompute modules as a comma- or space-separated list ('mla_up_proj, mlp'); empty: none."""
+    names = [t for t in re.split(r"[,\s]+", str(text if text is not None else "").strip()) if t]
+    known = tuple(RecomputeModule)
+    bad = next((n for n in names if n not in known), None)
+    if bad is not None:
+        raise FieldError(f"recompute_modules: unknown module '{bad}'; known: {', '.join(known)} (or leave it empty "
+                         "for k3opt's selective set)", "recompute_modules")
+    return names
 
 
 def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSpec, RuntimeSpec | None]:
@@ -150,6 +163,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
         fields["split"] = parse_split(form.get("split"), fields["pp"] * fields["vp"], model.num_layers)
     except FieldError as err:
         raise FieldError(str(err), _which(str(err), LAYOUT_CONTROLS, form.get("changed"))) from None
+    fields["recompute_modules"] = parse_modules(form.get("recompute_modules"))
     toggles = form.get("toggles") or {}
     if not isinstance(toggles, dict) or any(k not in TOGGLE_NAMES or not isinstance(v, bool)
                                             for k, v in toggles.items()):

@@ -52,9 +52,10 @@ def test_mxfp8_saves_gemm_inputs_at_one_byte_plus_e8m0_scale_and_caches_weight_c
     model, cluster = k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72")
     bf, mx = (coefficients(Shape.of(_llama(p)), model, cluster) for p in ("bf16", "mxfp8"))
     T = 2 * 8192
-    # Selective recompute keeps the non-recomputable GEMM input of attention: its output [T, 64 x 128] goes from
-    # 2 bytes to 1 + 1/32 bytes (one E8M0 per 32 elements).
-    assert bf.act[5] - mx.act[5] == pytest.approx(T * 8192 * (2 - (1 + 1 / 32)))
+    # Selective recompute keeps the non-recomputable GEMM input of attention, its output [T, 64 x 128]: the core
+    # keeps O in BF16 either way, and under MXFP8 the output projection keeps its own copy at 1 + 1/32 bytes (one
+    # E8M0 per 32 elements) besides.
+    assert mx.act[5] - bf.act[5] == pytest.approx(T * 8192 * (1 + 1 / 32))
     # Row- and column-wise MXFP8 copies of the layer's 855,638,016 linear weights, sharded by nothing (the
     # BF16 view is gathered): 2 x 1.03125 bytes each.
     linear = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
@@ -170,11 +171,13 @@ RESIDENT = DENSE / FSDP + ROUTED / EP        # optim_grads_params: D / f_d + E /
 Q_ELEMENTS = (2048 + 4096 + 512 + 512) + (4096 + 2048) + 8 * ((2048 + 768 + 768) + (768 + 2048))
 # Saved bytes per token (items pinned by name for the GQA and the MoE block in test_structure.py), GEMM inputs at
 # 1 + 1/32 B: attention: norm input 2 x 2048, rstd 4, norm output 2048 QB, q 2 x 4096, k, v 2 x 512 each,
-# attention output 4096 QB, LSE 32 x 4, q / k before their norms 2 x 4096, 2 x 512; MoE: norm input 2 x 2048,
+# attention output 2 x 4096 (the core's O) + 4096 QB (the output projection's copy), LSE 32 x 4, q / k before
+# their norms 2 x 4096, 2 x 512; MoE: norm input 2 x 2048,
 # rstd 4, norm output 2 x 2048 (read only by the BF16 router: no shared experts, no latent), router scores
 # 128 x 4, top-k weights 8 x 4, indices 8 x 8, dispatched inputs 8 x 2048 QB, SwiGLU input 8 x 2 x 768 x 2,
 # activation output 8 x 768 QB, expert outputs 8 x 2048 x 2.
-SAVED_PER_TOKEN = (2 * 2048 + 4 + 2048 * QB + 2 * 4096 + 2 * 2 * 512 + 4096 * QB + 32 * 4 + 2 * 4096 + 2 * 512
+SAVED_PER_TOKEN = (2 * 2048 + 4 + 2048 * QB + 2 * 4096 + 2 * 2 * 512 + 2 * 4096 + 4096 * QB + 32 * 4
+                   + 2 * 4096 + 2 * 512
                    + 2 * 2048 + 4 + 2048 * 2 + 128 * 4 + 8 * 4 + 8 * 8 + 8 * 2048 * QB + 8 * 2 * 768 * 2
                    + 8 * 768 * QB + 8 * 2048 * 2)
 

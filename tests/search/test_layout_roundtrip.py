@@ -15,7 +15,7 @@ NOT_PRICED = {"measured", "source"}
 def _unusual_layout() -> k3opt.Layout:
     return k3opt.make_layout(
         gpus=128, pp=2, vp=2, cp=2, ep=8, expert_fsdp=2, dense_fsdp=16, microbatches=6, rows=2, context=8192,
-        document_length=2048, split=[2, 1, 2, 1], recompute=Recompute.SELECTIVE,
+        document_length=2048, split=[2, 1, 2, 1], recompute=Recompute.SELECTIVE, recompute_modules=["mla_up_proj"],
         fsdp_lifecycle=FsdpLifecycle.ACCUMULATE, toggles={"fp8_activations": True, "p2p_muon": True},
         reserve_gib=3.5, fp8_block_size=32, ce_chunk_tokens=512, offload_resident_layers=3, domain_gpus_used=64,
         model="kimi-k3-4layer-proxy", cluster="gb300-nvl72", name="unusual", dense_sharding=ShardingPolicy.OPTIM,

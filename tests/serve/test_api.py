@@ -213,6 +213,8 @@ BAD_LAYOUT = [
     ("split", "12x7+8", "covers 92 layers"),
     ("split", "twelve", "is not LAYERS or LAYERSxCHUNKS"),
     ("recompute", "sometimes", "unknown value 'sometimes'"),
+    ("recompute_modules", "core_attention", "unknown module 'core_attention'"),
+    ("recompute_modules", "mla_up_proj", 'need recompute = "selective"'),
     ("fsdp_lifecycle", "never", "unknown value"),
     ("dense_sharding", "zero9", "unknown value"),
     ("expert_sharding", "zero9", "unknown value"),

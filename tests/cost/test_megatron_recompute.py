@@ -1,0 +1,111 @@
+"""Megatron's selective recompute by module (Layout.recompute_modules), and the attention output kept twice under
+a low compute precision. Expected values are derived from DeepSeek-V3's config.json shapes in the comments:
+hidden 7,168; 128 heads, q_lora_rank 1,536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; dense layers 0-2
+with intermediate 18,432 (SwiGLU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.cost.coefficients import Precision, Shape, coefficients, saved_per_token
+from k3opt.cost.structure import structure_of
+from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.specs import Recompute, Toggles
+
+T = 8192  # MB-12: micro batch 2 x 4,096
+MXFP8 = 1 + 1 / 32  # one E4M3 byte plus one E8M0 scale per 32 elements
+
+
+def _layout(precision: str, recompute: str, modules: list[str]) -> k3opt.Layout:
+    return k3opt.make_layout(
+        gpus=256, pp=2, vp=8, ep=32, expert_fsdp=4, dense_fsdp=128, microbatches=16, rows=2, context=4096,
+        split=[4] * 15 + [1], recompute=recompute, recompute_modules=modules, fsdp_lifecycle="accumulate",
+        precision=precision, model="deepseek-v3", cluster="gb300-nvl72", toggles={"moe_backward_rewrite": True})
+
+
+def _cf(precision: str, recompute: str, modules: list[str]):
+    lay = _layout(precision, recompute, modules)
+    return coefficients(Shape.of(lay), k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb300-nvl72"))
+
+
+@pytest.mark.parametrize(("precision", "per_token"), [
+    # q 128 x 192 + k 128 x 192 + v 128 x 128 = 65,536 BF16 values (131,072 B), the attention core's inputs; plus
+    # the q / kv up-projections' normed inputs 1,536 + 512 = 2,048 values: BF16 4,096 B -> 135,168 B a token, or as
+    # the up-projections' MXFP8 copies 2,048 x 33/32 = 2,112 B -> 133,184 B a token.
+    ("bf16", 131_072 + 4_096),
+    ("mxfp8", 131_072 + 2_112),
+])
+def test_mla_up_proj_drops_q_k_v_and_the_up_projections_inputs(precision: str, per_token: int) -> None:
+    none = _cf(precision, "none", [])
+    mod = _cf(precision, "selective", ["mla_up_proj"])
+    layers = none.n_layers
+    np.testing.assert_allclose(none.act[:layers] - mod.act[:layers], T * per_token)
+    # The dropped set is what backward rebuilds for one layer at a time.
+    np.testing.assert_allclose(mod.recompute_ws[:layers], T * per_token)
+
+
+def test_mla_up_proj_replays_the_up_projection_gemms() -> None:
+    """Forward of q_b (1,536 -> 24,576) and kv_b (512 -> 128 x 256 = 32,768) once more: 2 x (37,748,736 +
+    16,777,216) = 109,051,904 FLOPs a token on every MLA layer, all in the compute precision."""
+    none = _cf("mxfp8", "none", [])
+    mod = _cf("mxfp8", "selective", ["mla_up_proj"])
+    layers = none.n_layers
+    np.testing.assert_allclose(mod.tensor_flops[:layers] - none.tensor_flops[:layers], T * 109_051_904)
+    np.testing.assert_allclose(mod.gemm_flops[:layers] - none.gemm_flops[:layers], T * 109_051_904)
+    assert mod.achievable["tensor"][0] > none.achievable["tensor"][0]
+
+
+def test_mlp_recomputes_only_the_dense_layers_mlp() -> None:
+    """Dense layers 0-2 under MXFP8: norm rstd 4 B + the MLP's MXFP8 input copy 7,168 x 33/32 = 7,392 B + SwiGLU
+    input 2 x 18,432 x 2 = 73,728 B + the down-projection's MXFP8 input 18,432 x 33/32 = 19,008 B = 100,132 B a
+    token; the checkpoint keeps its input, the residual stream. MoE layers keep everything. Replay: the MLP's three
+    GEMMs forward, 2 x 3 x 7,168 x 18,432 = 792,723,456 FLOPs a token."""
+    none = _cf("mxfp8", "none", [])
+    mod = _cf("mxfp8", "selective", ["mlp"])
+    np.testing.assert_allclose(none.act[:3] - mod.act[:3], T * 100_132)
+    np.testing.assert_allclose(none.act[3:none.n_layers] - mod.act[3:none.n_layers], 0.0)
+    np.testing.assert_allclose(mod.tensor_flops[:3] - none.tensor_flops[:3], T * 792_723_456)
+
+
+def test_the_attention_output_is_kept_by_the_core_and_quantized_by_the_output_projection() -> None:
+    """The attention core keeps its BF16 output O for backward; the output projection, a GEMM in the compute
+    precision, keeps its own MXFP8 copy. DeepSeek-V3 MLA: O is 128 x 128 = 16,384 values, 32,768 + 16,896 B.
+    Llama 3 70B GQA: O is 64 x 128 = 8,192 values, 16,384 + 8,448 B. Under BF16 one tensor: 2 B a value."""
+    for name, model, values in (("mla_attn_output", "deepseek-v3", 16_384), ("gqa_attn_output", "llama3-70b", 8_192)):
+        st = structure_of(k3opt.load_model(model))
+        block = next(b for layer in st.layers for b in layer if any(s.name == name for s in b.saved))
+        only = frozenset({name})
+        assert saved_per_token(block, Toggles(), 128, Precision.MXFP8, only=only)[0] == values * (2 + MXFP8)
+        assert saved_per_token(block, Toggles(), 128, Precision.BF16, only=only)[0] == values * 2
+
+
+def test_recompute_modules_need_selective_recompute_and_name_each_module_once() -> None:
+    with pytest.raises(LayoutError, match='need recompute = "selective"'):
+        _layout("mxfp8", "full", ["mla_up_proj"])
+    with pytest.raises(LayoutError, match="twice"):
+        _layout("mxfp8", "selective", ["mlp", "mlp"])
+    with pytest.raises(LayoutError, match="recompute_modules"):
+        _layout("mxfp8", "selective", ["core_attention"])
+    assert _layout("mxfp8", "selective", ["mla_up_proj"]).recompute == Recompute.SELECTIVE
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ('["core_attention"]', "recompute_modules"),
+    ('["mla_up_proj"]\nrecompute = "full"', 'need recompute = \\"selective\\"'),
+])
+def test_explain_refuses_a_bad_recompute_modules_in_one_line(tmp_path: Path, value: str, words: str) -> None:
+    src = Path(k3opt.__file__).parents[1] / "layouts" / "measured" / "mb-12-deepseek-v3-gb300.toml"
+    text = src.read_text().replace('recompute = "selective"\n', "")
+    text = text.replace('recompute_modules = ["mla_up_proj"]', f"recompute_modules = {value}")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "k3opt.cli", "explain", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "recompute" in lines[0], res.stderr
