@@ -38,5 +38,7 @@ def recompute_text(layout: Layout) -> str:
 def layout_text(layout: Layout) -> str:
     return (f"PP{layout.pp} VP{layout.vp} CP{layout.cp} EP{layout.ep} expert-FSDP{layout.expert_fsdp} "
             f"dense-FSDP{layout.dense_fsdp} M{layout.microbatches} rows{layout.rows} ctx{layout.context} "
-            f"split {split_text(layout.split)} recompute={recompute_text(layout)} "
+            f"split {split_text(layout.split)}"
+            + (f" (Megatron layout {layout.pipeline_layout})" if layout.pipeline_layout else "")
+            + f" recompute={recompute_text(layout)} "
             f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")

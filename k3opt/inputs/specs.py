@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from k3opt.inputs import pipeline_layout as pll
 from k3opt.inputs.errors import LayoutError, SpecError
 
 GIB = 1 << 30
@@ -52,6 +53,7 @@ GpuCount = Annotated[int, BeforeValidator(_numpy_scalar), Field(gt=0, le=MAX_GPU
 """At most 1,048,576 GPUs: the placement builds per-rank arrays."""
 PosFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(gt=0, strict=True, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True, allow_inf_nan=False)]
+NonNegInt = Annotated[int, BeforeValidator(_numpy_scalar), Field(ge=0, strict=True)]
 
 
 class StrictModel(BaseModel):
@@ -473,7 +475,11 @@ class Layout(StrictModel):
     context: PosInt = 4096
     document_length: PosInt | None = None
     """Tokens per packed document for MLA attention work; defaults to the context (upper scenario)."""
-    split: list[PosInt]
+    split: list[NonNegInt]
+    """Decoder layers per chunk; a chunk may hold none (the embedding or the loss alone, as in Megatron layouts)."""
+    pipeline_layout: str | None = None
+    """Megatron's layout string (e.g. "Et*4|(t*4|)*14tmL"), read into `split` (k3opt.inputs.pipeline_layout); when
+    both are given they must agree."""
     recompute: Recompute = Recompute.FULL
     recompute_modules: list[RecomputeModule] = Field(default_factory=list)
     """Megatron's selective recompute by module (needs recompute = "selective"): only these modules' saved
@@ -529,6 +535,21 @@ class Layout(StrictModel):
     @classmethod
     def _no_runtime(cls, v: str | None) -> str | None:
         return None if v == NO_RUNTIME else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_from_pipeline_layout(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("pipeline_layout") is None:
+            return data
+        text = data["pipeline_layout"]
+        if not isinstance(text, str):
+            raise ValueError("pipeline_layout must be a string such as \"Et*4|(t*4|)*14tmL\"")
+        split = pll.decoder_split(text)
+        given = data.get("split")
+        if given is not None and list(given) != split:
+            raise ValueError(f"pipeline_layout {text!r} puts {split} decoder layers per stage but split is {given}; "
+                             "give one of them")
+        return {**data, "split": split}
 
     @property
     def dp(self) -> int:
@@ -683,12 +704,18 @@ class Job(StrictModel):
 
 
 def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> None:
-    """Rules that need the model: the split covers every layer, EP divides the experts."""
+    """Rules that need the model: the split covers every layer, a pipeline layout string places the model's MTP
+    layers, EP divides the experts."""
     total = sum(layout.split)
     if total != model.num_layers:
         raise LayoutError(
             f"layout split {layout.split} covers {total} layers; {model.name} has {model.num_layers}"
         )
+    mtp = model.mtp.num_layers if model.mtp is not None else 0
+    if layout.pipeline_layout is not None and pll.mtp_layers(layout.pipeline_layout) != mtp:
+        raise LayoutError(f"pipeline_layout {layout.pipeline_layout!r} places "
+                          f"{pll.mtp_layers(layout.pipeline_layout)} MTP layers 'm'; {model.name} has "
+                          f"{mtp}: write them before 'L' in the last stage")
     if model.moe is not None and model.moe.num_experts % layout.ep:
         raise LayoutError(f"ep ({layout.ep}) must divide the {model.moe.num_experts} experts of {model.name}")
     if cluster is not None and layout.domain_gpus_used is not None \

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from k3opt.inputs.errors import UnknownTargetError
 from k3opt.inputs.frameworks import MEGATRON_BRIDGE_COMMIT, MEGATRON_LM_COMMIT, TORCHTITAN_TOML_COMMIT
 from k3opt.inputs.labels import layout_text
+from k3opt.inputs.pipeline_layout import format_layout
 from k3opt.inputs.specs import Layout, ModelSpec
 
 FORMATS: tuple[str, ...] = ("megatron-bridge", "megatron-lm", "torchtitan")
@@ -100,18 +101,16 @@ def run_length_expr(values: list[int]) -> str:
     return "+".join(parts)
 
 
-def megatron_layout(layout: Layout) -> str:
-    """--pipeline-model-parallel-layout: one '|'-separated stage per chunk in k3opt's chunk order, 'E' on
-    the first, 'L' on the last, t*n for n decoder layers.
+def megatron_layout(layout: Layout, model: ModelSpec) -> str:
+    """--pipeline-model-parallel-layout: the layout's own string when it was given one, else one '|'-separated
+    stage per chunk in k3opt's chunk order (k3opt.inputs.pipeline_layout.format_layout: 'E' on the first, the MTP
+    layers and 'L' on the last, t*n for n decoder layers).
 
     k3opt's chunk j runs on PP rank j mod p (specs.Layout); Megatron places stage i on pp_rank i % PP,
     virtual stage i // PP (pipeline_parallel_layer_layout.py), so the orders agree."""
-    stages = []
-    last = len(layout.split) - 1
-    for j, n in enumerate(layout.split):
-        s = ("E" if j == 0 else "") + (f"t*{n}" if n > 1 else "t") + ("L" if j == last else "")
-        stages.append(s)
-    return "|".join(stages)
+    if layout.pipeline_layout is not None:
+        return layout.pipeline_layout
+    return format_layout(layout.split, model.mtp.num_layers if model.mtp is not None else 0)
 
 
 def global_batch(layout: Layout) -> int:

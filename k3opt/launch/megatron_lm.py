@@ -84,7 +84,8 @@ def _parallelism(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool) -
         Setting("--expert-model-parallel-size", "model.expert_model_parallel_size", lay.ep),
         Setting("--expert-tensor-parallel-size", "model.expert_tensor_parallel_size", 1),
         Setting("--num-layers", "model.num_layers", model.num_layers),
-        Setting("--pipeline-model-parallel-layout", "model.pipeline_model_parallel_layout", megatron_layout(lay))]
+        Setting("--pipeline-model-parallel-layout", "model.pipeline_model_parallel_layout",
+                megatron_layout(lay, model))]
     if lay.vp > 1:
         out.notes.append(f"vp = {lay.vp}: the layout string has pp x vp = {lay.pp * lay.vp} stages, so Megatron "
                          "sets the virtual pipeline size from it (no separate VPP flag is allowed with a layout)")

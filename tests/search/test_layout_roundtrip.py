@@ -9,7 +9,8 @@ from k3opt.inputs.specs import Dtype, FsdpLifecycle, Job, Precision, Recompute, 
 from k3opt.search.frames import frame_of, layout_of
 
 # Every field set away from its default; `measured` and `source` describe a measurement, not a layout to price.
-NOT_PRICED = {"measured", "source"}
+NOT_PRICED = {"measured", "source", "pipeline_layout"}
+"""`pipeline_layout` spells the split in Megatron's syntax; the split it sets is what the search types carry."""
 
 
 def _unusual_layout() -> k3opt.Layout:
