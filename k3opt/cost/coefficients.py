@@ -35,6 +35,7 @@ from k3opt.inputs.specs import (
     Layout,
     ModelSpec,
     MoESpec,
+    ParamGather,
     Precision,
     Recompute,
     ShardGranularity,
@@ -67,10 +68,12 @@ class Shape:
     """Megatron's selective recompute modules (Layout.recompute_modules); empty: k3opt's selective set."""
     ce_chunk_tokens: int = 1024
     offload_resident_layers: int = 2
+    activation_offload_layers: int = 0
     domain_gpus_used: int | None = None
     dense_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
+    param_gather: ParamGather = ParamGather.UPDATE
     grad_dtype: Dtype = Dtype.FP32
     optimizer_state_dtype: Dtype | None = None
     """None: the model's optimizer.state_dtype."""
@@ -89,8 +92,10 @@ class Shape:
             recompute=layout.recompute, fsdp_lifecycle=layout.fsdp_lifecycle, toggles=layout.toggles,
             fp8_block_size=layout.fp8_block_size, ce_chunk_tokens=layout.ce_chunk_tokens,
             offload_resident_layers=layout.offload_resident_layers, domain_gpus_used=layout.domain_gpus_used,
+            activation_offload_layers=layout.activation_offload_layers,
             dense_sharding=layout.dense_sharding, expert_sharding=layout.expert_sharding,
-            optimizer_shard_granularity=layout.optimizer_shard_granularity, grad_dtype=layout.grad_dtype,
+            optimizer_shard_granularity=layout.optimizer_shard_granularity, param_gather=layout.param_gather,
+            grad_dtype=layout.grad_dtype,
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
             precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
             recompute_modules=tuple(m.value for m in layout.recompute_modules),
@@ -132,6 +137,7 @@ class LayerShape:
     dense_fsdp: int
     recompute: Recompute
     recompute_modules: tuple[str, ...]
+    activation_offload_layers: int
     fsdp_lifecycle: FsdpLifecycle
     toggles: Toggles
     fp8_block_size: int
@@ -139,6 +145,7 @@ class LayerShape:
     dense_sharding: ShardingPolicy
     expert_sharding: ShardingPolicy
     optimizer_shard_granularity: ShardGranularity
+    param_gather: ParamGather
     grad_dtype: Dtype
     optimizer_state_dtype: Dtype | None
     precision: Precision
@@ -158,11 +165,12 @@ class LayerShape:
         return cls(
             tokens=shape.tokens, context=shape.context, document_length=shape.document_length, cp=shape.cp,
             ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
-            recompute_modules=shape.recompute_modules,
+            recompute_modules=shape.recompute_modules, activation_offload_layers=shape.activation_offload_layers,
             fsdp_lifecycle=shape.fsdp_lifecycle, toggles=tg, fp8_block_size=shape.fp8_block_size,
             ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,
             expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
-            grad_dtype=shape.grad_dtype, optimizer_state_dtype=shape.optimizer_state_dtype,
+            param_gather=shape.param_gather, grad_dtype=shape.grad_dtype,
+            optimizer_state_dtype=shape.optimizer_state_dtype,
             precision=shape.precision, dispatcher=shape.dispatcher, ep_local=pl.ep_local,
             dense_fsdp_local=pl.dense_fsdp_local, expert_fsdp_local=pl.expert_fsdp_local,
             cp_in_domain=pl.cp_in_domain,
@@ -196,7 +204,9 @@ class Coefficients:
     host_grads: np.ndarray = field(repr=False)
     # activation-phase bytes
     act: np.ndarray = field(repr=False)
-    """Saved bytes per in-flight microbatch kept on the GPU (before offload)."""
+    """Saved bytes per in-flight microbatch kept on the GPU (before the activation_offload toggle)."""
+    offloaded_act: np.ndarray = field(repr=False)
+    """Saved bytes per in-flight microbatch the layout's activation_offload_layers keep in host memory."""
     working_set: np.ndarray = field(repr=False)
     """Bytes live only while this layer runs backward: its recomputed saved set (selective/full recompute),
     its unsharded gradient before the reduce-scatter, the two BF16 gradient streams."""
@@ -511,6 +521,18 @@ class _Static:
     """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
     gemm_names: tuple[str, ...] = ()
     """Per row of `gemms`: the weight's tensor name (structure.Tensor.name)."""
+    largest_weight: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per layer and edge, the elements of its largest non-routed GEMM weight as the GEMM runs it (q, k, v and
+    gate, up fused: fused_gemm_widths)."""
+
+
+def _largest_weight(rows: list[tuple], fused: list[int], n: int) -> np.ndarray:
+    """Per layer and edge, max over its non-routed GEMM rows of (fused output width x input width)."""
+    out = np.zeros(n)
+    for (i, _, inp, _, routed, _), width in zip(rows, fused, strict=True):
+        if not routed:
+            out[i] = max(out[i], float(width) * inp)
+    return out
 
 
 def _build_static(model_json: str) -> _Static:
@@ -546,6 +568,7 @@ def _build_static(model_json: str) -> _Static:
     return _Static(
         gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6), gemm_out_fused=np.array(fused, dtype=float),
         gemm_names=tuple(t.name for _, _, t in gemm_tensors),
+        largest_weight=_largest_weight(gemm_rows, fused, n),
         moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
         q_active_routed=q_sum(lambda t: t.active_matrix_params if t.routed else 0),
@@ -761,7 +784,8 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     return _read_only(dict(
         n_layers=b.model.num_layers, tokens=shape.tokens, hidden=b.model.hidden_size,
         **_persistent_bytes(b), **ns, **_logits(b),
-        act=acts.act, working_set=working_set, recompute_ws=acts.recompute_ws, grad_transient=acts.grad_transient,
+        act=acts.act - acts.offloaded, offloaded_act=acts.offloaded, working_set=working_set,
+        recompute_ws=acts.recompute_ws, grad_transient=acts.grad_transient,
         closes=b.sa.closes, moe=b.sa.moe, routing_map_allgathers_per_layer=ep.allgathers,
         time=_peak_seconds(b, work, traffic), update=_peak_update_seconds(b, ns["ns_flops"], up),
         tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
@@ -812,6 +836,17 @@ class _LayerBuild:
     """Dense group over which the optimizer state is sharded (1 where the policy shards nothing)."""
     opt_fe: int
     """Expert group over which the optimizer state is sharded."""
+    unit: np.ndarray
+    """Parameters of each decoder layer gathered per layer (param_gather = layer: the optim_grads_params groups,
+    D and / or E / e; 0 on the edges, which stay gathered, and where the view is kept for the update)."""
+    unit_shard: np.ndarray
+    """The rank's shard of those parameters, D / f_d and / or E / (e f_e)."""
+    unit_q: np.ndarray
+    """Of `unit`, the parameters of GEMMs in the compute precision."""
+    gather_d: bool
+    """The dense group gathers per layer (param_gather = layer under optim_grads_params)."""
+    gather_e: bool
+    """The expert group gathers per layer."""
     g_fd: int
     """Dense group over which the gradients are sharded (1 where they are whole)."""
     g_fe: int
@@ -846,13 +881,21 @@ class _LayerBuild:
         pol_d, pol_e = shape.dense_sharding, shape.expert_sharding
         opt_fd = fd if pol_d != ShardingPolicy.NO_SHARD else 1
         opt_fe = fe if pol_e != ShardingPolicy.NO_SHARD else 1
+        per_layer = shape.param_gather == ParamGather.LAYER
+        gd_ = float(per_layer and pol_d == ShardingPolicy.OPTIM_GRADS_PARAMS)
+        ge_ = float(per_layer and pol_e == ShardingPolicy.OPTIM_GRADS_PARAMS)
+        layer = np.arange(n) < model.num_layers
         return cls(
             shape=shape, model=model, cluster=_cluster_of(cluster_json), sa=sa, n=n,
-            layer=np.arange(n) < model.num_layers, full=shape.recompute == Recompute.FULL,
+            layer=layer, full=shape.recompute == Recompute.FULL,
             accumulate=shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE,
             stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam,
             view=pn + p_routed / e, own_muon=pn_muon / opt_fd + pr_muon / (e * opt_fe),
             own_adam=p_adam / opt_fd + pr_adam / (e * opt_fe),
+            unit=layer * (gd_ * pn + ge_ * p_routed / e),
+            unit_shard=layer * (gd_ * pn / fd + ge_ * p_routed / (e * fe)),
+            unit_q=layer * (gd_ * sa.q_params_nonrouted + ge_ * sa.q_params_routed / e),
+            gather_d=bool(gd_), gather_e=bool(ge_),
             opt_fd=opt_fd, opt_fe=opt_fe, g_fd=fd if pol_d in _GRADS_SHARDED else 1,
             g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes,
             sd=model.optimizer.state_of(shape.optimizer_state_dtype).bytes,
@@ -877,13 +920,13 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         master=4 * own,
         grads=np.zeros(n) if zero2 else b.gd * grad_elems,
         optimizer=b.sd * b.own_muon + 2 * b.sd * b.own_adam,          # Muon momentum; AdamW two moments
-        bf16_view=2 * b.view,
+        bf16_view=2 * (b.view - b.unit) + _unit_weight_bytes(b)[0],
         moonep_slots=2 * p_routed / e if sh.toggles.moonep else np.zeros(n),
         grad_accum=grad_accum,
         chunk_grad_buffer=4 * b.view,
         host_grads=4 * b.resident if zero2 else np.zeros(n),
         view_params=b.view, resident_params=b.resident,
-        quantized_weights=2 * b.qb * b.q_view if b.lowp else np.zeros(n),
+        quantized_weights=2 * b.qb * (b.q_view - b.unit_q) if b.lowp else np.zeros(n),
         step_gather=_step_gather(b), step_gather_with_ns=default_policy,
         # Megatron's optimizers keep FP32 main parameters; with a BF16 gradient buffer the step hands each owned
         # shard main_grad.float() as its .grad (NVIDIA/Megatron-LM@2edffadb megatron/core/optimizer/
@@ -891,6 +934,18 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         # an FP32 buffer's .float() is the buffer itself). They live until the next zero_grad, before any forward.
         step_grad_copy=4 * own if b.gd < 4 else np.zeros(n), state_bytes=b.sd,
     )
+
+
+def _unit_weight_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
+    """(persistent shard, one gathered unit) bytes per layer of the groups gathered per layer (Megatron-FSDP).
+    Per-tensor FP8 runs FP8 primary weights (Megatron-Bridge's FP8 current-scaling recipes set fp8_param_gather,
+    training/mixed_precision.py L302 @ 067f987d): a 1-byte shard gathered as 1 byte, row- and column-wise sharing
+    one buffer on Blackwell (TransformerEngine float8_tensor_storage.py L245-250 @ e7c550c5). Otherwise a BF16 shard
+    gathered in BF16, plus the row- and column-wise quantized copies of its GEMMs in a low compute precision."""
+    if b.shape.precision == Precision.FP8:
+        return 1.0 * b.unit_shard, 1.0 * b.unit
+    quantized = 2 * b.qb * b.unit_q if b.lowp else 0.0
+    return 2.0 * b.unit_shard, 2.0 * b.unit + quantized
 
 
 def _step_gather(b: _LayerBuild) -> np.ndarray:
@@ -901,15 +956,17 @@ def _step_gather(b: _LayerBuild) -> np.ndarray:
     sh = b.shape
     tensor_gran = sh.optimizer_shard_granularity == ShardGranularity.TENSOR
 
-    def gather(pol: ShardingPolicy, f: int, params: np.ndarray) -> np.ndarray:
+    def gather(pol: ShardingPolicy, f: int, params: np.ndarray, per_layer: bool = False) -> np.ndarray:
         if pol == ShardingPolicy.OPTIM_GRADS_PARAMS:
-            return 2 * params
+            # Gathered per layer, the step updates the shards in place and the next forward gathers them.
+            return np.zeros(b.n) if per_layer else 2 * params
         if pol == ShardingPolicy.NO_SHARD or f == 1 or not tensor_gran:
             return np.zeros(b.n)
         return 2 * params
 
-    dense = gather(sh.dense_sharding, sh.dense_fsdp, b.pn)
-    return dense + gather(sh.expert_sharding, sh.expert_fsdp, b.sa.p_routed / sh.ep)
+    # The edges gathered per layer's mode stay gathered (not FSDP units): their buffers are the bf16_view term.
+    dense = gather(sh.dense_sharding, sh.dense_fsdp, b.pn, b.gather_d)
+    return dense + gather(sh.expert_sharding, sh.expert_fsdp, b.sa.p_routed / sh.ep, b.gather_e)
 
 
 def _newton_schulz(b: _LayerBuild) -> dict[str, np.ndarray]:
@@ -937,6 +994,8 @@ class _Activations:
     grad_transient: np.ndarray
     working_set: np.ndarray
     """Without CP's buffers (_microbatch_traffic adds them)."""
+    offloaded: np.ndarray
+    """Of `act`, the part activation_offload_layers sends to host memory: the first N decoder layers'."""
 
 
 def _saved_activations(b: _LayerBuild, model_json: str) -> _Activations:
@@ -960,10 +1019,26 @@ def _saved_activations(b: _LayerBuild, model_json: str) -> _Activations:
     # Unsharded BF16 gradient of the layer, live until its reduce-scatter (per-microbatch lifecycle).
     # Only where the gradients are sharded: a whole gradient buffer accumulates in place.
     grad_transient = np.zeros(n) if b.accumulate else (
-        2 * b.pn * (b.g_fd > 1) + 2 * (b.sa.p_routed / e) * (b.g_fe > 1))
+        2 * b.pn * (b.g_fd > 1) * (not b.gather_d) + 2 * (b.sa.p_routed / e) * (b.g_fe > 1) * (not b.gather_e))
+    if b.gather_d or b.gather_e:
+        grad_transient = grad_transient + _unit_transient(b)
     grad_streams = np.where(b.layer, 2 * b.stream, 0.0)
+    offloaded = np.where(np.arange(n) < sh.activation_offload_layers, act, 0.0)
     return _Activations(saved=saved, fp8_values=fp8_values, act=act, recompute_ws=recompute_ws,
-                        grad_transient=grad_transient, working_set=recompute_ws + grad_transient + grad_streams)
+                        grad_transient=grad_transient, working_set=recompute_ws + grad_transient + grad_streams,
+                        offloaded=offloaded)
+
+
+def _unit_transient(b: _LayerBuild) -> np.ndarray:
+    """Megatron-FSDP's buffers per layer while it runs (megatron_fsdp/param_and_grad_buffer.py @ d98e8a64): two
+    gathered units (the layer and the one prefetched, fsdp_double_buffer: L4420-4485), two unsharded gradient buckets
+    in the gradient dtype (L3956-3978), and the fresh BF16 weight gradient of the layer's largest GEMM before it is
+    copied into its bucket (gradient_accumulation_fusion off). On the edges, kept gathered (not FSDP units): the
+    BF16 weight gradient and its bucket."""
+    unit = _unit_weight_bytes(b)[1]
+    layers = 2 * unit + 2 * b.gd * b.unit + BF16 * b.sa.largest_weight * (b.unit > 0)
+    edges = (BF16 + b.gd) * b.pn * (~b.layer) * b.gather_d
+    return layers + edges
 
 
 @dataclass(frozen=True, eq=False)
@@ -1086,6 +1161,13 @@ def _microbatch_traffic(b: _LayerBuild, acts: _Activations, work: _Work, ep: _Di
         a, b_ = _hier(b.gd * b.pn, b.g_fd, sh.dense_fsdp_local)
         c, d_ = _hier(b.gd * b.sa.p_routed / e, b.g_fe, sh.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
+    if b.gather_d or b.gather_e:
+        # Megatron-FSDP gathers each layer before its forward and again before its backward, in the bytes per
+        # element its shard holds (_unit_weight_bytes).
+        wb = 1.0 if sh.precision == Precision.FP8 else 2.0
+        a, b_ = _hier(2 * wb * b.pn * b.layer * b.gather_d, sh.dense_fsdp, sh.dense_fsdp_local)
+        c, d_ = _hier(2 * wb * b.sa.p_routed / e * b.layer * b.gather_e, sh.expert_fsdp, sh.expert_fsdp_local)
+        nvl, nic = nvl + a + c, nic + b_ + d_
     cp_stall, cp_ws = np.zeros(n), None
     if sh.cp > 1:
         cp_nvl, cp_nic, cp_stall, cp_ws = _context_parallel(b.model, sh, sh.tokens, b.cluster, sh.cp_in_domain,
@@ -1094,6 +1176,7 @@ def _microbatch_traffic(b: _LayerBuild, acts: _Activations, work: _Work, ep: _Di
     host = np.zeros(n)
     if sh.toggles.activation_offload:
         host = host + 2 * acts.act                       # out in forward, back in backward
+    host = host + 2 * acts.offloaded                     # activation_offload_layers: the same, for those layers
     if sh.toggles.pipeline_zero2_host_grads:
         host = host + FP32 * b.resident                  # gradient shard accumulated on the host
     return _Traffic(hbm=hbm, hbm_weights=hbm_weights, quantize=quantize, nvl=nvl, nic=nic, ep_nvl=ep.ep_nvl,
@@ -1168,8 +1251,10 @@ def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     sh, pn, p_routed, e = b.shape, b.pn, b.sa.p_routed, b.shape.ep
     # BF16 view refresh all-gather of the updated shards (none where the group shards nothing: every rank updates
     # the whole model itself).
-    up_nvl, up_nic = _hier(2 * pn, b.opt_fd, sh.dense_fsdp_local)
-    a, b_ = _hier(2 * p_routed / e, b.opt_fe, sh.expert_fsdp_local)
+    # Groups gathered per layer (Megatron-FSDP) gather each microbatch instead (_microbatch_traffic); their edges,
+    # kept gathered, are refreshed here.
+    up_nvl, up_nic = _hier(2 * pn * (1 - b.gather_d * b.layer), b.opt_fd, sh.dense_fsdp_local)
+    a, b_ = _hier(2 * p_routed / e * (not b.gather_e), b.opt_fe, sh.expert_fsdp_local)
     up_nvl, up_nic = up_nvl + a, up_nic + b_
     # Gradient reduction once per update, per group: the FP32 accumulation buffer reduce-scattered (accumulate
     # lifecycle, sharded gradients); a whole gradient buffer reduce-scattered (optim: Megatron's distributed

@@ -434,7 +434,9 @@ def _in_flight_terms(rc: _RankChunks) -> _InFlight:
         out["activations"], out["attnres_bank"] = gpu_act, best_bank
         in_flight = n_peak * scale
     else:
-        host_act = 0.0
+        # activation_offload_layers: those layers' saved sets wait in host memory for every in-flight microbatch.
+        off = rc.csum(cf.offloaded_act)
+        host_act = max(sum(c * o for c, o in zip(comp, off, strict=True)) for comp in comps) * scale
         best = max(comps, key=lambda comp: sum(c * (a + b) for c, a, b in zip(comp, act, bank, strict=True)))
         out["activations"] = sum(c * a for c, a in zip(best, act, strict=True)) * scale
         out["attnres_bank"] = sum(c * b for c, b in zip(best, bank, strict=True)) * scale

@@ -65,7 +65,8 @@ LEDGER: tuple[TermDecl, ...] = (
     TermDecl("optimizer", Phase.PERSISTENT, Aggregate.LAYER_SUM, "optimizer", "optimizer state dtype, granularity",
              "derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
     TermDecl("bf16_view", Phase.PERSISTENT, Aggregate.LAYER_SUM, "bf16_view", "sharding policy", "derived",
-             "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update"),
+             "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update (param_gather = layer: the "
+             "layers' compute-weight shard, FP8 1 x or BF16 2 x (D/f_d + E/(e f_e)); the edges gathered whole)"),
     TermDecl("moonep_slots", Phase.PERSISTENT, Aggregate.LAYER_SUM, "moonep_slots", "moonep", "derived",
              "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
     TermDecl("grad_accum", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grad_accum", "fsdp_lifecycle = accumulate",
@@ -75,18 +76,19 @@ LEDGER: tuple[TermDecl, ...] = (
              "routing, allocated for the whole run"),
     TermDecl("quantized_weights", Phase.PERSISTENT, Aggregate.LAYER_SUM, "quantized_weights", "precision",
              "derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the local "
-             "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16)"),
+             "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16, and for layers gathered per layer)"),
     TermDecl("activations", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "act", "recompute mode, activation toggles, "
              "activation_offload, balance_activations", "derived",
              "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 [T, d] layer input per "
-             "layer)"),
+             "layer; activation_offload_layers: the first N layers' in host memory)"),
     TermDecl("attnres_bank", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "closes", "balance_activations", "derived",
              "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per in-flight microbatch"),
     TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws", "recompute mode",
              "derived", "saved set of the one layer being recomputed in backward"),
     TermDecl("grad_transient", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "working_set", "CP",
              "derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus two BF16 "
-             "[T, d] gradient streams (with CP: plus the KV ring or state-gather buffers)"),
+             "[T, d] gradient streams (with CP: plus the KV ring or state-gather buffers; param_gather = layer: two "
+             "gathered units, two gradient buckets and the largest fresh weight gradient)"),
     TermDecl("pp_buffers", Phase.ACTIVATION, Aggregate.CHUNK_PAIR, "closes", None, "assumption",
              "one forward and one backward packet in each direction live: 2 x max over chunks (in + out packet), "
              "packet = (1 + R) x BF16 [T, d]"),

@@ -365,6 +365,16 @@ class RecomputeModule(StrEnum):
     """The whole dense MLP of a non-MoE layer, checkpointed at its input."""
 
 
+class ParamGather(StrEnum):
+    """When a fully sharded group's (optim_grads_params) parameters are gathered for compute."""
+
+    UPDATE = "update"
+    """Gathered once and kept from the first forward to the last backward of the update (seed 000's reference)."""
+    LAYER = "layer"
+    """Megatron-FSDP: each decoder layer (an FSDP unit) gathered before its forward and again before its backward,
+    then released; two units buffered at once (fsdp_double_buffer), the embedding and output layer kept gathered."""
+
+
 class FsdpLifecycle(StrEnum):
     PER_MICROBATCH = "per_microbatch"
     """BF16 view kept for the update; gradients reduce-scattered every microbatch (seed 000 reference)."""
@@ -495,6 +505,10 @@ class Layout(StrictModel):
     """Tokens per chunk of the fused/chunked cross-entropy."""
     offload_resident_layers: PosInt = 2
     """Layers whose saved activations stay on the GPU under offload: the current and the prefetched."""
+    activation_offload_layers: NonNegInt = 0
+    """Megatron's cpu_offloading_num_layers: the saved activations of the first N decoder layers go to host memory in
+    forward and come back in backward (TransformerEngine's CPU offload); the others stay. Priced for one chunk
+    (pp = vp = 1), where Megatron's per-chunk count is the model's first N layers."""
     domain_gpus_used: PosInt | None = None
     """GPUs the job occupies in each NVLink domain (default: all of it). 512 GPUs as 8 racks x 64 is 64:
     ranks then fill domains in blocks of 64, so an EP64 group never straddles two domains."""
@@ -507,6 +521,9 @@ class Layout(StrictModel):
     expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     """Sharding over the expert shard group (`expert_fsdp` ranks)."""
     optimizer_shard_granularity: ShardGranularity = ShardGranularity.ELEMENT
+    param_gather: ParamGather = ParamGather.UPDATE
+    """When the optim_grads_params groups gather their parameters: for the whole update, or per layer
+    (Megatron-FSDP)."""
     grad_dtype: Dtype = Dtype.FP32
     """Gradient buffer / shard dtype (Megatron `--grad-reduce-in-bf16` makes it BF16)."""
     optimizer_state_dtype: Dtype | None = None
@@ -576,6 +593,14 @@ class Layout(StrictModel):
             raise ValueError(f"recompute_modules {[m.value for m in self.recompute_modules]} need recompute = "
                              f"\"selective\" (got \"{self.recompute.value}\"); set recompute = \"selective\" or "
                              "drop recompute_modules")
+        if self.param_gather == ParamGather.LAYER and ShardingPolicy.OPTIM_GRADS_PARAMS not in (
+                self.dense_sharding, self.expert_sharding):
+            raise ValueError("param_gather = \"layer\" gathers what optim_grads_params shards, but neither "
+                             f"dense_sharding ({self.dense_sharding.value}) nor expert_sharding "
+                             f"({self.expert_sharding.value}) is optim_grads_params; set one or drop param_gather")
+        if self.activation_offload_layers and (self.pp * self.vp > 1 or self.toggles.activation_offload):
+            raise ValueError(f"activation_offload_layers = {self.activation_offload_layers} is priced for one chunk "
+                             "without the activation_offload toggle; use it with pp = vp = 1, or the toggle instead")
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise ValueError("recompute_modules lists a module twice; name each once")
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
@@ -711,6 +736,9 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
         raise LayoutError(
             f"layout split {layout.split} covers {total} layers; {model.name} has {model.num_layers}"
         )
+    if layout.activation_offload_layers > model.num_layers:
+        raise LayoutError(f"activation_offload_layers ({layout.activation_offload_layers}) exceeds the "
+                          f"{model.num_layers} layers of {model.name}")
     mtp = model.mtp.num_layers if model.mtp is not None else 0
     if layout.pipeline_layout is not None and pll.mtp_layers(layout.pipeline_layout) != mtp:
         raise LayoutError(f"pipeline_layout {layout.pipeline_layout!r} places "

@@ -26,14 +26,29 @@ def _unusual_layout() -> k3opt.Layout:
     )
 
 
-def test_every_layout_field_survives_the_search_types() -> None:
-    lay = _unusual_layout()
-    defaults = {name: f.get_default(call_default_factory=True) for name, f in k3opt.Layout.model_fields.items()}
-    unset = {name for name in k3opt.Layout.model_fields if getattr(lay, name) == defaults[name]} - NOT_PRICED
-    assert not unset, f"the round trip must set these away from their defaults too: {sorted(unset)}"
+def _single_chunk_fsdp_layout() -> k3opt.Layout:
+    """The fields no layout can set together with the first one: Megatron-FSDP's per-layer gather (it needs an
+    optim_grads_params group) and the offload of the first N layers (one chunk)."""
+    return k3opt.make_layout(
+        gpus=64, dense_fsdp=64, microbatches=2, rows=2, context=8192, split=[80], recompute=Recompute.NONE,
+        param_gather="layer", activation_offload_layers=20, grad_dtype=Dtype.BF16, precision=Precision.FP8,
+        model="llama3-70b", cluster="gb300-nvl72", name="fsdp")
+
+
+def _round_trip(lay: k3opt.Layout) -> None:
     job = Job(model=lay.model, cluster=lay.cluster, gpus=lay.gpus, context=lay.context, rows=lay.rows,
               document_length=lay.document_length, reserve_gib=lay.reserve_gib, runtime=lay.runtime,
               search={"microbatches": [lay.microbatches]})
     back = layout_of(job, frame_of(lay), Shape.of(lay), list(lay.split), name=lay.name)
     for name in set(k3opt.Layout.model_fields) - NOT_PRICED:
         assert getattr(back, name) == getattr(lay, name), name
+
+
+def test_every_layout_field_survives_the_search_types() -> None:
+    layouts = [_unusual_layout(), _single_chunk_fsdp_layout()]
+    defaults = {name: f.get_default(call_default_factory=True) for name, f in k3opt.Layout.model_fields.items()}
+    unset = {name for name in k3opt.Layout.model_fields
+             if all(getattr(lay, name) == defaults[name] for lay in layouts)} - NOT_PRICED
+    assert not unset, f"the round trip must set these away from their defaults too: {sorted(unset)}"
+    for lay in layouts:
+        _round_trip(lay)

@@ -1,0 +1,120 @@
+"""Megatron-FSDP's per-layer parameter gather (param_gather = "layer") and TransformerEngine's CPU offload of the
+first N layers' activations (activation_offload_layers), on the Llama 3 70B recipe they come from (Megatron-Bridge
+perf_recipes/llama/gb200/llama3.py::llama3_70b_pretrain_64gpu_gb200_fp8cs_config). Expected values from the model's
+config.json shapes in the comments: hidden 8,192, FFN 28,672, 64 query and 8 KV heads of 128, vocabulary 128,256,
+80 layers; DP = dense FSDP = 64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import k3opt
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.errors import LayoutError
+
+MB2 = Path(k3opt.__file__).parents[1] / "layouts" / "measured" / "mb-2-llama3-70b-gb200.toml"
+# Per decoder layer: q 8192 x 8192, k and v 1024 x 8192 each, o 8192 x 8192, gate and up 28672 x 8192 each, down
+# 8192 x 28672 = 855,638,016 weights, plus two RMSNorm vectors of 8,192.
+LAYER = 855_638_016 + 2 * 8192
+FC1 = 2 * 28672 * 8192  # gate and up run as one GEMM: the largest weight gradient of a layer
+EMBED = 128256 * 8192
+HEAD = 128256 * 8192 + 8192  # output layer and final norm
+DP = 64
+GIB = 2**30
+
+
+def _layout(**update) -> k3opt.Layout:
+    data = k3opt.load_layout(str(MB2)).model_dump()
+    data.pop("measured")
+    data.update(update)
+    return k3opt.make_layout(**data)
+
+
+def _cf(lay: k3opt.Layout):
+    return coefficients(Shape.of(lay), k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72"))
+
+
+def test_a_layer_keeps_its_fp8_shard_and_the_edges_stay_gathered():
+    cf = _cf(_layout())
+    L = cf.n_layers
+    # FP8 primary weights (fp8_param_gather): 1 byte per element of the rank's 1/64 shard; no cached copies.
+    np.testing.assert_allclose(cf.bf16_view[:L], LAYER / DP)
+    np.testing.assert_allclose(cf.quantized_weights[:L], 0.0)
+    # Embedding and output layer are not FSDP units: gathered whole in BF16 for the run.
+    assert cf.bf16_view[L] == pytest.approx(2 * EMBED)
+    assert cf.bf16_view[L + 1] == pytest.approx(2 * HEAD)
+    kept = _cf(_layout(param_gather="update", grad_dtype="fp32"))
+    # The update-long view holds every layer in BF16 and its FP8 row- and column-wise copies.
+    np.testing.assert_allclose(kept.bf16_view[:L], 2 * LAYER)
+
+
+def test_a_running_layer_holds_two_units_two_gradient_buckets_and_one_fresh_weight_gradient():
+    """fsdp_double_buffer: 2 gathered FP8 units (1 B) + 2 BF16 gradient buckets (2 B) + the fc1 weight gradient in
+    BF16 before it is copied into its bucket = 6 x 855,654,400 + 2 x 469,762,048 = 6,073,450,496 B; the two BF16
+    [T, d] gradient streams (T = 2 x 8,192) add 2 x 16,384 x 8,192 x 2 = 536,870,912 B."""
+    cf = _cf(_layout())
+    L = cf.n_layers
+    streams = 2 * 16384 * 8192 * 2
+    np.testing.assert_allclose(cf.working_set[:L] - cf.recompute_ws[:L], 6 * LAYER + 2 * FC1 + streams)
+    # The edges: their BF16 weight gradient and its BF16 bucket.
+    assert cf.working_set[L] - cf.recompute_ws[L] == pytest.approx(4 * EMBED)
+
+
+def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():
+    lay = _layout()
+    ev = k3opt.evaluate(lay, k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72"))
+    own = (80 * LAYER + EMBED + HEAD) / DP
+    # Only the FP32 copy of the owned BF16 gradient shard (4 B per owned parameter) is live at the step.
+    assert ev.ranks[0].ledger["optimizer_transient"] == pytest.approx(4 * own, rel=1e-9)
+    kept = _cf(_layout(param_gather="update"))
+    cf = _cf(lay)
+    # Per microbatch and layer: forward and backward gathers of the FP8 shards, 2 x 1 B x P x 63/64 on NVLink (the
+    # 64 ranks share one domain), on top of the BF16 gradient reduce-scatter both modes run.
+    extra = cf.time["nvlink"][:80] - kept.time["nvlink"][:80]
+    np.testing.assert_allclose(extra * k3opt.load_cluster("gb200-nvl72").nvlink_gbps * 1e9,
+                               2 * LAYER * 63 / 64, rtol=1e-9)
+
+
+def test_the_first_n_layers_wait_in_host_memory():
+    """PP1, M 2: one microbatch in flight. Offloading the first 40 of 80 identical layers moves half of the layers'
+    saved bytes to the host; the edges stay."""
+    model, cluster = k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72")
+    all_on_gpu = k3opt.evaluate(_layout(activation_offload_layers=0), model, cluster).ranks[0]
+    half = k3opt.evaluate(_layout(activation_offload_layers=40), model, cluster).ranks[0]
+    cf = _cf(_layout(activation_offload_layers=0))
+    per_layer = float(cf.act[0])
+    np.testing.assert_allclose(cf.act[:80], per_layer)
+    assert all_on_gpu.ledger["activations"] - half.ledger["activations"] == pytest.approx(40 * per_layer)
+    assert half.host_bytes - all_on_gpu.host_bytes == pytest.approx(40 * per_layer)
+    # Out in forward and back in backward over the host link, per microbatch.
+    off = _cf(_layout(activation_offload_layers=40))
+    np.testing.assert_allclose(off.time["host_link"][:40] * cluster.host_link_gbps * 1e9, 2 * per_layer)
+    np.testing.assert_allclose(off.time["host_link"][40:80], 0.0)
+
+
+def test_the_recipes_fit_once_their_savings_are_expressed():
+    """MB-1 (GB300, 20 layers offloaded) is judged to fit on live tensors; the whole-view accounting was 580 GiB."""
+    model = k3opt.load_model("llama3-70b")
+    lay = k3opt.load_layout("mb-1-llama3-70b-gb300")
+    ev = k3opt.evaluate(lay, model, k3opt.load_cluster("gb300-nvl72"))
+    assert ev.fits and ev.peak_device_bytes / GIB < 277.5
+
+
+@pytest.mark.parametrize(("update", "words"), [
+    ({"param_gather": "layer", "dense_sharding": "optim", "expert_sharding": "optim"}, "neither dense_sharding"),
+    ({"activation_offload_layers": 10, "pp": 2, "split": [40, 40], "dense_fsdp": 32}, "priced for one chunk"),
+    ({"activation_offload_layers": 10, "toggles": {"activation_offload": True}}, "priced for one chunk"),
+    ({"param_gather": "sometimes"}, "param_gather"),
+])
+def test_bad_values_are_one_line(update: dict, words: str):
+    with pytest.raises(LayoutError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        _layout(**update)
+
+
+def test_more_offloaded_layers_than_the_model_has_is_refused():
+    with pytest.raises(LayoutError, match="exceeds the 80 layers"):
+        k3opt.evaluate(_layout(activation_offload_layers=81), k3opt.load_model("llama3-70b"),
+                       k3opt.load_cluster("gb200-nvl72"))
