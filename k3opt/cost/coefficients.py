@@ -303,6 +303,8 @@ def saved_per_token(block: Block, toggles: Toggles, fp8_block: int, precision: P
         if not _kept(s, toggles) or (routed is not None and s.routed != routed) or (only is not None
                                                                                     and s.name not in only):
             continue
+        if s.copy_only and precision == Precision.BF16 and not toggles.fp8_activations:
+            continue
         b = float(s.bytes_per_token)
         if precision != Precision.BF16 and s.gemm_input:
             b = s.values_per_token * (quantized_bytes_per_element(precision) * s.quantized_reader

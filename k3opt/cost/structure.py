@@ -47,9 +47,10 @@ class Saved:
     """A tensor autograd keeps for backward, per token. `gemm_input`: a GEMM input (FP8-storable);
     `recomputable`: the output of an element-wise or short-conv op that selective recompute replays;
     `role`: a toggle hook (situ_naive, situ_fused, dispatch_copy, expert_output). Of a GEMM input, `bf16_reader`:
-    also kept in BF16 by another backward (a GEMM that stays BF16: the router, the output layer; or the attention
-    core, which keeps its output O);
+    also read by a GEMM that stays BF16 (the router, the output layer), whose backward keeps the BF16 tensor;
     `quantized_reader`: read by a GEMM that runs in the compute precision (which keeps its own quantized copy).
+    `copy_only`: a GEMM's own quantized copy of a tensor saved above in BF16, with no bytes of its own when the
+    GEMM runs BF16 without FP8 storage (it then keeps a reference to that tensor).
     `routed`: saved by the routed experts (the dispatched inputs, the expert activations and outputs), the part of
     the MoE block Megatron's combined 1F1B schedule runs as its `mlp` node."""
 
@@ -61,6 +62,7 @@ class Saved:
     role: str = ""
     bf16_reader: bool = False
     quantized_reader: bool = True
+    copy_only: bool = False
     routed: bool = False
 
     @property
@@ -226,11 +228,12 @@ class Structure:
             Saved("mla_k", h * qk, BF16),
             Saved("mla_v", h * a.v_head_dim, BF16),
             # The attention core keeps its BF16 output O for its own backward; without an output gate O is also
-            # the output projection's input, which under a low compute precision keeps its quantized copy besides.
-            Saved("mla_attn_output", h * a.v_head_dim, BF16, gemm_input=not a.output_gate,
-                  bf16_reader=not a.output_gate),
+            # the output projection's input, which keeps its own quantized copy besides.
+            Saved("mla_attn_output", h * a.v_head_dim, BF16),
             Saved("mla_softmax_lse", h, FP32),
         ]
+        if not a.output_gate:
+            saved.append(Saved("mla_o_proj_input_copy", h * a.v_head_dim, BF16, gemm_input=True, copy_only=True))
         if a.output_gate:
             t.append(_m("mla.g_proj", h * a.v_head_dim, d, self._opt("mla.g_proj")))
             saved += [
@@ -259,7 +262,8 @@ class Structure:
             Saved("gqa_q", q, BF16),
             Saved("gqa_k", kv, BF16),
             Saved("gqa_v", kv, BF16),
-            Saved("gqa_attn_output", q, BF16, gemm_input=True, bf16_reader=True),  # core's O + o_proj's copy
+            Saved("gqa_attn_output", q, BF16),  # the attention core's O
+            Saved("gqa_o_proj_input_copy", q, BF16, gemm_input=True, copy_only=True),
             Saved("gqa_softmax_lse", a.num_heads, FP32),
         ]
         if a.qk_norm:

@@ -77,12 +77,15 @@ def test_the_attention_output_is_kept_by_the_core_and_quantized_by_the_output_pr
     """The attention core keeps its BF16 output O for backward; the output projection, a GEMM in the compute
     precision, keeps its own MXFP8 copy. DeepSeek-V3 MLA: O is 128 x 128 = 16,384 values, 32,768 + 16,896 B.
     Llama 3 70B GQA: O is 64 x 128 = 8,192 values, 16,384 + 8,448 B. Under BF16 one tensor: 2 B a value."""
-    for name, model, values in (("mla_attn_output", "deepseek-v3", 16_384), ("gqa_attn_output", "llama3-70b", 8_192)):
+    for kind, model, values in (("mla", "deepseek-v3", 16_384), ("gqa", "llama3-70b", 8_192)):
         st = structure_of(k3opt.load_model(model))
-        block = next(b for layer in st.layers for b in layer if any(s.name == name for s in b.saved))
-        only = frozenset({name})
+        block = next(b for layer in st.layers for b in layer if b.kind == kind)
+        only = frozenset({f"{kind}_attn_output", f"{kind}_o_proj_input_copy"})
         assert saved_per_token(block, Toggles(), 128, Precision.MXFP8, only=only)[0] == values * (2 + MXFP8)
         assert saved_per_token(block, Toggles(), 128, Precision.BF16, only=only)[0] == values * 2
+        # FP8 storage of GEMM inputs (block 128) compresses the projection's copy, never the core's O.
+        assert saved_per_token(block, Toggles(fp8_activations=True), 128, Precision.BF16, only=only)[0] == \
+            values * (2 + 1 + 4 / 128)
 
 
 def test_recompute_modules_need_selective_recompute_and_name_each_module_once() -> None:

@@ -37,16 +37,17 @@ def test_qwen3_gqa_block_inventory_from_the_config():
         ("gqa.v_proj", (512, 2048), M, 1, False, 1), ("gqa.o_proj", (2048, 4096), M, 1, False, 1),
         ("gqa.q_norm", (128,), A, 1, False, 0), ("gqa.k_norm", (128,), A, 1, False, 0)]
     # Saved for backward, per token: the pre-attention RMSNorm (input d BF16, rstd 1 FP32, output d BF16 feeding
-    # the GEMMs), q / k / v after the norms (4096, 512, 512 BF16), the attention output (4096 BF16, the o_proj
-    # input), the softmax log-sum-exp (one FP32 per query head: 32), and q / k before their RMSNorm.
+    # the GEMMs), q / k / v after the norms (4096, 512, 512 BF16), the attention output (4096 BF16, kept by the
+    # core), the o_proj's own copy of it (a GEMM input: bytes only in a low precision or FP8 storage), the softmax
+    # log-sum-exp (one FP32 per query head: 32), and q / k before their RMSNorm.
     saved = [(s.name, s.values_per_token, s.bytes_per_value, s.gemm_input, s.recomputable, s.role)
              for s in blk.saved]
     assert saved == [
         ("attn_norm_input", 2048, 2, False, False, ""), ("attn_norm_rstd", 1, 4, False, False, ""),
         ("attn_norm_output", 2048, 2, True, True, ""),
         ("gqa_q", 4096, 2, False, False, ""), ("gqa_k", 512, 2, False, False, ""),
-        ("gqa_v", 512, 2, False, False, ""), ("gqa_attn_output", 4096, 2, True, False, ""),
-        ("gqa_softmax_lse", 32, 4, False, False, ""),
+        ("gqa_v", 512, 2, False, False, ""), ("gqa_attn_output", 4096, 2, False, False, ""),
+        ("gqa_o_proj_input_copy", 4096, 2, True, False, ""), ("gqa_softmax_lse", 32, 4, False, False, ""),
         ("gqa_q_pre_norm", 4096, 2, False, False, ""), ("gqa_k_pre_norm", 512, 2, False, False, "")]
 
 
