@@ -19,6 +19,7 @@ from k3opt.inputs.specs import (
     Job,
     Layout,
     ModelSpec,
+    ParamGather,
     Precision,
     Recompute,
     RecomputeModule,
@@ -37,6 +38,7 @@ CHOICE_CONTROLS: dict[str, tuple[str, ...]] = {
     "recompute": tuple(Recompute), "fsdp_lifecycle": tuple(FsdpLifecycle),
     "dense_sharding": tuple(ShardingPolicy), "expert_sharding": tuple(ShardingPolicy),
     "grad_dtype": tuple(Dtype), "optimizer_state_dtype": ("model", *Dtype), "precision": tuple(Precision),
+    "param_gather": tuple(ParamGather),
 }
 PRESET_CONTROLS = {"model": "model", "cluster": "cluster", "runtime": "runtime"}
 """Controls that name a shipped preset (never a path: the page cannot make the server read a file)."""
@@ -133,8 +135,17 @@ def _which(message: str, names: tuple[str, ...], changed: Any = None) -> str | N
     return words[0] if words else None
 
 
-LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *FLOAT_CONTROLS, "split", "recompute_modules",
-                   *CHOICE_CONTROLS, "toggles")
+COUNT_CONTROLS = ("activation_offload_layers",)
+"""Whole numbers >= 0, empty meaning 0."""
+LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *FLOAT_CONTROLS, "split",
+                   "recompute_modules", *CHOICE_CONTROLS, "toggles")
+
+
+def _count(form: dict[str, Any], name: str) -> int:
+    v = form.get(name)
+    if v in (None, "") or v == "0" or v == 0:
+        return 0
+    return _int(form, name)
 
 
 def parse_modules(text: Any) -> list[str]:
@@ -155,6 +166,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
     fields: dict[str, Any] = {k: _int(form, k) for k in INT_CONTROLS}
     for k in OPTIONAL_INT_CONTROLS:
         fields[k] = None if form.get(k) in (None, "") else _int(form, k)
+    fields.update({k: _count(form, k) for k in COUNT_CONTROLS})
     fields.update({k: _float(form, k) for k in FLOAT_CONTROLS})
     fields.update({k: _choice(form, k, allowed) for k, allowed in CHOICE_CONTROLS.items()})
     if fields["optimizer_state_dtype"] == "model":  # the model's [optimizer] state_dtype

@@ -28,7 +28,9 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
     data = layout.model_dump(mode="json")
     out = {k: data[k] for k in ("gpus", "pp", "vp", "cp", "ep", "expert_fsdp", "dense_fsdp", "microbatches", "rows",
                                 "context", "reserve_gib", "recompute", "fsdp_lifecycle", "dense_sharding",
-                                "expert_sharding", "grad_dtype", "optimizer_state_dtype", "precision")}
+                                "expert_sharding", "grad_dtype", "optimizer_state_dtype", "precision",
+                                "param_gather")}
+    out["activation_offload_layers"] = layout.activation_offload_layers or ""
     out["domain_gpus_used"] = layout.domain_gpus_used or ""
     out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
     out["split"] = split_text(layout.split)

@@ -59,8 +59,48 @@ def test_a_running_layer_holds_two_units_two_gradient_buckets_and_one_fresh_weig
     L = cf.n_layers
     streams = 2 * 16384 * 8192 * 2
     np.testing.assert_allclose(cf.working_set[:L] - cf.recompute_ws[:L], 6 * LAYER + 2 * FC1 + streams)
-    # The edges: their BF16 weight gradient and its BF16 bucket.
-    assert cf.working_set[L] - cf.recompute_ws[L] == pytest.approx(4 * EMBED)
+    # The edges: their BF16 weight gradient and its BF16 bucket (the output layer's is not a unit's fresh gradient).
+    assert cf.working_set[L] - cf.recompute_ws[L] == pytest.approx(4 * EMBED, rel=1e-12)
+    assert cf.working_set[L + 1] - cf.recompute_ws[L + 1] == pytest.approx(4 * HEAD, rel=1e-12)
+
+
+def test_a_unit_in_mxfp8_is_gathered_in_bf16_with_its_quantized_copies():
+    """MXFP8 without FP8 primary weights: a BF16 shard (2 x P / 64), and each gathered unit in BF16 plus its GEMMs'
+    row- and column-wise MXFP8 copies, 2 x (1 + 1/32) B per weight: two units = 2 x (2 P + 2 x 33/32 x 855,638,016)."""
+    cf = _cf(_layout(precision="mxfp8"))
+    L = cf.n_layers
+    np.testing.assert_allclose(cf.bf16_view[:L], 2 * LAYER / DP, rtol=1e-12)
+    streams = 2 * 16384 * 8192 * 2
+    units = 2 * (2 * LAYER + 2 * (33 / 32) * 855_638_016)
+    np.testing.assert_allclose(cf.working_set[:L] - cf.recompute_ws[:L], units + 2 * 2 * LAYER + 2 * FC1 + streams,
+                               rtol=1e-12)
+
+
+def test_a_unit_in_bf16_is_gathered_in_bf16_alone():
+    """BF16: two BF16 units (2 x 2 B x P), two BF16 gradient buckets, the fc1 gradient, the gradient streams."""
+    cf = _cf(_layout(precision="bf16"))
+    L = cf.n_layers
+    streams = 2 * 16384 * 8192 * 2
+    np.testing.assert_allclose(cf.working_set[:L] - cf.recompute_ws[:L], 4 * LAYER + 4 * LAYER + 2 * FC1 + streams,
+                               rtol=1e-12)
+
+
+def test_an_expert_group_gathered_per_layer_leaves_the_dense_edges_alone():
+    """Qwen3-30B-A3B with the dense group under Megatron's distributed optimizer (optim) and the experts under
+    Megatron-FSDP: only the routed experts are units (E / e per layer), the edges keep their whole gradient buffer."""
+    lay = k3opt.make_layout(gpus=16, ep=8, expert_fsdp=2, dense_fsdp=16, microbatches=4, split=[48],
+                            recompute="selective",
+                            dense_sharding="optim", expert_sharding="optim_grads_params", param_gather="layer",
+                            grad_dtype="bf16", model="qwen3-30b-a3b", cluster="b200")
+    kept = k3opt.make_layout(**{**lay.model_dump(exclude={"measured"}), "param_gather": "update"})
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    cf, ref = (coefficients(Shape.of(x), model, cluster) for x in (lay, kept))
+    L = cf.n_layers
+    # 128 experts of 3 x 768 x 2048 over EP8: 16 x 4,718,592 = 75,497,472 routed weights per layer in the view; per
+    # layer gathered, a rank keeps its BF16 half of them (expert FSDP 2): 2 x 75,497,472 - 2 x 37,748,736.
+    routed = 16 * 3 * 768 * 2048
+    np.testing.assert_allclose(ref.bf16_view[:L] - cf.bf16_view[:L], 2 * routed - 2 * routed / 2, rtol=1e-12)
+    np.testing.assert_allclose(cf.working_set[L:] - ref.working_set[L:], 0.0)
 
 
 def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():

@@ -56,8 +56,8 @@ def test_mla_up_proj_replays_the_up_projection_gemms() -> None:
     none = _cf("mxfp8", "none", [])
     mod = _cf("mxfp8", "selective", ["mla_up_proj"])
     layers = none.n_layers
-    np.testing.assert_allclose(mod.tensor_flops[:layers] - none.tensor_flops[:layers], T * 109_051_904)
-    np.testing.assert_allclose(mod.gemm_flops[:layers] - none.gemm_flops[:layers], T * 109_051_904)
+    np.testing.assert_allclose(mod.tensor_flops[:layers] - none.tensor_flops[:layers], T * 109_051_904, rtol=1e-12)
+    np.testing.assert_allclose(mod.gemm_flops[:layers] - none.gemm_flops[:layers], T * 109_051_904, rtol=1e-12)
     assert mod.achievable["tensor"][0] > none.achievable["tensor"][0]
 
 
@@ -71,6 +71,28 @@ def test_mlp_recomputes_only_the_dense_layers_mlp() -> None:
     np.testing.assert_allclose(none.act[:3] - mod.act[:3], T * 100_132)
     np.testing.assert_allclose(none.act[3:none.n_layers] - mod.act[3:none.n_layers], 0.0)
     np.testing.assert_allclose(mod.tensor_flops[:3] - none.tensor_flops[:3], T * 792_723_456)
+
+
+def test_both_modules_act_on_their_own_blocks() -> None:
+    """[mla_up_proj, mlp]: a dense layer (0-2) drops both sets, 133,184 + 100,132 B a token under MXFP8, and replays
+    both sets of GEMMs, 109,051,904 + 792,723,456 FLOPs a token; a MoE layer only the attention's."""
+    none = _cf("mxfp8", "none", [])
+    both = _cf("mxfp8", "selective", ["mla_up_proj", "mlp"])
+    np.testing.assert_allclose(none.act[:3] - both.act[:3], T * (133_184 + 100_132), rtol=1e-12)
+    np.testing.assert_allclose(none.act[3:61] - both.act[3:61], T * 133_184, rtol=1e-12)
+    np.testing.assert_allclose(both.tensor_flops[:3] - none.tensor_flops[:3], T * (109_051_904 + 792_723_456),
+                               rtol=1e-12)
+
+
+def test_dropped_gemm_inputs_under_fp8_storage_are_counted_at_their_block_scale() -> None:
+    """BF16 compute with FP8 storage of GEMM inputs (1 byte + one FP32 scale per 128): mla_up_proj drops q, k, v
+    (131,072 B BF16) and the two normed inputs 2,048 x (1 + 4 / 128) = 2,112 B."""
+    lay = _layout("bf16", "selective", ["mla_up_proj"]).model_copy(update={"toggles": Toggles(
+        moe_backward_rewrite=True, fp8_activations=True)})
+    lay_none = lay.model_copy(update={"recompute": Recompute.NONE, "recompute_modules": []})
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb300-nvl72")
+    mod, none = (coefficients(Shape.of(x), model, cluster) for x in (lay, lay_none))
+    np.testing.assert_allclose(none.act[:61] - mod.act[:61], T * (131_072 + 2_112), rtol=1e-12)
 
 
 def test_the_attention_output_is_kept_by_the_core_and_quantized_by_the_output_projection() -> None:

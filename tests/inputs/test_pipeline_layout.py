@@ -32,8 +32,9 @@ def test_the_deepseek_recipe_string_reads_as_its_split():
     # PP4 VP4: the embedding and 4 layers, 14 stages of 4, then 1 layer with the MTP layer and the loss = 61 layers.
     assert pll.decoder_split("Et*4|(t*4|)*14tmL") == [4] * 15 + [1]
     assert pll.mtp_layers("Et*4|(t*4|)*14tmL") == 1
-    # Commas are cosmetic; a group repeats with its separators (Megatron's docstring example).
+    # Commas are cosmetic; a group repeats with its separators (Megatron's docstring example). So are spaces.
     assert pll.decoder_split("Ettt|(tt|)*2,tmL") == [3, 2, 2, 1]
+    assert pll.decoder_split("Et*4 | (t*4|)*14 tmL") == [4] * 15 + [1]
 
 
 def test_a_stage_may_hold_only_its_edge():
@@ -80,11 +81,14 @@ def test_explain_prints_the_layout_string(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("text", "words"), [
-    ("Et*4|(t*4|)*14txL", "unknown symbol 'x'"),
+    ("Et*4|(t*4|)*14txL", "unknown symbol 'x'; use E (embedding), t (decoder layer), m (MTP layer), L (loss)"),
+    ("Et*4|(t*4|)*14tXL", "unknown symbol 'X'"),
     ("t*4|E(t*4|)*14tmL", "'E' must open the first stage"),
     ("Et*4|(t*4|)*14tLm", "'L' must close the last stage"),
     ("Et*4|(t*4|)*13t*3m|t*2L", "MTP layers 'm' go in the last stage"),
-    ("Et*4|(t*4|)*14mtL", "MTP layers 'm' go in the last stage"),
+    ("Et*4|(t*4|)*14mtL", "MTP layers 'm' go in the last stage after its decoder layers (k3opt holds them with "
+                          "the loss)"),
+    ("Et*4|(t*4|)*14tmtmL", "MTP layers 'm' go in the last stage"),
 ])
 def test_a_malformed_string_is_one_line(text: str, words: str):
     with pytest.raises(LayoutError, match=re.escape(words)):
