@@ -158,3 +158,22 @@ def test_more_offloaded_layers_than_the_model_has_is_refused():
     with pytest.raises(LayoutError, match="exceeds the 80 layers"):
         k3opt.evaluate(_layout(activation_offload_layers=81), k3opt.load_model("llama3-70b"),
                        k3opt.load_cluster("gb200-nvl72"))
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ('param_gather = "sometimes"', "param_gather"),
+    ("activation_offload_layers = -1", "activation_offload_layers"),
+    ("activation_offload_layers = 90", "exceeds the 80 layers"),
+])
+def test_explain_refuses_a_bad_setting_in_one_line(tmp_path: Path, line: str, words: str):
+    import subprocess
+    import sys
+
+    key = line.split(" =")[0]
+    text = "\n".join(ln for ln in MB2.read_text().splitlines() if not ln.startswith(key))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("[toggles]", f"{line}\n\n[toggles]", 1))
+    res = subprocess.run([sys.executable, "-m", "k3opt.cli", "explain", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], res.stderr
