@@ -123,7 +123,8 @@ def _policy_pairs(s: SearchSpace, fd: int, fe: int) -> list[tuple[ShardingPolicy
 def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec | None = None) -> list[Frame]:
     """Every frame the job allows on `gpus` GPUs (divisibility rules of the Layout model). CP: the job's list, else
     `default_cp` on the job's cluster (or `cluster`). Per shape, the dense and expert sharding policies
-    (`_policy_pairs`), the gradient dtypes (the job's list, else FP32) and the job's accepted precisions."""
+    (`_policy_pairs`), the gradient dtypes (the job's list, else FP32) and the job's accepted precisions. A dense
+    model searches expert FSDP 1 only (its expert group is empty)."""
     s = job.search
     if cluster is None:
         cluster = load_cluster(job.cluster)
@@ -155,7 +156,10 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                 else:
                     ms = list(s.microbatches or [])
                 for e in _allowed([d for d in _divisors(stage) if experts % d == 0], s.ep):
-                    for fe in _allowed(_divisors(stage // e), s.expert_fsdp):
+                    # A model without routed experts has an empty expert group: every degree prices alike, so one
+                    # stands for all unless the job lists its own.
+                    fes = [1] if model.moe is None and s.expert_fsdp is None else _divisors(stage // e)
+                    for fe in _allowed(fes, s.expert_fsdp):
                         for fd in _allowed(_divisors(dp), s.dense_fsdp):  # dense FSDP groups are dp indices
                             for m, (pd, pe), g, q, u in itertools.product(
                                     ms, _policy_pairs(s, fd, fe), grad_dtypes, precisions,
