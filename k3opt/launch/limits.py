@@ -78,6 +78,12 @@ def _source(target: str, name: str) -> str:
     return next(lim.source for lim in LIMITS if lim.target == target and lim.name == name)
 
 
+def _muon(model: ModelSpec | None) -> bool:
+    """The model trains with Muon (unknown model: assume so, the stricter rule). Megatron's Muon refuses
+    Megatron-FSDP; an AdamW model may reduce-scatter every microbatch under it."""
+    return model is None or model.optimizer.name == "muon"
+
+
 def _has_kda(model: ModelSpec) -> bool:
     return bool(kda_layers(model))
 
@@ -97,7 +103,8 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
         src = _source(target, "expert_fsdp")
         out.append(("expert_fsdp", f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x "
                                    f"{layout.expert_fsdp}: the expert sharding degree is derived [{src}]"))
-    if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE:
+    if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
+            and _muon(model):
         out.append(("fsdp_lifecycle", f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the "
                                       f"distributed optimizer (accumulate) runs [{_source(target, 'fsdp_lifecycle')}]"))
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
@@ -150,7 +157,7 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         narrow("vp", [1])
         if model is None or _has_kda(model):
             narrow("cp", [1])
-    if target in ("megatron-lm", "megatron-bridge"):
+    if target in ("megatron-lm", "megatron-bridge") and _muon(model):
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
     forbid = list(s.forbid_toggles)
     for ns in no_switch_for(target, model):

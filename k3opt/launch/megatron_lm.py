@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from k3opt.inputs.specs import FsdpLifecycle, Layout, ModelSpec, Recompute
+from k3opt.inputs.specs import Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute, ShardingPolicy
 from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
@@ -68,7 +68,7 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     _precision(out, layout)
     _activation_offload(out, layout)
     _moe_dispatch(out, layout, model)
-    _optimizer_sharding(out, layout, bridge, target)
+    _optimizer_sharding(out, layout, model, bridge, target)
     _model_facts(out, model, bridge)
     _placement_and_unswitched(out, layout, target, model)
     return out.settings, out.missing, out.notes
@@ -149,7 +149,17 @@ def _precision(out: _Decisions, lay: Layout) -> None:
 
 def _activation_offload(out: _Decisions, lay: Layout) -> None:
     """Module-level activation offload of every module holding saved activations (only the layer input under
-    full recompute)."""
+    full recompute); the layout's first-N-layers offload as --cpu-offloading-num-layers."""
+    if lay.activation_offload_layers:
+        # cpu_offloading is set from the count (arguments.py L1950-1951); Megatron refuses it with recompute
+        # (transformer_config.py L1896-1899).
+        out.settings.append(Setting("--cpu-offloading-num-layers", "model.cpu_offloading_num_layers",
+                                    lay.activation_offload_layers))
+        if lay.recompute != Recompute.NONE:
+            out.missing.append(Missing(
+                f"activation_offload_layers = {lay.activation_offload_layers} with recompute = "
+                f"{lay.recompute.value}", "Megatron's CPU offloading refuses activation recompute "
+                "(transformer_config.py L1896-1899): re-plan with recompute = none"))
     if not lay.toggles.activation_offload:
         return
     mods = OFFLOAD_MODULES_FULL if lay.recompute == Recompute.FULL else OFFLOAD_MODULES_SAVED
@@ -184,34 +194,69 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
         out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
 
 
-def _optimizer_sharding(out: _Decisions, lay: Layout, bridge: bool, target: str) -> None:
-    """Muon with the distributed optimizer (N instances), FP32 gradient accumulation, and the FSDP lifecycle and
-    expert shard group it cannot express."""
+def _optimizer_sharding(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool, target: str) -> None:
+    """The model's optimizer with the layout's sharding: Muon with the distributed optimizer (N instances), AdamW
+    with the distributed optimizer or, where the dense group shards its parameters, Megatron-FSDP; the gradient
+    reduction dtype; what neither can express."""
+    if model.optimizer.name == "adamw" and lay.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS:
+        _megatron_fsdp(out, lay)
+        return
     n = optimizer_instances(lay)
-    out.settings += [Setting("--optimizer", "optimizer.optimizer", "muon"),
+    muon = model.optimizer.name == "muon"
+    out.settings += [Setting("--optimizer", "optimizer.optimizer", "muon" if muon else "adam"),
                      Setting("--use-distributed-optimizer", "ddp.use_distributed_optimizer", True),
                      Setting("--num-distributed-optimizer-instances", "ddp.num_distributed_optimizer_instances", n)]
-    out.notes.append("with Muon, --use-distributed-optimizer becomes the layer-wise distributed optimizer "
-                     "(arguments.py L1724-1736): each matrix is owned whole by one rank of the shard group and "
-                     "gradients are all-reduced, so a rank's optimizer memory equals k3opt's even share only on "
-                     "average")
-    if bridge:
+    if muon:
+        out.notes.append("with Muon, --use-distributed-optimizer becomes the layer-wise distributed optimizer "
+                         "(arguments.py L1724-1736): each matrix is owned whole by one rank of the shard group and "
+                         "gradients are all-reduced, so a rank's optimizer memory equals k3opt's even share only on "
+                         "average")
+    if bridge and muon:
         out.notes.append("Bridge's Kimi-K2 Muon recipe sets ddp.use_distributed_optimizer=false with its "
                          "distributed Muon; k3opt priced Muon state sharded over dense_fsdp, which is the "
                          "distributed optimizer here")
     if lay.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
-        out.settings.append(Setting("--accumulate-allreduce-grads-in-fp32", "ddp.grad_reduce_in_fp32", True))
-    else:
+        if lay.grad_dtype == Dtype.FP32:
+            out.settings.append(Setting("--accumulate-allreduce-grads-in-fp32", "ddp.grad_reduce_in_fp32", True))
+    elif muon:
         out.missing.append(Missing(
             f"fsdp_lifecycle = {lay.fsdp_lifecycle.value} (gradients reduce-scattered every microbatch)",
             "Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads) would do it, but "
             "Muon refuses Megatron-FSDP (arguments.py L1740); the distributed optimizer reduces once per update: "
             f"re-plan with fsdp_lifecycle = accumulate (job target = \"{target}\")"))
+    else:
+        out.missing.append(Missing(
+            f"fsdp_lifecycle = {lay.fsdp_lifecycle.value} with dense_sharding = {lay.dense_sharding.value}",
+            "the distributed optimizer reduces gradients once per update; per-microbatch reduce-scatter is "
+            "Megatron-FSDP's, which shards the parameters too: re-plan with dense_sharding = optim_grads_params"))
     if lay.dense_fsdp != lay.ep * lay.expert_fsdp:
         out.missing.append(Missing(
             f"expert_fsdp = {lay.expert_fsdp} with dense_fsdp = {lay.dense_fsdp}, ep = {lay.ep}",
             f"no independent switch: with N = {n} optimizer instances the expert shard group is "
             f"(gpus / (pp x ep)) / N = {lay.stage_ranks // lay.ep // n}; re-plan with target = \"{target}\""))
+
+
+def _megatron_fsdp(out: _Decisions, lay: Layout) -> None:
+    """AdamW under Megatron-FSDP, fully sharded (megatron/training/arguments.py L3190-3203 @ d98e8a64; the flags
+    of Megatron-Bridge's Llama 3 70B FSDP recipes)."""
+    out.settings += [Setting("--optimizer", "optimizer.optimizer", "adam"),
+                     Setting("--use-megatron-fsdp", "ddp.use_megatron_fsdp", True),
+                     Setting("--data-parallel-sharding-strategy", "ddp.data_parallel_sharding_strategy",
+                             "optim_grads_params")]
+    if lay.param_gather == ParamGather.LAYER:
+        out.settings.append(Setting("--fsdp-double-buffer", "ddp.fsdp_double_buffer", True))
+    else:
+        out.missing.append(Missing(
+            "param_gather = update (the BF16 view kept for the update)",
+            "Megatron-FSDP gathers each layer just in time: re-plan or re-price with param_gather = \"layer\""))
+    if lay.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
+        out.missing.append(Missing(
+            "fsdp_lifecycle = accumulate with Megatron-FSDP",
+            "Megatron-FSDP reduce-scatters every microbatch: re-plan with fsdp_lifecycle = per_microbatch"))
+    if lay.dense_fsdp != lay.stage_ranks // lay.cp:
+        out.missing.append(Missing(
+            f"dense_fsdp = {lay.dense_fsdp} of {lay.stage_ranks // lay.cp} data-parallel ranks",
+            "Megatron-FSDP shards over the whole data-parallel group; re-plan with dense_fsdp = DP"))
 
 
 def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
