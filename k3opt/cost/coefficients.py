@@ -938,16 +938,21 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
     )
 
 
+def _fsdp_weight_bytes(precision: Precision) -> float:
+    """Bytes per weight of a Megatron-FSDP shard and of its gather: FP8 primary weights under per-tensor FP8, else
+    BF16 (see _unit_weight_bytes)."""
+    return quantized_bytes_per_element(precision) if precision == Precision.FP8 else float(BF16)
+
+
 def _unit_weight_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     """(persistent shard, one gathered unit) bytes per layer of the groups gathered per layer (Megatron-FSDP).
     Per-tensor FP8 runs FP8 primary weights (Megatron-Bridge's FP8 current-scaling recipes set fp8_param_gather,
     training/mixed_precision.py L302 @ 067f987d): a 1-byte shard gathered as 1 byte, row- and column-wise sharing
     one buffer on Blackwell (TransformerEngine float8_tensor_storage.py L245-250 @ e7c550c5). Otherwise a BF16 shard
     gathered in BF16, plus the row- and column-wise quantized copies of its GEMMs in a low compute precision."""
-    if b.shape.precision == Precision.FP8:
-        return 1.0 * b.unit_shard, 1.0 * b.unit
-    quantized = 2 * b.qb * b.unit_q if b.lowp else 0.0
-    return 2.0 * b.unit_shard, 2.0 * b.unit + quantized
+    wb = _fsdp_weight_bytes(b.shape.precision)
+    quantized = 2 * b.qb * b.unit_q if b.lowp and b.shape.precision != Precision.FP8 else 0.0
+    return wb * b.unit_shard, wb * b.unit + quantized
 
 
 def _step_gather(b: _LayerBuild) -> np.ndarray:
@@ -1166,7 +1171,7 @@ def _microbatch_traffic(b: _LayerBuild, acts: _Activations, work: _Work, ep: _Di
     if b.gather_d or b.gather_e:
         # Megatron-FSDP gathers each layer before its forward and again before its backward, in the bytes per
         # element its shard holds (_unit_weight_bytes).
-        wb = 1.0 if sh.precision == Precision.FP8 else 2.0
+        wb = _fsdp_weight_bytes(sh.precision)
         a, b_ = _hier(2 * wb * b.pn * b.layer * b.gather_d, sh.dense_fsdp, sh.dense_fsdp_local)
         c, d_ = _hier(2 * wb * b.sa.p_routed / e * b.layer * b.gather_e, sh.expert_fsdp, sh.expert_fsdp_local)
         nvl, nic = nvl + a + c, nic + b_ + d_
