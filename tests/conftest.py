@@ -100,6 +100,20 @@ def contiguous_splits(layers: int, chunks: int):
         yield [edges[i + 1] - edges[i] for i in range(chunks)]
 
 
+def explain_refusal(tmp_path, text: str) -> str:  # noqa: ANN001 - a pytest tmp_path
+    """`k3opt explain` on a layout file holding `text`: it must exit 2 with one line on stderr, which is returned."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    res = subprocess.run([sys.executable, "-m", "k3opt.cli", "explain", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
 INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
 
 

@@ -14,15 +14,7 @@ import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.schedule import composition_peak, inflight_compositions, schedule_slots
-from k3opt.cost.structure import (
-    MEGATRON_RECOMPUTE,
-    Block,
-    Saved,
-    Structure,
-    Tensor,
-    module_recompute,
-    structure_of,
-)
+from k3opt.cost.structure import Block, Saved, Structure, Tensor, module_recompute, replays, structure_of
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domain_block
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
@@ -521,8 +513,8 @@ class _Static:
     routed 0/1, runs in the compute precision 0/1)."""
     gemm_out_fused: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per row of `gemms`: the output width of the one GEMM it runs in (fused_gemm_widths)."""
-    gemm_names: tuple[str, ...] = ()
-    """Per row of `gemms`: the weight's tensor name (structure.Tensor.name)."""
+    gemm_names: tuple[tuple[str, str], ...] = ()
+    """Per row of `gemms`: its block's kind and the weight's tensor name (structure.Block.kind, Tensor.name)."""
     largest_weight: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per layer and edge, the elements of its largest non-routed GEMM weight as the GEMM runs it (q, k, v and
     gate, up fused: fused_gemm_widths)."""
@@ -569,7 +561,7 @@ def _build_static(model_json: str) -> _Static:
 
     return _Static(
         gemms=np.array(gemm_rows, dtype=float).reshape(-1, 6), gemm_out_fused=np.array(fused, dtype=float),
-        gemm_names=tuple(t.name for _, _, t in gemm_tensors),
+        gemm_names=tuple((b.kind, t.name) for _, b, t in gemm_tensors),
         largest_weight=_largest_weight(gemm_rows, fused, n),
         moe_k=model.moe.experts_per_token if model.moe else 0, moe_experts=model.moe.num_experts if model.moe else 0,
         q_active=q_sum(lambda t: t.active_matrix_params),
@@ -1459,8 +1451,9 @@ def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str
     rows = _gemm_row_seconds(sa, cluster, rt, T, ep, precision)
     tensor = np.bincount(g[:, 0].astype(int), weights=rows, minlength=n) * rc
     if modules:
-        names = {t for m in modules for t in MEGATRON_RECOMPUTE[m].replayed}
-        again = np.array([nm in names for nm in sa.gemm_names], dtype=float)
+        # A replayed weight runs its forward once more: one of its row's three passes (forward, data gradient,
+        # weight gradient), a third of the row's seconds.
+        again = np.array([replays(kind, name, modules) for kind, name in sa.gemm_names], dtype=float)
         tensor = tensor + np.bincount(g[:, 0].astype(int), weights=rows * again / 3, minlength=n)
     if fused_cross_entropy:
         tensor[-1] += 2 * T * sa.head_active / (bf16 * rt.gemm("dense", bf))
@@ -1538,7 +1531,7 @@ def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarra
     file's `[loss_kernels]` names TransformerEngine's fused cross entropy; zeros otherwise (unpriced)."""
     out = np.zeros(model.num_layers + 2)
     if rt.loss_kernels is not None and rt.loss_kernels.te_fused_cross_entropy:
-        heads = 1 + (model.mtp.num_layers if model.mtp is not None else 0)
+        heads = 1 + model.mtp_layers
         out[-1] = heads * tokens * model.vocab_size * TE_CROSS_ENTROPY_BYTES_PER_LOGIT
     return out
 

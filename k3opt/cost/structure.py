@@ -504,16 +504,20 @@ MEGATRON_RECOMPUTE: dict[str, ModuleRecompute] = {
 """Megatron's recompute modules k3opt prices, at megatron/core @ d98e8a64 (k3opt.inputs.frameworks)."""
 
 
+def replays(block_kind: str, tensor: str, modules: tuple[str, ...]) -> bool:
+    """Whether Megatron's recompute `modules` run the GEMM of `tensor` (in a block of `block_kind`) once more."""
+    return any(block_kind == MEGATRON_RECOMPUTE[m].block_kind and tensor in MEGATRON_RECOMPUTE[m].replayed
+               for m in modules)
+
+
 def module_recompute(block: Block, modules: tuple[str, ...]) -> tuple[frozenset[str], int]:
     """(saved names dropped, replayed active matrix weights per token) of `block` under Megatron's `modules`."""
     dropped: set[str] = set()
-    replayed = 0
     for name in modules:
         mr = MEGATRON_RECOMPUTE[name]
-        if block.kind != mr.block_kind:
-            continue
-        dropped.update(mr.saved)
-        replayed += sum(t.active_matrix_params for t in block.tensors if t.name in mr.replayed)
+        if block.kind == mr.block_kind:
+            dropped.update(mr.saved)
+    replayed = sum(t.active_matrix_params for t in block.tensors if replays(block.kind, t.name, modules))
     return frozenset(dropped), replayed
 
 

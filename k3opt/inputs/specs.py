@@ -230,6 +230,11 @@ class ModelSpec(StrictModel):
         return data
 
     @property
+    def mtp_layers(self) -> int:
+        """Multi-token prediction layers (0 without MTP)."""
+        return self.mtp.num_layers if self.mtp is not None else 0
+
+    @property
     def dispatch_width(self) -> int:
         """Width of the routed stream the EP all-to-all carries: the latent width, else the hidden size."""
         assert self.moe is not None
@@ -739,11 +744,10 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
     if layout.activation_offload_layers > model.num_layers:
         raise LayoutError(f"activation_offload_layers ({layout.activation_offload_layers}) exceeds the "
                           f"{model.num_layers} layers of {model.name}")
-    mtp = model.mtp.num_layers if model.mtp is not None else 0
-    if layout.pipeline_layout is not None and pll.mtp_layers(layout.pipeline_layout) != mtp:
-        raise LayoutError(f"pipeline_layout {layout.pipeline_layout!r} places "
-                          f"{pll.mtp_layers(layout.pipeline_layout)} MTP layers 'm'; {model.name} has "
-                          f"{mtp}: write them before 'L' in the last stage")
+    placed = pll.mtp_layers(layout.pipeline_layout) if layout.pipeline_layout is not None else model.mtp_layers
+    if placed != model.mtp_layers:
+        raise LayoutError(f"pipeline_layout {layout.pipeline_layout!r} places {placed} MTP layers 'm'; {model.name} "
+                          f"has {model.mtp_layers}: write them before 'L' in the last stage")
     if model.moe is not None and model.moe.num_experts % layout.ep:
         raise LayoutError(f"ep ({layout.ep}) must divide the {model.moe.num_experts} experts of {model.name}")
     if cluster is not None and layout.domain_gpus_used is not None \

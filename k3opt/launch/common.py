@@ -110,7 +110,7 @@ def megatron_layout(layout: Layout, model: ModelSpec) -> str:
     virtual stage i // PP (pipeline_parallel_layer_layout.py), so the orders agree."""
     if layout.pipeline_layout is not None:
         return layout.pipeline_layout
-    return format_layout(layout.split, model.mtp.num_layers if model.mtp is not None else 0)
+    return format_layout(layout.split, model.mtp_layers)
 
 
 def global_batch(layout: Layout) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import explain_refusal
 
 import k3opt
 from k3opt.cost.coefficients import Shape, coefficients
@@ -166,14 +167,6 @@ def test_more_offloaded_layers_than_the_model_has_is_refused():
     ("activation_offload_layers = 90", "exceeds the 80 layers"),
 ])
 def test_explain_refuses_a_bad_setting_in_one_line(tmp_path: Path, line: str, words: str):
-    import subprocess
-    import sys
-
     key = line.split(" =")[0]
     text = "\n".join(ln for ln in MB2.read_text().splitlines() if not ln.startswith(key))
-    bad = tmp_path / "bad.toml"
-    bad.write_text(text.replace("[toggles]", f"{line}\n\n[toggles]", 1))
-    res = subprocess.run([sys.executable, "-m", "k3opt.cli", "explain", str(bad)], capture_output=True, text=True)
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], res.stderr
+    assert words in explain_refusal(tmp_path, text.replace("[toggles]", f"{line}\n\n[toggles]", 1))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import explain_refusal
 
 import k3opt
 from k3opt.inputs import pipeline_layout as pll
@@ -106,9 +107,4 @@ def test_a_string_that_disagrees_with_the_split_or_the_model_is_refused():
 def test_explain_refuses_a_bad_string_with_exit_2(tmp_path: Path):
     text = MB13.read_text().replace("split = [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1]",
                                     'pipeline_layout = "Et*4|(t*4|)*14tLm"')
-    bad = tmp_path / "bad.toml"
-    bad.write_text(text)
-    res = subprocess.run([sys.executable, "-m", "k3opt.cli", "explain", str(bad)], capture_output=True, text=True)
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'L' must close the last stage" in lines[0], res.stderr
+    assert "'L' must close the last stage" in explain_refusal(tmp_path, text)
