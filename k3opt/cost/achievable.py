@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3opt.cost import comm
-from k3opt.cost.coefficients import DEFAULT_DISPATCHER, Coefficients, balance_moved_bytes, memory_bound_forward_share
+from k3opt.cost.coefficients import DEFAULT_DISPATCHER, Coefficients, balance_moved_bytes, forward_backward
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
-from k3opt.cost.schedule import backward_over_forward, chunk_times, ep_overlap_unpaired, replay_makespan
+from k3opt.cost.schedule import chunk_times, ep_overlap_unpaired, replay_makespan
 from k3opt.inputs.rates import RatesSpec, rates_for
 from k3opt.inputs.specs import ClusterSpec, Recompute
 
@@ -221,17 +221,6 @@ def _exchanges(cf: Coefficients) -> int:
     """All-to-all payload exchanges per MoE layer per microbatch of the layout (comm.ep_exchanges)."""
     sh = cf.shape
     return comm.ep_exchanges(sh.recompute == Recompute.FULL, sh.toggles.dispatch_recompute)
-
-
-def forward_backward(tensor: np.ndarray, vector: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of compute-stream work, each part split by its own ratio: tensor-core time
-    1 : beta as the replayed schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more
-    forward under full recompute, whose replay runs in the backward stage), memory-bound kernel time by the share
-    of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5, 2 of 7 under full recompute)."""
-    f_tensor = 1.0 / (1.0 + backward_over_forward(full))
-    f_vector = memory_bound_forward_share(full)
-    fwd = f_tensor * tensor + f_vector * vector
-    return fwd, (1.0 - f_tensor) * tensor + (1.0 - f_vector) * vector
 
 
 def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_bwd: np.ndarray, ep: np.ndarray,

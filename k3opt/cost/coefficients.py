@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from k3opt.cost import comm
-from k3opt.cost.schedule import composition_peak, inflight_compositions, schedule_slots
+from k3opt.cost.schedule import (
+    backward_over_forward,
+    composition_peak,
+    inflight_compositions,
+    offload_stall,
+    schedule_slots,
+)
 from k3opt.cost.structure import Block, Saved, Structure, Tensor, module_recompute, replays, structure_of
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domain_block
@@ -269,6 +275,11 @@ class Coefficients:
     that window adds to the step (empty in the cost model's own coefficients: the roofline exposes the whole update;
     set by the achievable ranking view, k3opt.cost.achievable.ranking_view)."""
     update_hidden_stages: float = 0.0
+    offload_stall: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Per layer, seconds per microbatch the compute stream waits for activation_offload_layers' copies at the
+    peak rates (_offload_stall); already part of `time["tensor"]`."""
+    offload_stall_achievable: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """The same at the achievable rates; already part of `achievable["tensor"]`."""
 
     @property
     def first(self) -> int:
@@ -336,6 +347,17 @@ def memory_bound_forward_share(full: bool) -> float:
     """Share of a decoder layer's memory-bound kernel traffic (memory_bound_kernel_bytes) its forward stage runs:
     forward passes / all passes, 2/5; under full recompute the replayed forward runs in the backward stage, 2/7."""
     return MEMORY_BOUND_FORWARD_PASSES / memory_bound_passes(full)
+
+
+def forward_backward(tensor: np.ndarray, vector: np.ndarray, full: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of compute-stream work, each part split by its own ratio: tensor-core time
+    1 : beta as the replayed schedule splits a chunk (schedule.chunk_times: beta = BACKWARD_OVER_FORWARD, one more
+    forward under full recompute, whose replay runs in the backward stage), memory-bound kernel time by the share
+    of their passes the forward runs (coefficients.memory_bound_forward_share: 2 of 5, 2 of 7 under full recompute)."""
+    f_tensor = 1.0 / (1.0 + backward_over_forward(full))
+    f_vector = memory_bound_forward_share(full)
+    fwd = f_tensor * tensor + f_vector * vector
+    return fwd, (1.0 - f_tensor) * tensor + (1.0 - f_vector) * vector
 
 
 def _kept(s: Saved, t: Toggles) -> bool:
@@ -775,13 +797,16 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
     up = _update_traffic(b)
     moonep = shape.toggles.moonep
     working_set = acts.working_set if traffic.cp_working_set is None else acts.working_set + traffic.cp_working_set
+    time = _peak_seconds(b, work, traffic)
+    stall = _offload_stall(b, acts, time["tensor"], None)
+    time["tensor"] = time["tensor"] + stall
     return _read_only(dict(
         n_layers=b.model.num_layers, tokens=shape.tokens, hidden=b.model.hidden_size,
         **_persistent_bytes(b), **ns, **_logits(b),
         act=acts.act - acts.offloaded, offloaded_act=acts.offloaded, working_set=working_set,
         recompute_ws=acts.recompute_ws, grad_transient=acts.grad_transient,
         closes=b.sa.closes, moe=b.sa.moe, routing_map_allgathers_per_layer=ep.allgathers,
-        time=_peak_seconds(b, work, traffic), update=_peak_update_seconds(b, ns["ns_flops"], up),
+        time=time, update=_peak_update_seconds(b, ns["ns_flops"], up), offload_stall=stall,
         tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
         stream_bytes=b.stream, ep_buffers=0.0 if moonep else ep.buffers,
         moonep_buffers=ep.buffers if moonep else 0.0, routing_map=ep.routing_map,
@@ -1206,6 +1231,23 @@ def _hbm_bytes(b: _LayerBuild, acts: _Activations) -> tuple[np.ndarray, np.ndarr
     return hbm_weights, hbm, quantize
 
 
+def _offload_stall(b: _LayerBuild, acts: _Activations, tensor: np.ndarray, vector: np.ndarray | None
+                   ) -> np.ndarray:
+    """Per layer (0 on the edges), the seconds one microbatch's compute stream waits for Transformer Engine's
+    offload copies of activation_offload_layers (schedule.offload_stall): each layer's compute-stream seconds
+    (`tensor`, plus `vector` where the memory-bound kernels run on the same stream) split forward / backward by
+    forward_backward, one direction's copy = the layer's offloaded saved bytes / the host link."""
+    stall = np.zeros(b.n)
+    offloaded = b.shape.activation_offload_layers
+    if not offloaded:
+        return stall
+    layers = b.n - 2
+    fwd, bwd = forward_backward(tensor[:layers], np.zeros(layers) if vector is None else vector[:layers], b.full)
+    copy = acts.offloaded[:layers] / (b.cluster.host_link_gbps * 1e9)
+    stall[:layers] = offload_stall(fwd, bwd, copy, offloaded)
+    return stall
+
+
 def _peak_seconds(b: _LayerBuild, work: _Work, traffic: _Traffic) -> dict[str, np.ndarray]:
     """Seconds per microbatch on each resource at the cluster's peaks (the roofline): FLOPs / peak (the low
     precision GEMMs at theirs) + CP's stall, bytes / bandwidth."""
@@ -1303,7 +1345,7 @@ def _achievable_terms(b: _LayerBuild, key: tuple[str, str, str], acts: _Activati
     model_json, cluster_json, rates_json = key
     if not rates_json:
         return dict(achievable={}, update_achievable={}, rates_name="", moe_compute_achievable=np.zeros(0),
-                    moe_vector_achievable=np.zeros(0))
+                    moe_vector_achievable=np.zeros(0), offload_stall_achievable=np.zeros(0))
     sh, full, T, e = b.shape, b.full, b.shape.tokens, b.shape.ep
     rt = _rates_from_json(rates_json)
     # Memory-bound kernels between the GEMMs (memory_bound_kernel_bytes); quantize adds its own traffic.
@@ -1321,13 +1363,17 @@ def _achievable_terms(b: _LayerBuild, key: tuple[str, str, str], acts: _Activati
         nic=traffic.nic, ep_nvl=traffic.ep_nvl, ep_nic=traffic.ep_nic, host=traffic.host, ns_flops=ns_flops,
         up_hbm=up.hbm, up_nvl=up.nvl, up_nic=up.nic, up_host=up.host, quantize=traffic.quantize,
         up_quantize=up.quantize)
+    stall = _offload_stall(b, acts, achievable["tensor"],
+                           achievable["vector"] if rt.overlap.vector_serial_with_tensor else None)
+    achievable["tensor"] = achievable["tensor"] + stall
     lat = collective_latency(sh, rt, moe=b.sa.moe, dense=b.pn > 0, routed=b.sa.p_routed > 0,
                              moe_model=b.model.moe is not None)
     for res in ("nvlink", "nic"):
         achievable[res] = achievable[res] + lat["microbatch"][res]
         update_achievable[res] = update_achievable[res] + lat["update"][res]
     return dict(achievable=achievable, update_achievable=update_achievable, rates_name=rt.name,
-                moe_compute_achievable=moe_gemm + moe_vector, moe_vector_achievable=moe_vector)
+                moe_compute_achievable=moe_gemm + moe_vector, moe_vector_achievable=moe_vector,
+                offload_stall_achievable=stall)
 
 
 def _read_only(terms: dict[str, object]) -> dict[str, object]:

@@ -164,6 +164,11 @@ class StepTime:
     achievable_slowest_rank: int = 0
     """The rank whose achievable stage time sets the step (the lowest of tied ones)."""
     achievable_rank_exposed_ep_s: tuple[float, ...] = ()
+    offload_stall_s: float = 0.0
+    """Per microbatch: what the compute stream waits for activation_offload_layers' copies (TransformerEngine's
+    default schedule, schedule.offload_stall) at the peak rates; part of the `compute` component."""
+    achievable_offload_stall_s: float = 0.0
+    """The same at the achievable rates; part of the achievable stage time."""
     components: dict[str, float] = field(default_factory=dict)
     """Named parts, in seconds. Per microbatch on the slowest rank: `compute` (tensor cores), `hbm`, `nvlink`,
     `nic`, `host_link`. Per step: `microbatch_work` (M x stage time), `bubble` ((slots - M) x stage time) and
@@ -710,6 +715,7 @@ def _with_achievable(step: StepTime, cf: Coefficients, layout: Layout, cluster: 
         achievable_schedule_step_time_s=ach.schedule_step_time_s, ranked_chunk_s=ach.chunk_s,
         achievable_rank_stage_s=ach.stage_s, achievable_rank_binding=ach.stage_binding,
         achievable_rank_exposed_ep_s=ach.stage_exposed_ep_s, achievable_slowest_rank=ach.slowest_rank,
+        achievable_offload_stall_s=float(cf.offload_stall_achievable.sum()),
     )
 
 
@@ -743,6 +749,7 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
         unpriced=UNPRICED,
         schedule_step_time_s=replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd) + update,
         ranked_chunk_s=tuple(zip(fwd.tolist(), bwd.tolist(), strict=True)),
+        offload_stall_s=float(cf.offload_stall.sum()),
         components={
             "compute": float(slowest.time_s["tensor"]),
             **{res: float(slowest.time_s[res]) for res in RESOURCES if res != "tensor"},

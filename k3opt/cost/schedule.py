@@ -105,6 +105,44 @@ def backward_over_forward(full_recompute: bool) -> float:
     return BACKWARD_OVER_FORWARD + (1.0 if full_recompute else 0.0)
 
 
+def offload_stall(forward_s: np.ndarray, backward_s: np.ndarray, copy_s: np.ndarray, offloaded: int) -> np.ndarray:
+    """Per decoder layer, the seconds one microbatch's compute stream waits for Transformer Engine's CPU offload
+    copies under its default schedule (transformer_engine/pytorch/cpu_offload.py, DefaultOffloadSynchronizer,
+    L602-647 @ e7c550c5), N = `offloaded` of the L layers:
+        layers 0..N-1 are copied out on one offload stream, each once its forward has run;
+        the forward of layer L - N + i waits until layer i's copy out is done (at most L - N sets on the GPU);
+        layer i's copy back is queued when the backward of layer L - N + i is done, and its backward waits for it.
+    `copy_s`: per layer, the seconds of one direction's copy (saved bytes / host link). The stall is booked on the
+    layer that waits, so its sum is what the microbatch's forward plus backward lengthen by."""
+    n_layers = len(forward_s)
+    stall = np.zeros(n_layers)
+    if offloaded <= 0:
+        return stall
+    keep = n_layers - offloaded
+    t = stream = 0.0
+    out_done = np.zeros(offloaded)
+    for j in range(n_layers):
+        i = j - keep
+        if 0 <= i < offloaded and out_done[i] > t:
+            stall[j] += out_done[i] - t
+            t = out_done[i]
+        t += float(forward_s[j])
+        if j < offloaded:
+            stream = max(stream, t) + float(copy_s[j])
+            out_done[j] = stream
+    back_done = np.zeros(offloaded)
+    for j in range(n_layers - 1, -1, -1):
+        i = j - (keep - 1)                  # the reload queued just before layer j's backward
+        if 0 <= i < offloaded:
+            stream = max(stream, t) + float(copy_s[i])
+            back_done[i] = stream
+        if j < offloaded and back_done[j] > t:
+            stall[j] += back_done[j] - t
+            t = back_done[j]
+        t += float(backward_s[j])
+    return stall
+
+
 def pipeline_order(p: int, v: int, m: int, r: int) -> list[tuple[bool, int, int]]:
     """Rank r's operations in Megatron's order (`schedules.py`): (is_forward, local chunk k, microbatch).
 

@@ -741,9 +741,12 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
         raise LayoutError(
             f"layout split {layout.split} covers {total} layers; {model.name} has {model.num_layers}"
         )
-    if layout.activation_offload_layers > model.num_layers:
-        raise LayoutError(f"activation_offload_layers ({layout.activation_offload_layers}) exceeds the "
-                          f"{model.num_layers} layers of {model.name}")
+    if layout.activation_offload_layers >= model.num_layers:
+        # Transformer Engine keeps the last layer on the GPU: num_layers > model_layers - 1 is a ValueError
+        # (transformer_engine/pytorch/cpu_offload.py L843 @ e7c550c5).
+        raise LayoutError(f"activation_offload_layers ({layout.activation_offload_layers}) must be below the "
+                          f"{model.num_layers} layers of {model.name}: Transformer Engine offloads at most "
+                          f"{model.num_layers - 1}")
     placed = pll.mtp_layers(layout.pipeline_layout) if layout.pipeline_layout is not None else model.mtp_layers
     if placed != model.mtp_layers:
         raise LayoutError(f"pipeline_layout {layout.pipeline_layout!r} places {placed} MTP layers 'm'; {model.name} "

@@ -110,6 +110,14 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"MFU convention: {s.model_flops_per_token / 1e9:.2f} GFLOP per token = {s.mfu_convention}",
         "unpriced: " + "; ".join(s.unpriced),
     ]
+    if lay.activation_offload_layers:
+        lines.append(
+            f"offload wait: the compute stream waits {s.offload_stall_s * 1e3:.1f} ms per microbatch at the peak "
+            + (f"and {s.achievable_offload_stall_s * 1e3:.1f} ms at the achievable rates "
+               if s.achievable_step_time_s is not None else "")
+            + f"for the copies of the first {lay.activation_offload_layers} layers' activations (TransformerEngine's "
+            f"default schedule: the forward of layer L - N + i waits for layer i's copy out, layer i's backward for "
+            f"its copy back)")
     lines += _achievable_lines(ev)
     if ev.validation:
         lines += ["", "Validation against measurement (modeled vs measured; the GAP is what the model does not "
