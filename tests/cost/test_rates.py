@@ -31,6 +31,23 @@ def test_gb200_fractions_are_the_microbenchmarks_over_the_datasheet_peaks():
     assert r.a2a_nvlink_gbps["hybridep"].value == pytest.approx(2 / (1 / 479.02 + 1 / 447.89), abs=0.05)
 
 
+def test_gb300_gemm_fractions_are_its_own_microbenchmarks():
+    """Azure ND GB300 v6 (CUDA 13.0): cuBLASLt FP8 16384^3 3,308.5 and FP4 16384^3 8,640.3 TFLOP/s over the 5 PF
+    FP8 and 15 PF FP4 dense peaks; the grouped rates scale them by GB200's grouped / dense ratio 2,672 / 2,819.5;
+    the size curve is GB300's own sweep (553.5 at 1024^3, 2,288.9 at 2048^3, 3,257.0 at 4096^3)."""
+    r = load_rates("gb300-nvl72")
+    assert r.gemm_dense["fp8"].value == round(3308.5 / 5000, 3)
+    assert r.gemm_dense["mxfp8"].value == r.gemm_dense["fp8"].value
+    assert r.gemm_dense["nvfp4"].value == round(8640.3 / 15000, 3)
+    ratio = 2672 / 2819.5
+    assert r.gemm_grouped["mxfp8"].value == pytest.approx(3308.5 / 5000 * ratio, abs=1e-3)
+    assert r.gemm_grouped["nvfp4"].value == pytest.approx(8640.3 / 15000 * ratio, abs=1e-3)
+    assert r.size_factor(np.array([2048.0]))[0] == pytest.approx(2288.9 / 3257.0, abs=1e-3)
+    assert r.size_factor(np.array([1024.0]))[0] == pytest.approx(553.5 / 3257.0, abs=1e-3)
+    # BF16 has no GB300 measurement: GB200's fraction is carried over.
+    assert r.gemm_dense["bf16"].value == load_rates("gb200-nvl72").gemm_dense["bf16"].value
+
+
 def test_rates_file_errors(tmp_path):
     bad = tmp_path / "r.toml"
     bad.write_text((k3opt.inputs.presets.preset_dir("rates") / "gb200-nvl72.toml").read_text() + "\nfudge = 1.3\n")
