@@ -122,8 +122,9 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
         ask *= 4
     if not ok:
         raise InfeasibleJobError(
-            f"no layout that {target} can run was found ({len(res.layouts)} ranked layouts all break its "
-            f"derived expert sharding rule dense_fsdp = ep x expert_fsdp); widen [search] or drop the target")
+            f"no layout that {target} can run was found ({len(res.layouts)} ranked layouts all break a rule "
+            f"the [search] lists cannot express: its derived expert sharding degree dense_fsdp = ep x expert_fsdp, "
+            f"or its parameter gather for optim_grads_params); widen [search] or drop the target")
     res.layouts = ok[:top]
     res.pareto = [it for it in res.pareto if not launch_refusals(it.layout, target, m, lifted)]
     best = res.layouts[0].rank_time_s

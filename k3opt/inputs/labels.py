@@ -29,6 +29,13 @@ def degrees_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
             f"M{shape.microbatches}")
 
 
+def sharding_text(shape) -> str:  # noqa: ANN001 - a Layout or a search Frame
+    """The sharding policies (dense/expert), the gradient dtype and, under Megatron-FSDP's per-layer gather, the
+    gather: 'optim_grads_params/optim grads=bf16 gather=layer'."""
+    gather = " gather=layer" if shape.param_gather.value == "layer" else ""
+    return f"{shape.dense_sharding.value}/{shape.expert_sharding.value} grads={shape.grad_dtype.value}{gather}"
+
+
 def recompute_text(layout: Layout) -> str:
     """The recompute mode, with Megatron's modules when the layout names them: selective(mla_up_proj,mlp)."""
     modules = ",".join(m.value for m in layout.recompute_modules)

@@ -665,6 +665,9 @@ class SearchSpace(StrictModel):
     """The same for the expert shard group."""
     grad_dtype: list[Dtype] | None = None
     """Gradient-buffer dtypes the planner may choose (absent: FP32 only; BF16 gradients change the numerics)."""
+    param_gather: list[ParamGather] | None = None
+    """How an optim_grads_params group may gather its parameters (Layout.param_gather): "update" keeps the BF16
+    view for the update, "layer" gathers each layer just in time (Megatron-FSDP). Absent: "update" only."""
     forbid_toggles: list[str] = Field(default_factory=list)
     """Toggles the planner may not switch on."""
     require_toggles: list[str] = Field(default_factory=list)

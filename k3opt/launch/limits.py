@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
-from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec
+from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather, ShardingPolicy
 from k3opt.inputs.toggles import built_in, no_switch
 from k3opt.launch.common import FORMATS, check_format, kda_layers
 
@@ -67,6 +67,13 @@ LIMITS: tuple[Limit, ...] = (
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
     Limit("megatron-bridge", "fsdp_lifecycle", "fsdp_lifecycle = accumulate (same Megatron core rule for Muon)",
           f"megatron/training/arguments.py L1739-1740 {MLM}"),
+    Limit("megatron-lm", "param_gather",
+          "param_gather: with Muon, update only (Megatron-FSDP is refused, the distributed optimizer keeps the view); "
+          "with AdamW, a dense optim_grads_params group is Megatron-FSDP, which gathers each layer just in time "
+          "(param_gather = layer)",
+          f"megatron/training/arguments.py L1739-1740, L3190-3203 {MLM}"),
+    Limit("megatron-bridge", "param_gather", "param_gather: as megatron-lm (same Megatron core rules)",
+          f"megatron/training/arguments.py L1739-1740, L3190-3203 {MLM}"),
     Limit("torchtitan", "expert_fsdp", "dense_fsdp = ep x expert_fsdp: efsdp = dp_shard x cp x tp / ep is derived",
           f"torchtitan/config/job_config.py (expert_parallel_degree) {TT}"),
     Limit("torchtitan", "cp", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
@@ -88,6 +95,21 @@ def _has_kda(model: ModelSpec) -> bool:
     return bool(kda_layers(model))
 
 
+def _gather_refusal(layout: Layout, model: ModelSpec | None) -> str:
+    """Why Megatron cannot gather the parameters as `layout` prices them ('' when it can): Muon runs the
+    distributed optimizer only, whose BF16 view is kept for the update; an AdamW dense optim_grads_params group
+    runs Megatron-FSDP (the exports' choice), which gathers each layer just in time."""
+    if _muon(model):
+        if layout.param_gather == ParamGather.LAYER:
+            return ("param_gather = layer: with Muon Megatron-FSDP is refused, the parameters are gathered for the "
+                    "update")
+        return ""
+    if layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS and layout.param_gather == ParamGather.UPDATE:
+        return ("param_gather = update with dense_sharding = optim_grads_params: Megatron-FSDP gathers each layer "
+                "just in time (param_gather = layer)")
+    return ""
+
+
 def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
@@ -107,6 +129,10 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
             and _muon(model):
         out.append(("fsdp_lifecycle", f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the "
                                       f"distributed optimizer (accumulate) runs [{_source(target, 'fsdp_lifecycle')}]"))
+    if target in ("megatron-lm", "megatron-bridge"):
+        why = _gather_refusal(layout, model)
+        if why:
+            out.append(("param_gather", f"{why} [{_source(target, 'param_gather')}]"))
     if target == "torchtitan" and layout.dense_fsdp % layout.cp:
         out.append(("cp", f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]"))
     for ns in no_switch_for(target, model):
@@ -159,6 +185,7 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
             narrow("cp", [1])
     if target in ("megatron-lm", "megatron-bridge") and _muon(model):
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
+        narrow("param_gather", [ParamGather.UPDATE])
     forbid = list(s.forbid_toggles)
     for ns in no_switch_for(target, model):
         if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:
@@ -174,9 +201,9 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
                         "remove them from [search] forbid_toggles or drop the target")
     upd["forbid_toggles"] = forbid
     upd["require_toggles"] = [*s.require_toggles, *(t for t in always if t not in s.require_toggles)]
-    for name in ("vp", "cp", "fsdp_lifecycle"):
+    for name in ("vp", "cp", "fsdp_lifecycle", "param_gather"):
         if name in upd and not upd[name]:
             raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "
-                                     f"allow {name} = 1 / accumulate or drop the target")
+                                     f"allow {name} = 1 / accumulate / update or drop the target")
     return job.model_copy(update={"search": s.model_copy(update=upd)})
 

@@ -9,7 +9,7 @@ from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 from k3opt.inputs.errors import K3optError
-from k3opt.inputs.labels import layout_text, split_text, toggles_text
+from k3opt.inputs.labels import layout_text, sharding_text, split_text, toggles_text
 from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import GIB, MIB
 from k3opt.search.result import plan_frame
@@ -264,8 +264,7 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     table["tokens/s"] = table["tokens/s"].round().astype(int)
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
     # The searched sharding (dense/expert policy, gradient dtype) and compute precision.
-    table["sharding"] = [f"{it.layout.dense_sharding.value}/{it.layout.expert_sharding.value}"
-                         f" grads={it.layout.grad_dtype.value}" for it in plan.layouts]
+    table["sharding"] = [sharding_text(it.layout) for it in plan.layouts]
     table["precision"] = [it.layout.precision.value for it in plan.layouts]
     table["toggles"] = [toggles_text(it.layout) for it in plan.layouts]
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))

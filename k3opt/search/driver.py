@@ -18,7 +18,7 @@ from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import layer_bytes
 from k3opt.inputs.errors import InfeasibleJobError
-from k3opt.inputs.labels import degrees_text
+from k3opt.inputs.labels import degrees_text, sharding_text
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
@@ -980,8 +980,7 @@ def _open_bounds(queue: _Queue, k: PlanItem | None, gap: float, frame_tightened:
 
 def _frame_text(f: Frame) -> str:
     """A parallel shape in the plan table's terms."""
-    return (f"{degrees_text(f)} {f.dense_sharding.value}/{f.expert_sharding.value} grads={f.grad_dtype.value} "
-            f"{f.precision.value} on {f.gpus} GPUs")
+    return f"{degrees_text(f)} {sharding_text(f)} {f.precision.value} on {f.gpus} GPUs"
 
 
 def _node_bounds(job: Job, f: Frame, recs: list[Recompute], lcs: list[FsdpLifecycle], model: ModelSpec,

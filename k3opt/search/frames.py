@@ -24,6 +24,7 @@ from k3opt.inputs.specs import (
     Job,
     Layout,
     ModelSpec,
+    ParamGather,
     Precision,
     Recompute,
     RuntimeSpec,
@@ -61,6 +62,8 @@ class Frame:
     precision: Precision = Precision.BF16
     domain_gpus_used: int | None = None
     """GPUs used per NVLink domain (one of `domain_options`); None: whole domains."""
+    param_gather: ParamGather = ParamGather.UPDATE
+    """How the optim_grads_params groups gather their parameters (Layout.param_gather)."""
 
 
 DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)
@@ -76,13 +79,21 @@ def frame_of(layout: Layout) -> Frame:
     """The frame of a layout (its degrees, microbatches, sharding, gradient dtype and precision)."""
     return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
                  layout.microbatches, layout.gpus, layout.dense_sharding, layout.expert_sharding, layout.grad_dtype,
-                 layout.precision, layout.domain_gpus_used)
+                 layout.precision, layout.domain_gpus_used, layout.param_gather)
 
 
-def _policies(listed: list[ShardingPolicy] | None, group: int) -> list[ShardingPolicy]:
+def default_sharding(s: SearchSpace) -> list[ShardingPolicy]:
+    """The policies searched when the job lists none: DEFAULT_SHARDING, and optim_grads_params too where the job
+    allows the per-layer gather (`[search] param_gather`). Gathered per layer, it holds a parameter shard and two
+    layers instead of the whole view: no longer dominated by optim_grads."""
+    per_layer = ParamGather.LAYER in (s.param_gather or ())
+    return [*DEFAULT_SHARDING, *([ShardingPolicy.OPTIM_GRADS_PARAMS] if per_layer else [])]
+
+
+def _policies(listed: list[ShardingPolicy] | None, group: int, s: SearchSpace) -> list[ShardingPolicy]:
     """Policies searched for a shard group of `group` ranks: with one rank every policy shards nothing, so one
     representative (the reference policy when allowed) stands for all."""
-    allowed = list(listed) if listed is not None else list(DEFAULT_SHARDING)
+    allowed = list(listed) if listed is not None else default_sharding(s)
     if group == 1:
         return [ShardingPolicy.OPTIM_GRADS_PARAMS if ShardingPolicy.OPTIM_GRADS_PARAMS in allowed else allowed[0]]
     return allowed
@@ -114,10 +125,22 @@ def _policy_pairs(s: SearchSpace, fd: int, fe: int) -> list[tuple[ShardingPolicy
     Megatron launches it (one `--data-parallel-sharding-strategy` for every parameter of Megatron-FSDP;
     `--use-distributed-optimizer` shards both groups): DEFAULT_SHARDING, tied. A list given for either group
     searches every pair of the two lists."""
-    dense, expert = _policies(s.dense_sharding, fd), _policies(s.expert_sharding, fe)
+    dense, expert = _policies(s.dense_sharding, fd, s), _policies(s.expert_sharding, fe, s)
     if s.dense_sharding is None and s.expert_sharding is None and fd > 1 and fe > 1:
         return [(p, p) for p in dense]
     return list(itertools.product(dense, expert))
+
+
+def _gathers(s: SearchSpace, dense: ShardingPolicy, expert: ShardingPolicy, fd: int, fe: int, routed: bool
+             ) -> list[ParamGather]:
+    """The parameter gathers searched for a pair of sharding policies: the job's list (absent: the update-long
+    view only); the per-layer gather only where a group of more than one rank, holding parameters, shards them
+    (optim_grads_params): elsewhere it gathers nothing and would repeat the frame."""
+    listed = list(dict.fromkeys(s.param_gather or [ParamGather.UPDATE]))
+    ogp = ShardingPolicy.OPTIM_GRADS_PARAMS
+    if (dense == ogp and fd > 1) or (expert == ogp and fe > 1 and routed):
+        return listed
+    return [ParamGather.UPDATE] if ParamGather.UPDATE in listed else []
 
 
 def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec | None = None) -> list[Frame]:
@@ -165,7 +188,8 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                                     ms, _policy_pairs(s, fd, fe), grad_dtypes, precisions,
                                     domain_options(job, gpus, p, c, e, fe, fd, cluster.nvlink_domain_gpus)):
                                 if v == 1 or m % p == 0:  # interleaving needs whole groups of p (Layout)
-                                    frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u))
+                                    for pg in _gathers(s, pd, pe, fd, fe, model.moe is not None):
+                                        frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg))
     return frames
 
 
@@ -257,6 +281,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
+        param_gather=f.param_gather,
     )
 
 
@@ -280,7 +305,7 @@ def sharding_group(f: Frame) -> tuple:
     of another frame's shard the same state over more ranks (less persistent memory per rank) and leave the
     activations as they are: when such a frame is over a memory line, so is the other."""
     return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding, f.expert_sharding, f.grad_dtype,
-            f.precision, f.domain_gpus_used)
+            f.precision, f.domain_gpus_used, f.param_gather)
 
 
 def policy_group(f: Frame) -> tuple:
