@@ -10,7 +10,7 @@ import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
-from k3opt.cost.ledger import layer_bytes
+from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs import toggles as toggle_registry
 from k3opt.inputs.memo import Memo, register
@@ -357,10 +357,10 @@ identity is never reused while its entry exists."""
 
 
 def bound_persistent_bytes(cf: Coefficients, grads: np.ndarray | None) -> np.ndarray:
-    """Per-layer persistent bytes as the bounds count them: master + optimizer state + BF16 view (the ledger's
-    always-held terms, `ledger.persistent_layer_bytes`, but the quantized weight copies, which the bounds leave
-    out) + the gradient accumulator + `grads` (the gradients as the caller holds them; None: left out)."""
-    out = layer_bytes(cf, ("master", "optimizer", "bf16_view", "grad_accum"))
+    """Per-layer persistent bytes as the bounds count them: the ledger's always-held terms (master, optimizer
+    state, BF16 view, quantized weight copies: `ledger.ALWAYS_HELD`, which no toggle or activation mode changes) +
+    the gradient accumulator + `grads` (the gradients as the caller holds them; None: left out)."""
+    out = layer_bytes(cf, (*ALWAYS_HELD, "grad_accum"))
     return out if grads is None else out + grads
 
 
