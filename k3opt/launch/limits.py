@@ -70,7 +70,7 @@ LIMITS: tuple[Limit, ...] = (
     Limit("megatron-lm", "param_gather",
           "param_gather: with Muon, update only (Megatron-FSDP is refused, the distributed optimizer keeps the view); "
           "with AdamW, a dense optim_grads_params group is Megatron-FSDP, which gathers each layer just in time "
-          "(param_gather = layer)",
+          "(param_gather = layer) and reduce-scatters every microbatch (fsdp_lifecycle = per_microbatch)",
           f"megatron/training/arguments.py L1739-1740, L3190-3203 {MLM}"),
     Limit("megatron-bridge", "param_gather", "param_gather: as megatron-lm (same Megatron core rules)",
           f"megatron/training/arguments.py L1739-1740, L3190-3203 {MLM}"),
@@ -107,6 +107,9 @@ def _gather_refusal(layout: Layout, model: ModelSpec | None) -> str:
     if layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS and layout.param_gather == ParamGather.UPDATE:
         return ("param_gather = update with dense_sharding = optim_grads_params: Megatron-FSDP gathers each layer "
                 "just in time (param_gather = layer)")
+    if layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS and layout.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
+        return ("fsdp_lifecycle = accumulate with dense_sharding = optim_grads_params: Megatron-FSDP reduce-scatters "
+                "the gradients every microbatch (per_microbatch)")
     return ""
 
 

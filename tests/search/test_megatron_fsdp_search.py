@@ -144,7 +144,8 @@ def test_bounds_stay_below_every_layout_gathered_per_layer(tiny, slow):
 
 def test_megatron_runs_the_gather_its_optimizer_allows():
     """Muon (Kimi K3): Megatron refuses Megatron-FSDP, so a Megatron target searches the kept view only. AdamW
-    (Llama): a dense optim_grads_params group is Megatron-FSDP, so the kept view under it is refused."""
+    (Llama): a dense optim_grads_params group is Megatron-FSDP, so the kept view under it is refused, and so is
+    accumulating its gradients (Megatron-FSDP reduce-scatters every microbatch)."""
     k3 = k3opt.Job.model_validate({"gpus": 512, "tokens_per_update": 2**24, "target": "megatron-lm",
                                    "search": {"param_gather": ["update", "layer"]}})
     assert apply_target_limits(k3, k3opt.load_model("kimi-k3")).search.param_gather == [ParamGather.UPDATE]
@@ -154,6 +155,8 @@ def test_megatron_runs_the_gather_its_optimizer_allows():
     kept = lay.model_copy(update={"param_gather": ParamGather.UPDATE})
     assert [w for w in launch_refusals(kept, "megatron-bridge", llama) if "param_gather = update" in w]
     assert not [w for w in launch_refusals(kept, "torchtitan", llama) if "param_gather" in w]
+    accumulated = lay.model_copy(update={"fsdp_lifecycle": FsdpLifecycle.ACCUMULATE})
+    assert [w for w in launch_refusals(accumulated, "megatron-lm", llama) if "reduce-scatters" in w]
 
 
 @pytest.mark.parametrize("value", ["sometimes", 3])
