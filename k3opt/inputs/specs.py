@@ -567,6 +567,13 @@ class Layout(StrictModel):
         if not isinstance(text, str):
             raise ValueError("pipeline_layout must be a string such as \"Et*4|(t*4|)*14tmL\"")
         split = pll.decoder_split(text)
+        try:
+            chunks = int(data.get("pp", 1)) * int(data.get("vp", 1))
+        except (TypeError, ValueError):
+            chunks = len(split)  # the degrees' own validators report them
+        if len(split) != chunks:
+            raise ValueError(f"pipeline_layout {text!r} has {len(split)} stages but pp x vp = {chunks} chunks; "
+                             "write one '|'-separated stage per chunk")
         given = data.get("split")
         if given is not None and list(given) != split:
             raise ValueError(f"pipeline_layout {text!r} puts {split} decoder layers per stage but split is {given}; "

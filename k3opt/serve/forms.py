@@ -138,7 +138,7 @@ def _which(message: str, names: tuple[str, ...], changed: Any = None) -> str | N
 COUNT_CONTROLS = ("activation_offload_layers",)
 """Whole numbers >= 0, empty meaning 0."""
 LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *FLOAT_CONTROLS, "split",
-                   "recompute_modules", *CHOICE_CONTROLS, "toggles")
+                   "pipeline_layout", "recompute_modules", *CHOICE_CONTROLS, "toggles")
 
 
 def _count(form: dict[str, Any], name: str) -> int:
@@ -171,10 +171,15 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
     fields.update({k: _choice(form, k, allowed) for k, allowed in CHOICE_CONTROLS.items()})
     if fields["optimizer_state_dtype"] == "model":  # the model's [optimizer] state_dtype
         fields["optimizer_state_dtype"] = None
-    try:
-        fields["split"] = parse_split(form.get("split"), fields["pp"] * fields["vp"], model.num_layers)
-    except FieldError as err:
-        raise FieldError(str(err), _which(str(err), LAYOUT_CONTROLS, form.get("changed"))) from None
+    text = str(form.get("pipeline_layout") or "").strip()
+    if text:
+        # Megatron's layout string sets the split (Layout reads it); the split control then only shows it.
+        fields["pipeline_layout"] = text
+    else:
+        try:
+            fields["split"] = parse_split(form.get("split"), fields["pp"] * fields["vp"], model.num_layers)
+        except FieldError as err:
+            raise FieldError(str(err), _which(str(err), LAYOUT_CONTROLS, form.get("changed"))) from None
     fields["recompute_modules"] = parse_modules(form.get("recompute_modules"))
     toggles = form.get("toggles") or {}
     if not isinstance(toggles, dict) or any(k not in TOGGLE_NAMES or not isinstance(v, bool)

@@ -34,6 +34,7 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
     out["domain_gpus_used"] = layout.domain_gpus_used or ""
     out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
     out["split"] = split_text(layout.split)
+    out["pipeline_layout"] = layout.pipeline_layout or ""
     out["recompute_modules"] = ", ".join(m.value for m in layout.recompute_modules)
     out["toggles"] = {t: bool(getattr(layout.toggles, t)) for t in TOGGLE_NAMES}
     out.update(model=layout.model, cluster=layout.cluster, runtime=runtime or "none")

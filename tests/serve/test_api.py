@@ -90,6 +90,21 @@ def test_evaluate_returns_what_evaluate_gives(client: TestClient, default: dict)
     assert len(data["view"]["timeline"]["ops"]) == 2 * 4 * 1 * 64
 
 
+def test_a_megatron_layout_string_sets_the_split(client: TestClient) -> None:
+    """MB-12's release layout string (the embedding and four layers, 14 stages of four, then one layer, the MTP
+    layer and the loss) round-trips through the explorer: the form shows it and its split, and the evaluation is
+    evaluate()'s."""
+    from k3opt.serve.views import form_of
+
+    lay = load_layout("mb-12-deepseek-v3-gb300")
+    form = form_of(lay, lay.runtime)
+    assert form["pipeline_layout"] == "Et*4|(t*4|)*14tmL" and form["split"] == "4x15+1"
+    data = client.post("/api/evaluate", json={**form, "split": "whatever the string says"}).json()
+    assert data["form"]["pipeline_layout"] == "Et*4|(t*4|)*14tmL"
+    ev = k3opt.evaluate(lay)
+    assert data["view"]["summary"]["rank_time_s"] == pytest.approx(ev.step.rank_time_s, rel=1e-12)
+
+
 def test_a_plan_returns_what_k3opt_plan_gives_and_loads_into_the_explorer(client: TestClient) -> None:
     run = client.post("/api/plans", json={**SMALL_JOB, "toggles": {}}, headers={"X-K3opt-Client": "a"}).json()
     st = _wait(client, run["id"])
@@ -214,6 +229,8 @@ BAD_LAYOUT = [
     ("split", "twelve", "is not LAYERS or LAYERSxCHUNKS"),
     ("recompute", "sometimes", "unknown value 'sometimes'"),
     ("recompute_modules", "core_attention", "unknown module 'core_attention'"),
+    ("pipeline_layout", "Et*4|(t*4|)*14tmX", "pipeline_layout"),
+    ("pipeline_layout", "Et*20|t*20|t*20|t*32L", "pipeline_layout"),
     ("param_gather", "sometimes", "unknown value 'sometimes'"),
     ("activation_offload_layers", "-2", "not a positive whole number"),
     ("activation_offload_layers", "12", "priced for one chunk"),

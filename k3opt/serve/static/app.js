@@ -369,8 +369,13 @@ async function init() {
     o.formats.map((f) => `<button type="button" data-download="${f}">${f}</button>`).join(" ");
   document.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
   setForm(o.default);
-  // A new PP or VP changes the chunk count: the split goes back to even rather than to an error.
-  for (const name of ["pp", "vp"]) controls.elements[name].addEventListener("input", () => { controls.elements.split.value = ""; });
+  // A new PP or VP changes the chunk count: the split goes back to even rather than to an error, and a Megatron
+  // layout string (which sets the split) is dropped; a split typed by hand replaces the string too.
+  for (const name of ["pp", "vp"]) controls.elements[name].addEventListener("input", () => {
+    controls.elements.split.value = "";
+    controls.elements.pipeline_layout.value = "";
+  });
+  controls.elements.split.addEventListener("input", () => { controls.elements.pipeline_layout.value = ""; });
   controls.addEventListener("input", schedule);
   controls.addEventListener("change", schedule);
   document.querySelectorAll(".tab").forEach((b) => b.addEventListener("click", () => showTab(b.dataset.tab)));
