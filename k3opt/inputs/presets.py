@@ -137,10 +137,24 @@ def make_layout(**fields: Any) -> Layout:
 
 
 def load_runtime(name_or_path: str | Path | RuntimeSpec = DEFAULT_RUNTIME) -> RuntimeSpec:
-    """A runtime preset name (`megatron-te-hybridep-gb200`) or a path to a runtime TOML."""
+    """A runtime preset name (`megatron-te-hybridep-gb200`) or a path to a runtime TOML. A file that names a
+    `base` runtime holds only what it changes: the base's fields, then its own (one level)."""
     if isinstance(name_or_path, RuntimeSpec):
         return name_or_path
-    return load_spec(RuntimeSpec, name_or_path, "runtime")
+    path = resolve(name_or_path, "runtime")
+    data = read_toml(path, f"runtime {path.name}")
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise SpecError(f"runtime {path.name}: base must be a runtime preset name or file, not {base!r}")
+        parent = read_toml(resolve(base, "runtime"), f"runtime {base}")
+        if "base" in parent:
+            raise SpecError(f"runtime {path.name}: its base {base} names a base itself; give the fields instead")
+        data = {**parent, **data}
+    try:
+        return RuntimeSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, f"runtime {path.name}")) from None
 
 
 def layout_toml(layout: Layout) -> str:

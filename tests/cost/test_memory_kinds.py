@@ -139,6 +139,43 @@ def test_expandable_segments_needs_its_own_slack(tmp_path):
         load_runtime(p)
 
 
+def test_the_expandable_variant_changes_only_the_allocator():
+    """megatron-te-hybridep-gb200-expandable names its base and changes the allocator flag and its slack: Megatron-
+    Bridge's 8 x GB200 Nemotron 3.5 Lightning perf run (expandable segments on) reserved 161.260 GiB at 156.850 GiB
+    allocated, 2.81%; the card's largest GB200 figure, 166.23 / 160.76 - 1 = 3.40%, is taken."""
+    base, es = load_runtime(RT), load_runtime(f"{RT}-expandable")
+    assert es.expandable_segments and es.slack == pytest.approx(round(166.23 / 160.76 - 1, 3))
+    keep = {"name", "description", "expandable_segments", "allocator_slack_expandable_segments", "source"}
+    assert es.model_dump(exclude=keep) == base.model_dump(exclude=keep)
+    # The allocator's slack is the only difference in the reserved line: reserved = allocated x (1 + slack).
+    lay = k3opt.make_layout(**PLAN, reserve_gib=1.0)
+    a, b = k3opt.evaluate(lay, runtime=base).ranks[0], k3opt.evaluate(lay, runtime=es).ranks[0]
+    assert a.allocated_bytes == b.allocated_bytes
+    assert b.reserved_bytes == pytest.approx(b.allocated_bytes * 1.034, rel=1e-9)
+    assert a.reserved_bytes == pytest.approx(a.allocated_bytes * 1.1333, rel=1e-9)
+
+
+@pytest.mark.parametrize(("base", "words"), [
+    ('"nope"', "unknown runtime preset 'nope'"),
+    ("3", "base must be a runtime preset name or file"),
+])
+def test_a_runtime_with_a_bad_base_is_one_line(tmp_path, base: str, words: str):
+    p = tmp_path / "rt.toml"
+    p.write_text(f"base = {base}\nname = \"mine\"\n")
+    with pytest.raises((k3opt.SpecError, k3opt.PresetNotFoundError), match=words):
+        load_runtime(p)
+
+
+def test_a_base_that_names_a_base_is_refused(tmp_path):
+    first = tmp_path / "first.toml"
+    first.write_text(f'base = "{RT}"\nname = "first"\n')
+    second = tmp_path / "second.toml"
+    second.write_text(f'base = "{first}"\nname = "second"\n')
+    assert load_runtime(first).name == "first"
+    with pytest.raises(k3opt.SpecError, match="names a base itself"):
+        load_runtime(second)
+
+
 def test_unknown_runtime_preset():
     with pytest.raises(k3opt.PresetNotFoundError, match="unknown runtime preset 'nope'; known presets: megatron"):
         load_runtime("nope")

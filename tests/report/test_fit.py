@@ -17,8 +17,22 @@ def test_every_measured_run_has_a_fit_row_on_its_device_line():
     # GB200: nvidia-smi's 189,471 MiB; the reference run's device line: 132.83 GiB (explain's DEVICE row, rank 0)
     assert ref.hbm_gib == pytest.approx(189_471 / 1024, abs=1e-9) and ref.fits
     assert ref.device_gib == pytest.approx(132.83, abs=0.005)
-    # a layout naming no runtime is judged with its cluster's default (GB200: the HybridEP runtime), B200 has none
-    assert rows["MB-13"].runtime == "megatron-te-hybridep-gb200" and rows["MB-14"].runtime == "none"
+    # a layout naming no runtime is judged with its cluster's default (GB200: the HybridEP runtime), B200 has none;
+    # one naming a runtime (MB-13's recipe runs expandable segments) is judged with it
+    assert rows["MB-18"].runtime == "megatron-te-hybridep-gb200" and rows["MB-14"].runtime == "none"
+    assert rows["MB-13"].runtime == "megatron-te-hybridep-gb200-expandable"
+
+
+def test_expandable_segments_bring_mb13_under_its_hbm():
+    """MB-13's allocated peak is the same under both runtimes; reserved = allocated x (1 + slack): 13.33% without
+    expandable segments took it over GB200's 185 GiB, the 3.4% measured with them (as its recipe runs) does not."""
+    lay = k3opt.load_layout("mb-13-deepseek-v3-gb200")
+    es = k3opt.evaluate(lay)
+    plain = k3opt.evaluate(lay, runtime="megatron-te-hybridep-gb200")
+    a, b = max(es.ranks, key=lambda r: r.device_bytes), max(plain.ranks, key=lambda r: r.device_bytes)
+    assert a.allocated_bytes == b.allocated_bytes
+    assert es.fits and not plain.fits
+    assert b.device_bytes - a.device_bytes == pytest.approx((0.1333 - 0.034) * a.allocated_bytes, rel=1e-9)
 
 
 def test_a_run_over_its_hbm_is_marked_no():
