@@ -243,6 +243,10 @@ def _megatron_fsdp(out: _Decisions, lay: Layout) -> None:
                      Setting("--use-megatron-fsdp", "ddp.use_megatron_fsdp", True),
                      Setting("--data-parallel-sharding-strategy", "ddp.data_parallel_sharding_strategy",
                              "optim_grads_params")]
+    # The gradient buffer in the dtype the layout prices ('auto' would take the model's BF16 gradients;
+    # arguments.py L3691-3694 @ d98e8a64).
+    out.settings.append(Setting("--megatron-fsdp-main-grads-dtype", "ddp.megatron_fsdp_main_grads_dtype",
+                                lay.grad_dtype.value))
     if lay.param_gather == ParamGather.LAYER:
         out.settings.append(Setting("--fsdp-double-buffer", "ddp.fsdp_double_buffer", True))
     else:

@@ -6,7 +6,7 @@ deepseek_v3 at v0.4.2; Megatron-LM arguments.py L1950-1951, L3190-3203 @ d98e8a6
 from __future__ import annotations
 
 import k3opt
-from k3opt.inputs.specs import FsdpLifecycle
+from k3opt.inputs.specs import Dtype, FsdpLifecycle
 from k3opt.launch import apply_target_limits, launch_refusals, to_launch
 
 
@@ -22,6 +22,11 @@ def test_the_llama_fsdp_recipe_comes_back_as_megatron_fsdp_with_its_offload():
                  "--fsdp-double-buffer", "--cpu-offloading-num-layers 40"):
         assert flag in flags, flag
     assert "--use-distributed-optimizer" not in flags
+    # Its gradient buffer is BF16 as priced (Megatron-FSDP's main_grads_dtype None -> BF16); an FP32 layout says so.
+    assert "--megatron-fsdp-main-grads-dtype bf16" in flags
+    lay = k3opt.load_layout("mb-2-llama3-70b-gb200").model_copy(update={"grad_dtype": Dtype.FP32})
+    text = to_launch(lay, "megatron-lm", k3opt.load_model("llama3-70b")).text
+    assert "--megatron-fsdp-main-grads-dtype fp32" in text
 
 
 def test_deepseek_runs_adam_on_the_distributed_optimizer_with_bf16_gradients():
