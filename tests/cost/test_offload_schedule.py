@@ -41,19 +41,19 @@ def test_no_offloaded_layer_no_stall():
     np.testing.assert_allclose(offload_stall(np.ones(4), np.ones(4), np.full(4, 9.0), 0), 0.0)
 
 
-@pytest.mark.parametrize("copy", [0.5, 5.0])
-def test_one_layer_left_on_the_gpu_exposes_every_copy(copy: float):
+@pytest.mark.parametrize(("layers", "copy"), [(4, 0.5), (4, 5.0), (2, 5.0)])
+def test_one_layer_left_on_the_gpu_exposes_every_copy(layers: int, copy: float):
     """N = L - 1 (TE warns it "prevents overlapping"): each forward waits for the previous layer's copy out and each
     backward for its own copy back, which is queued only once the layer above is done: the stall is every copy,
-    out and back, whatever the compute (L = 4, N = 3: 6 copies)."""
-    stall = offload_stall(np.full(4, 3.0), np.full(4, 7.0), np.full(4, copy), 3)
-    assert stall.sum() == pytest.approx(6 * copy)
+    out and back, whatever the compute (L = 4, N = 3: 6 copies; L = 2, N = 1: 2)."""
+    stall = offload_stall(np.full(layers, 3.0), np.full(layers, 7.0), np.full(layers, copy), layers - 1)
+    assert stall.sum() == pytest.approx(2 * (layers - 1) * copy)
 
 
-def _llama(n: int, cluster: str) -> tuple[k3opt.Layout, k3opt.ModelSpec, k3opt.ClusterSpec]:
+def _llama(n: int, cluster: str, **extra) -> tuple[k3opt.Layout, k3opt.ModelSpec, k3opt.ClusterSpec]:
     data = k3opt.load_layout(str(MB2)).model_dump()
     data.pop("measured")
-    data.update(activation_offload_layers=n)
+    data.update(activation_offload_layers=n, **extra)
     return k3opt.make_layout(**data), k3opt.load_model("llama3-70b"), k3opt.load_cluster(cluster)
 
 
@@ -82,3 +82,26 @@ def test_a_slow_host_link_exposes_what_c2c_hides():
     assert coefficients(Shape.of(lay), model, gb200, rates(gb200)).offload_stall_achievable.sum() == 0.0
     b200 = k3opt.load_cluster("b200")
     assert coefficients(Shape.of(lay), model, b200, rates(b200)).offload_stall_achievable.sum() > 0.0
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_stall_reads_the_forward_and_backward_of_the_compute_stream(recompute: str):
+    """Llama 3 70B, 40 of 80 layers offloaded over a 4 GB/s host link (B200 otherwise): the copies outlast the
+    forward, so the stall depends on how a layer's compute-stream time splits. Forward : backward is 1 : 2 of the
+    tensor-core time (one more forward under full recompute, which runs in the backward: 1 : 3), 2 : 3 of the
+    memory-bound kernels' passes (2 : 5 under full recompute); at the achievable rates both are on the compute
+    stream."""
+    lay, model, cluster = _llama(40, "b200", recompute=recompute, toggles={})
+    cluster = cluster.model_copy(update={"host_link_gbps": 4})
+    cf = coefficients(Shape.of(lay), model, cluster, k3opt.inputs.rates.rates_for(cluster))
+    L = cf.n_layers
+    copy = cf.offloaded_act[:L] / (cluster.host_link_gbps * 1e9)
+    f_t, f_v = (1 / 4, 2 / 7) if recompute == "full" else (1 / 3, 2 / 5)
+    tensor = cf.time["tensor"][:L] - cf.offload_stall[:L]
+    want = offload_stall(f_t * tensor, (1 - f_t) * tensor, copy, 40)
+    assert want.sum() > 0
+    np.testing.assert_allclose(cf.offload_stall[:L], want, rtol=1e-9, atol=1e-12)
+    a_tensor = cf.achievable["tensor"][:L] - cf.offload_stall_achievable[:L]
+    vector = cf.achievable["vector"][:L]
+    want = offload_stall(f_t * a_tensor + f_v * vector, (1 - f_t) * a_tensor + (1 - f_v) * vector, copy, 40)
+    np.testing.assert_allclose(cf.offload_stall_achievable[:L], want, rtol=1e-9, atol=1e-12)
