@@ -683,6 +683,19 @@ class SearchSpace(StrictModel):
     """Fix the layer split (then p * v must match its length)."""
     max_vp: PosInt = 4
 
+    @model_validator(mode="after")
+    def _gather_has_a_group(self) -> SearchSpace:
+        # An absent list searches optim_grads_params too once "layer" is listed (search.frames.default_sharding);
+        # two lists without it leave the per-layer gather nothing to gather.
+        ogp = ShardingPolicy.OPTIM_GRADS_PARAMS
+        if (self.param_gather is not None and ParamGather.UPDATE not in self.param_gather
+                and self.dense_sharding is not None and self.expert_sharding is not None
+                and ogp not in self.dense_sharding and ogp not in self.expert_sharding):
+            raise ValueError("param_gather = [\"layer\"] gathers what optim_grads_params shards, but the [search] "
+                             "dense_sharding and expert_sharding lists leave it out; add optim_grads_params to one "
+                             "or allow \"update\"")
+        return self
+
     @field_validator("forbid_toggles", "require_toggles")
     @classmethod
     def _known_toggles(cls, v: list[str]) -> list[str]:

@@ -21,7 +21,7 @@ from k3opt.inputs.errors import InfeasibleJobError
 from k3opt.inputs.labels import degrees_text, sharding_text
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model
-from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
+from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, ParamGather, Recompute
 from k3opt.search.bounds import (
     frame_dp_bound,
     frame_estimate,
@@ -920,6 +920,14 @@ class _Search:
 def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:
     """Every frame of the job's GPU counts; InfeasibleJobError when its rules leave none."""
     frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
+    layer_only = bool(job.search.param_gather) and ParamGather.UPDATE not in job.search.param_gather
+    kept = job.model_copy(update={"search": job.search.model_copy(update={"param_gather": None})})
+    # The degrees and tokens allow shapes, but the per-layer gather alone found no group to gather.
+    if not frames and layer_only and any(enumerate_frames(kept, model, g, cluster) for g in job.gpu_counts):
+        raise InfeasibleJobError(
+            "param_gather = [\"layer\"] leaves no shape: no optim_grads_params group of more than one rank "
+            "holds parameters (a dense model has no expert group); add optim_grads_params to [search] "
+            "dense_sharding or allow \"update\"")
     if not frames:
         raise InfeasibleJobError(
             f"no parallel shape satisfies the job's rules (gpus {job.gpus}, tokens_per_update "

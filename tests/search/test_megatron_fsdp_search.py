@@ -184,3 +184,20 @@ def test_the_two_gathers_are_not_one_sharding_group():
     f = enumerate_frames(_llama_job(["update"]), k3opt.load_model("llama3-70b"), 64)[0]
     f = replace(f, dense_sharding=OGP)
     assert sharding_group(f) != sharding_group(replace(f, param_gather=ParamGather.LAYER))
+
+
+@pytest.mark.parametrize(("sharding", "words"), [
+    ('dense_sharding = ["optim"]\nexpert_sharding = ["optim"]', "lists leave it out"),
+    ('dense_sharding = ["optim"]', "leaves no shape"),  # Llama's expert group is empty
+])
+def test_a_gather_with_nothing_to_gather_is_one_line(tmp_path: Path, sharding: str, words: str):
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    path = tmp_path / "job.toml"
+    path.write_text('model = "llama3-70b"\ngpus = 64\nrows = 2\ncontext = 8192\ntokens_per_update = 2097152\n'
+                    f'[search]\npp = [1]\nparam_gather = ["layer"]\n{sharding}\n')
+    res = CliRunner().invoke(main, ["plan", str(path)])
+    assert res.exit_code == 2
+    assert words in res.output and len(res.output.strip().splitlines()) == 1
