@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -184,3 +185,25 @@ def use_policy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
             monkeypatch.setattr(module, "POLICY", new)
 
     return set_fields
+
+
+def assert_bounds_below(job, frames, rows, tiny, slow, recs) -> None:
+    """Every frame and node bound (time and peak) below every enumerated layout it stands for; rows are
+    (frame, recompute, lifecycle, ranked s, peak bytes)."""
+    from k3opt.inputs.specs import FsdpLifecycle
+    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
+
+    for f in frames:
+        mine = [r for r in rows if r[0] == f]
+        if not mine:
+            continue
+        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
+        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
+        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
+        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
+        for rc, lc in itertools.product(recs, FsdpLifecycle):
+            node = [r for r in mine if r[1] == rc and r[2] == lc]
+            if node:
+                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
+                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
+                assert min(r[4] for r in node) >= m_n - 1

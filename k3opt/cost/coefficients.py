@@ -1241,11 +1241,16 @@ def _offload_stall(b: _LayerBuild, acts: _Activations, tensor: np.ndarray, vecto
     offloaded = b.shape.activation_offload_layers
     if not offloaded:
         return stall
-    layers = b.n - 2
+    layers = b.model.num_layers
     fwd, bwd = forward_backward(tensor[:layers], np.zeros(layers) if vector is None else vector[:layers], b.full)
-    copy = acts.offloaded[:layers] / (b.cluster.host_link_gbps * 1e9)
-    stall[:layers] = offload_stall(fwd, bwd, copy, offloaded)
+    stall[:layers] = offload_stall(fwd, bwd, host_link_seconds(acts.offloaded[:layers], b.cluster), offloaded)
     return stall
+
+
+def host_link_seconds(nbytes: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """Seconds to move `nbytes` over one direction of the host link: bytes / host_link_gbps (the preset's figure
+    is a measured copy-engine rate, so the peak and the achievable step read it alike)."""
+    return nbytes / (cluster.host_link_gbps * 1e9)
 
 
 def _peak_seconds(b: _LayerBuild, work: _Work, traffic: _Traffic) -> dict[str, np.ndarray]:
@@ -1258,7 +1263,7 @@ def _peak_seconds(b: _LayerBuild, work: _Work, traffic: _Traffic) -> dict[str, n
         "hbm": traffic.hbm / (cl.hbm_gbps * gb),
         "nvlink": traffic.nvl / (cl.nvlink_gbps * gb),
         "nic": traffic.nic / (cl.nic_gbps * gb),
-        "host_link": traffic.host / (cl.host_link_gbps * gb),
+        "host_link": host_link_seconds(traffic.host, cl),
     }
 
 
@@ -1324,7 +1329,7 @@ def _peak_update_seconds(b: _LayerBuild, ns_flops: np.ndarray, up: _UpdateTraffi
         "hbm": up.hbm / (cl.hbm_gbps * gb),
         "nvlink": up.nvl / (cl.nvlink_gbps * gb),
         "nic": up.nic / (cl.nic_gbps * gb),
-        "host_link": up.host / (cl.host_link_gbps * gb),
+        "host_link": host_link_seconds(up.host, cl),
     }
 
 
@@ -1551,7 +1556,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
         "vector": achievable_hbm_seconds(elementwise - q, cluster, rt) + achievable_quantize_seconds(q, cluster, rt),
         "nvlink": (nvl - ep_nvl) / c_nvl,
         "nic": (nic - ep_nic) / c_nic,
-        "host_link": host / (cluster.host_link_gbps * gb),
+        "host_link": host_link_seconds(host, cluster),
         "ep_nvlink": ep_nvl / (rt.a2a(dispatcher, "nvlink") * gb) if ep_nvl.any() else np.zeros_like(nvl),
         "ep_nic": ep_nic / (rt.a2a(dispatcher, "nic") * gb) if ep_nic.any() else np.zeros_like(nic),
     }
@@ -1560,7 +1565,7 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
         "hbm": achievable_hbm_seconds(up_hbm - uq, cluster, rt) + achievable_quantize_seconds(uq, cluster, rt),
         "nvlink": up_nvl / c_nvl,
         "nic": up_nic / c_nic,
-        "host_link": up_host / (cluster.host_link_gbps * gb),
+        "host_link": host_link_seconds(up_host, cluster),
     }
     return time, update
 

@@ -86,11 +86,15 @@ def resolve(name_or_path: str | Path, kind: str) -> Path:
 
 def load_spec(cls: type[BaseModel], name_or_path: str | Path, kind: str) -> Any:
     path = resolve(name_or_path, kind)
-    data = read_toml(path, f"{kind} {path.name}")
+    return _validated(cls, read_toml(path, f"{kind} {path.name}"), f"{kind} {path.name}")
+
+
+def _validated(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
+    """`cls` from a file's data; a validation error becomes one SpecError line naming `what`."""
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise SpecError(format_validation_error(err, f"{kind} {path.name}")) from None
+        raise SpecError(format_validation_error(err, what)) from None
 
 
 def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
@@ -151,10 +155,7 @@ def load_runtime(name_or_path: str | Path | RuntimeSpec = DEFAULT_RUNTIME) -> Ru
         if "base" in parent:
             raise SpecError(f"runtime {path.name}: its base {base} names a base itself; give the fields instead")
         data = {**parent, **data}
-    try:
-        return RuntimeSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(format_validation_error(err, f"runtime {path.name}")) from None
+    return _validated(RuntimeSpec, data, f"runtime {path.name}")
 
 
 def layout_toml(layout: Layout) -> str:

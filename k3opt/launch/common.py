@@ -13,7 +13,7 @@ from k3opt.inputs.errors import UnknownTargetError
 from k3opt.inputs.frameworks import MEGATRON_BRIDGE_COMMIT, MEGATRON_LM_COMMIT, TORCHTITAN_TOML_COMMIT
 from k3opt.inputs.labels import layout_text
 from k3opt.inputs.pipeline_layout import format_layout
-from k3opt.inputs.specs import Layout, ModelSpec
+from k3opt.inputs.specs import Layout, ModelSpec, ShardingPolicy
 
 FORMATS: tuple[str, ...] = ("megatron-bridge", "megatron-lm", "torchtitan")
 
@@ -111,6 +111,13 @@ def megatron_layout(layout: Layout, model: ModelSpec) -> str:
     if layout.pipeline_layout is not None:
         return layout.pipeline_layout
     return format_layout(layout.split, model.mtp_layers)
+
+
+def runs_megatron_fsdp(layout: Layout, model: ModelSpec) -> bool:
+    """Megatron runs `layout` under Megatron-FSDP: an AdamW model whose dense group shards its parameters
+    (optim_grads_params; megatron/training/arguments.py L3190-3203 @ d98e8a64). Muon refuses Megatron-FSDP
+    (L1739-1740) and runs the distributed optimizer instead."""
+    return model.optimizer.name != "muon" and layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS
 
 
 def global_batch(layout: Layout) -> int:

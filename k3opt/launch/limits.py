@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
-from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather, ShardingPolicy
+from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather
 from k3opt.inputs.toggles import built_in, no_switch
-from k3opt.launch.common import FORMATS, check_format, kda_layers
+from k3opt.launch.common import FORMATS, check_format, kda_layers, runs_megatron_fsdp
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,12 @@ def _gather_refusal(layout: Layout, model: ModelSpec | None) -> str:
             return ("param_gather = layer: with Muon Megatron-FSDP is refused, the parameters are gathered for the "
                     "update")
         return ""
-    if layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS and layout.param_gather == ParamGather.UPDATE:
+    if not runs_megatron_fsdp(layout, model):
+        return ""
+    if layout.param_gather == ParamGather.UPDATE:
         return ("param_gather = update with dense_sharding = optim_grads_params: Megatron-FSDP gathers each layer "
                 "just in time (param_gather = layer)")
-    if layout.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS and layout.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
+    if layout.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE:
         return ("fsdp_lifecycle = accumulate with dense_sharding = optim_grads_params: Megatron-FSDP reduce-scatters "
                 "the gradients every microbatch (per_microbatch)")
     return ""

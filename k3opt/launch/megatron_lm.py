@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from k3opt.inputs.specs import Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute, ShardingPolicy
+from k3opt.inputs.specs import Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute
 from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
@@ -22,6 +22,7 @@ from k3opt.launch.common import (
     moe_layer_flags,
     optimizer_instances,
     run_length_expr,
+    runs_megatron_fsdp,
 )
 from k3opt.launch.limits import no_switch_for
 
@@ -198,7 +199,7 @@ def _optimizer_sharding(out: _Decisions, lay: Layout, model: ModelSpec, bridge: 
     """The model's optimizer with the layout's sharding: Muon with the distributed optimizer (N instances), AdamW
     with the distributed optimizer or, where the dense group shards its parameters, Megatron-FSDP; the gradient
     reduction dtype; what neither can express."""
-    if model.optimizer.name == "adamw" and lay.dense_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS:
+    if runs_megatron_fsdp(lay, model):
         _megatron_fsdp(out, lay)
         return
     n = optimizer_instances(lay)

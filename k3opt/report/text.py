@@ -69,7 +69,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"granularity={lay.optimizer_shard_granularity.value} grads={lay.grad_dtype.value} "
         f"optimizer state={lay.optimizer_state_dtype.value}"
         f"{' (allocated at the first step)' if lay.lazy_optimizer_state else ''}"
-        + (" params gathered per layer (Megatron-FSDP)" if lay.param_gather.value == "layer" else "")
+        + ("; params gathered per layer (Megatron-FSDP)" if lay.param_gather.value == "layer" else "")
         + (f"; the first {lay.activation_offload_layers} layers' activations offloaded to the host"
            if lay.activation_offload_layers else "") + "; "
         f"runtime {ev.runtime.name if ev.runtime is not None else 'none (live tensors only)'}"

@@ -920,14 +920,14 @@ class _Search:
 def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:
     """Every frame of the job's GPU counts; InfeasibleJobError when its rules leave none."""
     frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)]
-    layer_only = bool(job.search.param_gather) and ParamGather.UPDATE not in job.search.param_gather
-    kept = job.model_copy(update={"search": job.search.model_copy(update={"param_gather": None})})
-    # The degrees and tokens allow shapes, but the per-layer gather alone found no group to gather.
-    if not frames and layer_only and any(enumerate_frames(kept, model, g, cluster) for g in job.gpu_counts):
-        raise InfeasibleJobError(
-            "param_gather = [\"layer\"] leaves no shape: no optim_grads_params group of more than one rank "
-            "holds parameters (a dense model has no expert group); add optim_grads_params to [search] "
-            "dense_sharding or allow \"update\"")
+    if not frames and job.search.param_gather and ParamGather.UPDATE not in job.search.param_gather:
+        kept = job.model_copy(update={"search": job.search.model_copy(update={"param_gather": None})})
+        # The degrees and tokens allow shapes, but the per-layer gather alone found no group to gather.
+        if any(enumerate_frames(kept, model, g, cluster) for g in job.gpu_counts):
+            raise InfeasibleJobError(
+                "param_gather = [\"layer\"] leaves no shape: no optim_grads_params group of more than one rank "
+                "holds parameters (a dense model has no expert group); add optim_grads_params to [search] "
+                "dense_sharding or allow \"update\"")
     if not frames:
         raise InfeasibleJobError(
             f"no parallel shape satisfies the job's rules (gpus {job.gpus}, tokens_per_update "

@@ -9,7 +9,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from conftest import contiguous_splits
+from conftest import assert_bounds_below, contiguous_splits
 
 import k3opt
 from k3opt.inputs.presets import make_layout
@@ -102,8 +102,6 @@ def test_a_dense_model_does_not_gather_its_empty_expert_group():
 def test_bounds_stay_below_every_layout_gathered_per_layer(tiny, slow):
     """The tiny model with both gathers on PP1 / PP2 / PP2 VP2 shapes: CP-SAT's optimum equals enumeration, and
     every frame and node bound is below every enumerated layout of its frame."""
-    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
-
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 2.0,
@@ -128,18 +126,8 @@ def test_bounds_stay_below_every_layout_gathered_per_layer(tiny, slow):
     assert {f.param_gather for f, _, _ in rows} == {ParamGather.UPDATE, ParamGather.LAYER}
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.layouts[0].rank_time_s == pytest.approx(min(t for _, t, _ in rows), abs=1e-4)
-    for f in frames:
-        mine = [r for r in rows if r[0] == f]
-        if not mine:
-            continue
-        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
-        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
-        assert min(r[1] for r in mine) >= max(t_f, t_dp) - 1e-9
-        assert min(r[2] for r in mine) >= max(m_f, m_dp) - 1
-        t_n, m_n = node_lower_bound(job, f, Recompute.FULL, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
-        tight = tight_node_bound(job, f, Recompute.FULL, FsdpLifecycle.PER_MICROBATCH, tiny, slow)
-        assert min(r[1] for r in mine) >= max(t_n, tight) - 1e-9
-        assert min(r[2] for r in mine) >= m_n - 1
+    full, per_mb = Recompute.FULL, FsdpLifecycle.PER_MICROBATCH
+    assert_bounds_below(job, frames, [(f, full, per_mb, t, m) for f, t, m in rows], tiny, slow, (full,))
 
 
 def test_megatron_runs_the_gather_its_optimizer_allows():

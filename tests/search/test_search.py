@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import INTERLEAVED_TOGGLES, PP2_VP2_TOGGLES, contiguous_splits, interleaved_small_job, pp2_vp2_memory_job
+from conftest import (
+    INTERLEAVED_TOGGLES,
+    PP2_VP2_TOGGLES,
+    assert_bounds_below,
+    contiguous_splits,
+    interleaved_small_job,
+    pp2_vp2_memory_job,
+)
 
 import k3opt
 from k3opt.cli import main
@@ -50,28 +57,6 @@ def _frame_layout(f, split, rc, lc, toggles):
                        recompute=rc, fsdp_lifecycle=lc, toggles=toggles, reserve_gib=1.5,
                        dense_sharding=f.dense_sharding, expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype,
                        precision=f.precision)
-
-
-def _assert_bounds_below(job, frames, rows, tiny, slow, recs) -> None:
-    """Every frame and node bound (time and peak) below every enumerated layout it stands for; rows are
-    (frame, recompute, lifecycle, ranked s, peak bytes)."""
-    from k3opt.search import frame_dp_bound, frame_lower_bound, node_lower_bound, tight_node_bound
-
-    for f in frames:
-        mine = [r for r in rows if r[0] == f]
-        if not mine:
-            continue
-        t_f, m_f = frame_lower_bound(job, f, tiny, slow)
-        t_dp, m_dp = frame_dp_bound(job, f, tiny, slow)
-        assert min(r[3] for r in mine) >= max(t_f, t_dp) - 1e-9
-        assert min(r[4] for r in mine) >= max(m_f, m_dp) - 1
-        for rc, lc in itertools.product(recs, FsdpLifecycle):
-            node = [r for r in mine if r[1] == rc and r[2] == lc]
-            if node:
-                t_n, m_n = node_lower_bound(job, f, rc, lc, tiny, slow)
-                assert min(r[3] for r in node) >= max(t_n, tight_node_bound(job, f, rc, lc, tiny, slow)) - 1e-9
-                assert min(r[4] for r in node) >= m_n - 1
-
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +458,7 @@ def test_context_parallel_optimum_and_bounds_match_enumeration(tiny, slow):
     assert plan.status == "OPTIMAL"
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[3] for r in rows), abs=TOL_S)
     assert plan.layouts[0].layout.cp == 2
-    _assert_bounds_below(job, frames, rows, tiny, slow, tuple(Recompute))
+    assert_bounds_below(job, frames, rows, tiny, slow, tuple(Recompute))
 
 
 def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny, slow):
@@ -507,7 +492,7 @@ def test_sharding_dtype_and_precision_optimum_and_bounds_match_enumeration(tiny,
         best[f] = min(best.get(f, (t, m)), (t, m))
     want = sorted(v[0] for v in best.values())[:3]
     assert [it.rank_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
-    _assert_bounds_below(job, frames, rows, tiny, slow, (Recompute.NONE, Recompute.FULL))
+    assert_bounds_below(job, frames, rows, tiny, slow, (Recompute.NONE, Recompute.FULL))
 
 
 def test_job_search_narrows_sharding_dtype_and_precision(tiny):
