@@ -92,13 +92,24 @@ def slow() -> k3opt.ClusterSpec:
     return k3opt.load_cluster(Path(__file__).parent / "data" / "slow-cluster.toml")
 
 
-def contiguous_splits(layers: int, chunks: int):
-    """Every split of `layers` layers into `chunks` contiguous chunks of at least one layer (C(L - 1, K - 1))."""
+def contiguous_splits(layers: int, chunks: int, empty_edges: bool = False):
+    """Every split of `layers` layers into `chunks` contiguous chunks of at least one layer (C(L - 1, K - 1));
+    with `empty_edges`, the first and the last chunk may also hold none (cuts at 0 and at L allowed)."""
     import itertools
 
-    for cuts in itertools.combinations(range(1, layers), chunks - 1):
-        edges = (0, *cuts, layers)
-        yield [edges[i + 1] - edges[i] for i in range(chunks)]
+    if not empty_edges or chunks < 2:
+        for cuts in itertools.combinations(range(1, layers), chunks - 1):
+            edges = (0, *cuts, layers)
+            yield [edges[i + 1] - edges[i] for i in range(chunks)]
+        return
+    for first in (0, 1):
+        for last in (0, 1):
+            # An empty first (last) chunk: the middle chunks and the other edge take every layer.
+            inner = chunks - 2 + first + last
+            if inner == 0 or layers < inner:
+                continue
+            for split in contiguous_splits(layers, inner):
+                yield ([] if first else [0]) + split + ([] if last else [0])
 
 
 def explain_refusal(tmp_path, text: str) -> str:  # noqa: ANN001 - a pytest tmp_path

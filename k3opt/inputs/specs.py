@@ -679,9 +679,26 @@ class SearchSpace(StrictModel):
     """Toggles the planner may not switch on."""
     require_toggles: list[str] = Field(default_factory=list)
     """Toggles every layout must have on."""
-    split: list[PosInt] | None = None
-    """Fix the layer split (then p * v must match its length)."""
+    split: list[NonNegInt] | None = None
+    """Fix the layer split (then p * v must match its length); a 0 only on the first or last chunk, with
+    `empty_edge_chunks`."""
     max_vp: PosInt = 4
+    empty_edge_chunks: StrictBool = False
+    """Let the first and the last chunk hold no decoder layer: an embedding-only first stage, a last stage of
+    only the MTP layers and the loss (Megatron's layout strings 'E|t*4|...' and '...|mL'). Off: every chunk holds
+    at least one layer."""
+
+    @model_validator(mode="after")
+    def _empty_chunks_on_the_edges(self) -> SearchSpace:
+        if self.split is None or 0 not in self.split:
+            return self
+        if 0 in self.split[1:-1] or len(self.split) < 2:
+            raise ValueError(f"split {self.split} leaves a middle chunk without a layer; only the first and the "
+                             "last chunk may hold none (with empty_edge_chunks = true)")
+        if not self.empty_edge_chunks:
+            raise ValueError(f"split {self.split} leaves an edge chunk without a layer; set [search] "
+                             "empty_edge_chunks = true to allow it")
+        return self
 
     @model_validator(mode="after")
     def _gather_has_a_group(self) -> SearchSpace:

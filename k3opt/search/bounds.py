@@ -26,11 +26,13 @@ from k3opt.search.frames import (
     allowed_on,
     bound_persistent_bytes,
     choices,
+    chunk_least,
     frame_shape,
     lean_mode,
     least_step_gather,
     lifecycles,
     memory_view,
+    rank_least,
     undominated_modes,
 )
 from k3opt.search.lp_bound import (
@@ -144,7 +146,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     if f.vp == 1 and job.search.split is None:
         ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
             if "activation_offload" in allowed else None
-        stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed)
+        stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed, least=chunk_least(job, f))
         DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
         return step_floor(cf.slots, stage, update, hidden, hs), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
@@ -186,7 +188,7 @@ def frame_dp_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec,
         off = replace(offs[0], time={**offs[0].time,
                                      "host_link": np.min([o.time["host_link"] for o in offs], axis=0)})
     cap = allocated_capacity_bytes(job, f, model, cluster)
-    stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed)
+    stage, peak, _ = _dp_bounds(cf, lcf, off, cluster, cap, allowed, least=chunk_least(job, f))
     return step_floor(cf.slots, stage, *update_means(cf.update, cf.update_hidden, f.pp),
                       cf.update_hidden_stages), peak
 
@@ -336,7 +338,7 @@ def _group_node_bound(node: _GroupNode, best: float, stop_at: float, deadline: f
     stop = (line - update) / node.slots if math.isfinite(line) else math.inf
     mean_stage = stage
     stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
-                                      cheap[0].n_layers, f.pp, f.vp, stop=stop))
+                                      cheap[0].n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f)))
     if node.floor(stage) >= best:
         return node.floor(stage)
     views = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
@@ -416,7 +418,7 @@ def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLi
         cheap = [_floor(job, g, rc, lc, model, cluster, fixed={"dispatch_recompute": dr}) for g in group for lc in lcs]
         time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
         time["host_link"] = np.maximum(time["host_link"], np.min(arrs, axis=0))
-        out = min(out, granular_stage(time, cheap[0].n_layers, f.pp, f.vp, stop=stop))
+        out = min(out, granular_stage(time, cheap[0].n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f)))
     return out
 
 
@@ -460,7 +462,8 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         mem = memory_view(job, f, md, lc, model, cluster, balance=bal_on)
         # A program whose stage work reaches this cannot lower the least either: it stops there.
         stop = (best - update) / cf.slots * (1 + 1e-9) if math.isfinite(best) else math.inf
-        stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True, stop_at=stop)
+        stage, _, _ = _dp_bounds(cf, mem, off, cluster, cap, variant, force=True, stop_at=stop,
+                                 least=chunk_least(job, f))
         best = min(best, step_floor(cf.slots, stage, update, hidden, cf.update_hidden_stages))
     return best
 
@@ -510,7 +513,7 @@ def _own_floor(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: Mode
         return value
     _, update, _ = terms[0]
     stop = (stop_at - update) / cf.slots if math.isfinite(stop_at) else math.inf
-    stage = granular_stage(cf.time, cf.n_layers, f.pp, f.vp, stop=stop)
+    stage = granular_stage(cf.time, cf.n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f))
     return max(value, least_floor(terms, cf.slots, cf.update_hidden_stages, stage))
 
 
@@ -525,23 +528,25 @@ def _mean_stage(cf: Coefficients, off: Coefficients | None) -> float:
 
 
 def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, cluster: ClusterSpec, cap: int,
-               allowed: set[str], force: bool = False, stop_at: float = math.inf
+               allowed: set[str], force: bool = False, stop_at: float = math.inf, least: tuple[int, ...] = ()
                ) -> tuple[float, float, list[int] | None]:
     """Exact min over contiguous v = 1 splits of (max stage work, max stage memory) by dynamic programming over
     (rank, boundary), with work from the cheapest mode and memory from the leanest (so both are lower bounds):
     persistent + in-flight saved bytes and AttnRes bank + the largest working set + PP, EP and routing buffers +
     logits, or the optimizer phase, under the HBM line; offload when the host holds the saved bytes.
-    Rank r of p only ever holds a range [a, b) with r <= a and b <= L - (p - 1 - r) (every rank holds a layer),
-    the first rank a = 0 and the last b = L: each rank's costs are computed on that block only (`_rank_block`).
+    Rank r of p only ever holds a range [a, b) with sum(least[:r]) <= a and b <= L - sum(least[r + 1:]) (each
+    rank holds its least layers, `frames.chunk_least`: one, or none on an edge rank that may be empty), the first
+    rank a = 0 and the last b = L: each rank's costs are computed on that block only (`_rank_block`).
     Returns (inf, inf, None) when no split fits, and the argmin split of the work. `stop_at`: once every partial
     split's work is at or above it (so is the answer's, work only grows along the ranks), (inf, nan, None)."""
     L, p = cf.n_layers, cf.shape.pp
     s = _ranges(cf, lean, off, cluster, cap, allowed, force)
+    least = least or (1,) * p
     best_t = best_m = np.full(L + 1, np.inf)
     choice = np.zeros((p, L + 1), dtype=int)
     for r in range(p):
-        rows, cols = _rank_rows_cols(r, p, L)
-        t, mem = _rank_block(r, rows, cols, s)
+        rows, cols = _rank_rows_cols(r, p, L, least)
+        t, mem = _rank_block(r, rows, cols, s, empty=not least[r])
         new_t, new_m = np.full(L + 1, np.inf), np.full(L + 1, np.inf)
         if r == 0:
             new_t[cols], new_m[cols] = t[0], mem[0]
@@ -585,8 +590,9 @@ def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, clus
     Pr = Pr + grads
     P = bound_persistent_bytes(lean, lean.grads)
     # The optimizer phase per range (ledger.optimizer_transient_bytes, elementwise).
-    Or = (rng(opt) + _range_max(lean.ns_working_set, L) if lean.step_gather_with_ns
-          else np.maximum(rng(opt), _range_max(lean.ns_working_set, L)))
+    # An empty range (an edge rank with no layer) has no working set: 0 rather than the running max's -inf.
+    ns = np.maximum(_range_max(lean.ns_working_set, L), 0.0)
+    Or = rng(opt) + ns if lean.step_gather_with_ns else np.maximum(rng(opt), ns)
     R = np.concatenate([[0.0], np.cumsum(lean.closes[:L])])
     bank = R[b_i] * lean.stream_bytes
     packet_in = np.where(a_i > 0, pp_packet_bytes(R[a_i], lean.stream_bytes), 0.0)
@@ -596,16 +602,17 @@ def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, clus
         L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
         buffers=2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers),
         ws=_range_max(lean.working_set, L), work={res: rng(cf.time[res]) for res in cf.time},
-        resident=lean.shape.offload_resident_layers * _range_max(lean.act, L) if off is not None else None,
+        resident=(lean.shape.offload_resident_layers * np.maximum(_range_max(lean.act, L), 0.0)
+                  if off is not None else None),
         host_off=rng(off.time["host_link"]) if off is not None else None, P=P, opt=opt, cf=cf, lean=lean, off=off,
         host_bytes=cluster.host_memory_bytes, cap=cap, allowed=allowed, force=force)
 
 
-def _rank_rows_cols(r: int, p: int, L: int) -> tuple[slice, slice]:
-    """The boundaries rank r of p can start (rows a) and end (columns b) at when every rank holds a layer: the
-    first rank starts at 0, the last ends at L."""
-    rows = slice(0, 1) if r == 0 else slice(r, L - (p - r) + 1)
-    cols = slice(L, L + 1) if r == p - 1 else slice(r + 1, L - (p - 1 - r) + 1)
+def _rank_rows_cols(r: int, p: int, L: int, least: tuple[int, ...]) -> tuple[slice, slice]:
+    """The boundaries rank r of p can start (rows a) and end (columns b) at when each rank holds its `least`
+    layers: the first rank starts at 0, the last ends at L."""
+    rows = slice(0, 1) if r == 0 else slice(sum(least[:r]), L - sum(least[r:]) + 1)
+    cols = slice(L, L + 1) if r == p - 1 else slice(sum(least[:r + 1]), L - sum(least[r + 1:]) + 1)
     return rows, cols
 
 
@@ -720,8 +727,10 @@ def _rank_terms(r: int, blk: tuple[slice, slice], s: _Ranges) -> _RankTerms:
         busy=busy, unpacketed=functools.reduce(np.maximum, others) if others else np.full_like(persistent, -np.inf))
 
 
-def _rank_block(r: int, rows: slice, cols: slice, s: _Ranges) -> tuple[np.ndarray, np.ndarray]:
-    """Rank r's (work, memory) over the ranges [a, b) of its block (inf where the range is empty or does not fit):
+def _rank_block(r: int, rows: slice, cols: slice, s: _Ranges, empty: bool = False
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Rank r's (work, memory) over the ranges [a, b) of its block (inf where the range is empty, unless `empty`
+    lets this edge rank hold no layer, or does not fit):
     every resource's layers + edges + its PP packets, the slowest; each in-flight option (its own count, or with
     balancing the average, paying the excess over the network), the cheaper. The ranks without an edge share
     their terms, computed once over every range."""
@@ -760,17 +769,20 @@ def _rank_block(r: int, rows: slice, cols: slice, s: _Ranges) -> tuple[np.ndarra
         options = [(avg, t_bal)] if s.force else [*options, (avg, t_bal)]
     t_r = mem_r = np.inf
     for n, t_opt in options:
-        t_n, m_n = _dp_stage(n, t_opt, rt, s, blk)
+        t_n, m_n = _dp_stage(n, t_opt, rt, s, blk, empty)
         t_r, mem_r = np.minimum(t_r, t_n), np.minimum(mem_r, m_n)
     return t_r, mem_r
 
 
-def _dp_stage(n: float, t: np.ndarray, rt: _RankTerms, s: _Ranges, blk: tuple[slice, slice]
+def _dp_stage(n: float, t: np.ndarray, rt: _RankTerms, s: _Ranges, blk: tuple[slice, slice], empty: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """Work and memory of one rank over the ranges of its block when it holds n in-flight microbatches: persistent
     + n (saved + bank) + working set, buffers and logits, or the optimizer phase; with offload the resident
     layers' saved set stays on the GPU and the rest goes to the host."""
     valid, bank = _grid(s.L)[2][blk], s.bank[blk]
+    if empty:  # an edge rank that may hold no layer: the range [a, a) too
+        a_i, b_i, _ = _grid(s.L)
+        valid = valid | (a_i[blk] == b_i[blk])
     saved = n * (rt.act + bank)
     mem_keep = np.maximum(rt.persistent + saved + rt.fixed_act, rt.mem_opt)
     fits_keep = mem_keep <= s.cap
@@ -798,13 +810,15 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
 
     Layer i on rank r costs s_ir = P_i + c A_i: P_i its persistent bytes, A_i its saved bytes per in-flight
     microbatch under the leanest activation mode, c the in-flight copies of the chunk holding it at the rank's
-    peak composition. Every chunk holds at least one layer, so rank r carries at least F_r = sum over its chunks
-    of min_i s_ir, plus its edges E_r; the other L - p v layers are fractional. For y_r >= 0:
+    peak composition. Every chunk holds at least its least layers (`frames.chunk_least`: one, none on an edge
+    chunk that may be empty), so rank r carries at least F_r = sum over its chunks of least x min_i s_ir, plus its
+    edges E_r; the other L - sum(least) layers are fractional. For y_r >= 0:
     worst peak >= (sum_r y_r (E_r + F_r) + sum of the L - p v smallest min_r y_r s_ir) / sum_r y_r, here with
     y_r = 1 / (mean P + w_r mean A), w_r the rank's smallest chunk count. Offload (if allowed) keeps the resident
     layers' saved sets on the GPU and moves the rest to the host, where the same bound must fit host memory.
     The optimizer phase gives the mean of P_i + O_i."""
-    L, p, v = cf.n_layers, f.pp, f.vp
+    L, p = cf.n_layers, f.pp
+    least = chunk_least(job, f)
     P = bound_persistent_bytes(cf, None if "pipeline_zero2_host_grads" in allowed else cf.grads)
     opt = least_step_gather(cf, allowed)
     counts = []
@@ -819,18 +833,26 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     edges[0] += P[L] + cf.act[L]
     edges[p - 1] += P[L + 1] + cf.act[L + 1]
 
-    def bound(Pl: np.ndarray, Al: np.ndarray, extra: float = 0.0) -> float:
+    def bound(Pl: np.ndarray, Al: np.ndarray, extra: float | np.ndarray = 0.0) -> float:
         y = 1.0 / (Pl.mean() + w * Al.mean() + 1.0)
-        floor = np.array([sum(float((Pl + c * Al).min()) for c in counts[r]) for r in range(p)]) + extra
+        floor = np.array([sum(least[k * p + r] * float((Pl + c * Al).min()) for k, c in enumerate(counts[r]))
+                          for r in range(p)]) + extra
         cost = ((Pl[:, None] + Al[:, None] * w[None, :]) * y[None, :]).min(axis=1)
-        rest = np.sort(cost)[: max(L - p * v, 0)].sum()
+        rest = np.sort(cost)[: max(L - sum(least), 0)].sum()
         return float((rest + (y * (edges + floor)).sum()) / y.sum())
 
     opt_phase = float((P + opt).sum()) / p
     gpu = bound(P[:L], A)
     offload = "activation_offload" in allowed and bound(np.zeros(L), A) <= cluster.host_memory_bytes
     if offload:
-        gpu = min(gpu, bound(P[:L], np.zeros(L), cf.shape.offload_resident_layers * float(A.min())))
+        # The GPU keeps the resident layers' worth of the rank's largest saved set (its layers' and edges'): at
+        # least the least layer's, or on an edge rank that may hold no layer, its edge's if that is less.
+        low = np.full(p, float(A.min()))
+        for r, held in enumerate(rank_least(least, p)):
+            if not held:
+                low[r] = min(low[r], *([float(cf.act[L])] if r == 0 else []),
+                             *([float(cf.act[L + 1])] if r == p - 1 else []))
+        gpu = min(gpu, bound(P[:L], np.zeros(L), cf.shape.offload_resident_layers * low))
     # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers, with the MoE buffers of one layer,
     # the smallest working set and, when p > 1, at least one packet each way (an edge rank has only one).
     moe = cf.moe[:L] > 0

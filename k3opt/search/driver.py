@@ -36,6 +36,7 @@ from k3opt.search.frames import (
     ActMode,
     Frame,
     allocated_capacity_bytes,
+    chunk_least,
     enumerate_frames,
     frame_of,
     frame_shape,
@@ -1237,7 +1238,7 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
         return item
     best = item
     for split in candidate_splits(ranked_coefficients(shape, model, cluster),
-                                  allocated_capacity_bytes(job, f, model, cluster)):
+                                  allocated_capacity_bytes(job, f, model, cluster), chunk_least(job, f)):
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
         if ev.fits and _key(ev) < _key(best.evaluation):
             best = PlanItem(ev.layout, ev)

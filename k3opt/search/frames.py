@@ -300,6 +300,20 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
                   model=job.model, cluster=job.cluster, runtime=job.runtime, name=name)
 
 
+def chunk_least(job: Job, f: Frame) -> tuple[int, ...]:
+    """The least decoder layers each chunk of frame f holds, in chunk order: one, but none on the first and the
+    last chunk when the job allows empty edge chunks (`[search] empty_edge_chunks`) and there are two or more."""
+    k = f.pp * f.vp
+    if not job.search.empty_edge_chunks or k < 2:
+        return (1,) * k
+    return (0,) + (1,) * (k - 2) + (0,)
+
+
+def rank_least(least: tuple[int, ...], p: int) -> np.ndarray:
+    """The least decoder layers each of the p ranks holds: the sum of `chunk_least` over its chunks r, r + p, ..."""
+    return np.array([sum(least[r::p]) for r in range(p)], dtype=int)
+
+
 def sharding_group(f: Frame) -> tuple:
     """A frame's shape but for its expert and dense FSDP degrees. Within a group, FSDP degrees that are multiples
     of another frame's shard the same state over more ranks (less persistent memory per rank) and leave the

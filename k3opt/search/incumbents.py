@@ -33,6 +33,7 @@ from k3opt.search.frames import (
     Frame,
     allocated_capacity_bytes,
     choices,
+    chunk_least,
     frame_of,
     frame_shape,
     layout_of,
@@ -52,12 +53,16 @@ MEMORY_TOGGLES = toggle_names(ToggleKind.RANK, memory_only=True)
 
 
 def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = None,
-                 mem_fixed: np.ndarray | None = None, mem_cap: float = math.inf) -> list[int] | None:
-    """Contiguous split of L layers into K chunks (>= 1 layer each) minimizing max_j (fixed[j] + sum of cost[j, i]
-    over chunk j's layers), optionally with every chunk's mem_fixed[j] + sum of mem[j, i] <= mem_cap; arrays of
-    shape (K, L), non-negative. Bisection on the threshold with a greedy fill: each chunk takes the longest
-    prefix that fits, which is optimal because a shorter remainder never hurts. None when the cap cannot hold."""
+                 mem_fixed: np.ndarray | None = None, mem_cap: float = math.inf,
+                 least: tuple[int, ...] = ()) -> list[int] | None:
+    """Contiguous split of L layers into K chunks (at least least[j] layers each: `frames.chunk_least`, one when
+    empty) minimizing max_j (fixed[j] + sum of cost[j, i] over chunk j's layers), optionally with every chunk's
+    mem_fixed[j] + sum of mem[j, i] <= mem_cap; arrays of shape (K, L), non-negative. Bisection on the threshold
+    with a greedy fill: each chunk takes the longest prefix that fits, which is optimal because a shorter remainder
+    never hurts. None when the cap cannot hold."""
     K, L = cost.shape
+    need = list(least) if least else [1] * K
+    after = [sum(need[j + 1:]) for j in range(K)]
     pre_a = np.concatenate([np.zeros((K, 1)), np.cumsum(cost, axis=1)], axis=1)
     # The fill runs on Python floats (the same doubles): a scalar bisect is far cheaper than a numpy call.
     pre, fx = pre_a.tolist(), [float(x) for x in fixed]
@@ -67,7 +72,7 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
     def fill(limit: float) -> list[int] | None:
         start, out = 0, []
         for j in range(K):
-            last = L - (K - j - 1)
+            last = L - after[j]
             if j == K - 1:
                 end = L
             else:
@@ -76,7 +81,7 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
                 if mpre is not None and mfx is not None:
                     mroom = mem_cap - mfx[j] + mpre[j][start]
                     end = min(end, bisect.bisect_right(mpre[j], mroom) - 1)
-                end = min(max(end, start + 1), last)
+                end = min(max(end, start + need[j]), last)
             if fx[j] + pre[j][end] - pre[j][start] > limit:
                 return None
             if mpre is not None and mfx is not None and mfx[j] + mpre[j][end] - mpre[j][start] > mem_cap:
@@ -100,16 +105,17 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
     return best
 
 
-def candidate_splits(cf: Coefficients, cap: float) -> list[list[int]]:
+def candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] = ()) -> list[list[int]]:
     """Every split of `iter_candidate_splits`, in its order."""
-    return list(iter_candidate_splits(cf, cap))
+    return list(iter_candidate_splits(cf, cap, least))
 
 
-def iter_candidate_splits(cf: Coefficients, cap: float) -> Iterator[list[int]]:
+def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] = ()) -> Iterator[list[int]]:
     """Work-balanced, work-balanced under a few memory lines, memory-balanced and even splits of the shape's
     chunks (distinct), each computed when asked for (pricing stops at the first that fits). A chunk's bytes here
     are its layers' persistent bytes plus their saved bytes times the chunk's peak in-flight count; the lines (a
-    share of `cap`, per chunk of a rank) leave room for the rest."""
+    share of `cap`, per chunk of a rank) leave room for the rest. `least`: each chunk's least layers
+    (`frames.chunk_least`; empty: one)."""
     L, K, p = cf.n_layers, cf.shape.chunks, cf.shape.pp
     work = np.max([cf.time[res] for res in cf.time], axis=0)
     edge_work = np.zeros(K)
@@ -123,7 +129,7 @@ def iter_candidate_splits(cf: Coefficients, cap: float) -> Iterator[list[int]]:
         seen.append(s)
         return True
 
-    s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work)
+    s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, least=least)
     if new(s):
         yield s
     persistent = layer_bytes(cf, ("master", "optimizer", "bf16_view", "grads", "grad_accum"))
@@ -136,10 +142,11 @@ def iter_candidate_splits(cf: Coefficients, cap: float) -> Iterator[list[int]]:
     edge_mem[0] += persistent[L] + held[0] * cf.act[L]
     edge_mem[K - 1] += persistent[L + 1] + held[K - 1] * cf.act[L + 1]
     for share in (0.95, 0.9, 0.8):
-        s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, mem, edge_mem, share * cap / cf.shape.vp)
+        s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, mem, edge_mem, share * cap / cf.shape.vp,
+                         least=least)
         if new(s):
             yield s
-    s = minmax_split(mem, edge_mem)
+    s = minmax_split(mem, edge_mem, least=least)
     if new(s):
         yield s
     s = [L // K + (1 if j < L % K else 0) for j in range(K)]
@@ -187,7 +194,8 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
         nonlocal best
         mode = ActMode(rc, *(act[t] for t in ACT_TOGGLES))
         shape = frame_shape(job, f, mode, lc, **rank)
-        cand = splits if splits is not None else iter_candidate_splits(coefficients(shape, model, cluster), cap)
+        cand = splits if splits is not None else iter_candidate_splits(coefficients(shape, model, cluster), cap,
+                                                                        chunk_least(job, f))
         fitted = False
         for split in cand:
             if _time.monotonic() > deadline:
@@ -269,7 +277,7 @@ def _price(job: Job, f: Frame, cfg: Config, model: ModelSpec, cluster: ClusterSp
     evaluation is appended to `out`. None when the deadline passed before any split was priced."""
     shape = cfg.shape(job, f)
     splits = ([list(job.search.split)] if job.search.split is not None
-              else candidate_splits(coefficients(shape, model, cluster), cap))
+              else candidate_splits(coefficients(shape, model, cluster), cap, chunk_least(job, f)))
     fast: tuple[float, int, bool] | None = None
     lean: tuple[float, int, bool] | None = None
     for split in splits:
@@ -703,6 +711,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
         return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
 
     best, cur = item, list(lay.split)
+    least = chunk_least(job, frame_of(lay))
     now = loads(cur)
     def over() -> bool:
         return _time.monotonic() >= deadline or (stop is not None and stop())
@@ -711,7 +720,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
         cands: list[tuple[tuple[float, ...], list[int]]] = []
         for src in sorted(range(p), key=lambda r: -now[r])[:2]:
             for i in range(src, k, p):
-                if cur[i] <= 1:
+                if cur[i] <= least[i]:
                     continue
                 for j in range(k):
                     if j % p == src:

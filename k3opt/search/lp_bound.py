@@ -67,10 +67,12 @@ from k3opt.search.frames import (
     allowed_on,
     bound_persistent_bytes,
     choices,
+    chunk_least,
     frame_shape,
     lean_mode,
     least_step_gather,
     memory_view,
+    rank_least,
     undominated_modes,
 )
 from k3opt.search.policy import POLICY
@@ -113,6 +115,8 @@ class _Arrays:
     with_ns: bool = True
     """Whether the optimizer phase holds the step gather and the Newton-Schulz working set at once (the default
     policy, `Coefficients.step_gather_with_ns`); else the larger of the two (ledger.optimizer_transient_bytes)."""
+    least: tuple[int, ...] = ()
+    """The least decoder layers of each chunk, in chunk order (`frames.chunk_least`; empty: one each)."""
     updates: tuple[tuple[float, float, float], ...] = ()
     """Per node these arrays stand for (a group's members, each variant), its (stage, update compute, update
     communication) at least their means over the ranks (`ranking.update_means`): one node's triple bounds its
@@ -152,7 +156,8 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
                      logits=float(c0.logits), ep_min=float(ep),
                      hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
                      hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
-                     updates=(node_terms(c0, f.pp),), with_ns=c0.step_gather_with_ns)
+                     updates=(node_terms(c0, f.pp),), with_ns=c0.step_gather_with_ns,
+                     least=chunk_least(job, f))
     return arrays, c0
 
 
@@ -316,7 +321,7 @@ class _VariantSearch:
         upd = _mean_update(a, self.f.pp)
         line = min(self.best, self.stop_at)
         stage = granular_stage(a.time, c.n_layers, self.f.pp, self.f.vp,
-                               stop=(line - upd) / c.slots if math.isfinite(line) else math.inf)
+                               stop=(line - upd) / c.slots if math.isfinite(line) else math.inf, least=a.least)
         return max(floor, _floor(c.slots, stage, a, self.f.pp))
 
     def over(self, value: float) -> bool:
@@ -398,7 +403,8 @@ class _VariantSearch:
             update = _mean_update(merged, self.f.pp)
             slots = variants[0].coefs.slots
             stage = granular_stage(merged.time, variants[0].coefs.n_layers, self.f.pp, self.f.vp,
-                                   stop=(self.stop_at - update) / slots if math.isfinite(self.stop_at) else math.inf)
+                                   stop=(self.stop_at - update) / slots if math.isfinite(self.stop_at) else math.inf,
+                                   least=merged.least)
             best = max(best, _floor(slots, stage, merged, self.f.pp))
         return best
 
@@ -445,27 +451,32 @@ is a stop the stage was shown to reach. Frames whose floors differ only in what 
 microbatch count, the sharding of state) share one program."""
 
 
-def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float = math.inf) -> float:
+def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float = math.inf,
+                   least: tuple[int, ...] = ()) -> float:
     """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
-    layers can be dealt to the p ranks, each holding at least v (one per chunk), with every resource's sum over a
+    layers can be dealt to the p ranks, each holding at least its chunks' least layers (`least`, as
+    `frames.chunk_least`; empty: one per chunk, v), with every resource's sum over a
     rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S. Chunks and
     memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
     kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
     93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
     to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
-    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, v)
+    need = tuple(int(n) for n in rank_least(least, p)) if least else (v,) * p
+    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need)
     hit = _GRANULAR.get(key)
     if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):
         return hit[0]
-    value, exact = _granular_stage(time, L, p, v, stop)
+    value, exact = _granular_stage(time, L, p, need, stop)
     if len(_GRANULAR) > 8192:
         _GRANULAR.clear()
     _GRANULAR[key] = (value, exact)
     return value
 
 
-def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float) -> tuple[float, bool]:
-    """(granular_stage's value, whether it is the bisection's rather than the stop)."""
+def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int, ...], stop: float
+                    ) -> tuple[float, bool]:
+    """(granular_stage's value, whether it is the bisection's rather than the stop); `need`: each rank's least
+    layers."""
     arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
     kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
     main = int(np.argmax(counts))
@@ -494,7 +505,7 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: f
         with np.errstate(divide="ignore", invalid="ignore"):
             per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
         cmax = np.minimum(per.min(axis=1), n_main)
-        ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(v - n_base, 0))
+        ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(need[r] - n_base, 0))
         return np.where(ok, cmax, -1).astype(np.int64)
 
     def feasible(S: float) -> bool:
@@ -550,6 +561,7 @@ def _merge(arrays: list[_Arrays]) -> _Arrays:
         **{k: min(getattr(a, k) for a in arrays) for k in ("ws_min", "nsws_min", "logits", "ep_min")},
         hi=np.max([a.hi for a in arrays], axis=0),
         with_ns=all(a.with_ns for a in arrays),  # the max form is at or below the sum: valid for every member
+        least=first.least,  # the members of one group share their frame's pipeline shape and the job
     )
 
 
@@ -659,10 +671,10 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     _granularity_rows(lp, a)
     _replay_rows(lp, a, paths)
     _pipeline_rows(lp)
-    # Equalities: each kind's layers all placed; each chunk holds at least one layer (as -sum <= -1).
-    chunk_rows, a_eq = _placement_rows(lp.p * lp.v, lp.nk, lp.ncol)
+    # Equalities: each kind's layers all placed; each chunk holds its least layers (as -sum <= -least).
+    chunk_rows, chunk_rhs, a_eq = _placement_rows(lp.p, lp.v, lp.nk, lp.ncol, a.least)
     a_ub = np.vstack([np.array(lp.rows), chunk_rows])
-    b_ub = np.concatenate([lp.rhs, -np.ones(lp.p * lp.v)])
+    b_ub = np.concatenate([lp.rhs, chunk_rhs])
     upper = np.concatenate([np.tile(lp.counts.astype(float), lp.p * lp.v), np.full(lp.ncol - lp.n, np.inf)])
     value = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper)
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
@@ -674,7 +686,7 @@ def _work_rows(lp: _Program, a: _Arrays, c0: Coefficients, bal: bool) -> None:
     at most S; every resource's update at most U; every resource's update communication at most
     hidden_stages x S + E."""
     L, p, v, work = lp.L, lp.p, lp.v, a.time
-    pk = _packet_floor(c0, p, v, L)
+    pk = _packet_floor(c0, p, v, L, a.least)
     for r in range(p):
         n_peak = peak_inflight(c0.compositions[r])
         moved = 0.0
@@ -757,15 +769,22 @@ def _objective(lp: _Program) -> np.ndarray:
     return cost
 
 
-def _placement_rows(chunks: int, nk: int, ncol: int) -> tuple[np.ndarray, np.ndarray]:
-    """(every chunk holds at least one layer, as -sum_t x[j, t] <= -1; every kind's layers all placed, as
-    sum_j x[j, t] = count_t) over the first chunks x nk of ncol columns (chunk j's kinds at j nk ..)."""
+def _placement_rows(p: int, v: int, nk: int, ncol: int, least: tuple[int, ...]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(every chunk holds its least layers, as -sum_t x[j, t] <= -least; their right-hand sides; every kind's
+    layers all placed, as sum_j x[j, t] = count_t) over the first p v nk of ncol columns (rank r's k-th chunk,
+    global chunk k p + r, at (r v + k) nk ..). `least` in global chunk order (`frames.chunk_least`; empty: one)."""
+    chunks = p * v
     chunk_rows = np.zeros((chunks, ncol))
+    chunk_rhs = -np.ones(chunks)
     a_eq = np.zeros((nk, ncol))
     for j in range(chunks):
         chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
         a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
-    return chunk_rows, a_eq
+        if least:
+            r, k = divmod(j, v)
+            chunk_rhs[j] = -float(least[k * p + r])
+    return chunk_rows, chunk_rhs, a_eq
 
 
 def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
@@ -791,8 +810,8 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
 
     packets = _least_packets(c0, p)
     moe = c0.moe[:L] > 0
-    # Each rank holds at least v layers; more than the non-MoE layers means it holds an MoE layer.
-    must_moe = bool(moe.any()) and v > int((~moe).sum())
+    # Each rank holds at least its chunks' least layers; more than the non-MoE layers means it holds an MoE layer.
+    must_moe = _must_moe(moe, a.least, p, v)
     ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
     room = cap * (1 + FEAS_TOL)
     for r in range(p):
@@ -882,8 +901,9 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
 
     for i in range(L):
         m.add_exactly_one(at(g, i) for g in range(G))
-    m.add(at(0, 0) == 1)
-    m.add(at(G - 1, L - 1) == 1)
+    # The first layer opens chunk 0 (or chunk 1 when chunk 0 may be empty), the last closes chunk G - 1 (or G - 2).
+    m.add_bool_or([at(0, 0)] + ([at(1, 0)] if a.least and not a.least[0] and G > 1 else []))
+    m.add_bool_or([at(G - 1, L - 1)] + ([at(G - 2, L - 1)] if a.least and not a.least[-1] and G > 1 else []))
     for i in range(L - 1):
         for g in range(G):
             m.add_bool_or([~at(g, i), at(g, i + 1)] + ([at(g + 1, i + 1)] if g + 1 < G else []))
@@ -920,7 +940,8 @@ def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
     return _Arrays(time={}, update={}, persistent=bound_persistent_bytes(lean, grads),
                    opt=least_step_gather(lean, allowed), act=lean.act,
                    ws_min=float(lean.working_set[:L].min()), nsws_min=0.0, logits=float(lean.logits),
-                   ep_min=float(ep), hi=np.zeros(L + 2), with_ns=lean.step_gather_with_ns)
+                   ep_min=float(ep), hi=np.zeros(L + 2), with_ns=lean.step_gather_with_ns,
+                   least=chunk_least(job, f))
 
 
 def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list[Coefficients], cap: float,
@@ -960,9 +981,9 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
     nk = len(counts)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
     n = p * v * nk
-    chunk_rows, a_eq = _placement_rows(p * v, nk, n)
+    chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, a.least)
     a_ub = np.vstack([mem_rows, chunk_rows])
-    b_ub = np.concatenate([mem_rhs, -np.ones(p * v)])
+    b_ub = np.concatenate([mem_rhs, chunk_rhs])
     return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), np.tile(counts.astype(float), p * v)) < math.inf
 
 
@@ -985,27 +1006,29 @@ def _build_paths_of(p: int, v: int, m: int, L: int, full: bool) -> np.ndarray:
 _paths_of = Memo(_build_paths_of, maxsize=256)
 
 
-def _packet_floor(c0: Coefficients, p: int, v: int, L: int) -> list[dict[str, float]]:
+def _packet_floor(c0: Coefficients, p: int, v: int, L: int, least: tuple[int, ...] = ()
+                  ) -> list[dict[str, float]]:
     """Per rank, a floor on its PP packets' seconds per microbatch on each link (achievable.rank_sums prices them:
     `pp_packet_bytes` in and out of every chunk but the model's ends). The boundary before global chunk g lies at
-    layer g or deeper (every chunk holds a layer), and the open streams only grow with depth, so each boundary
-    carries at least its shallowest possible packet."""
+    layer sum(least[:g]) or deeper (g with a layer in every chunk; `least` as `frames.chunk_least`), and the open
+    streams only grow with depth, so each boundary carries at least its shallowest possible packet."""
     out: list[dict[str, float]] = [{} for _ in range(p)]
     if p == 1:
         return out
     closes_cum = np.concatenate([[0.0], np.cumsum(c0.closes[:L])])
     k = p * v
+    depth = np.concatenate([[0], np.cumsum(least)]) if least else np.arange(k + 1)
     for r in range(p):
         for g in range(r, k, p):
             if g > 0:
                 hop = (r - 1) % p
                 res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
                 out[r][res] = out[r].get(res, 0.0) + (
-                    pp_packet_bytes(closes_cum[g], c0.stream_bytes) * c0.pp_seconds_per_byte[hop])
+                    pp_packet_bytes(closes_cum[depth[g]], c0.stream_bytes) * c0.pp_seconds_per_byte[hop])
             if g < k - 1:
                 res = "nvlink" if c0.pp_on_nvlink[r] else "nic"
                 out[r][res] = out[r].get(res, 0.0) + (
-                    pp_packet_bytes(closes_cum[g + 1], c0.stream_bytes) * c0.pp_seconds_per_byte[r])
+                    pp_packet_bytes(closes_cum[depth[g + 1]], c0.stream_bytes) * c0.pp_seconds_per_byte[r])
     return out
 
 
@@ -1090,7 +1113,7 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
     nk = len(counts)
     kp, ka = kinds[:, 0], kinds[:, 1]
     moe = lean.moe[:L] > 0
-    must_moe = bool(moe.any()) and v > int((~moe).sum())
+    must_moe = _must_moe(moe, la.least, p, v)
     act_fixed = la.ws_min + _least_packets(lean, p) + ((la.ep_min + lean.routing_map) if must_moe else 0.0)
     n = p * v * nk
     rows, rhs = [], []
@@ -1107,11 +1130,18 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
             edge_act = (comp[0] * A[L] if r == 0 else 0.0) + (comp[-1] * A[L + 1] if r == p - 1 else 0.0)
             rows.append(row)
             rhs.append(cap * (1 + FEAS_TOL) - fixed - edge_act)
-    chunk_rows, a_eq = _placement_rows(p * v, nk, n)
+    chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, la.least)
     a_ub = np.vstack([np.array(rows), chunk_rows])
-    b_ub = np.concatenate([rhs, -np.ones(p * v)])
+    b_ub = np.concatenate([rhs, chunk_rhs])
     upper = np.tile(counts.astype(float), p * v)
     return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), upper) == math.inf
+
+
+def _must_moe(moe: np.ndarray, least: tuple[int, ...], p: int, v: int) -> bool:
+    """Whether every rank holds an MoE layer: each holds at least its chunks' least layers (`frames.rank_least`;
+    v with one per chunk), and more layers than the model has non-MoE ones include an MoE layer."""
+    fewest = int(rank_least(least, p).min()) if least else v
+    return bool(moe.any()) and fewest > int((~moe).sum())
 
 
 def _least_packets(c: Coefficients, p: int) -> float:

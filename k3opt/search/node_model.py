@@ -30,6 +30,7 @@ from k3opt.search.frames import (
     act_modes,
     allocated_capacity_bytes,
     choices,
+    chunk_least,
     frame_shape,
     layout_of,
     lifecycles,
@@ -121,8 +122,9 @@ class FrameModel:
             if j + 1 < K:
                 for i in range(L):
                     m.add_implication(self.z[i][j + 1], self.z[i][j])
-        for j in range(K):
-            m.add(self._x_sum(np.ones(L, dtype=np.int64), j) >= 1)
+        for j, least in enumerate(chunk_least(self.job, self.f)):
+            if least:
+                m.add(self._x_sum(np.ones(L, dtype=np.int64), j) >= least)
         even = np.cumsum([L // K + (1 if j < L % K else 0) for j in range(K)])
         for j in range(1, K):
             for i in range(L):

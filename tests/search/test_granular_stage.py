@@ -70,6 +70,17 @@ def test_each_rank_holds_one_layer_per_chunk():
     assert granular_stage(t, L, 3, 2) == pytest.approx(7e-3, rel=1e-6)
 
 
+def test_an_edge_chunk_that_may_be_empty_lowers_its_rank_s_least():
+    # The same 6 layers and edges with the first and last chunk allowed no layer (chunk 0 on rank 0, chunk 5 on
+    # rank 2): ranks 0 and 2 need one layer, rank 1 two; dealing 1 + 4 + 1 puts 5 + 1 = 6 ms on each edge rank and
+    # 4 ms on rank 1, and no dealing does better (an edge rank holds its 5-ms edge and at least one layer).
+    L = 6
+    t = {"tensor": np.array([1.0] * L + [5.0, 5.0]) * 1e-3}
+    assert granular_stage(t, L, 3, 2, least=(0, 1, 1, 1, 1, 0)) == pytest.approx(6e-3, rel=1e-6)
+    # The least layers enter the cache key: the bound with one layer per chunk is still 7 ms after it.
+    assert granular_stage(t, L, 3, 2) == pytest.approx(7e-3, rel=1e-6)
+
+
 def test_interleaved_bound_deals_each_variant_whole_layers():
     """Kimi K3 on the default 512-GPU job, node PP8 VP4 EP64 dense FSDP 64 M64, selective recompute, gradients
     reduced per microbatch. A layout of it (split 3 x 28 + 2 + 3 + 2 x 2: some rank holds 12 of the 93 layers, the

@@ -55,3 +55,26 @@ def test_packet_floor_is_exact_at_the_shallowest_boundaries_and_below_elsewhere(
     # AttnRes: a deep boundary carries more streams than a shallow one, so the floor is strictly under the even split
     even = _packets(cf, [6] * 15 + [3], 1)
     assert floor[1]["nic"] < even["nic"]
+
+
+def test_with_empty_edge_chunks_the_floor_is_exact_one_layer_shallower(k3_pp4_vp4):
+    """When the first and the last chunk may hold no layer (`[search] empty_edge_chunks`), the boundary before
+    chunk g lies at layer g - 1 or deeper: the floor is exact at [0, 1 x 14, L - 14] (every boundary one layer
+    shallower than with a layer in every chunk) and below the splits of the test above, and no higher than the
+    floor with a layer in every chunk; where a block closes between the two depths it is strictly lower."""
+    cf = k3_pp4_vp4
+    p, v, L = 4, 4, cf.n_layers
+    least = (0,) + (1,) * (p * v - 2) + (0,)
+    floor = _packet_floor(cf, p, v, L, least)
+    shallow = [0] + [1] * (p * v - 2) + [L - p * v + 2]  # boundary g at layer g - 1, the last chunk the rest
+    assert sum(shallow) == L and len(shallow) == p * v
+    for r in range(p):
+        got = _packets(cf, shallow, r)
+        for res in ("nvlink", "nic"):
+            assert floor[r].get(res, 0.0) == pytest.approx(got[res], rel=1e-9, abs=1e-12)
+        for split in ([6] * 15 + [3], [1] * (p * v - 1) + [L - p * v + 1]):
+            priced = _packets(cf, split, r)
+            for res in ("nvlink", "nic"):
+                assert floor[r].get(res, 0.0) <= priced[res] * (1 + 1e-9) + 1e-12
+    held = _packet_floor(cf, p, v, L)
+    assert sum(sum(d.values()) for d in floor) < sum(sum(d.values()) for d in held)
