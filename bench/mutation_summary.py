@@ -19,7 +19,9 @@ from pathlib import Path
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
           -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout", None: "not checked",
           -9: "timeout"}  # -9: SIGKILL at the hard CPU limit, one second after SIGXCPU (mutmut prints "segfault")
-MODULES = ("structure", "coefficients", "evaluate", "schedule", "comm")
+MODULES = ("cost/structure", "cost/coefficients", "cost/evaluate", "cost/schedule", "cost/comm", "cost/ledger",
+           "inputs/pipeline_layout")
+"""The modules of `[tool.mutmut] only_mutate`, under mutants/k3opt/."""
 
 
 def main() -> None:
