@@ -126,7 +126,8 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
         out.append(("vp", f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]"))
     if target == "megatron-bridge" and layout.cp > 1 and (model is None or _has_kda(model)):
         out.append(("cp", f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]"))
-    if layout.dense_fsdp != layout.ep * layout.expert_fsdp:
+    # A model without routed experts has no expert group, and nothing derives its degree.
+    if layout.dense_fsdp != layout.ep * layout.expert_fsdp and (model is None or model.moe is not None):
         src = _source(target, "expert_fsdp")
         out.append(("expert_fsdp", f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x "
                                    f"{layout.expert_fsdp}: the expert sharding degree is derived [{src}]"))
@@ -191,6 +192,11 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
     if target in ("megatron-lm", "megatron-bridge") and _muon(model):
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
         narrow("param_gather", [ParamGather.UPDATE])
+    elif (target in ("megatron-lm", "megatron-bridge") and model is not None and s.param_gather is None
+          and "param_gather" not in lifted):
+        # AdamW: a dense optim_grads_params group runs as Megatron-FSDP, which gathers per layer; a job that names
+        # no gather searches that one too, as it would have to list it to plan what Megatron runs.
+        upd["param_gather"] = [ParamGather.UPDATE, ParamGather.LAYER]
     forbid = list(s.forbid_toggles)
     for ns in no_switch_for(target, model):
         if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:

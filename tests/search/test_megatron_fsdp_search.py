@@ -189,3 +189,26 @@ def test_a_gather_with_nothing_to_gather_is_one_line(tmp_path: Path, sharding: s
     res = CliRunner().invoke(main, ["plan", str(path)])
     assert res.exit_code == 2
     assert words in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_a_megatron_target_plans_megatron_fsdp_for_an_adamw_model_unasked():
+    """Llama 3 70B (AdamW) at its recipe microbatch with target megatron-bridge and no `param_gather` listed: the
+    target adds the per-layer gather (a dense optim_grads_params group runs as Megatron-FSDP), so the plan finds
+    the gathered layout it finds when the job lists both gathers, where the kept view leaves no layout (the
+    first test). A job that lists a gather keeps its list; Muon models keep the update gather only (above)."""
+    from k3opt.launch import apply_target_limits
+
+    llama = k3opt.load_model("llama3-70b")
+    job = k3opt.Job.model_validate({**LLAMA, "target": "megatron-bridge", "search": SPACE})
+    assert apply_target_limits(job, llama).search.param_gather == [ParamGather.UPDATE, ParamGather.LAYER]
+    listed = k3opt.Job.model_validate({**LLAMA, "target": "megatron-bridge",
+                                       "search": {**SPACE, "param_gather": ["update"]}})
+    assert apply_target_limits(listed, llama).search.param_gather == [ParamGather.UPDATE]
+    plan = k3opt.plan(job, top=1, gap=0)
+    assert plan.layouts[0].layout.param_gather == ParamGather.LAYER
+    assert plan.layouts[0].evaluation.fits
+    # Its dense FSDP degree (> 1) is not ep x expert_fsdp = 1: Llama has no routed experts, so no expert-DP
+    # degree is derived from it and the rule does not apply (on an MoE model it does, tests/launch).
+    lay = plan.layouts[0].layout
+    assert lay.dense_fsdp > lay.ep * lay.expert_fsdp
+    assert not launch_refusals(lay, "megatron-bridge", llama)
