@@ -15,7 +15,7 @@ import numpy as np
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key, policy_step_gather
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
-from k3opt.inputs.memo import Memo
+from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -120,10 +120,19 @@ def node_key(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelS
     return (job.model_dump_json(), *cache_key(model, cluster), f, rc, lc)
 
 
-DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = {}
+DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = register({})
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
-LP_BOUNDS: dict[tuple, float] = {}
+LP_BOUNDS: dict[tuple, float] = register({})
 """Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
+KEPT_NODES = 65536
+"""Entries DP_HINTS and LP_BOUNDS hold before they start over: a node whose entry is gone is solved with a weaker
+cut (its model recomputes the hint), never a wrong one, and a long-lived process (the lab, a sweep) stays bounded."""
+
+
+def _keep(store: dict, key: tuple, value: object) -> None:
+    if len(store) >= KEPT_NODES:
+        store.clear()
+    store[key] = value
 
 
 def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
@@ -147,7 +156,7 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         ocf = coefficients(frame_shape(job, f, lean, lc, activation_offload=True), model, cluster) \
             if "activation_offload" in allowed else None
         stage, dp_peak, split = _dp_bounds(cf, lcf, ocf, cluster, cap, allowed, least=chunk_least(job, f))
-        DP_HINTS[node_key(job, f, rc, lc, model, cluster)] = (stage, split)
+        _keep(DP_HINTS, node_key(job, f, rc, lc, model, cluster), (stage, split))
         return step_floor(cf.slots, stage, update, hidden, hs), max(peak, dp_peak)
     stage = max(float(cf.time[res].sum()) for res in cf.time) / p
     if "activation_offload" in allowed:
@@ -434,7 +443,7 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         return 0.0
     if f.vp != 1:
         lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at)
-        LP_BOUNDS[node_key(job, f, rc, lc, model, cluster)] = lp
+        _keep(LP_BOUNDS, node_key(job, f, rc, lc, model, cluster), lp)
         return lp
     allowed = allowed_on(job)
     cap = allocated_capacity_bytes(job, f, model, cluster)
