@@ -41,11 +41,13 @@ from k3opt.search.lp_bound import (
     interleaved_lp_bound,
     lean_fits,
     least_floor,
+    loosest_capacity,
     needs_offload,
     no_offload_bound,
     node_terms,
     schedule_terms,
 )
+from k3opt.search.policy import POLICY
 from k3opt.search.ranking import coarse_work_floor, step_floor, update_means, work_floor
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 
@@ -124,13 +126,11 @@ DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = register({})
 """(stage-work bound, its split) of each node's dynamic program, reused as a cut and a hint by its CP-SAT model."""
 LP_BOUNDS: dict[tuple, float] = register({})
 """Step-time bound (s) of each interleaved node's linear relaxation, a cut on its CP-SAT model's objective."""
-KEPT_NODES = 65536
-"""Entries DP_HINTS and LP_BOUNDS hold before they start over: a node whose entry is gone is solved with a weaker
-cut (its model recomputes the hint), never a wrong one, and a long-lived process (the lab, a sweep) stays bounded."""
 
 
-def _keep(store: dict, key: tuple, value: object) -> None:
-    if len(store) >= KEPT_NODES:
+def _keep(store: dict, key: tuple, value: object, most: int | None = None) -> None:
+    """store[key] = value, the store emptied first when it holds `most` entries (POLICY.kept_nodes)."""
+    if len(store) >= (POLICY.kept_nodes if most is None else most):
         store.clear()
     store[key] = value
 
@@ -341,19 +341,24 @@ def _group_node_bound(node: _GroupNode, best: float, stop_at: float, deadline: f
     node.slots = cheap[0].slots
     if node.floor(stage) >= best:
         return node.floor(stage)
-    # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, only as far as
-    # the least so far or the line (either is all the search needs to know).
-    line = min(best, stop_at)
-    stop = (line - update) / node.slots if math.isfinite(line) else math.inf
-    mean_stage = stage
-    stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
-                                      cheap[0].n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f)))
-    if node.floor(stage) >= best:
-        return node.floor(stage)
     views = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
     if len({schedule_terms(vw) for vw in views}) > 1:
         return None  # the memory tests read the first view's schedule terms
     merged = _least_bytes(views)
+    # Whole layers per rank (lp_bound.granular_stage) over the least of the lifecycles' floors, each rank holding
+    # no more than the leanest bytes of any setting let it (lp_bound.loosest_capacity), only as far as the least
+    # so far or the line (either is all the search needs to know).
+    line = min(best, stop_at)
+    stop = (line - update) / node.slots if math.isfinite(line) else math.inf
+    mean_stage = stage
+    most = loosest_capacity(job, f, merged, node.cap, cluster.host_memory_bytes)
+    if min(most) < 0:
+        return math.inf  # some rank cannot hold its least layers under any setting: no layout of the node fits
+    stage = max(stage, granular_stage({res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time},
+                                      cheap[0].n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f),
+                                      most=most))
+    if node.floor(stage) >= best:
+        return node.floor(stage)
     if node.floor(stage) < stop_at and not lean_fits(job, f, merged, node.cap, cluster.host_memory_bytes):
         # No layout of the node fits under any setting (the leanest bytes of every member, the largest
         # budget): it bounds nothing. At 8,192 GPUs the accumulate lifecycle's unsharded FP32 buffer leaves

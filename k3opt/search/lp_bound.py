@@ -314,14 +314,19 @@ class _VariantSearch:
                                     key=lambda x: x[:2])
         return self.full[key]
 
-    def whole_layers(self, floor: float, a: _Arrays, c: Coefficients) -> float:
+    def whole_layers(self, floor: float, a: _Arrays, c: Coefficients, off: bool, bal: bool) -> float:
         """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
-        most toggles move the update or the edges only), at least `floor`. The program runs only as far as the
-        least so far or the line: a value it stops at is at or above them, and only decides a skip."""
+        most toggles move the update or the edges only), each rank holding no more layers than its memory rows
+        under the (offload, balancing) setting allow (`rank_capacity`), at least `floor`. The program runs only as
+        far as the least so far or the line: a value it stops at is at or above them, and only decides a skip."""
         upd = _mean_update(a, self.f.pp)
         line = min(self.best, self.stop_at)
+        most = rank_capacity(self.f, a, c, self.cap, self.host_cap, off, bal)
+        if min(most) < 0:
+            return math.inf  # some rank cannot hold its least layers: no layout of the setting fits
         stage = granular_stage(a.time, c.n_layers, self.f.pp, self.f.vp,
-                               stop=(line - upd) / c.slots if math.isfinite(line) else math.inf, least=a.least)
+                               stop=(line - upd) / c.slots if math.isfinite(line) else math.inf, least=a.least,
+                               most=most)
         return max(floor, _floor(c.slots, stage, a, self.f.pp))
 
     def over(self, value: float) -> bool:
@@ -338,7 +343,8 @@ class _VariantSearch:
         """The key's base floor, or its whole-layer floor, cannot lower the least (nor can any variant of the key's:
         each is at or above its base). Once true, true for the rest of the call: `best` only falls."""
         b = self.base[key]
-        return self.over(b.floor * (1 - 1e-9)) or self.over(self.whole_layers(b.floor, b.arrays, b.coefs))
+        return self.over(b.floor * (1 - 1e-9)) or self.over(self.whole_layers(b.floor, b.arrays, b.coefs, key[1],
+                                                                                  key[2]))
 
     def solve_keys(self, paths: np.ndarray) -> None:
         """Every key not settled, cheapest base first: its (offload, balancing) setting's merged program
@@ -369,7 +375,7 @@ class _VariantSearch:
         if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal):
             return math.inf
         if len(every) > 1:
-            lo = self.whole_layers(min(m.floor for m in every), merged_all, c0)
+            lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, off, bal)
             return lo if self.over(lo) else max(
                 lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths))
         return -math.inf
@@ -381,13 +387,13 @@ class _VariantSearch:
         c0 = members[0].coefs
         if len(members) > 1:
             merged = _merge([m.arrays for m in members])
-            if (self.over(self.whole_layers(members[0].floor, merged, c0))
+            if (self.over(self.whole_layers(members[0].floor, merged, c0, off, bal))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
                 break
-            floor = self.whole_layers(floor, a, c)
+            floor = self.whole_layers(floor, a, c, off, bal)
             if self.over(floor * (1 - 1e-9)):
                 continue
             self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths)))
@@ -452,7 +458,7 @@ microbatch count, the sharding of state) share one program."""
 
 
 def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: float = math.inf,
-                   least: tuple[int, ...] = ()) -> float:
+                   least: tuple[int, ...] = (), most: tuple[int, ...] = ()) -> float:
     """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
     layers can be dealt to the p ranks, each holding at least its chunks' least layers (`least`, as
     `frames.chunk_least`; empty: one per chunk, v), with every resource's sum over a
@@ -462,21 +468,22 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: fl
     93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
     to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
     need = tuple(int(n) for n in rank_least(least, p)) if least else (v,) * p
-    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need)
+    cap = tuple(min(int(n), L) for n in most) if most else (L,) * p
+    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need, cap)
     hit = _GRANULAR.get(key)
     if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):
         return hit[0]
-    value, exact = _granular_stage(time, L, p, need, stop)
+    value, exact = _granular_stage(time, L, p, need, stop, cap)
     if len(_GRANULAR) > 8192:
         _GRANULAR.clear()
     _GRANULAR[key] = (value, exact)
     return value
 
 
-def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int, ...], stop: float
-                    ) -> tuple[float, bool]:
-    """(granular_stage's value, whether it is the bisection's rather than the stop); `need`: each rank's least
-    layers."""
+def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int, ...], stop: float,
+                    most: tuple[int, ...]) -> tuple[float, bool]:
+    """(granular_stage's value, whether it is the bisection's rather than the stop); `need` and `most`: each rank's
+    least and most layers."""
     arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
     kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
     main = int(np.argmax(counts))
@@ -504,16 +511,22 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
         room = S - base - edges[r]  # (patterns, resources)
         with np.errstate(divide="ignore", invalid="ignore"):
             per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
-        cmax = np.minimum(per.min(axis=1), n_main)
+        cmax = np.minimum(np.minimum(per.min(axis=1), n_main), most[r] - n_base)
         ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(need[r] - n_base, 0))
         return np.where(ok, cmax, -1).astype(np.int64)
 
     def feasible(S: float) -> bool:
         val = np.full(len(states), -1, dtype=np.int64)
         val[0] = 0
-        middle = capacity(S, 1) if p > 2 else None
+        # Ranks without an edge that share their least and most layers share their capacities.
+        shared: dict[tuple[int, int], np.ndarray] = {}
         for r in range(p):
-            cap = middle if (middle is not None and 0 < r < p - 1) else capacity(S, r)
+            if 0 < r < p - 1:
+                cap = shared.get((need[r], most[r]))
+                if cap is None:
+                    cap = shared[(need[r], most[r])] = capacity(S, r)
+            else:
+                cap = capacity(S, r)
             cand = np.where((val[src] >= 0) & (cap[pat] >= 0), val[src] + cap[pat], -1)
             val = np.full(len(states), -1, dtype=np.int64)
             np.maximum.at(val, dst, cand)
@@ -546,6 +559,62 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
         if hi - lo <= 1e-6 * hi:
             break
     return lo * (1 - 1e-9), True
+
+
+def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool
+                  ) -> tuple[int, ...]:
+    """Per rank, the most decoder layers it can hold under the memory rows of one (offload, balancing) setting
+    (`_memory_rows`, the relaxation's): in each row of rank r, its chunks hold at least their least layers
+    (`_Arrays.least`) at their cheapest kind, and every further layer costs at least the row's cheapest
+    coefficient, so n <= sum(least) + (rhs - forced) / cheapest. -1 where a row cannot hold even the least
+    layers. Where the in-flight counts crowd the early ranks' chunks, their capacity is what pushes the layers
+    onto the late ranks (K3 PP16 VP3 at 8K context: about 5 layers on the first ranks under offload)."""
+    L, p, v = c0.n_layers, f.pp, f.vp
+    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L]], axis=1), axis=0,
+                              return_counts=True)
+    nk = len(kinds)
+    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
+    least = a.least or (1,) * (p * v)
+    most = [L] * p
+    for row, b in zip(rows, rhs, strict=True):
+        blocks = np.asarray(row).reshape(p, v, nk)
+        held = np.abs(blocks).sum(axis=(1, 2))
+        if not held.any():
+            continue
+        r = int(np.argmax(held))  # each row reads one rank's columns
+        if most[r] < 0:
+            continue
+        most[r] = min(most[r], _row_capacity(blocks[r], counts, [least[k * p + r] for k in range(v)], b))
+    return tuple(most)
+
+
+def _row_capacity(co: np.ndarray, counts: np.ndarray, least: list[int], b: float) -> int:
+    """The most layers one memory row (coefficient co[k, t] for a layer of kind t in the rank's k-th chunk, at most
+    b) lets its rank hold, -1 when not even its chunks' least layers fit. Two lower bounds on n layers' cost, each
+    valid alone: every chunk's least layers at its cheapest kind and every further layer at the row's cheapest
+    coefficient; and the n layers that are cheapest in their cheapest chunk, each kind at most its count."""
+    slack = 1e-9
+    lk = np.asarray(least, dtype=float)
+    forced = float((lk * co.min(axis=1)).sum())
+    if b < forced * (1 - slack) - 1.0:  # a byte and a relative hair of slack for the sums' rounding
+        return -1
+    step = float(co.min())
+    n1 = int(lk.sum()) + math.floor((b - forced) / step * (1 + slack) + slack) if step > 0 else int(counts.sum())
+    cheapest = co.min(axis=0)  # per kind, in its cheapest chunk
+    order = np.argsort(cheapest, kind="stable")
+    per = np.repeat(cheapest[order], counts[order])
+    n2 = int(np.searchsorted(np.cumsum(per), b * (1 + slack) + 1.0, side="right"))
+    return min(n1, n2)
+
+
+def loosest_capacity(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float) -> tuple[int, ...]:
+    """Per rank, the most layers any variant of a node lets it hold: `rank_capacity` over `lean_arrays` (bytes at
+    or below every variant's, the in-flight counts at balancing's average where allowed), the most over the
+    allowed offload settings. -1 where no setting holds the rank's least layers."""
+    a = lean_arrays(job, f, lean)
+    bal = _lean_balance(job, lean)
+    per = [rank_capacity(f, a, lean, cap, host_cap, off, bal) for off in choices(job, "activation_offload")]
+    return tuple(max(c[r] for c in per) for r in range(f.pp))
 
 
 def _merge(arrays: list[_Arrays]) -> _Arrays:

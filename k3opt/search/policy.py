@@ -145,6 +145,11 @@ class SearchPolicy:
     """Largest state space (layer counts of every kind but the most numerous) lp_bound.granular_stage runs its
     program over; above it the bound is skipped (0), which only weakens the bound."""
 
+    kept_nodes: int = 65536
+    """Entries the kept node cuts (bounds.DP_HINTS, LP_BOUNDS) hold before they start over: a node whose entry is
+    gone is solved with a weaker cut (its model recomputes the hint), never a wrong one, and a long-lived process
+    (the lab, a sweep) stays bounded."""
+
     sample_splits: int = 24
     """Sample splits whose longest replay paths join the classic ones in a node's path set
     (replay_bound.seed_paths)."""

@@ -77,16 +77,15 @@ def test_stage_program_equals_brute_force_over_splits(space, force):
     assert checked >= 12 and mixed >= 2  # memory rules out some splits of a node and not others
 
 
-def test_the_kept_node_cuts_are_bounded_and_cleared_with_the_caches(monkeypatch):
+def test_the_kept_node_cuts_are_bounded_and_cleared_with_the_caches():
     """DP_HINTS and LP_BOUNDS keep one entry per node bounded: a long-lived process (the lab, a sweep) must not
     grow them without end, and cold-cache runs (memo.clear_all) must empty them like every other cache."""
     from k3opt.inputs import memo
     from k3opt.search import bounds
 
-    monkeypatch.setattr(bounds, "KEPT_NODES", 2)
     store: dict = {}
     for i in range(3):
-        bounds._keep(store, (i,), (1.0, None))
+        bounds._keep(store, (i,), (1.0, None), most=2)
     assert list(store) == [(2,)]  # full at 2 entries: it started over before the third
     bounds._keep(bounds.DP_HINTS, ("probe",), (1.0, None))
     bounds._keep(bounds.LP_BOUNDS, ("probe",), 1.0)

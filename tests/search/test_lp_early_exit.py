@@ -213,7 +213,7 @@ def test_a_whole_layer_floor_that_reached_the_line_skips_the_linear_programs(tin
         solves += 1
         return real_solve(*args, **kwargs)
 
-    def reaching_stage(time, L, p, v, stop=math.inf, least=()):
+    def reaching_stage(time, L, p, v, stop=math.inf, least=(), most=()):
         nonlocal reached
         assert math.isfinite(stop)  # only floors under a line are asked for here
         reached += 1
