@@ -314,16 +314,20 @@ class _VariantSearch:
                                     key=lambda x: x[:2])
         return self.full[key]
 
-    def whole_layers(self, floor: float, a: _Arrays, c: Coefficients, off: bool, bal: bool) -> float:
+    def whole_layers(self, floor: float, a: _Arrays, c: Coefficients, setting: tuple[bool, bool] | None) -> float:
         """The variant's floor with whole layers per rank (granular_stage at its own work, cached by its input:
-        most toggles move the update or the edges only), each rank holding no more layers than its memory rows
-        under the (offload, balancing) setting allow (`rank_capacity`), at least `floor`. The program runs only as
-        far as the least so far or the line: a value it stops at is at or above them, and only decides a skip."""
+        most toggles move the update or the edges only), at least `floor`; with the (offload, balancing) `setting`,
+        each rank holds no more layers than its memory rows under it allow (`rank_capacity`), which needs `a`'s
+        bytes at or below those of every variant it stands for (not a key's base: its other variants may hold
+        less, pipeline ZeRO-2 keeping the gradients on the host). The program runs only as far as the least so far
+        or the line: a value it stops at is at or above them, and only decides a skip."""
         upd = _mean_update(a, self.f.pp)
         line = min(self.best, self.stop_at)
-        most = rank_capacity(self.f, a, c, self.cap, self.host_cap, off, bal)
-        if min(most) < 0:
-            return math.inf  # some rank cannot hold its least layers: no layout of the setting fits
+        most: tuple[int, ...] = ()
+        if setting is not None:
+            most = rank_capacity(self.f, a, c, self.cap, self.host_cap, *setting)
+            if min(most) < 0:
+                return math.inf  # some rank cannot hold its least layers: no layout of the setting fits
         stage = granular_stage(a.time, c.n_layers, self.f.pp, self.f.vp,
                                stop=(line - upd) / c.slots if math.isfinite(line) else math.inf, least=a.least,
                                most=most)
@@ -343,8 +347,7 @@ class _VariantSearch:
         """The key's base floor, or its whole-layer floor, cannot lower the least (nor can any variant of the key's:
         each is at or above its base). Once true, true for the rest of the call: `best` only falls."""
         b = self.base[key]
-        return self.over(b.floor * (1 - 1e-9)) or self.over(self.whole_layers(b.floor, b.arrays, b.coefs, key[1],
-                                                                                  key[2]))
+        return self.over(b.floor * (1 - 1e-9)) or self.over(self.whole_layers(b.floor, b.arrays, b.coefs, None))
 
     def solve_keys(self, paths: np.ndarray) -> None:
         """Every key not settled, cheapest base first: its (offload, balancing) setting's merged program
@@ -375,7 +378,7 @@ class _VariantSearch:
         if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal):
             return math.inf
         if len(every) > 1:
-            lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, off, bal)
+            lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, (off, bal))
             return lo if self.over(lo) else max(
                 lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths))
         return -math.inf
@@ -387,13 +390,13 @@ class _VariantSearch:
         c0 = members[0].coefs
         if len(members) > 1:
             merged = _merge([m.arrays for m in members])
-            if (self.over(self.whole_layers(members[0].floor, merged, c0, off, bal))
+            if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
                 break
-            floor = self.whole_layers(floor, a, c, off, bal)
+            floor = self.whole_layers(floor, a, c, (off, bal))
             if self.over(floor * (1 - 1e-9)):
                 continue
             self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths)))

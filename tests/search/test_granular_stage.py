@@ -4,6 +4,7 @@ way to deal the layers' counts to the ranks, and the textbook case of equal laye
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -176,3 +177,37 @@ def test_the_early_ranks_memory_lifts_the_8k_interleaved_shape_bound():
     assert ev.fits and ev.step.rank_time_s == pytest.approx(25.89, abs=0.01)
     bound, _ = frame_dp_bound(job, frame_of(lay), model, cluster)
     assert 0.98 * ev.step.rank_time_s <= bound <= ev.step.rank_time_s
+
+
+def test_a_keys_base_bytes_do_not_cap_its_leaner_variants():
+    """Kimi K2 on 256 GB200, PP2 VP4 EP64 expert FSDP 2 dense FSDP 64, selective recompute: a layout that keeps its
+    FP32 gradients on the host (pipeline ZeRO-2) and holds 31 of the 61 layers on rank 0 fits and ranks at 7.215 s
+    by evaluate(). A relaxation key's base has pipeline ZeRO-2 off (its least work), hence more bytes than that
+    variant: capping the ranks' layers by the base's memory rows (27 on rank 0) put the key, and the node, at
+    7.37 s. Every node bound, against any pruning line, stays below the layout."""
+    import k3opt
+    from k3opt.inputs.presets import make_layout
+    from k3opt.inputs.specs import FsdpLifecycle, Recompute
+    from k3opt.search import enumerate_frames, tight_node_bound
+    from k3opt.search.bounds import group_node_bound
+    from k3opt.search.frames import frame_of, sharding_group
+
+    model, cluster = k3opt.load_model("kimi-k2"), k3opt.load_cluster("gb200-nvl72")
+    job = k3opt.Job.model_validate({"model": "kimi-k2", "gpus": 256, "tokens_per_update": 8388608,
+                                    "reserve_gib": 4.0, "domain_gpus_used": 64,
+                                    "runtime": "megatron-te-hybridep-gb200"})
+    lay = make_layout(model="kimi-k2", gpus=256, pp=2, vp=4, ep=64, expert_fsdp=2, dense_fsdp=64, microbatches=16,
+                      context=4096, split=[6, 8, 7, 9, 9, 6, 9, 7], recompute="selective",
+                      fsdp_lifecycle="per_microbatch", reserve_gib=4.0, dense_sharding="optim",
+                      expert_sharding="optim", domain_gpus_used=64, runtime="megatron-te-hybridep-gb200",
+                      toggles={"fp8_activations": True, "moe_backward_rewrite": True,
+                               "pipeline_zero2_host_grads": True})
+    ev = k3opt.evaluate(lay, model=model, cluster=cluster)
+    assert ev.fits and ev.step.rank_time_s == pytest.approx(7.215, abs=0.001)
+    f = frame_of(lay)
+    members = tuple(g for g in enumerate_frames(job, model, 256, cluster) if sharding_group(g) == sharding_group(f))
+    assert f in members
+    rc, lc = Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH
+    for line in (7.3, 7.4, math.inf):
+        assert tight_node_bound(job, f, rc, lc, model, cluster, stop_at=line) <= ev.step.rank_time_s
+        assert group_node_bound(job, members, rc, lc, model, cluster, stop_at=line) <= ev.step.rank_time_s
