@@ -356,7 +356,9 @@ def test_a_group_relaxation_floors_each_member_on_its_own_update():
     job, model, cluster, members = _k3_8192_pp8_vp4_ep64(((2, 64), (8, 128)))
     own = [tight_node_bound(job, m, Recompute.SELECTIVE, LC, model, cluster) for m in members]
     group = group_node_bound(job, members, Recompute.SELECTIVE, LC, model, cluster)
-    assert group <= min(own) + 1e-9
+    # Within the relaxation's own shave (lp_bound.FEAS_TOL, 1e-6 relative): a variant's value is the larger of its
+    # program's optimum, shaved, and its exact whole-layer floor, whichever the order of the solves reaches first.
+    assert group <= min(own) * (1 + 1e-6)
     assert group >= min(own) * (1 - 1e-3), (group, own)
 
 
