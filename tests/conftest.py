@@ -126,6 +126,21 @@ def explain_refusal(tmp_path, text: str) -> str:  # noqa: ANN001 - a pytest tmp_
     return lines[0]
 
 
+def plan_refusal(tmp_path, text: str) -> str:  # noqa: ANN001 - a pytest tmp_path
+    """`k3opt plan` on a job file holding `text`: it must exit 2 with one line of output, which is returned."""
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    res = CliRunner().invoke(main, ["plan", str(path)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1, res.output
+    return lines[0]
+
+
 INTERLEAVED_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations", "fused_situ")
 
 

@@ -29,6 +29,7 @@ from k3opt.search.frames import (
     chunk_least,
     frame_shape,
     lean_mode,
+    least_or_one,
     least_step_gather,
     lifecycles,
     memory_view,
@@ -555,7 +556,7 @@ def _dp_bounds(cf: Coefficients, lean: Coefficients, off: Coefficients | None, c
     split's work is at or above it (so is the answer's, work only grows along the ranks), (inf, nan, None)."""
     L, p = cf.n_layers, cf.shape.pp
     s = _ranges(cf, lean, off, cluster, cap, allowed, force)
-    least = least or (1,) * p
+    least = least_or_one(least, p)
     best_t = best_m = np.full(L + 1, np.inf)
     choice = np.zeros((p, L + 1), dtype=int)
     for r in range(p):

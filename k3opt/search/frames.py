@@ -309,6 +309,12 @@ def chunk_least(job: Job, f: Frame) -> tuple[int, ...]:
     return (0,) + (1,) * (k - 2) + (0,)
 
 
+def least_or_one(least: tuple[int, ...], chunks: int) -> tuple[int, ...]:
+    """`least` as `chunk_least` gives it, or one layer in each of `chunks` chunks where it is empty (the callers
+    without a job: the default of every function that takes a `least`)."""
+    return least or (1,) * chunks
+
+
 def rank_least(least: tuple[int, ...], p: int) -> np.ndarray:
     """The least decoder layers each of the p ranks holds: the sum of `chunk_least` over its chunks r, r + p, ..."""
     return np.array([sum(least[r::p]) for r in range(p)], dtype=int)

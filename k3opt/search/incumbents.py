@@ -37,6 +37,7 @@ from k3opt.search.frames import (
     frame_of,
     frame_shape,
     layout_of,
+    least_or_one,
     lifecycles,
     sharding_group,
 )
@@ -61,7 +62,7 @@ def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = N
     with a greedy fill: each chunk takes the longest prefix that fits, which is optimal because a shorter remainder
     never hurts. None when the cap cannot hold."""
     K, L = cost.shape
-    need = list(least) if least else [1] * K
+    need = least_or_one(least, K)
     after = [sum(need[j + 1:]) for j in range(K)]
     pre_a = np.concatenate([np.zeros((K, 1)), np.cumsum(cost, axis=1)], axis=1)
     # The fill runs on Python floats (the same doubles): a scalar bisect is far cheaper than a numpy call.

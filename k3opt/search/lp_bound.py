@@ -70,6 +70,7 @@ from k3opt.search.frames import (
     chunk_least,
     frame_shape,
     lean_mode,
+    least_or_one,
     least_step_gather,
     memory_view,
     rank_least,
@@ -470,7 +471,7 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: fl
     kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
     93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
     to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
-    need = tuple(int(n) for n in rank_least(least, p)) if least else (v,) * p
+    need = tuple(int(n) for n in rank_least(least_or_one(least, p * v), p))
     cap = tuple(min(int(n), L) for n in most) if most else (L,) * p
     key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need, cap)
     hit = _GRANULAR.get(key)
@@ -577,7 +578,7 @@ def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: 
                               return_counts=True)
     nk = len(kinds)
     rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
-    least = a.least or (1,) * (p * v)
+    least = least_or_one(a.least, p * v)
     most = [L] * p
     for row, b in zip(rows, rhs, strict=True):
         blocks = np.asarray(row).reshape(p, v, nk)
@@ -847,15 +848,15 @@ def _placement_rows(p: int, v: int, nk: int, ncol: int, least: tuple[int, ...]
     layers all placed, as sum_j x[j, t] = count_t) over the first p v nk of ncol columns (rank r's k-th chunk,
     global chunk k p + r, at (r v + k) nk ..). `least` in global chunk order (`frames.chunk_least`; empty: one)."""
     chunks = p * v
+    least = least_or_one(least, chunks)
     chunk_rows = np.zeros((chunks, ncol))
-    chunk_rhs = -np.ones(chunks)
+    chunk_rhs = np.zeros(chunks)
     a_eq = np.zeros((nk, ncol))
     for j in range(chunks):
         chunk_rows[j, j * nk:(j + 1) * nk] = -1.0
         a_eq[:, j * nk:(j + 1) * nk] = np.eye(nk)
-        if least:
-            r, k = divmod(j, v)
-            chunk_rhs[j] = -float(least[k * p + r])
+        r, k = divmod(j, v)
+        chunk_rhs[j] = -float(least[k * p + r])
     return chunk_rows, chunk_rhs, a_eq
 
 
@@ -974,8 +975,9 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
     for i in range(L):
         m.add_exactly_one(at(g, i) for g in range(G))
     # The first layer opens chunk 0 (or chunk 1 when chunk 0 may be empty), the last closes chunk G - 1 (or G - 2).
-    m.add_bool_or([at(0, 0)] + ([at(1, 0)] if a.least and not a.least[0] and G > 1 else []))
-    m.add_bool_or([at(G - 1, L - 1)] + ([at(G - 2, L - 1)] if a.least and not a.least[-1] and G > 1 else []))
+    least = least_or_one(a.least, G)
+    m.add_bool_or([at(0, 0)] + ([at(1, 0)] if not least[0] and G > 1 else []))
+    m.add_bool_or([at(G - 1, L - 1)] + ([at(G - 2, L - 1)] if not least[-1] and G > 1 else []))
     for i in range(L - 1):
         for g in range(G):
             m.add_bool_or([~at(g, i), at(g, i + 1)] + ([at(g + 1, i + 1)] if g + 1 < G else []))
@@ -1089,7 +1091,7 @@ def _packet_floor(c0: Coefficients, p: int, v: int, L: int, least: tuple[int, ..
         return out
     closes_cum = np.concatenate([[0.0], np.cumsum(c0.closes[:L])])
     k = p * v
-    depth = np.concatenate([[0], np.cumsum(least)]) if least else np.arange(k + 1)
+    depth = np.concatenate([[0], np.cumsum(least_or_one(least, k))])
     for r in range(p):
         for g in range(r, k, p):
             if g > 0:
@@ -1212,7 +1214,7 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
 def _must_moe(moe: np.ndarray, least: tuple[int, ...], p: int, v: int) -> bool:
     """Whether every rank holds an MoE layer: each holds at least its chunks' least layers (`frames.rank_least`;
     v with one per chunk), and more layers than the model has non-MoE ones include an MoE layer."""
-    fewest = int(rank_least(least, p).min()) if least else v
+    fewest = int(rank_least(least_or_one(least, p * v), p).min())
     return bool(moe.any()) and fewest > int((~moe).sum())
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_bounds_below, contiguous_splits
+from conftest import assert_bounds_below, contiguous_splits, plan_refusal
 
 import k3opt
 from k3opt.inputs.presets import make_layout
@@ -121,15 +121,8 @@ def test_the_heuristic_split_may_leave_the_edges_empty():
 
 @pytest.mark.parametrize("value", ['"yes"', "1.5", "[true]"])
 def test_a_bad_empty_edge_chunks_is_one_line(tmp_path: Path, value: str):
-    from click.testing import CliRunner
-
-    from k3opt.cli import main
-
-    path = tmp_path / "job.toml"
-    path.write_text(f"gpus = 64\ntokens_per_update = 2097152\n[search]\nempty_edge_chunks = {value}\n")
-    res = CliRunner().invoke(main, ["plan", str(path)])
-    assert res.exit_code == 2
-    assert "empty_edge_chunks" in res.output and len(res.output.strip().splitlines()) == 1
+    line = plan_refusal(tmp_path, f"gpus = 64\ntokens_per_update = 2097152\n[search]\nempty_edge_chunks = {value}\n")
+    assert "empty_edge_chunks" in line
 
 
 def test_an_empty_edge_chunk_can_leave_a_rank_without_an_moe_layer():
@@ -151,15 +144,9 @@ def test_an_empty_edge_chunk_can_leave_a_rank_without_an_moe_layer():
     ("[0, 2, 2, 2]", "false", "empty_edge_chunks = true"),
 ])
 def test_a_fixed_split_with_an_empty_chunk_is_one_line(tmp_path: Path, split: str, flag: str, words: str):
-    from click.testing import CliRunner
-
-    from k3opt.cli import main
-
-    path = tmp_path / "job.toml"
-    path.write_text(f"gpus = 64\ntokens_per_update = 2097152\n[search]\nsplit = {split}\nempty_edge_chunks = {flag}\n")
-    res = CliRunner().invoke(main, ["plan", str(path)])
-    assert res.exit_code == 2
-    assert words in res.output and len(res.output.strip().splitlines()) == 1
+    line = plan_refusal(tmp_path, f"gpus = 64\ntokens_per_update = 2097152\n[search]\nsplit = {split}\n"
+                                  f"empty_edge_chunks = {flag}\n")
+    assert words in line
 
 
 def test_a_fixed_split_may_leave_the_last_chunk_empty(tiny, slow):
