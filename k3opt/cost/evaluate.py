@@ -405,13 +405,18 @@ def _declared_term(rc: _RankChunks, t: TermDecl) -> float:
 
 
 def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str, int]] | None]:
-    """The persistent terms whose form a decision changes: the gradients under pipeline ZeRO-2 (two chunk-sized
-    FP32 buffers), and under whole-tensor sharding the worst shard owner's master, optimizer state and gradients
-    with every data-parallel rank's owned bytes. The others are priced from their declarations."""
+    """The persistent terms whose form a decision changes: a term's declared toggled form (the gradients under
+    pipeline ZeRO-2: two chunk-sized FP32 buffers), and under whole-tensor sharding the worst shard owner's master,
+    optimizer state and gradients with every data-parallel rank's owned bytes. The others are priced from their
+    declarations."""
     cf, sh = rc.cf, rc.cf.shape
     out: dict[str, float] = {}
-    if sh.toggles.pipeline_zero2_host_grads:
-        out["grads"] = 2 * max(rc.csum(cf.chunk_grad_buffer))
+    for t in LEDGER:
+        alt = t.toggled
+        if alt is not None and getattr(sh.toggles, alt.toggle):
+            if alt.aggregate is not Aggregate.CHUNK_PAIR:
+                raise ValueError(f"ledger term {t.key}: {alt.aggregate} under {alt.toggle} needs its own pricing")
+            out[t.key] = 2 * max(rc.csum(getattr(cf, alt.coefficient)))
     tensor_terms = None
     if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
         out.update(_tensor_owned_state(cf, tuple(rc.idx)))

@@ -17,6 +17,7 @@ import numpy as np
 
 from k3opt.cost.coefficients import Coefficients
 from k3opt.cost.schedule import composition_peak
+from k3opt.inputs.toggles import RANK_TOGGLES, TOGGLES
 
 
 class Phase(StrEnum):
@@ -41,6 +42,16 @@ class Aggregate(StrEnum):
 
 
 @dataclass(frozen=True)
+class ToggledForm:
+    """The form a term takes while a rank toggle is on, when the toggle changes how it adds up, not only its
+    coefficient."""
+
+    toggle: str
+    aggregate: Aggregate
+    coefficient: str
+
+
+@dataclass(frozen=True)
 class TermDecl:
     key: str
     phase: Phase
@@ -53,6 +64,8 @@ class TermDecl:
     kind: str
     """derived (from shapes) | assumption (a modelling choice, named)."""
     formula: str
+    toggled: ToggledForm | None = None
+    """Its form while a rank toggle is on, where that differs from `aggregate` over `coefficient`."""
 
 
 LEDGER: tuple[TermDecl, ...] = (
@@ -61,7 +74,8 @@ LEDGER: tuple[TermDecl, ...] = (
     TermDecl("grads", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grads", "pipeline_zero2_host_grads (CHUNK_PAIR of "
              "chunk_grad_buffer when on); sharding policy", "derived",
              "FP32 gradient shard: 4 x resident parameters (pipeline ZeRO-2: two FP32 chunk-sized buffers, the "
-             "shards on the host)"),
+             "shards on the host)",
+             ToggledForm("pipeline_zero2_host_grads", Aggregate.CHUNK_PAIR, "chunk_grad_buffer")),
     TermDecl("optimizer", Phase.PERSISTENT, Aggregate.LAYER_SUM, "optimizer", "optimizer state dtype, granularity",
              "derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
     TermDecl("bf16_view", Phase.PERSISTENT, Aggregate.LAYER_SUM, "bf16_view", "sharding policy", "derived",
@@ -119,11 +133,25 @@ view, quantized copies): grads change form under pipeline ZeRO-2, the MoonEP slo
 accumulation buffer the FSDP lifecycle."""
 
 
+def rank_gate(key: str) -> str | None:
+    """The rank toggle that changes ledger term `key` (k3opt.inputs.toggles: its `changes`), or None. A term that
+    two rank toggles change would need its own pricing in every reader; none does."""
+    gates = [t for t in RANK_TOGGLES if key in TOGGLES[t].changes]
+    if len(gates) > 1:
+        raise ValueError(f"ledger term {key} is changed by the rank toggles {gates}: give it its own pricing")
+    return gates[0] if gates else None
+
+
 def layer_bytes(cf: Coefficients, keys: Sequence[str]) -> np.ndarray:
     """Per layer, the sum of the declared per-layer coefficients of the ledger terms `keys`, added in that order."""
+    return declared_layer_bytes(cf, [TERMS[key] for key in keys])
+
+
+def declared_layer_bytes(cf: Coefficients, decls: Sequence[TermDecl]) -> np.ndarray:
+    """Per layer, the sum of the per-layer coefficients that the declarations `decls` read, added in that order."""
     total = np.zeros_like(cf.master, dtype=float)
-    for key in keys:
-        arr = getattr(cf, TERMS[key].coefficient)
+    for t in decls:
+        arr = getattr(cf, t.coefficient)
         if len(arr):  # quantized_weights is empty under BF16
             total = total + arr
     return total

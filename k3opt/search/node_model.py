@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes, step_gather_bytes
+from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.cost.evaluate import Evaluation, evaluate
-from k3opt.cost.ledger import peak_inflight, persistent_layer_bytes, pp_packet_bytes
+from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, schedule_slot_units
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.memo import register
@@ -37,10 +37,10 @@ from k3opt.search.frames import (
     undominated_modes,
 )
 from k3opt.search.policy import POLICY
+from k3opt.search.rank_ledger import MEM_UNIT, RankLedgerModel, RankView, ratio
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 from k3opt.search.result import PlanItem
 
-MEM_UNIT = 1024          # bytes
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
 
@@ -63,20 +63,6 @@ class FrameResult:
     bound_step_s: float = 0.0
     variables: int = 0
     constraints: int = 0
-
-
-@dataclass
-class _RankView:
-    """What the steps of one rank's submodel share: its index, chunks, layer-kind indicators and edge columns."""
-
-    r: int
-    mine: list[int]
-    """Its global chunks r, r + p, ..."""
-    has: list
-    """Per layer kind, whether the rank holds one (`FrameModel._has_kind`)."""
-    edges: list[int]
-    """The edge columns it holds (L: the first chunk's, L + 1: the last chunk's)."""
-    holds_last: bool
 
 
 class FrameModel:
@@ -104,12 +90,13 @@ class FrameModel:
         m0, lc0 = self.modes[0], self.lcs[0]
         self.base = {(m, lc): self._cf(m, lc) for m in self.modes for lc in self.lcs}
         self.offload = {m: self._cf(m, lc0, activation_offload=True) for m in self.modes}
-        self.z2 = self._cf(m0, lc0, pipeline_zero2_host_grads=True)
         self.p2p = {lc: self._cf(m0, lc, p2p_muon=True) for lc in self.lcs}
-        self.fce = self._cf(m0, lc0, fused_cross_entropy=True)
-        self.moon = self._cf(m0, lc0, moonep=True)
-        self.bal = self._cf(m0, lc0, balance_activations=True)
         self.c0 = self.base[(m0, lc0)]
+        # Each rank toggle on alone, at the first mode and lifecycle: the variant a ledger term it changes reads.
+        self.on = {t: self._cf(m0, lc0, **{t: True}) for t in RANK_TOGGLES}
+        self.z2 = self.on["pipeline_zero2_host_grads"]
+        self.fce = self.on["fused_cross_entropy"]
+        self.bal = self.on["balance_activations"]
 
     # -- variables ----------------------------------------------------------------------------
     def _build(self) -> None:
@@ -190,7 +177,7 @@ class FrameModel:
         expr = cp_model.LinearExpr.weighted_sum(zs, cs)
         return expr + const if const else expr
 
-    def _chunk(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
+    def chunk(self, a: np.ndarray, j: int) -> cp_model.LinearExprT:
         """Chunk j's sum of a per-layer array, with the edges on the first and last chunks."""
         expr = self._x_sum(a[: self.L], j)
         if j == 0:
@@ -199,10 +186,10 @@ class FrameModel:
             expr = expr + int(a[self.L + 1])
         return expr
 
-    def _rank_sum(self, a: np.ndarray, r: int) -> cp_model.LinearExprT:
-        return sum(self._chunk(a, j) for j in range(r, self.K, self.f.pp))
+    def rank_sum(self, a: np.ndarray, r: int) -> cp_model.LinearExprT:
+        return sum(self.chunk(a, j) for j in range(r, self.K, self.f.pp))
 
-    def _closes_before(self, j: int) -> cp_model.LinearExprT:
+    def closes_before(self, j: int) -> cp_model.LinearExprT:
         """R at the start of chunk j: AttnRes residual blocks closed by layers before it."""
         closes = self.c0.closes[: self.L]
         return sum(int(closes[i]) * (1 - self._z(i, j)) for i in range(self.L) if closes[i]) if j > 0 else 0
@@ -231,7 +218,7 @@ class FrameModel:
             has.append(b)
         return has
 
-    def _mem(self, a: np.ndarray) -> np.ndarray:
+    def mem(self, a: np.ndarray) -> np.ndarray:
         return _ceil(a, MEM_UNIT)
 
     def _t(self, a: np.ndarray) -> np.ndarray:
@@ -239,176 +226,50 @@ class FrameModel:
 
     # -- one rank -----------------------------------------------------------------------------
     def _rank(self, r: int) -> dict:
-        """Rank r's submodel: its peak (persistent bytes + the larger of the activation and optimizer phases, under
-        the budget), its host memory, its seconds per microbatch on each resource and its update terms."""
-        m = self.m
+        """Rank r's submodel: its ledger (k3opt.search.rank_ledger, from the ledger's declarations) with its peak
+        under the budget, its host memory, its seconds per microbatch on each resource and its update terms."""
         rk = self._rank_view(r)
-        persistent, has_moe = self._persistent(rk)
-        act_phase, host_act = self._activation_phase(rk, has_moe)
-        opt = self._optimizer_phase(rk)
-        peak = self._mem_var(rk, "peak")
-        m.add(peak >= persistent + act_phase)
-        m.add(peak >= persistent + opt)
-        m.add(peak <= self.cap_bytes // MEM_UNIT)
+        ledger = RankLedgerModel(self, rk)
+        host_act = ledger.host_act
+        peak = ledger.peak
         self._host_memory(rk, host_act)
         times = self._time_terms(rk)
         # The update's compute and communication, and (ranking view, search/ranking.py) its communication that
         # hides under compute: the same four cases of P2P Muon x ZeRO-2 host gradients for each field.
         upd = self._update_terms(r, "update", "u")
         hidden = self._update_terms(r, "update_hidden", "h")
-        return {"peak": peak, "times": times, "update": upd, "hidden": hidden}
+        return {"peak": peak, "times": times, "update": upd, "hidden": hidden, "ledger": ledger}
 
-    def _rank_view(self, r: int) -> _RankView:
+    def _rank_view(self, r: int) -> RankView:
         """Rank r's chunks, its layer-kind indicators (`_has_kind`) and its edge columns."""
         mine = list(range(r, self.K, self.f.pp))
         has = self._has_kind(r)
         holds_first, holds_last = 0 in mine, (self.K - 1) in mine
         edges = ([self.L] if holds_first else []) + ([self.L + 1] if holds_last else [])
-        return _RankView(r, mine, has, edges, holds_last)
+        return RankView(r, mine, has, edges, holds_last)
 
-    def _mem_var(self, rk: _RankView, name: str) -> cp_model.IntVar:
+    def mem_var(self, rk: RankView, name: str) -> cp_model.IntVar:
         """A memory variable of rank rk (KiB, up to the larger of the budget and the host memory)."""
         mem_ub = max(self.cap_bytes, self.cluster.host_memory_bytes) // MEM_UNIT
         return self.m.new_int_var(0, mem_ub, f"{name}_r{rk.r}")
 
-    def _time_var(self, rk: _RankView, name: str) -> cp_model.IntVar:
+    def _time_var(self, rk: RankView, name: str) -> cp_model.IntVar:
         """A time variable of rank rk (TIME_UNIT, up to `time_ub`)."""
         return self.m.new_int_var(0, self.time_ub, f"{name}_r{rk.r}")
 
-    def _mem_int(self, nbytes: float) -> int:
+    def mem_int(self, nbytes: float) -> int:
         """One rank-level figure in KiB, rounded up like the per-layer arrays."""
-        return int(self._mem(np.array([nbytes]))[0])
+        return int(self.mem(np.array([nbytes]))[0])
 
-    def _persistent(self, rk: _RankView) -> tuple[cp_model.LinearExprT, cp_model.IntVar]:
-        """(rank rk's persistent bytes, whether it holds an MoE layer): the always-held terms with the quantized
-        copies (`ledger.persistent_layer_bytes`), the gradients (the FP32 shard, or ZeRO-2's two buffers of its largest
-        chunk's), the chosen lifecycle's accumulator, MoonEP's slots and (on a rank with an MoE layer) buffers."""
-        m, c0, tv, r = self.m, self.c0, self.tv, rk.r
-        persistent = self._rank_sum(self._mem(persistent_layer_bytes(c0)), r)
-        grads = self._mem_var(rk, "grads")
-        m.add(grads >= self._rank_sum(self._mem(c0.grads), r)).only_enforce_if(~tv["pipeline_zero2_host_grads"])
-        for j in rk.mine:
-            m.add(grads >= 2 * self._chunk(self._mem(self.z2.chunk_grad_buffer), j)).only_enforce_if(
-                tv["pipeline_zero2_host_grads"])
-        accum = self._mem_var(rk, "accum")
-        for lc in self.lcs:
-            m.add(accum >= self._rank_sum(self._mem(self.base[(self.modes[0], lc)].grad_accum), r)).only_enforce_if(
-                self.lv[lc])
-        moon = self._mem_var(rk, "moonep")
-        m.add(moon >= self._rank_sum(self._mem(self.moon.moonep_slots), r)).only_enforce_if(tv["moonep"])
-        moon_b = self._mem_var(rk, "moonep_buf")
-        moe_kinds = [k for k, rep in enumerate(self.kind_rep) if c0.moe[rep] > 0]
-        has_moe = m.new_bool_var(f"hasmoe_r{r}")
-        m.add(has_moe <= sum(rk.has[k] for k in moe_kinds)) if moe_kinds else m.add(has_moe == 0)
-        for k in moe_kinds:
-            m.add(has_moe >= rk.has[k])
-        # MoonEP buffers are persistent (allocated for the run), plain EP buffers are activation-phase.
-        m.add(moon_b >= self._mem_int(self.moon.moonep_buffers) * (has_moe + tv["moonep"] - 1))
-        return persistent + grads + accum + moon + moon_b, has_moe
-
-    def _activation_phase(self, rk: _RankView, has_moe: cp_model.IntVar
-                          ) -> tuple[cp_model.LinearExprT, cp_model.IntVar]:
-        """(rank rk's activation-phase bytes on the GPU, its saved bytes on the host): the saved bytes
-        (`_saved_bytes`), the largest working set of its layers, its PP packets in and out of each chunk (double
-        buffered), the EP buffers and routing map on a rank with an MoE layer, the logits on the last rank."""
-        m, c0, tv, K = self.m, self.c0, self.tv, self.K
-        acts, host_act = self._saved_bytes(rk)
-        ws = self._mem_var(rk, "ws")
-        for md in self.modes:
-            for lc in self.lcs:
-                w = self._mem(self.base[(md, lc)].working_set)
-                for k, rep in enumerate(self.kind_rep):
-                    m.add(ws >= int(w[rep]) * rk.has[k]).only_enforce_if([self.mv[md], self.lv[lc]])
-                for e in rk.edges:
-                    m.add(ws >= int(w[e])).only_enforce_if([self.mv[md], self.lv[lc]])
-        pp = self._mem_var(rk, "pp")
-        stream = self._mem_int(c0.stream_bytes)
-        for j in rk.mine:
-            pin = pp_packet_bytes(self._closes_before(j), stream) if j > 0 else 0
-            pout = pp_packet_bytes(self._closes_before(j + 1), stream) if j < K - 1 else 0
-            m.add(pp >= 2 * (pin + pout))
-        epb = self._mem_var(rk, "epb")
-        m.add(epb >= self._mem_int(c0.ep_buffers) * (has_moe - tv["moonep"]))
-        logits = 0
-        if rk.holds_last:
-            lo = self._mem_int(c0.logits)
-            lf = self._mem_int(self.fce.logits)
-            logits = lo + (lf - lo) * tv["fused_cross_entropy"]
-        return acts + ws + pp + epb + self._mem_int(c0.routing_map) * has_moe + logits, host_act
-
-    def _saved_bytes(self, rk: _RankView) -> tuple[cp_model.IntVar, cp_model.IntVar]:
-        """(rank rk's saved bytes on the GPU, on the host) under the chosen mode: at least every in-flight
-        composition of its chunks' saved bytes and AttnRes bank (scaled to balancing's average when on); under
-        offload the saved bytes go to the host and the GPU keeps the bank and the resident layers' worth of its
-        largest saved set."""
-        m, c0, tv, K, L, r = self.m, self.c0, self.tv, self.K, self.L, rk.r
-        comps = c0.compositions[r]
-        n_peak = peak_inflight(comps)
-        scale_bal = (self.bal.balanced_inflight / n_peak) if self.bal.balanced_inflight else 1.0
-        stream = self._mem_int(c0.stream_bytes)
-        ends = []
-        for j in rk.mine:
-            ends.append(self._closes_before(j + 1) if j + 1 < K else int(c0.closes[:L].sum()))
-        bank = [stream * e for e in ends]
-        acts = self._mem_var(rk, "acts")
-        host_act = self._mem_var(rk, "host_act")
-        off, bal = tv["activation_offload"], tv["balance_activations"]
-        for md in self.modes:
-            cf = self.base[(md, self.lcs[0])]
-            a = self._mem(cf.act)
-            chunk_act = [self._chunk(a, j) for j in rk.mine]
-            for comp in comps:
-                for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
-                    tot = sum(c * (ca + bk) for c, ca, bk in zip(comp, chunk_act, bank, strict=True))
-                    num, den = _ratio(sc)
-                    m.add(den * acts >= num * tot).only_enforce_if([self.mv[md], ~off, b_lit])
-                    host = sum(c * ca for c, ca in zip(comp, chunk_act, strict=True))
-                    m.add(den * host_act >= num * host).only_enforce_if([self.mv[md], off, b_lit])
-            # Offload: the resident layers' worth of the largest saved set, plus the bank, on the GPU.
-            amax = self._mem_var(rk, f"amax{self.modes.index(md)}")
-            for k, rep in enumerate(self.kind_rep):
-                m.add(amax >= int(a[rep]) * rk.has[k])
-            for e in rk.edges:
-                m.add(amax >= int(a[e]))
-            res_layers = self.base[(md, self.lcs[0])].shape.offload_resident_layers
-            for comp in comps:
-                for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
-                    num, den = _ratio(sc)
-                    bk = sum(c * b for c, b in zip(comp, bank, strict=True))
-                    m.add(den * acts >= den * res_layers * amax + num * bk).only_enforce_if([self.mv[md], off, b_lit])
-        return acts, host_act
-
-    def _optimizer_phase(self, rk: _RankView) -> cp_model.IntVar:
-        """Rank rk's optimizer-phase transient (`coefficients.optimizer_transient`, as constraints): the step gather
-        (the sharding policy's, or P2P Muon's resident pull) with the largest Newton-Schulz working set of its layers
-        on top (reference policy), or the larger of the two (the others)."""
-        m, c0, tv, r = self.m, self.c0, self.tv, rk.r
-        nsws = self._mem_var(rk, "nsws")
-        w = self._mem(c0.ns_working_set)
-        for k, rep in enumerate(self.kind_rep):
-            m.add(nsws >= int(w[rep]) * rk.has[k])
-        for e in rk.edges:
-            m.add(nsws >= int(w[e]))
-        opt = self._mem_var(rk, "opt")
-        for g_arr, lit in ((step_gather_bytes(c0, False), ~tv["p2p_muon"]),
-                           (step_gather_bytes(c0, True), tv["p2p_muon"])):
-            g_sum = self._rank_sum(self._mem(g_arr), r)
-            if c0.step_gather_with_ns:
-                m.add(opt >= g_sum + nsws).only_enforce_if(lit)
-            else:
-                m.add(opt >= g_sum).only_enforce_if(lit)
-                m.add(opt >= nsws).only_enforce_if(lit)
-        return opt
-
-    def _host_memory(self, rk: _RankView, host_act: cp_model.IntVar) -> None:
+    def _host_memory(self, rk: RankView, host_act: cp_model.IntVar | None) -> None:
         """Rank rk's host memory: its offloaded saved bytes and ZeRO-2's host gradients, under the host's bytes."""
         m, tv = self.m, self.tv
-        hostg = self._mem_var(rk, "hostg")
-        m.add(hostg >= self._rank_sum(self._mem(self.z2.host_grads), rk.r)).only_enforce_if(
+        hostg = self.mem_var(rk, "hostg")
+        m.add(hostg >= self.rank_sum(self.mem(self.z2.host_grads), rk.r)).only_enforce_if(
             tv["pipeline_zero2_host_grads"])
         m.add(host_act + hostg <= self.cluster.host_memory_bytes // MEM_UNIT)
 
-    def _time_terms(self, rk: _RankView) -> dict:
+    def _time_terms(self, rk: RankView) -> dict:
         """Per resource of the ranked view (search/ranking.py), rank rk's seconds per microbatch under the chosen
         mode and lifecycle: its layers' sum plus the rank-level terms (`_extra`)."""
         m, r = self.m, rk.r
@@ -417,7 +278,7 @@ class FrameModel:
             t = self._time_var(rk, f"t_{res}")
             for md in self.modes:
                 for lc in self.lcs:
-                    m.add(t >= self._rank_sum(self._t(self.base[(md, lc)].time[res]), r)
+                    m.add(t >= self.rank_sum(self._t(self.base[(md, lc)].time[res]), r)
                           + self._extra(res, r, md, rk.mine)).only_enforce_if([self.mv[md], self.lv[lc]])
             times[res] = t
         return times
@@ -430,9 +291,9 @@ class FrameModel:
         for res in getattr(self.c0, field_name):
             u = m.new_int_var(0, self.time_ub, f"{prefix}_{res}_r{r}")
             for lc in self.lcs:
-                base = self._rank_sum(self._t(getattr(self.base[(self.modes[0], lc)], field_name)[res]), r)
-                pz = self._rank_sum(self._t(getattr(self.p2p[lc], field_name)[res]), r)
-                z2 = self._rank_sum(self._t(getattr(self.z2, field_name)[res] - getattr(self.c0, field_name)[res]), r)
+                base = self.rank_sum(self._t(getattr(self.base[(self.modes[0], lc)], field_name)[res]), r)
+                pz = self.rank_sum(self._t(getattr(self.p2p[lc], field_name)[res]), r)
+                z2 = self.rank_sum(self._t(getattr(self.z2, field_name)[res] - getattr(self.c0, field_name)[res]), r)
                 m.add(u >= base).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
                 m.add(u >= pz).only_enforce_if([self.lv[lc], tv["p2p_muon"], ~tv["pipeline_zero2_host_grads"]])
                 m.add(u >= base + z2).only_enforce_if([self.lv[lc], ~tv["p2p_muon"], tv["pipeline_zero2_host_grads"]])
@@ -451,10 +312,10 @@ class FrameModel:
                     hop = (r - 1) % p
                     if ("nvlink" if c0.pp_on_nvlink[hop] else "nic") == res:
                         spb = c0.pp_seconds_per_byte[hop] * c0.stream_bytes
-                        expr = expr + _tq(spb) * (1 + self._closes_before(j))
+                        expr = expr + _tq(spb) * (1 + self.closes_before(j))
                 if j < K - 1 and ("nvlink" if c0.pp_on_nvlink[r] else "nic") == res:
                     spb = c0.pp_seconds_per_byte[r] * c0.stream_bytes
-                    expr = expr + _tq(spb) * (1 + self._closes_before(j + 1))
+                    expr = expr + _tq(spb) * (1 + self.closes_before(j + 1))
             if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
                 n_peak = peak_inflight(c0.compositions[r])
                 if n_peak > self.bal.balanced_inflight:
@@ -462,15 +323,15 @@ class FrameModel:
                     moved = balance_moved_bytes(a, n_peak, self.bal.balanced_inflight)
                     coef = _ceil(moved * self.bal.balance_seconds_per_byte, TIME_UNIT)
                     bvar = self.m.new_int_var(0, self.time_ub, f"bal_r{r}_{res}_{self.modes.index(md)}")
-                    self.m.add(bvar >= self._rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
+                    self.m.add(bvar >= self.rank_sum(coef, r)).only_enforce_if(tv["balance_activations"])
                     expr = expr + bvar
         if res == "host_link":
             hvar = self.m.new_int_var(0, self.time_ub, f"off_r{r}_{self.modes.index(md)}")
             off = self.offload[md].time["host_link"] - self.base[(md, self.lcs[0])].time["host_link"]
-            self.m.add(hvar >= self._rank_sum(self._t(off), r)).only_enforce_if(tv["activation_offload"])
+            self.m.add(hvar >= self.rank_sum(self._t(off), r)).only_enforce_if(tv["activation_offload"])
             zvar = self.m.new_int_var(0, self.time_ub, f"z2t_r{r}_{self.modes.index(md)}")
             z2 = self.z2.time["host_link"] - self.c0.time["host_link"]
-            self.m.add(zvar >= self._rank_sum(self._t(z2), r)).only_enforce_if(tv["pipeline_zero2_host_grads"])
+            self.m.add(zvar >= self.rank_sum(self._t(z2), r)).only_enforce_if(tv["pipeline_zero2_host_grads"])
             expr = expr + hvar + zvar
         if res == "tensor" and (K - 1) in mine:
             secs = self.fce.time["tensor"][self.L + 1] - self.c0.time["tensor"][self.L + 1]
@@ -506,7 +367,7 @@ class FrameModel:
         if self.c0.update_hidden:
             # Only the hidden communication beyond its window of update_hidden_stages x stage adds to the step.
             exposed = m.new_int_var(0, self.time_ub, "update_hidden_exposed")
-            num, den = _ratio(self.c0.update_hidden_stages)
+            num, den = ratio(self.c0.update_hidden_stages)
             for rk in self.ranks:
                 for u in rk["hidden"].values():
                     m.add(den * exposed >= den * u - num * stage)
@@ -656,7 +517,7 @@ class FrameModel:
                 m.add(t >= x)
             u = m.new_int_var(0, ub, f"u_layers_r{r}")
             for (g, o_on, z_on), arr in hi.items():
-                m.add(u == self._rank_sum(arr, r)).only_enforce_if(
+                m.add(u == self.rank_sum(arr, r)).only_enforce_if(
                     [*lits[g], off if o_on else ~off, zz if z_on else ~zz])
             if (K - 1) in mine and fce:
                 u = u + fce * tv["fused_cross_entropy"]
@@ -674,11 +535,11 @@ class FrameModel:
             low = m.new_int_var(0, self.time_ub, f"T_r{r}")
             for g in groups:
                 for arr, lit in keep[g]:
-                    m.add(low >= self._rank_sum(arr, r)).only_enforce_if(lit)
+                    m.add(low >= self.rank_sum(arr, r)).only_enforce_if(lit)
             for j in range(r, K, p):
                 for g in groups:
                     for arr, lit in keep[g]:
-                        m.add(self.cl[j] >= self._chunk(arr, j) + low - self.ur[r]).only_enforce_if(lit)
+                        m.add(self.cl[j] >= self.chunk(arr, j) + low - self.ur[r]).only_enforce_if(lit)
 
     def _replay_dag(self) -> None:
         """The replay itself over the per-chunk bounds: a start time per operation (rank order and microbatch
@@ -831,14 +692,6 @@ class FrameModel:
             j = sum(int(solver.value(self.z[i][jj])) for jj in range(1, self.K))
             counts[j] += 1
         return counts
-
-
-def _ratio(x: float) -> tuple[int, int]:
-    """x as num/den with den 2^16, num rounded up (balance scales are ratios of small integers)."""
-    if x == 1.0:
-        return 1, 1
-    den = 1 << 16
-    return math.ceil(x * den), den
 
 
 def _tq(seconds: float) -> int:
