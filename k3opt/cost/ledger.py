@@ -66,6 +66,8 @@ class TermDecl:
     formula: str
     toggled: ToggledForm | None = None
     """Its form while a rank toggle is on, where that differs from `aggregate` over `coefficient`."""
+    per_lifecycle: bool = False
+    """The FSDP lifecycle (a decision of the search) changes its coefficient."""
 
 
 LEDGER: tuple[TermDecl, ...] = (
@@ -84,7 +86,8 @@ LEDGER: tuple[TermDecl, ...] = (
     TermDecl("moonep_slots", Phase.PERSISTENT, Aggregate.LAYER_SUM, "moonep_slots", "moonep", "derived",
              "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
     TermDecl("grad_accum", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grad_accum", "fsdp_lifecycle = accumulate",
-             "derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)"),
+             "derived", "unsharded FP32 gradient accumulation buffer 4 x (D + E/e) (accumulate lifecycle)",
+             per_lifecycle=True),
     TermDecl("moonep_buffers", Phase.PERSISTENT, Aggregate.MOE_RANK, "moonep_buffers", "moonep", "assumption",
              "MoonEP fixed all-to-all buffers, sized as the dispatch + combine buffers of one MoE layer at uniform "
              "routing, allocated for the whole run"),
@@ -125,14 +128,6 @@ OPTIMIZER: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.OPT
 TERM_INFO: dict[str, tuple[str, str]] = {t.key: (t.kind, t.formula) for t in LEDGER}
 """key -> (kind, formula), as the ledger prints them."""
 
-ALWAYS_HELD: tuple[str, ...] = tuple(t.key for t in LEDGER
-                                     if t.phase is Phase.PERSISTENT and t.aggregate is Aggregate.LAYER_SUM
-                                     and t.key not in ("grads", "moonep_slots", "grad_accum"))
-"""The persistent per-layer terms that no decision of the search switches off (master, optimizer state, BF16
-view, quantized copies): grads change form under pipeline ZeRO-2, the MoonEP slots follow their toggle and the
-accumulation buffer the FSDP lifecycle."""
-
-
 def rank_gate(key: str) -> str | None:
     """The rank toggle that changes ledger term `key` (k3opt.inputs.toggles: its `changes`), or None. A term that
     two rank toggles change would need its own pricing in every reader; none does."""
@@ -140,6 +135,14 @@ def rank_gate(key: str) -> str | None:
     if len(gates) > 1:
         raise ValueError(f"ledger term {key} is changed by the rank toggles {gates}: give it its own pricing")
     return gates[0] if gates else None
+
+
+ALWAYS_HELD: tuple[str, ...] = tuple(t.key for t in LEDGER
+                                     if t.phase is Phase.PERSISTENT and t.aggregate is Aggregate.LAYER_SUM
+                                     and rank_gate(t.key) is None and t.toggled is None and not t.per_lifecycle)
+"""The persistent per-layer terms that no decision of the search changes (master, optimizer state, BF16 view,
+quantized copies): a rank toggle changes the gradients (pipeline ZeRO-2) and the MoonEP slots, the FSDP lifecycle
+the accumulation buffer."""
 
 
 def layer_bytes(cf: Coefficients, keys: Sequence[str]) -> np.ndarray:
