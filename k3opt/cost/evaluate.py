@@ -396,7 +396,7 @@ def _declared_term(rc: _RankChunks, t: TermDecl) -> float:
     buffer held where a MoE layer is, or the last stage's logits."""
     value = getattr(rc.cf, t.coefficient)
     if t.aggregate is Aggregate.LAYER_SUM:
-        return rc.total(value) if len(value) else 0.0  # quantized_weights is empty under BF16
+        return rc.total(value)
     if t.aggregate is Aggregate.MOE_RANK:
         return value if rc.has_moe else 0.0
     if t.aggregate is Aggregate.LAST_STAGE:

@@ -154,9 +154,7 @@ def declared_layer_bytes(cf: Coefficients, decls: Sequence[TermDecl]) -> np.ndar
     """Per layer, the sum of the per-layer coefficients that the declarations `decls` read, added in that order."""
     total = np.zeros_like(cf.master, dtype=float)
     for t in decls:
-        arr = getattr(cf, t.coefficient)
-        if len(arr):  # quantized_weights is empty under BF16
-            total = total + arr
+        total = total + getattr(cf, t.coefficient)
     return total
 
 

@@ -144,7 +144,7 @@ class RankLedgerModel:
         fm, rk = self.fm, self.rk
         value = getattr(cf, coefficient)
         if agg is Aggregate.LAYER_SUM:
-            return [fm.rank_sum(fm.mem(value), rk.r) if len(value) else 0]  # quantized_weights: empty under BF16
+            return [fm.rank_sum(fm.mem(value), rk.r)]
         if agg is Aggregate.CHUNK_PAIR:
             return [2 * fm.chunk(fm.mem(value), j) for j in rk.mine]
         if agg is Aggregate.MOE_RANK:

@@ -452,3 +452,16 @@ def test_evaluate_reports_the_achievable_steps_parts(fields):
                                              ach.unpaired_ep_s)
     assert st.achievable_step_time_s == pytest.approx(
         9 * st.achievable_stage_time_s + st.achievable_update_time_s + st.achievable_unpaired_ep_s, rel=1e-12)
+    # The per-rank parts the timeline and the explorer draw are the achievable step's own.
+    assert (st.ranked_chunk_s, st.achievable_rank_stage_s, st.achievable_rank_binding,
+            st.achievable_rank_exposed_ep_s, st.achievable_slowest_rank) == (
+        ach.chunk_s, ach.stage_s, ach.stage_binding, ach.stage_exposed_ep_s, ach.slowest_rank)
+    assert len(st.ranked_chunk_s) == len(st.achievable_rank_stage_s) == 2
+
+
+def test_the_slowest_rank_is_the_one_with_the_most_layers():
+    """At split [16, 32] rank 1 holds twice rank 0's decoder layers and the LM head: it is the slowest rank at the
+    achievable rates, and its stage is the step's stage."""
+    st = k3opt.evaluate(k3opt.make_layout(**{**LAYOUT, "split": [16, 32]}), model="qwen3-30b-a3b",
+                        cluster="b200").step
+    assert st.achievable_slowest_rank == 1

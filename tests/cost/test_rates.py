@@ -98,6 +98,11 @@ def test_cluster_without_rates_has_only_the_peak_roofline():
     assert rates_for(h100) is None
     ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=h100)
     assert ev.step.achievable_step_time_s is None and ev.step.step_time_s > 0
+    # Without rates the timeline draws the peak-rate chunks: one chunk (PP1), its stage split forward : backward =
+    # 1 : 2 (a backward pass is two forward passes of matmuls, SC21 section 3.5; selective recompute adds none).
+    ((fwd, bwd),) = ev.step.ranked_chunk_s
+    assert fwd == pytest.approx(ev.step.stage_time_s / 3, rel=1e-12)
+    assert bwd == pytest.approx(2 * ev.step.stage_time_s / 3, rel=1e-12)
 
 
 def test_small_gemms_run_slower_by_the_measured_size_curve():

@@ -57,6 +57,12 @@ def test_a_pp_rank_may_hold_the_embedding_alone():
     # in flight on the first of two PP ranks (1F1B warm-up p - r = 2).
     assert ev.ranks[0].ledger["activations"] == 2 * 4096 * 8
     assert ev.ranks[1].ledger["activations"] > 0
+    # DeepSeek-V3 has no AttnRes: no residual stream crosses the boundary, and the one PP packet is the hidden
+    # stream, 4,096 tokens x 7,168 x 2 B, double-buffered on both ranks.
+    stream = 4096 * 7168 * 2
+    assert ev.ranks[0].ledger["attnres_bank"] == 0
+    assert [r.ledger["pp_buffers"] for r in ev.ranks] == [2 * stream, 2 * stream]
+    assert ev.ranks[0].counts["residual_streams_out"] == [0]
 
 
 def test_the_export_writes_the_string_back_with_the_mtp_layers():
