@@ -9,7 +9,7 @@ import math
 import signal
 import time as _time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn
 
@@ -847,6 +847,8 @@ class _Search:
         if not ranked:
             self._raise_nothing_found(bound)
         front, complete = self._front(ranked)
+        if len(self.job.gpu_counts) == 1:
+            front = _with_ranked_bound(front, bound)
         ranked = _with_front(ranked, front)
         top_items = ranked[:self.top]
         best_t = top_items[0].rank_time_s
@@ -1119,6 +1121,13 @@ def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
     the relative gap (LINE_ROUNDING under it counts as at it), or with gap 0 slower, or as fast and no leaner."""
     return k is not None and (t >= k.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING) if gap > 0 else
                               (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
+
+
+def _with_ranked_bound(front: list[PlanItem], bound: float) -> list[PlanItem]:
+    """Each front point's bound at least the ranked search's: with one GPU count that bound holds for every layout
+    (the ranked step time is the front's), so also for those at a point's peak or less."""
+    return [p if p.front_bound_s is None else
+            replace(p, front_bound_s=min(p.rank_time_s, max(p.front_bound_s, bound))) for p in front]
 
 
 def _with_front(ranked: list[PlanItem], front: list[PlanItem]) -> list[PlanItem]:

@@ -55,6 +55,33 @@ def test_time_limited_k3_front_reevaluates(k3_plan):
         assert 0 <= it.front_gap < 1
 
 
+def test_every_point_keeps_the_ranked_searchs_bound(k3_plan):
+    """The ranked search's bound holds for every layout of the job's one GPU count, so for those at any point's
+    peak or less: no point's front bound is lower (the fastest point's gap is the plan's, not its frame bound's)."""
+    _, plan = k3_plan
+    assert plan.bound > 0
+    for it in plan.pareto:
+        assert it.front_bound_s >= min(plan.bound, it.rank_time_s) - 1e-12
+    assert plan.pareto[0].front_gap <= plan.gap + 1e-12
+
+
+def test_a_frame_bound_below_the_ranked_bound_is_raised_to_it(reference, reference_eval):
+    """A point whose frames' bounds stop at 10 s, where the ranked search proved 12 s for every layout: its front
+    bound is 12 s, never above its own step time; a point with no front bound stays without one."""
+    from k3opt.search.driver import _with_ranked_bound  # noqa: PLC2701 - the one step under test
+    from k3opt.search.result import PlanItem
+
+    t = reference_eval.step.rank_time_s
+    low = PlanItem(reference, reference_eval, front_bound_s=10.0)
+    (raised,) = _with_ranked_bound([low], 12.0)
+    assert raised.front_bound_s == min(12.0, t)
+    (capped,) = _with_ranked_bound([low], t + 5.0)
+    assert capped.front_bound_s == t and capped.proven
+    (kept,) = _with_ranked_bound([PlanItem(reference, reference_eval, front_bound_s=t - 0.5)], 1.0)
+    assert kept.front_bound_s == t - 0.5
+    assert _with_ranked_bound([PlanItem(reference, reference_eval)], 12.0)[0].front_bound_s is None
+
+
 def test_cli_pareto_says_exact_on_a_small_job(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(
