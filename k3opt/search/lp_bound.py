@@ -18,8 +18,9 @@ the mean load, 18.12 s, when every fitting layout needs full-recompute-like savi
   the slowest rank (`schedule_slots`, as in the node model).
 - memory: every rank's activation phase for every in-flight composition it passes through (persistent bytes of
   its layers + count x saved bytes of each chunk's layers + the smallest working set + the packets and expert
-  buffers every such rank must hold) and its optimizer phase, under the allocated budget; the AttnRes bank is
-  dropped. Offload moves the saved bytes to host memory (which must hold them); balancing scales the in-flight
+  buffers every such rank must hold + the AttnRes bank and the packets' open residual streams, both linear in the
+  closing layers of every earlier chunk) and its optimizer phase, under the allocated budget. Offload moves the
+  saved bytes to host memory (which must hold them; the bank stays on the GPU); balancing scales the in-flight
   counts to the balanced average and pays the moved bytes on its network.
 - granularity: every chunk holds at least one layer, and some rank holds at least ceil(L / p) layers, so the
   slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource. `granular_stage` deals
@@ -662,6 +663,8 @@ class _Program:
     """Per kind, its update compute on each resource."""
     kh: np.ndarray
     """Per kind, its update communication on each resource."""
+    kclose: np.ndarray
+    """Per kind, the AttnRes blocks it closes (the bank's rows)."""
     kmax: np.ndarray
     """Per kind, its busiest-resource work (`_Arrays.hi`)."""
     kp: np.ndarray
@@ -721,13 +724,13 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
     res_names = list(a.time)
     cols = [a.time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
     cols += [a.hidden[r][:L] for r in a.hidden]
-    cols += [a.hi[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
+    cols += [np.asarray(c0.closes[:L], dtype=float), a.hi[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
     kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
     n_res, n_up = len(res_names), len(a.update)
     return _Program(
         L=L, p=f.pp, v=f.vp, m=f.microbatches, res_names=res_names, counts=counts, kt=kinds[:, :n_res],
         ku=kinds[:, n_res:n_res + n_up], kh=kinds[:, n_res + n_up:n_res + n_up + len(a.hidden)],
-        kmax=kinds[:, -4], kp=kinds[:, -3], kopt=kinds[:, -2], kact=kinds[:, -1])
+        kclose=kinds[:, -5], kmax=kinds[:, -4], kp=kinds[:, -3], kopt=kinds[:, -2], kact=kinds[:, -1])
 
 
 def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
@@ -736,7 +739,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible."""
     lp = _program(f, a, c0)
     _work_rows(lp, a, c0, bal)
-    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose)
     for row_x, b in zip(mem_rows, mem_rhs, strict=True):
         row = np.zeros(lp.ncol)
         row[:lp.n] = row_x
@@ -866,18 +869,22 @@ def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
 
 
 def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray) -> tuple[np.ndarray, list[float]]:
+                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray, kclose: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, list[float]]:
     """Every rank's memory rows over x[r, k, t] (layers of kind t in rank r's k-th chunk, column (r v + k) nk + t;
     kp, kopt, kact: each kind's persistent, optimizer-phase and saved bytes): the activation phase for every
     undominated in-flight composition (with offload: the GPU's persistent bytes and the host's saved bytes) and the
-    optimizer phase, under the allocated budget. The one home of these rows: `_solve` and `_fits` share them."""
+    optimizer phase, under the allocated budget. The one home of these rows: `_solve` and `_fits` share them.
+    `kclose`: each kind's AttnRes blocks closed (`Coefficients.closes`); given, every activation row also holds the
+    AttnRes bank of its composition (`_bank_row`), on the GPU under offload too (the ledger's attnres_bank), which
+    reads the layers of every earlier chunk, other ranks' among them. None: the bank is left out (a looser row)."""
     L, p, v, nk = c0.n_layers, f.pp, f.vp, len(kp)
     rows: list[np.ndarray] = []
     rhs: list[float] = []
 
-    def le(coef_by_chunk: list[np.ndarray], r: int, bound: float) -> None:
-        row = np.zeros(p * v * nk)
-        row[r * v * nk:(r + 1) * v * nk] = np.concatenate(coef_by_chunk)
+    def le(coef_by_chunk: list[np.ndarray], r: int, bound: float, bank: np.ndarray | None = None) -> None:
+        row = np.zeros(p * v * nk) if bank is None else bank.copy()
+        row[r * v * nk:(r + 1) * v * nk] += np.concatenate(coef_by_chunk)
         rows.append(row)
         rhs.append(bound)
 
@@ -893,15 +900,21 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
         scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
         comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
+        banks = [_bank_row(p, v, kclose, c0.stream_bytes, comp, r) + _open_streams_row(p, v, kclose,
+                                                                                        c0.stream_bytes, r)
+                 for comp in comps] if kclose is not None and kclose.any() else []
         if off:
-            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets.
+            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets, and the bank.
             gpu_act = c0.shape.offload_resident_layers * float(a.act[:L].min())
             le([kp] * v, r, room - fixed - act_fixed - gpu_act)
+            for bank in banks:
+                le([kp] * v, r, room - fixed - act_fixed - gpu_act, bank=bank)
             for comp in comps:
                 le([comp[k] * kact for k in range(v)], r, host_cap * (1 + FEAS_TOL) - _edge_act(a, comp, r, p, L))
         else:
-            for comp in comps:
-                le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L))
+            for i, comp in enumerate(comps):
+                le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L),
+                   bank=banks[i] if banks else None)
         # The optimizer phase (ledger.optimizer_transient_bytes): gather + NS under the default policy, else
         # max(gather, NS), which is at least each of them.
         if a.with_ns:
@@ -910,6 +923,37 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
             le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L))
             le([kp] * v, r, room - fixed - a.nsws_min)
     return np.array(rows), rhs
+
+
+def _bank_row(p: int, v: int, kclose: np.ndarray, stream: float, comp: tuple[float, ...], r: int) -> np.ndarray:
+    """Rank r's AttnRes bank at in-flight composition `comp`, over the columns (r' v + k') nk + t: each of its chunks
+    (global chunk g = k p + r) holds comp[k] microbatches' BF16 [T, d] streams, one per block closed by the end of
+    g, i.e. by any layer of a chunk g' <= g of any rank: sum_k comp[k] x stream x sum_{g' <= g} kclose . x[g']."""
+    nk = len(kclose)
+    row = np.zeros((p, v, nk))
+    for k in range(v):
+        if comp[k]:
+            g = k * p + r
+            for g2 in range(g + 1):
+                k2, r2 = divmod(g2, p)
+                row[r2, k2] += comp[k] * stream * kclose
+    return row.ravel()
+
+
+def _open_streams_row(p: int, v: int, kclose: np.ndarray, stream: float, r: int) -> np.ndarray:
+    """The AttnRes streams in rank r's PP packets beyond the R = 0 ones `_least_packets` counts: its latest chunk g
+    that is neither the first nor the last (p > 1) has its two packets in and out double-buffered, 2 x (R(start of
+    g) + R(end of g)) x stream more, R(b) the blocks closed by boundary b (ledger pp_buffers: 2 x the largest
+    chunk's, so at least this chunk's). Zero when r holds no such chunk."""
+    nk = len(kclose)
+    row = np.zeros((p, v, nk))
+    mid = [k * p + r for k in range(v) if 0 < k * p + r < p * v - 1]
+    if p > 1 and mid:
+        g = mid[-1]
+        for g2 in range(g + 1):
+            k2, r2 = divmod(g2, p)
+            row[r2, k2] += 2 * stream * kclose * (2 if g2 < g else 1)
+    return row.ravel()
 
 
 def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float,
@@ -964,7 +1008,8 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
     of `contiguous_fits` SCIP needs 13 s over the same rows, and finds no answer in 60 s over suffix binaries.)"""
     L, p, v = c0.n_layers, f.pp, f.vp
     G = p * v
-    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, a.persistent[:L], a.opt[:L], a.act[:L])
+    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, a.persistent[:L], a.opt[:L], a.act[:L],
+                             np.asarray(c0.closes[:L], dtype=float))
     m = cp_model.CpModel()
     x = [m.new_bool_var(f"x{j}") for j in range(G * L)]
 
@@ -1047,13 +1092,15 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
 def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
     """Whether `_solve`'s program over the same arrays is feasible: its memory rows, every chunk holding a layer
     and every layer placed (its time and replay rows only bound free variables from below, so they never make it
-    infeasible). Layers are grouped by their memory columns alone, which is exact for the fractional program: a
+    infeasible). Layers are grouped by their memory columns and closed blocks alone, which is exact for the
+    fractional program: a
     much smaller program that settles a node that cannot fit before its time rows are built."""
     L, p, v = c0.n_layers, f.pp, f.vp
-    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L]], axis=1), axis=0,
+    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L], c0.closes[:L]], axis=1), axis=0,
                               return_counts=True)
     nk = len(counts)
-    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2],
+                                     kinds[:, 3])
     n = p * v * nk
     chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, a.least)
     a_ub = np.vstack([mem_rows, chunk_rows])

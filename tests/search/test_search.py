@@ -525,13 +525,14 @@ def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
                 yield toggles, ev
 
 
-@pytest.mark.parametrize("reserve", [2.4, 2.6])
+@pytest.mark.parametrize("reserve", [2.3, 2.5])
 def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserve):
     """`lp_bound.contiguous_fits` (the leanest bytes' memory rows over whole layers in contiguous chunks): per
     (recompute, lifecycle) node of the PP2 VP2 job it never says no where an enumerated layout fits (every split of
     the six layers into 4 chunks under every toggle setting), and it does say no to nodes the fractional test over
-    the same bytes (`lean_fits`) lets through (at 2.4 GiB reserved the accumulate lifecycle's no-recompute and
-    selective nodes, at 2.6 GiB three nodes)."""
+    the same bytes (`lean_fits`) lets through (at 2.3 GiB reserved the accumulate lifecycle's no-recompute and
+    selective nodes, at 2.5 GiB three nodes; at 2.4 and 2.6 GiB the fractional test, which counts the AttnRes bank
+    and the packets' open streams, already settles them)."""
     from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view
     from k3opt.search.lp_bound import contiguous_fits, lean_fits
 
