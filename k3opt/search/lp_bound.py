@@ -327,7 +327,7 @@ class _VariantSearch:
         line = min(self.best, self.stop_at)
         most: tuple[int, ...] = ()
         if setting is not None:
-            most = rank_capacity(self.f, a, c, self.cap, self.host_cap, *setting)
+            most = rank_capacity(self.f, a, c, self.cap, self.host_cap, *setting, exact_balance=True)
             if min(most) < 0:
                 return math.inf  # some rank cannot hold its least layers: no layout of the setting fits
         stage = granular_stage(a.time, c.n_layers, self.f.pp, self.f.vp,
@@ -377,12 +377,12 @@ class _VariantSearch:
                  for v in self.expand(k2)]
         merged_all = _merge([m.arrays for m in every]) if len(every) > 1 else every[0].arrays
         c0 = every[0].coefs
-        if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal):
+        if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, exact_balance=True):
             return math.inf
         if len(every) > 1:
             lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, (off, bal))
             return lo if self.over(lo) else max(
-                lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths))
+                lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths, exact_balance=True))
         return -math.inf
 
     def solve_key(self, key: tuple, off: bool, bal: bool, paths: np.ndarray) -> None:
@@ -393,7 +393,8 @@ class _VariantSearch:
         if len(members) > 1:
             merged = _merge([m.arrays for m in members])
             if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
-                    or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths))):
+                    or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths,
+                                                exact_balance=True))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
@@ -401,7 +402,8 @@ class _VariantSearch:
             floor = self.whole_layers(floor, a, c, (off, bal))
             if self.over(floor * (1 - 1e-9)):
                 continue
-            self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths)))
+            self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths,
+                                                         exact_balance=True)))
 
     def whole_layer_bound(self) -> float:
         """The least found (or the line's cap), raised by whole layers over the least of every variant's arrays,
@@ -566,8 +568,8 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
     return lo * (1 - 1e-9), True
 
 
-def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool
-                  ) -> tuple[int, ...]:
+def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
+                  exact_balance: bool = False) -> tuple[int, ...]:
     """Per rank, the most decoder layers it can hold under the memory rows of one (offload, balancing) setting
     (`_memory_rows`, the relaxation's): in each row of rank r, its chunks hold at least their least layers
     (`_Arrays.least`) at their cheapest kind, and every further layer costs at least the row's cheapest
@@ -578,7 +580,8 @@ def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: 
     kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L]], axis=1), axis=0,
                               return_counts=True)
     nk = len(kinds)
-    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2])
+    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2],
+                             exact_balance=exact_balance)
     least = least_or_one(a.least, p * v)
     most = [L] * p
     for row, b in zip(rows, rhs, strict=True):
@@ -734,12 +737,13 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
 
 
 def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-           paths: np.ndarray) -> float:
+           paths: np.ndarray, exact_balance: bool = False) -> float:
     """The linear program of the module docstring over one node's arrays `a` (c0: the schedule's terms) under one
     offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible."""
     lp = _program(f, a, c0)
     _work_rows(lp, a, c0, bal)
-    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose,
+                                     exact_balance=exact_balance)
     for row_x, b in zip(mem_rows, mem_rhs, strict=True):
         row = np.zeros(lp.ncol)
         row[:lp.n] = row_x
@@ -869,15 +873,17 @@ def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
 
 
 def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray, kclose: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, list[float]]:
+                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray, kclose: np.ndarray | None = None,
+                 exact_balance: bool = False) -> tuple[np.ndarray, list[float]]:
     """Every rank's memory rows over x[r, k, t] (layers of kind t in rank r's k-th chunk, column (r v + k) nk + t;
     kp, kopt, kact: each kind's persistent, optimizer-phase and saved bytes): the activation phase for every
     undominated in-flight composition (with offload: the GPU's persistent bytes and the host's saved bytes) and the
     optimizer phase, under the allocated budget. The one home of these rows: `_solve` and `_fits` share them.
     `kclose`: each kind's AttnRes blocks closed (`Coefficients.closes`); given, every activation row also holds the
     AttnRes bank of its composition (`_bank_row`), on the GPU under offload too (the ledger's attnres_bank), which
-    reads the layers of every earlier chunk, other ranks' among them. None: the bank is left out (a looser row)."""
+    reads the layers of every earlier chunk, other ranks' among them. None: the bank is left out (a looser row).
+    `exact_balance`: `bal` is the setting of every layout the rows stand for, so the in-flight counts are balancing's
+    average on every rank; False: rows over both settings, each rank at the lesser of its count and the average."""
     L, p, v, nk = c0.n_layers, f.pp, f.vp, len(kp)
     rows: list[np.ndarray] = []
     rhs: list[float] = []
@@ -898,7 +904,10 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         n_peak = peak_inflight(c0.compositions[r])
         fixed = _edge(a.persistent, r, p, L)
         act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
-        scale = min(1.0, c0.balanced_inflight / n_peak) if bal and c0.balanced_inflight else 1.0
+        ratio = c0.balanced_inflight / n_peak if bal and c0.balanced_inflight else 1.0
+        # Balancing on: every rank holds the average count, more than its own on the late ranks (evaluate's scale).
+        # Rows over several settings at once (the lean tests) take the smaller of the two counts.
+        scale = ratio if exact_balance else min(1.0, ratio)
         comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
         banks = [_bank_row(p, v, kclose, c0.stream_bytes, comp, r) + _open_streams_row(p, v, kclose,
                                                                                         c0.stream_bytes, r)
@@ -1089,7 +1098,8 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
                for bal in choices(job, "balance_activations"))
 
 
-def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool) -> bool:
+def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
+          exact_balance: bool = False) -> bool:
     """Whether `_solve`'s program over the same arrays is feasible: its memory rows, every chunk holding a layer
     and every layer placed (its time and replay rows only bound free variables from below, so they never make it
     infeasible). Layers are grouped by their memory columns and closed blocks alone, which is exact for the
@@ -1100,7 +1110,7 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
                               return_counts=True)
     nk = len(counts)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2],
-                                     kinds[:, 3])
+                                     kinds[:, 3], exact_balance=exact_balance)
     n = p * v * nk
     chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, a.least)
     a_ub = np.vstack([mem_rows, chunk_rows])
