@@ -938,15 +938,10 @@ def _bank_row(p: int, v: int, kclose: np.ndarray, stream: float, comp: tuple[flo
     """Rank r's AttnRes bank at in-flight composition `comp`, over the columns (r' v + k') nk + t: each of its chunks
     (global chunk g = k p + r) holds comp[k] microbatches' BF16 [T, d] streams, one per block closed by the end of
     g, i.e. by any layer of a chunk g' <= g of any rank: sum_k comp[k] x stream x sum_{g' <= g} kclose . x[g']."""
-    nk = len(kclose)
-    row = np.zeros((p, v, nk))
-    for k in range(v):
-        if comp[k]:
-            g = k * p + r
-            for g2 in range(g + 1):
-                k2, r2 = divmod(g2, p)
-                row[r2, k2] += comp[k] * stream * kclose
-    return row.ravel()
+    held = np.zeros(p * v)
+    held[[k * p + r for k in range(v)]] = comp
+    # Chunk g' weighs with every own chunk at or after it: a suffix sum over global chunks.
+    return _by_chunk(p, v, stream * np.cumsum(held[::-1])[::-1], kclose)
 
 
 def _open_streams_row(p: int, v: int, kclose: np.ndarray, stream: float, r: int) -> np.ndarray:
@@ -954,15 +949,18 @@ def _open_streams_row(p: int, v: int, kclose: np.ndarray, stream: float, r: int)
     that is neither the first nor the last (p > 1) has its two packets in and out double-buffered, 2 x (R(start of
     g) + R(end of g)) x stream more, R(b) the blocks closed by boundary b (ledger pp_buffers: 2 x the largest
     chunk's, so at least this chunk's). Zero when r holds no such chunk."""
-    nk = len(kclose)
-    row = np.zeros((p, v, nk))
+    weight = np.zeros(p * v)
     mid = [k * p + r for k in range(v) if 0 < k * p + r < p * v - 1]
     if p > 1 and mid:
         g = mid[-1]
-        for g2 in range(g + 1):
-            k2, r2 = divmod(g2, p)
-            row[r2, k2] += 2 * stream * kclose * (2 if g2 < g else 1)
-    return row.ravel()
+        weight[:g] = 4 * stream  # in both R(start of g) and R(end of g)
+        weight[g] = 2 * stream
+    return _by_chunk(p, v, weight, kclose)
+
+
+def _by_chunk(p: int, v: int, per_chunk: np.ndarray, kclose: np.ndarray) -> np.ndarray:
+    """A row over the columns (r v + k) nk + t from a weight per global chunk g = k p + r times kclose[t]."""
+    return (per_chunk.reshape(v, p).T[:, :, None] * kclose[None, None, :]).ravel()
 
 
 def lean_fits(job: Job, f: Frame, lean: Coefficients, cap: float, host_cap: float,
