@@ -56,6 +56,9 @@ CASES = {
     "unknown_toggle": (REFERENCE + "[toggles]\nfp4_activations = true\n", k3opt.SpecError, "unknown key"),
     "unknown_key": (_with(pipeline="8"), k3opt.SpecError, "pipeline: unknown key"),
     "missing_field": ("gpus = 512\n", k3opt.SpecError, "split: required field is missing"),
+    # PP8: rank 1 holds chunk 1 only, with 0 layers: it would hold no layer and no edge.
+    "pipeline_rank_without_a_layer": (_with(split="[12, 0, 13, 13, 13, 14, 14, 14]"), k3opt.SpecError,
+                                      "leaves pipeline rank 1 of 8 without a decoder layer"),
     # 576 GPUs at PP9 VP2 with 64 microbatches: 64 = 7 x 9 + 1 leaves a partial group of one.
     "interleaved_partial_group": (_with(gpus="576", pp="9", vp="2", microbatches="64",
                                         split="[6, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]"),

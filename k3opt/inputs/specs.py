@@ -643,6 +643,12 @@ class Layout(StrictModel):
             raise ValueError(
                 f"split has {len(self.split)} entries but pp * vp = {p} * {self.vp} = {p * self.vp} chunks"
             )
+        empty = [r for r in range(1, p - 1) if not any(self.split[r::p])]
+        if empty:
+            # Ranks 0 and p - 1 hold the embedding and the loss; a middle rank with no decoder layer holds nothing.
+            raise ValueError(f"split {self.split} leaves pipeline rank {empty[0]} of {p} without a decoder layer "
+                             f"(its chunks {empty[0]}, {empty[0] + p}, ... are all 0); give every middle rank a layer "
+                             "or lower pp")
         if (self.rows * self.context) % c:
             raise ValueError(f"rows * context ({self.rows * self.context}) must be divisible by cp ({c})")
         if self.measured is not None and self.measured.rank is not None and self.measured.rank >= p:
