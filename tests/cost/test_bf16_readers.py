@@ -45,3 +45,12 @@ def test_attention_norm_output_is_only_the_quantized_copy():
 def test_final_norm_output_stays_bf16_for_the_head():
     # The output layer stays BF16 (Megatron keeps it out of FP8): its input 2048 x 2 B a token on Qwen3-30B-A3B.
     assert _norm_output_bytes("qwen3-30b-a3b", None, "head", "final_norm_output") == 2048 * 2
+
+
+def test_the_mtp_final_norm_output_stays_bf16_for_the_shared_head():
+    # DeepSeek-V3's MTP module ends in the shared output layer, which stays BF16 (Megatron keeps it out of FP8):
+    # its final norm output is kept as BF16 only, 7168 x 2 B a token, no quantized copy.
+    st = structure_of(k3opt.load_model("deepseek-v3"))
+    block = next(b for b in st.last if b.kind == "mtp")
+    saved = next(s for s in block.saved if s.name == "mtp0_final_norm_output")
+    assert saved_per_token(replace(block, saved=(saved,)), Toggles(), 128, Precision.MXFP8)[0] == 7168 * 2

@@ -382,3 +382,8 @@ def test_pipeline_hops_alternate_between_nvlink_and_the_nic_at_the_measured_frac
     assert cf.pp_seconds_per_byte_achievable == pytest.approx((nvl, nic, nvl, nic), rel=1e-12, abs=0)
     # The peak bound of the same hops: the links' peaks alone.
     assert cf.pp_seconds_per_byte == pytest.approx((1 / NVLINK, 1 / NIC, 1 / NVLINK, 1 / NIC), rel=1e-12, abs=0)
+
+
+def test_ep_payload_counts_each_copy():
+    # 4 exchanges x 4,096 tokens x 7,168 wide x 2 B x 2 copies = 469,762,048 B (seed 002's payload).
+    assert comm.ep_payload_bytes(4, 4096, 7168, 2.0) == 469_762_048

@@ -13,7 +13,16 @@ import pytest
 import k3opt
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import chunk_times_s
-from k3opt.cost.schedule import _replay_ends, critical_path, pipeline_order, replay_makespan, replay_ops
+from k3opt.cost.schedule import (
+    _replay_ends,
+    chunk_times,
+    critical_path,
+    pipeline_order,
+    replay_makespan,
+    replay_ops,
+    schedule_slot_units,
+)
+from k3opt.search import replay_bound
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -220,3 +229,39 @@ def test_chunk_times_share_the_rank_time_by_work_and_split_backward_3_to_1_under
     np.testing.assert_allclose(b_sel, 2 * f_sel, rtol=1e-12)
     # 20 layers against 10 plus the LM head (128,256 x 8,192 = 1.05B parameters, about 1.2 layers of 0.86B)
     assert fwd[1] > 1.4 * fwd[3]
+
+
+def test_slot_units_are_v_times_the_slots():
+    # v x (M + (p - 1) / v) = 4 x (64 + 7/4) = 263 chunk-microbatch slots at PP8 VP4 M64.
+    assert schedule_slot_units(8, 4, 64) == 263
+
+
+def test_a_rank_with_no_work_shares_its_stage_equally():
+    # Two chunks of zero work on one rank share its 3 s stage equally, 1.5 s each, forward : backward = 1 : 2.
+    fwd, bwd = chunk_times(np.zeros(2), [3.0], 1, False)
+    assert fwd.tolist() == [0.5, 0.5] and bwd.tolist() == [1.0, 1.0]
+    # Through the replay paths (any nonnegative weights give valid ones): rank 0's chunks weigh nothing, so its
+    # chunk times are 0 and the longest path is rank 1's, F of chunk 0 then 4 x (F + B) of chunks 1 and 3.
+    ((nf, nb),) = replay_bound.split_paths(2, 2, 4, np.array([0., 1., 0., 1., 1., 1.]), [[1, 1, 1, 3]])
+    assert nf.tolist() == [1, 4, 0, 4] and nb.tolist() == [0, 4, 0, 4]
+
+
+def test_one_hop_time_for_every_hop():
+    # PP2, one microbatch, 1 s forward and 2 s backward per chunk, 1 s per hop: F0 [0, 1], hop, F1 [2, 3],
+    # B1 [3, 5], hop, B0 [6, 8].
+    assert replay_makespan(2, 1, 1, np.ones(2), 2 * np.ones(2), 1.0) == 8.0
+
+
+def test_wrong_chunk_counts_are_named():
+    with pytest.raises(ValueError, match=r"p x v = 4 forward and backward chunk times, got 5 and 5"):
+        replay_makespan(2, 2, 2, np.ones(5), np.ones(5))
+    with pytest.raises(ValueError, match=r"p x v = 4 forward and backward chunk times, got 5 and 5"):
+        replay_makespan(2, 2, 2, np.ones(5), np.ones(5), np.zeros(2))
+
+
+def test_an_order_that_deadlocks_says_so():
+    # M = 5 is no multiple of p = 4: Megatron's interleaved order then waits on itself.
+    with pytest.raises(RuntimeError, match="p=4 v=3 M=5 deadlocks"):
+        replay_makespan(4, 3, 5, np.ones(12), np.ones(12))
+    with pytest.raises(RuntimeError, match="p=4 v=3 M=5 deadlocks"):
+        replay_ops(4, 3, 5, np.ones(12), np.ones(12))
