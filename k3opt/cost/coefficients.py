@@ -256,8 +256,8 @@ class Coefficients:
     gemm_flops: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
     quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-    """Per layer (zeros under BF16); the builder always sets it, the default only keeps the field order."""
-    """Cached low-precision weight copies (row- and column-wise, with block scales) of the local GEMM weights."""
+    """Cached low-precision weight copies (row- and column-wise, with block scales) of the local GEMM weights, per
+    layer (zeros under BF16); the builder always sets it, the default only keeps the field order."""
     achievable: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     """Seconds per microbatch per resource at the achievable rates (empty without a rates file); `ep_nvlink` and
     `ep_nic` hold the EP all-to-all apart from the other NVLink / NIC traffic."""

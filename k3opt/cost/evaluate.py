@@ -24,6 +24,7 @@ from k3opt.cost.ledger import (
     TERMS,
     Aggregate,
     TermDecl,
+    balanced_scale,
     optimizer_transient_bytes,
     peak_inflight,
     pp_packet_bytes,
@@ -433,9 +434,7 @@ def _in_flight_terms(rc: _RankChunks) -> _InFlight:
     bank = [rc.closes_cum[rc.bounds[j][1]] * cf.stream_bytes for j in rc.mine]
     comps = cf.compositions[rc.r]
     n_peak = peak_inflight(comps)
-    scale = 1.0
-    if cf.balanced_inflight is not None:
-        scale = cf.balanced_inflight / n_peak
+    scale = balanced_scale(cf.balanced_inflight, n_peak)
     out: dict[str, float] = {}
     if sh.toggles.activation_offload:
         gpu_act = sh.offload_resident_layers * max(float(cf.act[i]) for i in rc.idx)

@@ -128,6 +128,7 @@ OPTIMIZER: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.OPT
 TERM_INFO: dict[str, tuple[str, str]] = {t.key: (t.kind, t.formula) for t in LEDGER}
 """key -> (kind, formula), as the ledger prints them."""
 
+
 def rank_gate(key: str) -> str | None:
     """The rank toggle that changes ledger term `key` (k3opt.inputs.toggles: its `changes`), or None. A term that
     two rank toggles change would need its own pricing in every reader; none does."""
@@ -168,6 +169,13 @@ def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float |
     """One PP packet: the hidden stream plus the R AttnRes residual streams open at the boundary, (1 + R) x BF16
     [T, d]."""
     return (1 + streams) * stream_bytes
+
+
+def balanced_scale(balanced_inflight: float | None, n_peak: float) -> float:
+    """The factor on a rank's in-flight saved bytes and bank under activation balancing: every rank holds the
+    average count, balanced / its own peak (above 1 on the late ranks); 1 without balancing (K3 paper, section
+    5.2.2's memory-efficient ledger)."""
+    return balanced_inflight / n_peak if balanced_inflight is not None else 1.0
 
 
 peak_inflight = composition_peak

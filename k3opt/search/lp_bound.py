@@ -53,7 +53,7 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
-from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
+from k3opt.cost.ledger import balanced_scale, peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
@@ -904,26 +904,27 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
         n_peak = peak_inflight(c0.compositions[r])
         fixed = _edge(a.persistent, r, p, L)
         act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
-        ratio = c0.balanced_inflight / n_peak if bal and c0.balanced_inflight else 1.0
+        ratio = balanced_scale(c0.balanced_inflight, n_peak) if bal else 1.0
         # Balancing on: every rank holds the average count, more than its own on the late ranks (evaluate's scale).
         # Rows over several settings at once (the lean tests) take the smaller of the two counts.
         scale = ratio if exact_balance else min(1.0, ratio)
         comps = _undominated([tuple(scale * ci for ci in c) for c in c0.compositions[r]])
-        banks = [_bank_row(p, v, kclose, c0.stream_bytes, comp, r) + _open_streams_row(p, v, kclose,
-                                                                                        c0.stream_bytes, r)
-                 for comp in comps] if kclose is not None and kclose.any() else []
+        banks: list[np.ndarray | None] = [None] * len(comps)
+        if kclose is not None and kclose.any():
+            streams = _open_streams_row(p, v, kclose, c0.stream_bytes, r)
+            banks = [_bank_row(p, v, kclose, c0.stream_bytes, comp, r) + streams for comp in comps]
         if off:
-            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets, and the bank.
+            # Saved bytes on the host; the GPU keeps at least the resident layers' smallest saved sets, and the bank
+            # (per composition; without the bank rows, one row).
             gpu_act = c0.shape.offload_resident_layers * float(a.act[:L].min())
-            le([kp] * v, r, room - fixed - act_fixed - gpu_act)
-            for bank in banks:
+            for bank in banks if banks[0] is not None else [None]:
                 le([kp] * v, r, room - fixed - act_fixed - gpu_act, bank=bank)
             for comp in comps:
                 le([comp[k] * kact for k in range(v)], r, host_cap * (1 + FEAS_TOL) - _edge_act(a, comp, r, p, L))
         else:
-            for i, comp in enumerate(comps):
+            for comp, bank in zip(comps, banks, strict=True):
                 le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L),
-                   bank=banks[i] if banks else None)
+                   bank=bank)
         # The optimizer phase (ledger.optimizer_transient_bytes): gather + NS under the default policy, else
         # max(gather, NS), which is at least each of them.
         if a.with_ns:
@@ -953,8 +954,9 @@ def _open_streams_row(p: int, v: int, kclose: np.ndarray, stream: float, r: int)
     mid = [k * p + r for k in range(v) if 0 < k * p + r < p * v - 1]
     if p > 1 and mid:
         g = mid[-1]
-        weight[:g] = 4 * stream  # in both R(start of g) and R(end of g)
-        weight[g] = 2 * stream
+        per_stream = pp_packet_bytes(1.0, stream) - pp_packet_bytes(0.0, stream)  # one more open stream
+        weight[:g] = 2 * 2 * per_stream  # double-buffered, in both R(start of g) and R(end of g)
+        weight[g] = 2 * per_stream
     return _by_chunk(p, v, weight, kclose)
 
 
@@ -1250,7 +1252,7 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
         n_peak = peak_inflight(lean.compositions[r])
         scale = 1.0
         if "balance_activations" in allowed and lean.balanced_inflight is not None:
-            scale = min(1.0, lean.balanced_inflight / n_peak)
+            scale = min(1.0, balanced_scale(lean.balanced_inflight, n_peak))
         fixed = (P[L] if r == 0 else 0.0) + (P[L + 1] + lean.logits if r == p - 1 else 0.0) + act_fixed
         for comp in _undominated([tuple(scale * c for c in cc) for cc in lean.compositions[r]]):
             row = np.zeros(n)

@@ -25,6 +25,7 @@ from k3opt.cost.ledger import (
     Aggregate,
     Phase,
     TermDecl,
+    balanced_scale,
     declared_layer_bytes,
     peak_inflight,
     pp_packet_bytes,
@@ -153,10 +154,10 @@ class RankLedgerModel:
             return [fm.mem_int(value) if rk.holds_last else 0]
         raise ValueError(f"{agg} has its own builder")
 
-    def _declared(self, t: TermDecl) -> LedgerPart:
-        """Term t priced from its declaration: one expression when no decision changes it, else a variable above
-        each variant under the literals that select it."""
-        cases = self._cases(t)
+    def _declared(self, t: TermDecl, cases: list | None = None) -> LedgerPart:
+        """Term t priced from its declaration (its variants `cases`, from `_cases` when not given): one expression
+        when no decision changes it, else a variable above each variant under the literals that select it."""
+        cases = cases if cases is not None else self._cases(t)
         if len(cases) == 1 and not cases[0][0]:
             (lb,) = self._lower_bounds(*cases[0][1:])
             return LedgerPart((t.key,), t.phase, lb)
@@ -170,8 +171,9 @@ class RankLedgerModel:
     def _layer_sums(self, decls: list[TermDecl]) -> list[LedgerPart]:
         """The terms summed over the rank's layers. Those no decision changes are added per layer before they are
         rounded up (one rounding, `ledger.declared_layer_bytes`); the others are priced one by one."""
-        fixed = [t for t in decls if len(self._cases(t)) == 1]
-        parts = [self._declared(t) for t in decls if t not in fixed]
+        cases = {t.key: self._cases(t) for t in decls}
+        fixed = [t for t in decls if len(cases[t.key]) == 1]
+        parts = [self._declared(t, cases[t.key]) for t in decls if t not in fixed]
         if fixed:
             keys = tuple(t.key for t in fixed)
             phases = {t.phase for t in fixed}
@@ -193,8 +195,7 @@ class RankLedgerModel:
         c0, K, L = fm.c0, fm.K, fm.L
         comps = c0.compositions[rk.r]
         n_peak = peak_inflight(comps)
-        scale_bal = (fm.on["balance_activations"].balanced_inflight / n_peak
-                     if fm.on["balance_activations"].balanced_inflight else 1.0)
+        scale_bal = balanced_scale(fm.on["balance_activations"].balanced_inflight, n_peak)
         stream = fm.mem_int(c0.stream_bytes)
         ends = [fm.closes_before(j + 1) if j + 1 < K else int(c0.closes[:L].sum()) for j in rk.mine]
         bank = [stream * e for e in ends]

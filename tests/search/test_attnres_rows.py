@@ -48,9 +48,10 @@ def test_the_open_streams_of_the_packets_by_hand():
 @pytest.mark.parametrize("reserve", [2.4, 2.6])
 def test_the_fractional_fit_now_settles_nodes_it_let_through(tiny, slow, reserve):
     """On the tiny model's PP2 VP2 job (`pp2_vp2_memory_job`), the fractional memory test with the bank refuses
-    the nodes of which no enumerated layout fits at these reserves and which it let through without the bank
-    (the accumulate lifecycle's no-recompute and selective nodes at 2.4 GiB); the enumeration tests of
-    tests/search/test_search.py check it never refuses a node with a fitting layout."""
+    the accumulate lifecycle's no-recompute and selective nodes, which it let through without the bank (only the
+    contiguous whole-layer test refused them). No layout of theirs fits at these reserves, and the fractional test
+    never refuses a node with a fitting layout: both by enumeration in
+    tests/search/test_search.py::test_the_contiguous_fit_says_no_only_where_no_layout_fits."""
     from conftest import pp2_vp2_memory_job
 
     from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view

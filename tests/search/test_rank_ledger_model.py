@@ -121,9 +121,9 @@ def test_a_new_summed_term_needs_only_its_declaration(tiny, slow, monkeypatch):
         assert abs(grown - sum(master[i] for i in layers)) <= len(layers)  # the shared rounding of the fixed sums
 
 
-def test_a_declaration_without_a_builder_is_refused(tiny, slow, monkeypatch):
-    """A term whose aggregation has no builder, or a term declared twice, stops the model instead of being
-    dropped from the peak."""
+def test_a_term_declared_twice_is_refused(tiny, slow, monkeypatch):
+    """A term declared twice stops the model instead of being counted twice in the peak (every aggregation has a
+    builder, so a term no builder prices cannot be declared)."""
     job, f, _ = _pinned("none", "per_microbatch", (), tiny)
     twice = dataclasses.replace(LEDGER[0])
     monkeypatch.setattr(rank_ledger, "LEDGER", (*LEDGER, twice))

@@ -525,14 +525,14 @@ def _pp2_vp2_fitting(f, rc, lc, allowed, reserve, tiny, slow):
                 yield toggles, ev
 
 
-@pytest.mark.parametrize("reserve", [2.3, 2.5])
+@pytest.mark.parametrize("reserve", [2.3, 2.4, 2.5, 2.6])
 def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserve):
     """`lp_bound.contiguous_fits` (the leanest bytes' memory rows over whole layers in contiguous chunks): per
     (recompute, lifecycle) node of the PP2 VP2 job it never says no where an enumerated layout fits (every split of
     the six layers into 4 chunks under every toggle setting), and it does say no to nodes the fractional test over
     the same bytes (`lean_fits`) lets through (at 2.3 GiB reserved the accumulate lifecycle's no-recompute and
     selective nodes, at 2.5 GiB three nodes; at 2.4 and 2.6 GiB the fractional test, which counts the AttnRes bank
-    and the packets' open streams, already settles them)."""
+    and the packets' open streams, already settles them). Neither test says no where an enumerated layout fits."""
     from k3opt.search.frames import ACT_TOGGLES, ActMode, allocated_capacity_bytes, choices, memory_view
     from k3opt.search.lp_bound import contiguous_fits, lean_fits
 
@@ -544,11 +544,14 @@ def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserv
         contiguous = contiguous_fits(job, f, rc, lc, tiny, slow, 30.0)
         assert contiguous is not None, (rc, lc)
         fitting = next(_pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, reserve, tiny, slow), None)
+        lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
+        fractional = lean_fits(job, f, lean, cap, slow.host_memory_bytes)
         if fitting is not None:
             assert contiguous, (rc, lc, fitting[0])
-        lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
-        sharper += lean_fits(job, f, lean, cap, slow.host_memory_bytes) and not contiguous
-    assert sharper >= 2
+            assert fractional, (rc, lc, fitting[0])
+        sharper += fractional and not contiguous
+    if reserve in (2.3, 2.5):
+        assert sharper >= 2
 
 
 def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, slow, monkeypatch):
