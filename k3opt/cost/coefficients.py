@@ -8,7 +8,11 @@ arrays. All values are float64 bytes, FLOPs or seconds per GPU.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +24,7 @@ from k3opt.cost.schedule import (
     offload_stall,
     schedule_slots,
 )
+from k3opt.cost.sharding import count_owned_per_rank, count_whole_params
 from k3opt.cost.structure import Block, Saved, Structure, Tensor, module_recompute, replays, structure_of
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domain_block
@@ -41,6 +46,8 @@ from k3opt.inputs.specs import (
     Toggles,
     quantized_bytes_per_element,
 )
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -252,7 +259,8 @@ class Coefficients:
     FP32 gradients): the step's FP32 main parameters take FP32 gradients."""
     step_gather_with_ns: bool = True
     """The Newton-Schulz working set adds to the step gather (default policy) instead of preceding it."""
-    model_json: str = field(default="", repr=False)
+    cost: CostModel | None = field(default=None, repr=False)
+    """The CostModel that built these coefficients (its caches of the parameters a rank owns)."""
     gemm_flops: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
     quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -266,8 +274,9 @@ class Coefficients:
     rates_name: str = ""
     moe_compute_achievable: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Per layer, seconds per microbatch of the routed-expert part of its compute at the achievable rates
-    (expert_compute_seconds; the rest of `achievable` tensor + vector is the pre-dispatch part); empty without
-    rates. The EP overlap schedule pairs each all-to-all with one of the two parts (achievable.py)."""
+    (the sum of CostModel.expert_compute's parts; the rest of `achievable` tensor + vector is the pre-dispatch
+    part); empty without rates. The EP overlap schedule pairs each all-to-all with one of the two parts
+    (achievable.py)."""
     moe_vector_achievable: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """The memory-bound kernels' share of `moe_compute_achievable` (the rest is its tensor-core time); part of the
     `vector` resource, as the routed GEMMs' time is part of `tensor`."""
@@ -417,26 +426,6 @@ def _hier(total: np.ndarray, n: int, a: int) -> tuple[np.ndarray, np.ndarray]:
     return total * nvl, total * nic
 
 
-_RATES_JSON: dict[int, tuple[RatesSpec, str]] = register({})
-
-
-def _rates_json(rates: RatesSpec | None) -> str:
-    """The rates' JSON (the cache key of the coefficients), serialized once per rates object."""
-    if rates is None:
-        return ""
-    hit = _RATES_JSON.get(id(rates))
-    if hit is None or hit[0] is not rates:
-        hit = _RATES_JSON[id(rates)] = (rates, rates.model_dump_json())
-    return hit[1]
-
-
-def _parse_rates(rates_json: str) -> RatesSpec:
-    return RatesSpec.model_validate_json(rates_json)
-
-
-_rates_from_json = Memo(_parse_rates, maxsize=32)
-
-
 def quantized_gemm(block: Block, t: Tensor) -> bool:
     """Megatron with Transformer Engine runs the decoder's linear layers in FP8/FP4; the router, the embedding,
     the output layer (and the MTP head pass sharing it) and the vision tower stay BF16."""
@@ -447,53 +436,78 @@ def quantized_gemm(block: Block, t: Tensor) -> bool:
 def coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:
     """Per-layer arrays of one shape. `rates`: the achievable rates (default: the shipped rates file named like
     the cluster, if any); without rates the achievable arrays are empty and only the peak roofline exists."""
-    return _coefficients(shape, *cache_key(model, cluster, rates))
+    return cost_model(model, cluster, rates).coefficients(shape)
 
 
-def cache_key(model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> tuple[str, str, str]:
-    """What a build reads besides the shape, as the caches key it: the model's, the cluster's and the rates' JSON
-    (the rates default to the shipped file named like the cluster, "" without one)."""
+class CostModel:
+    """One model on one cluster under one set of achievable rates (None: the peak roofline only), and the caches of
+    what is built from them: the model's shape-independent arrays (`static`), the saved bytes of a token count,
+    each LayerShape's per-layer terms, each Shape's coefficients, the parameters a rank owns. Obtain one with
+    `cost_model()`, which hands equal specs the same object, so their caches are shared; `memo.clear_all()` drops
+    every CostModel and with it every cache it owns."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None) -> None:
+        self.model, self.cluster, self.rates = model, cluster, rates
+        self.structure: Structure = structure_of(model)
+
+        def own(builder: Callable[..., R], maxsize: int) -> Memo[..., R]:
+            return Memo(partial(builder, self), maxsize=maxsize, registered=False)
+
+        self.coefficients: Memo[[Shape], Coefficients] = own(_build_coefficients, 8192)
+        """coefficients(): one Shape's."""
+        self.layer_terms: Memo[[LayerShape], dict[str, object]] = own(_build_layer_terms, 8192)
+        """The Coefficients fields of a LayerShape (shared by the shapes that differ only in their schedule)."""
+        self.saved = own(_build_saved, 512)
+        self.module_recompute = own(_build_module_recompute, 64)
+        self.achievable_tensor = own(_build_achievable_tensor, 1024)
+        self.expert_compute = own(_build_expert_compute, 1024)
+        self.owned_per_rank = Memo(partial(count_owned_per_rank, model), maxsize=1024, registered=False)
+        """sharding.count_owned_per_rank of this model."""
+        self.whole_params = Memo(partial(count_whole_params, model), maxsize=1024, registered=False)
+        """sharding.count_whole_params of this model."""
+
+    @functools.cached_property
+    def static(self) -> _Static:
+        """The model's shape-independent per-layer arrays."""
+        return _build_static(self.model, self.structure)
+
+    def __reduce__(self) -> tuple[object, tuple]:
+        """A CostModel crosses a process boundary (a sweep's pool) as its specs: the receiver builds its own."""
+        return cost_model, (self.model, self.cluster, self.rates)
+
+
+_COST_MODELS: dict[tuple[str, str, str], CostModel] = register({})
+"""Every CostModel in use, keyed by its specs' JSON; the oldest is dropped past _MAX_COST_MODELS."""
+_MAX_COST_MODELS = 8
+"""A planner session prices a handful of (model, cluster, rates): a sweep over clusters, the validation's runs."""
+
+
+def cost_model(model: ModelSpec, cluster: ClusterSpec, rates: RatesSpec | None = None) -> CostModel:
+    """The CostModel of (model, cluster, rates), one per distinct content (`rates` default to the shipped file
+    named like the cluster, if any)."""
     rates = rates if rates is not None else rates_for(cluster)
-    return _spec_json(model), _spec_json(cluster), _rates_json(rates)
+    key = (_spec_json(model), _spec_json(cluster), _spec_json(rates) if rates is not None else "")
+    hit = _COST_MODELS.get(key)
+    if hit is None:
+        if len(_COST_MODELS) >= _MAX_COST_MODELS:
+            del _COST_MODELS[next(iter(_COST_MODELS))]
+        hit = _COST_MODELS[key] = CostModel(model, cluster, rates)
+    return hit
 
 
-def coefficients_of_key(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
-    """coefficients() for a cache_key: the same cached build."""
-    return _coefficients(shape, model_json, cluster_json, rates_json)
+_SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec | RatesSpec, str]] = register({})
 
 
-def specs_of_key(cluster_json: str, rates_json: str) -> tuple[ClusterSpec, RatesSpec | None]:
-    """The cluster and the rates a cache_key names (parsed once per JSON)."""
-    return _cluster_of(cluster_json), _rates_from_json(rates_json) if rates_json else None
-
-
-_SPEC_JSON: dict[int, tuple[ModelSpec | ClusterSpec, str]] = register({})
-
-
-def _spec_json(spec: ModelSpec | ClusterSpec) -> str:
-    """A (frozen) spec's JSON, the cache key of the coefficients, serialized once per spec object: the search asks
-    for thousands of shapes of one model and cluster. The entry keeps the object alive, so its id is not reused."""
+def _spec_json(spec: ModelSpec | ClusterSpec | RatesSpec) -> str:
+    """A (frozen) spec's JSON, which tells equal specs apart from different ones, serialized once per spec object:
+    the search asks for thousands of shapes of one model and cluster. The entry keeps the object alive, so its id
+    is not reused."""
     hit = _SPEC_JSON.get(id(spec))
     if hit is None or hit[0] is not spec:
         if len(_SPEC_JSON) > 256:
             _SPEC_JSON.clear()
         hit = _SPEC_JSON[id(spec)] = (spec, spec.model_dump_json())
     return hit[1]
-
-
-def _parse_model(model_json: str) -> ModelSpec:
-    """The model parsed once per JSON (frozen, never mutated by a build)."""
-    return ModelSpec.model_validate_json(model_json)
-
-
-_model_of = Memo(_parse_model, maxsize=16)
-
-
-def _parse_cluster(cluster_json: str) -> ClusterSpec:
-    return ClusterSpec.model_validate_json(cluster_json)
-
-
-_cluster_of = Memo(_parse_cluster, maxsize=16)
 
 
 @dataclass(frozen=True)
@@ -552,10 +566,8 @@ def _largest_weight(rows: list[tuple], fused: list[int], n: int) -> np.ndarray:
     return out
 
 
-def _build_static(model_json: str) -> _Static:
-    """The shape-independent per-layer arrays of one model, built once per model JSON."""
-    model = ModelSpec.model_validate_json(model_json)
-    st: Structure = structure_of(model)
+def _build_static(model: ModelSpec, st: Structure) -> _Static:
+    """The shape-independent per-layer arrays of one model (its Structure `st`), built once per CostModel."""
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
 
     def per(fn) -> np.ndarray:  # noqa: ANN001
@@ -600,9 +612,6 @@ def _build_static(model_json: str) -> _Static:
         moe=per(lambda b: b.moe_layers), ns_routed_all=ns_r, ns_nonrouted=ns_n, ns_ws=ns_ws,
         head_active=sum(t.active_matrix_params for t in st.last[0].tensors), closes=_closes(model),
     )
-
-
-_static = Memo(_build_static, maxsize=16)
 
 
 MEGATRON_FUSED_GEMMS: tuple[frozenset[str], ...] = (
@@ -655,11 +664,11 @@ def _closes(model: ModelSpec) -> np.ndarray:
     return np.concatenate([np.diff(r_at), [0, 0]]).astype(float)
 
 
-def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
+def _build_saved(cm: CostModel, tokens: int, toggles: Toggles, fp8_block: int,
                  precision: Precision = Precision.BF16, routed: bool | None = None) -> tuple[np.ndarray, ...]:
     """(saved, recomputable, FP8-stored values) per microbatch for each layer and edge (`routed`: as in
     saved_per_token)."""
-    st = structure_of(_model_of(model_json))
+    st = cm.structure
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     out = np.zeros((3, len(blocks)))
     for i, bl in enumerate(blocks):
@@ -668,14 +677,11 @@ def _build_saved(model_json: str, tokens: int, toggles: Toggles, fp8_block: int,
     return out[0], out[1], out[2]
 
 
-_saved = Memo(_build_saved, maxsize=512)
-
-
-def _build_module_recompute(model_json: str, tokens: int, toggles: Toggles, fp8_block: int, precision: Precision,
+def _build_module_recompute(cm: CostModel, tokens: int, toggles: Toggles, fp8_block: int, precision: Precision,
                             modules: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """(saved bytes dropped, replayed active matrix weights) per microbatch of each layer and edge under Megatron's
     recompute `modules` (structure.MEGATRON_RECOMPUTE)."""
-    st = structure_of(_model_of(model_json))
+    st = cm.structure
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     dropped, replayed = np.zeros(len(blocks)), np.zeros(len(blocks))
     for i, bl in enumerate(blocks):
@@ -685,9 +691,6 @@ def _build_module_recompute(model_json: str, tokens: int, toggles: Toggles, fp8_
                 dropped[i] += saved_per_token(b, toggles, fp8_block, precision, only=names)[0] * tokens
             replayed[i] += weights
     return dropped, replayed
-
-
-_module_recompute = Memo(_build_module_recompute, maxsize=64)
 
 
 def _build_placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
@@ -730,14 +733,14 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
     return (link, zero, stall, ws) if on_nvlink else (zero, link, stall, ws)
 
 
-def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_json: str = "") -> Coefficients:
+def _build_coefficients(cm: CostModel, shape: Shape) -> Coefficients:
     """One shape's coefficients: the per-layer arrays of its LayerShape (one build for every shape that differs
     only in its pipeline schedule) and the schedule's own terms: in-flight compositions, slots, PP hops."""
-    cluster = _cluster_of(cluster_json)
+    cluster = cm.cluster
     tg = shape.toggles
     domain = domain_block(shape.domain_gpus_used, cluster.nvlink_domain_gpus)
     pl = placement_of(shape.gpus, shape.pp, shape.cp, shape.ep, shape.expert_fsdp, shape.dense_fsdp, domain)
-    terms = _layer_terms(LayerShape.of(shape, pl), model_json, cluster_json, rates_json)
+    terms = cm.layer_terms(LayerShape.of(shape, pl))
     comps = _compositions(shape.pp, shape.vp, shape.microbatches)
     balanced = _balanced_inflight(shape.pp, shape.vp, shape.microbatches) if tg.balance_activations else None
     gb = 1e9
@@ -745,8 +748,8 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         1 / (cluster.nvlink_gbps * gb) if hop else 1 / (cluster.nic_gbps * gb) for hop in pl.pp_hop_in_domain
     )
     pp_spb_ach: tuple[float, ...] = ()
-    if rates_json:
-        rt = _rates_from_json(rates_json)
+    if cm.rates is not None:
+        rt = cm.rates
         pp_spb_ach = tuple(
             1 / (cluster.nvlink_gbps * gb * rt.collective_nvlink.value) if hop
             else 1 / (cluster.nic_gbps * gb * rt.collective_nic.value) for hop in pl.pp_hop_in_domain)
@@ -760,9 +763,6 @@ def _build_coefficients(shape: Shape, model_json: str, cluster_json: str, rates_
         balance_seconds_per_byte=1 / ((cluster.nvlink_gbps if pl.pipeline_in_domain else cluster.nic_gbps) * gb),
         pp_seconds_per_byte_achievable=pp_spb_ach,
     )
-
-
-_coefficients = Memo(_build_coefficients, maxsize=8192)
 
 
 _DICT_FIELDS = ("time", "update", "achievable", "update_achievable")
@@ -785,13 +785,12 @@ def _build_balanced_inflight(p: int, v: int, m: int) -> float:
 _balanced_inflight = Memo(_build_balanced_inflight, maxsize=256)
 
 
-def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, rates_json: str = ""
-                       ) -> dict[str, object]:
+def _build_layer_terms(cm: CostModel, shape: LayerShape) -> dict[str, object]:
     """The Coefficients fields of a LayerShape (every per-layer array and rank-level constant), read-only: the
     cache hands the same arrays to every shape of the key."""
-    b = _LayerBuild.of(shape, model_json, cluster_json)
-    acts = _saved_activations(b, model_json)
-    work = _compute_work(b, model_json)
+    b = _LayerBuild.of(shape, cm)
+    acts = _saved_activations(b)
+    work = _compute_work(b)
     ep = _ep_dispatch(b)
     traffic = _microbatch_traffic(b, acts, work, ep)
     ns = _newton_schulz(b)
@@ -811,12 +810,9 @@ def _build_layer_terms(shape: LayerShape, model_json: str, cluster_json: str, ra
         tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
         stream_bytes=b.stream, ep_buffers=0.0 if moonep else ep.buffers,
         moonep_buffers=ep.buffers if moonep else 0.0, routing_map=ep.routing_map,
-        model_json=model_json, gemm_flops=work.gemm_flops,
-        **_achievable_terms(b, (model_json, cluster_json, rates_json), acts, work, traffic, ns["ns_flops"], up),
+        cost=cm, gemm_flops=work.gemm_flops,
+        **_achievable_terms(b, acts, work, traffic, ns["ns_flops"], up),
     ))
-
-
-_layer_terms = Memo(_build_layer_terms, maxsize=8192)
 
 
 _GRADS_SHARDED = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
@@ -829,6 +825,8 @@ class _LayerBuild:
     and the parameters per layer a rank holds, owns and reduces under the shape's degrees and sharding policies."""
 
     shape: LayerShape
+    cm: CostModel
+    """The CostModel building it: its caches of the saved bytes, the replayed modules and the achievable times."""
     model: ModelSpec
     cluster: ClusterSpec
     sa: _Static
@@ -883,10 +881,10 @@ class _LayerBuild:
     """Local parameters of the GEMMs that run in the compute precision."""
 
     @classmethod
-    def of(cls, shape: LayerShape, model_json: str, cluster_json: str) -> _LayerBuild:
-        """The build context of `shape` for the model and cluster JSON (specs parsed once per JSON)."""
-        model = _model_of(model_json)
-        sa = _static(model_json)
+    def of(cls, shape: LayerShape, cm: CostModel) -> _LayerBuild:
+        """The build context of `shape` under the CostModel `cm`."""
+        model = cm.model
+        sa = cm.static
         n = model.num_layers + 2
         e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
         pn_muon, p_adam, p_routed, pr_adam = sa.pn_muon, sa.p_adam, sa.p_routed, sa.pr_adam
@@ -906,7 +904,7 @@ class _LayerBuild:
         ge_ = float(per_layer and pol_e == ShardingPolicy.OPTIM_GRADS_PARAMS)
         layer = np.arange(n) < model.num_layers
         return cls(
-            shape=shape, model=model, cluster=_cluster_of(cluster_json), sa=sa, n=n,
+            shape=shape, cm=cm, model=model, cluster=cm.cluster, sa=sa, n=n,
             layer=layer, full=shape.recompute == Recompute.FULL,
             accumulate=shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE,
             stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam,
@@ -1023,17 +1021,17 @@ class _Activations:
     """Of `act`, the part activation_offload_layers sends to host memory: the first N decoder layers'."""
 
 
-def _saved_activations(b: _LayerBuild, model_json: str) -> _Activations:
+def _saved_activations(b: _LayerBuild) -> _Activations:
     """Saved bytes per recompute mode: none keeps all; selective drops the recomputable part to the working set of
     the layer in backward; full keeps one BF16 [T, d] layer input per layer (the edges are not checkpointed). The
     working set adds the layer's unsharded gradient (per-microbatch lifecycle) and its two gradient streams."""
     sh, n, e = b.shape, b.n, b.shape.ep
-    saved, recomputable, fp8_values = _saved(model_json, sh.tokens, _activation_toggles(sh.toggles),
+    saved, recomputable, fp8_values = b.cm.saved(sh.tokens, _activation_toggles(sh.toggles),
                                              sh.fp8_block_size, sh.precision)
     if sh.recompute == Recompute.NONE:
         act, recompute_ws = saved.copy(), np.zeros(n)
     elif sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
-        dropped = _module_recompute(model_json, sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
+        dropped = b.cm.module_recompute(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
                                     sh.precision, sh.recompute_modules)[0]
         act, recompute_ws = saved - dropped, dropped.copy()
     elif sh.recompute == Recompute.SELECTIVE:
@@ -1078,7 +1076,7 @@ class _Work:
     """Tokens each token attends to: min(document length, context)."""
 
 
-def _compute_work(b: _LayerBuild, model_json: str) -> _Work:
+def _compute_work(b: _LayerBuild) -> _Work:
     """Training FLOPs: T (6 active + attention x s_eff + scan) x the recompute factor on the layers, plus the
     forward GEMMs Megatron's recompute modules replay (2 T x replayed weights, in the compute precision); chunked
     cross entropy recomputes each chunk's logits in backward (one more LM-head forward)."""
@@ -1090,7 +1088,7 @@ def _compute_work(b: _LayerBuild, model_json: str) -> _Work:
     tensor_flops = np.where(b.layer, fwd_bwd * rc_factor, fwd_bwd)
     replay = np.zeros(b.n)
     if sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
-        replay = 2 * T * _module_recompute(model_json, T, _activation_toggles(sh.toggles), sh.fp8_block_size,
+        replay = 2 * T * b.cm.module_recompute(T, _activation_toggles(sh.toggles), sh.fp8_block_size,
                                            sh.precision, sh.recompute_modules)[1]
     tensor_flops = tensor_flops + replay
     if sh.toggles.fused_cross_entropy:
@@ -1344,25 +1342,24 @@ def _logits(b: _LayerBuild) -> dict[str, object]:
                                 + (" (one cross-entropy chunk)" if tg.fused_cross_entropy else "")))
 
 
-def _achievable_terms(b: _LayerBuild, key: tuple[str, str, str], acts: _Activations, work: _Work,
-                      traffic: _Traffic, ns_flops: np.ndarray, up: _UpdateTraffic) -> dict[str, object]:
-    """The achievable arrays of the rates in `key` (model, cluster, rates JSON; empty without rates): per-resource
-    seconds per microbatch and per update with the collectives' latency, and the routed experts' compute."""
-    model_json, cluster_json, rates_json = key
-    if not rates_json:
+def _achievable_terms(b: _LayerBuild, acts: _Activations, work: _Work, traffic: _Traffic, ns_flops: np.ndarray,
+                      up: _UpdateTraffic) -> dict[str, object]:
+    """The achievable arrays of the CostModel's rates (empty without rates): per-resource seconds per microbatch and
+    per update with the collectives' latency, and the routed experts' compute."""
+    rt = b.cm.rates
+    if rt is None:
         return dict(achievable={}, update_achievable={}, rates_name="", moe_compute_achievable=np.zeros(0),
                     moe_vector_achievable=np.zeros(0), offload_stall_achievable=np.zeros(0))
     sh, full, T, e = b.shape, b.full, b.shape.tokens, b.shape.ep
-    rt = _rates_from_json(rates_json)
     # Memory-bound kernels between the GEMMs (memory_bound_kernel_bytes); quantize adds its own traffic.
     # Kernels on one stream run in sequence, so this time adds to the GEMM time.
     elementwise = memory_bound_kernel_bytes(acts.saved, full) \
         + (traffic.hbm - traffic.hbm_weights - 2 * (acts.act + acts.recompute_ws))
     elementwise = elementwise + loss_kernel_bytes(b.model, rt, T)
     replayed = sh.recompute_modules if sh.recompute == Recompute.SELECTIVE else ()
-    tensor = _achievable_tensor(model_json, cluster_json, rates_json, T, e, sh.precision, full, work.s_eff,
+    tensor = b.cm.achievable_tensor(T, e, sh.precision, full, work.s_eff,
                                 sh.toggles.fused_cross_entropy, replayed)
-    moe_gemm, moe_vector = _expert_compute(model_json, cluster_json, rates_json, T, e, sh.precision, full,
+    moe_gemm, moe_vector = b.cm.expert_compute(T, e, sh.precision, full,
                                            _activation_toggles(sh.toggles), sh.fp8_block_size)
     achievable, update_achievable = _achievable_time(
         sh, b.cluster, rt, tensor=tensor, hbm=traffic.hbm_weights, elementwise=elementwise, nvl=traffic.nvl,
@@ -1485,14 +1482,14 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
     return flops * inv / peak
 
 
-def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
+def _build_achievable_tensor(cm: CostModel, T: int, ep: int, precision: Precision,
                              full: bool, s_eff: int, fused_cross_entropy: bool,
                              modules: tuple[str, ...] = ()) -> np.ndarray:
     """Tensor-core seconds per microbatch of each layer and edge at the achievable rates (read-only: cached):
     FLOPs of each GEMM class / (its precision's dense peak x the class's measured fraction x its shape factor),
     attention and scan FLOPs / (BF16 peak x attention forward / backward fraction). A weight Megatron's recompute
     `modules` replay runs its forward once more: a third of its row's seconds."""
-    cluster, rt, sa = _cluster_of(cluster_json), _rates_from_json(rates_json), _static(model_json)
+    cluster, rt, sa = cm.cluster, cm.rates, cm.static
     tf = 1e12
     n = len(sa.moe)
     layer = np.arange(n) < n - 2
@@ -1516,9 +1513,6 @@ def _build_achievable_tensor(model_json: str, cluster_json: str, rates_json: str
         + core * (2 / 3) / (bf16 * rt.attention_backward())
     tensor.flags.writeable = False
     return tensor
-
-
-_achievable_tensor = Memo(_build_achievable_tensor, maxsize=1024)
 
 
 def achievable_hbm_seconds(nbytes: np.ndarray, cluster: ClusterSpec, rt: RatesSpec) -> np.ndarray:
@@ -1588,41 +1582,23 @@ def loss_kernel_bytes(model: ModelSpec, rt: RatesSpec, tokens: int) -> np.ndarra
     return out
 
 
-def _build_expert_compute(model_json: str, cluster_json: str, rates_json: str, T: int, ep: int, precision: Precision,
-                          full: bool, toggles: Toggles, fp8_block: int) -> tuple[np.ndarray, np.ndarray]:
-    out = expert_compute_parts(model_json, _cluster_of(cluster_json), _rates_from_json(rates_json), T, ep,
-                               precision, full, toggles, fp8_block)
-    for part in out:
-        part.flags.writeable = False
-    return out
-
-
-_expert_compute = Memo(_build_expert_compute, maxsize=1024)
-
-
-def expert_compute_parts(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
-                         precision: Precision, full: bool, toggles: Toggles, fp8_block: int
-                         ) -> tuple[np.ndarray, np.ndarray]:
+def _build_expert_compute(cm: CostModel, T: int, ep: int, precision: Precision, full: bool, toggles: Toggles,
+                          fp8_block: int) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, (tensor-core, memory-bound) seconds per microbatch of the compute Megatron's combined 1F1B schedule
     runs as the `mlp` node (NVIDIA/Megatron-LM megatron/core/models/gpt/fine_grained_callables.py: the routed
     experts; attention, the router and the shared experts run in the pre-dispatch node): the routed GEMMs at the
     achievable rates (_gemm_row_seconds) x the recompute factor, and the memory-bound kernels over the routed
     experts' saved tensors (Saved.routed: the dispatched inputs, the expert activations and outputs;
-    memory_bound_kernel_bytes, as in the `vector` resource) at the achievable HBM rate."""
-    sa = _static(model_json)
+    memory_bound_kernel_bytes, as in the `vector` resource) at the achievable HBM rate. Read-only: cached."""
+    sa, cluster, rt = cm.static, cm.cluster, cm.rates
     n = len(sa.moe)
     g = sa.gemms
     rc = np.where(np.arange(n) < n - 2, recompute_flops_factor(full), 1.0)
     routed = g[:, 4] > 0
     gemm = np.bincount(g[:, 0].astype(int), weights=_gemm_row_seconds(sa, cluster, rt, T, ep, precision) * routed,
                        minlength=n) * rc
-    routed_saved = _saved(model_json, T, toggles, fp8_block, precision, routed=True)[0]
-    return gemm, achievable_hbm_seconds(memory_bound_kernel_bytes(routed_saved, full), cluster, rt)
-
-
-def expert_compute_seconds(model_json: str, cluster: ClusterSpec, rt: RatesSpec, T: int, ep: int,
-                           precision: Precision, full: bool, toggles: Toggles, fp8_block: int) -> np.ndarray:
-    """Per layer, seconds per microbatch of the routed experts' compute (`mlp` node): the sum of
-    expert_compute_parts."""
-    gemm, vector = expert_compute_parts(model_json, cluster, rt, T, ep, precision, full, toggles, fp8_block)
-    return gemm + vector
+    routed_saved = cm.saved(T, toggles, fp8_block, precision, routed=True)[0]
+    out = gemm, achievable_hbm_seconds(memory_bound_kernel_bytes(routed_saved, full), cluster, rt)
+    for part in out:
+        part.flags.writeable = False
+    return out

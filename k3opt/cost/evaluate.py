@@ -31,7 +31,6 @@ from k3opt.cost.ledger import (
 )
 from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
-from k3opt.cost.sharding import owned_per_rank, whole_params
 from k3opt.cost.structure import ParamCounts, structure_of
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.placement import domain_block, domains_held
@@ -419,7 +418,7 @@ def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str,
                 raise ValueError(f"ledger term {t.key}: {alt.aggregate} under {alt.toggle} needs its own pricing")
             out[t.key] = 2 * max(rc.csum(getattr(cf, alt.coefficient)))
     tensor_terms = None
-    if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.model_json:
+    if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.cost is not None:
         out.update(_tensor_owned_state(cf, tuple(rc.idx)))
         tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(rc.idx))
     return out, tensor_terms
@@ -562,14 +561,14 @@ def _tensor_owned_state(cf: Coefficients, idx: tuple[int, ...], dp_rank: int | N
         def owned_bytes(s: tuple[int, int], g_b: int = g_b) -> int:
             return (4 + sd + g_b) * s[0] + (4 + 2 * sd + g_b) * s[1]
 
-        shares = owned_per_rank(cf.model_json, idx, routed, group, sh.ep)
+        shares = cf.cost.owned_per_rank(idx, routed, group, sh.ep)
         m, a = shares[dp_rank % group] if dp_rank is not None else max(shares, key=owned_bytes)
         out["master"] += 4 * (m + a)
         out["optimizer"] += sd * m + 2 * sd * a
         if pol in sharded_grads:
             grads += gd * (m + a)
         else:
-            grads += gd * whole_params(cf.model_json, idx, routed, sh.ep)
+            grads += gd * cf.cost.whole_params(idx, routed, sh.ep)
     if not sh.toggles.pipeline_zero2_host_grads:
         out["grads"] = grads
     return out

@@ -13,7 +13,6 @@ loop over the expert data-parallel group. The tensors are the framework's parame
 from __future__ import annotations
 
 from k3opt.cost.structure import Block, structure_of
-from k3opt.inputs.memo import Memo
 from k3opt.inputs.specs import ModelSpec
 
 _FUSED_FC1 = (("ffn.gate_proj", "ffn.up_proj"), ("moe.shared_gate", "moe.shared_up"),
@@ -54,11 +53,11 @@ def framework_tensors(blocks: list[Block], routed: bool, ep: int, attn_res_pair:
     return out
 
 
-def _count_owned_per_rank(model_json: str, blocks: tuple[int, ...], routed: bool, group: int, ep: int
-                          ) -> tuple[tuple[int, int], ...]:
+def count_owned_per_rank(model: ModelSpec, blocks: tuple[int, ...], routed: bool, group: int, ep: int
+                         ) -> tuple[tuple[int, int], ...]:
     """(Muon params, AdamW params) each of the `group` ranks owns over the tensors of `blocks` (indices into
-    layers + [first edge, last edge]), by Megatron's ping-pong assignment (module docstring)."""
-    model = ModelSpec.model_validate_json(model_json)
+    layers + [first edge, last edge]), by Megatron's ping-pong assignment (module docstring). Cached per model by
+    coefficients.CostModel.owned_per_rank."""
     st = structure_of(model)
     all_blocks = [*st.layers, st.first, st.last]
     n_layers = len(st.layers)
@@ -68,9 +67,6 @@ def _count_owned_per_rank(model_json: str, blocks: tuple[int, ...], routed: bool
     tensors = [t for i in order for t in framework_tensors(all_blocks[i], routed, ep, pair)]
     # Muon's param groups come first in the chained optimizer.
     return ping_pong([t for t in tensors if t[1]] + [t for t in tensors if not t[1]], group)
-
-
-owned_per_rank = Memo(_count_owned_per_rank, maxsize=1024)
 
 
 def ping_pong(params: list[tuple[int, bool, int]], group: int) -> tuple[tuple[int, int], ...]:
@@ -92,18 +88,15 @@ def ping_pong(params: list[tuple[int, bool, int]], group: int) -> tuple[tuple[in
     return tuple((m, a) for m, a in own)
 
 
-def _count_whole_params(model_json: str, blocks: tuple[int, ...], routed: bool, ep: int) -> int:
+def count_whole_params(model: ModelSpec, blocks: tuple[int, ...], routed: bool, ep: int) -> int:
     """Parameters of `blocks` a rank holds whole (routed: its ep-local experts), the checkpoint's count as the
-    rest of the ledger uses it."""
-    st = structure_of(ModelSpec.model_validate_json(model_json))
+    rest of the ledger uses it. Cached per model by coefficients.CostModel.whole_params."""
+    st = structure_of(model)
     all_blocks = [*st.layers, st.first, st.last]
     return sum(b.params(routed=routed) // (ep if routed else 1) for i in blocks for b in all_blocks[i])
 
 
-whole_params = Memo(_count_whole_params, maxsize=1024)
-
-
-def worst_owned(model_json: str, blocks: tuple[int, ...], routed: bool, group: int, ep: int) -> tuple[int, int]:
+def worst_owned(model: ModelSpec, blocks: tuple[int, ...], routed: bool, group: int, ep: int) -> tuple[int, int]:
     """(Muon params, AdamW params) of the rank owning the most elements (ties: the lowest rank)."""
-    shares = owned_per_rank(model_json, blocks, routed, group, ep)
+    shares = count_owned_per_rank(model, blocks, routed, group, ep)
     return max(shares, key=lambda s: (s[0] + s[1], -shares.index(s)))

@@ -26,7 +26,9 @@ _STORES: list[_Clearable] = []
 
 class Memo(Generic[P, R]):
     """`builder` memoized by functools.lru_cache(maxsize): the key (the positional and keyword arguments as given),
-    the least-recently-used eviction and the counters are lru_cache's. `__wrapped__` is the builder."""
+    the least-recently-used eviction and the counters are lru_cache's. `__wrapped__` is the builder. A module-level
+    Memo registers itself (`registered`); one an object owns (cost.coefficients.CostModel's) lives and dies with its
+    owner, which is itself reached through a registered store."""
 
     __slots__ = ("__call__", "__wrapped__")
     __call__: Callable[P, R]
@@ -34,10 +36,11 @@ class Memo(Generic[P, R]):
     which hands back the wrapper, so a call runs lru_cache's C code with no Python frame in between (the caches sit
     on the search's hot path, hundreds of thousands of calls per plan)."""
 
-    def __init__(self, builder: Callable[P, R], maxsize: int) -> None:
+    def __init__(self, builder: Callable[P, R], maxsize: int, registered: bool = True) -> None:
         self.__call__ = functools.lru_cache(maxsize=maxsize)(builder)
         self.__wrapped__ = builder
-        _MEMOS.append(self)
+        if registered:
+            _MEMOS.append(self)
 
     def cache_clear(self) -> None:
         """Forgets every result."""

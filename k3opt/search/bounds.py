@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cache_key, policy_step_gather
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cost_model, policy_step_gather
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo, register
@@ -120,7 +120,7 @@ def node_key(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelS
              ) -> tuple:
     """What a node's kept bounds, hints and paths are keyed by: the job, the specs it was priced with (one job
     may be planned against other model or cluster objects than the files it names), the frame and the node."""
-    return (job.model_dump_json(), *cache_key(model, cluster), f, rc, lc)
+    return (job.model_dump_json(), cost_model(model, cluster), f, rc, lc)
 
 
 DP_HINTS: dict[tuple, tuple[float, list[int] | None]] = register({})

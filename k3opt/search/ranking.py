@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from k3opt.cost.achievable import ranking_view, with_fields
-from k3opt.cost.coefficients import Coefficients, LayerShape, Shape, cache_key, coefficients_of_key, specs_of_key
+from k3opt.cost.coefficients import Coefficients, CostModel, LayerShape, Shape, cost_model
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
 from k3opt.inputs.toggles import ToggleKind
@@ -25,12 +25,11 @@ from k3opt.inputs.toggles import names as toggle_names
 
 def ranked_coefficients(shape: Shape, model: ModelSpec, cluster: ClusterSpec) -> Coefficients:
     """coefficients(shape, model, cluster) seen through ranking_view (cached like the coefficients)."""
-    return _ranked(shape, *cache_key(model, cluster))
+    return _ranked(shape, cost_model(model, cluster))
 
 
-def _build_ranked(shape: Shape, model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
-    cluster, rates = specs_of_key(cluster_json, rates_json)
-    return ranking_view(coefficients_of_key(shape, model_json, cluster_json, rates_json), cluster, rates)
+def _build_ranked(shape: Shape, cm: CostModel) -> Coefficients:
+    return ranking_view(cm.coefficients(shape), cm.cluster, cm.rates)
 
 
 _ranked = Memo(_build_ranked, maxsize=2048)  # a miss costs one ranking_view over the cached coefficients
@@ -84,24 +83,23 @@ def work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec, free: tuple
     tests/search/test_bounds_below_k3_layouts.py checks the floor against every mode."""
     recs = tuple(recomputes) if recomputes is not None else (shape.recompute,)
     lcs = tuple(lifecycles) if lifecycles is not None else (shape.fsdp_lifecycle,)
-    return _work_floor(shape, tuple(free), recs, lcs, *cache_key(model, cluster))
+    return _work_floor(shape, tuple(free), recs, lcs, cost_model(model, cluster))
 
 
 def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute, ...], lcs: tuple[FsdpLifecycle, ...],
-                model_json: str, cluster_json: str, rates_json: str) -> Coefficients:
-    view = _ranked(shape, model_json, cluster_json, rates_json)
+                cm: CostModel) -> Coefficients:
+    view = _ranked(shape, cm)
     off = shape.toggles.model_copy(update={t: False for t in free})
     shapes = [replace(shape, recompute=rc, fsdp_lifecycle=lc, toggles=off) for rc in recs for lc in lcs]
-    raws = [coefficients_of_key(sh, model_json, cluster_json, rates_json) for sh in shapes]
+    raws = [cm.coefficients(sh) for sh in shapes]
     # An EP overlap schedule exposes max(0, exchange - paired compute): not monotone in the per-resource parts
     # the fast path takes minima of, so such a shape takes the elementwise least of every mode's view.
     if not raws[0].achievable or shape.ep_overlap or any(getattr(shape.toggles, t) for t in ACT_TRAFFIC):
-        parts = [_least_arrays(sh, free, model_json, cluster_json, rates_json) for sh in shapes]
+        parts = [_least_arrays(sh, free, cm) for sh in shapes]
         time = {res: np.minimum.reduce([t[res] for t, _ in parts]) for res in parts[0][0]}
         update = {res: np.minimum.reduce([u[res] for _, u in parts]) for res in parts[0][1]}
-        return with_fields(view, time=time, update=update, update_hidden=_least_hidden(shapes, model_json,
-                                                                                        cluster_json, rates_json))
-    cluster, rates = specs_of_key(cluster_json, rates_json)
+        return with_fields(view, time=time, update=update, update_hidden=_least_hidden(shapes, cm))
+    cluster, rates = cm.cluster, cm.rates
     vector_only = tuple(t for t in free if t in VECTOR_ONLY)
     others = tuple(t for t in free if t not in VECTOR_ONLY)
     time: dict[str, np.ndarray] = {}
@@ -111,11 +109,10 @@ def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute
     # least of the rest over the recompute modes and lifecycles, with the least vector time of the others' modes.
     for flags in itertools.product((False, True), repeat=len(others)):
         set_ = off.model_copy(update=dict(zip(others, flags, strict=True)))
-        mode_raws = [coefficients_of_key(replace(sh, toggles=set_), model_json, cluster_json, rates_json)
+        mode_raws = [cm.coefficients(replace(sh, toggles=set_))
                      for sh in shapes]
         ach = {res: np.minimum.reduce([r.achievable[res] for r in mode_raws]) for res in mode_raws[0].achievable}
-        ach["vector"] = np.minimum.reduce([_least_vector(replace(sh, toggles=set_), vector_only, model_json,
-                                                         cluster_json, rates_json) for sh in shapes])
+        ach["vector"] = np.minimum.reduce([_least_vector(replace(sh, toggles=set_), vector_only, cm) for sh in shapes])
         upd = {res: np.minimum.reduce([r.update_achievable[res] for r in mode_raws])
                for res in mode_raws[0].update_achievable}
         fv = ranking_view(with_fields(mode_raws[0], achievable=ach, update_achievable=upd), cluster, rates)
@@ -128,12 +125,12 @@ def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute
 _work_floor = Memo(_build_work_floor, maxsize=4096)
 
 
-def _least_hidden(shapes: list[Shape], model_json: str, cluster_json: str, rates_json: str
+def _least_hidden(shapes: list[Shape], cm: CostModel
                   ) -> dict[str, np.ndarray]:
     """Elementwise least update communication (`update_hidden`) of the shapes' ranked views. The activation
     toggles do not reach it (k3opt.cost.coefficients: the update's exchange reads the sharding, the lifecycle and P2P
     Muon), so the shapes' own settings stand for every combination of them."""
-    views = [_ranked(sh, model_json, cluster_json, rates_json) for sh in shapes]
+    views = [_ranked(sh, cm) for sh in shapes]
     return {res: np.minimum.reduce([v.update_hidden[res] for v in views]) for res in views[0].update_hidden}
 
 
@@ -150,8 +147,7 @@ VECTOR_MARGIN = 1e-9
 the rounding of the HBM sums it is the difference of (~1e-16 of the weight traffic)."""
 
 
-def _build_least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
-                  rates_json: str) -> np.ndarray:
+def _build_least_vector(shape: Shape, free: tuple[str, ...], cm: CostModel) -> np.ndarray:
     """Per layer, the least achievable memory-bound kernel (`vector`) time over every combination of the `free`
     toggles (the shape's others kept), less VECTOR_MARGIN. Those kernels stream the saved set, the FP8 quantize
     traffic and the MoE rewrite's extra read (k3opt.cost.coefficients): they read the local tokens, the activation
@@ -159,9 +155,9 @@ def _build_least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cl
     schedule; so one shape per such key is built, on one GPU group of the CP degree (`_vector_shape`)."""
     key = _vector_shape(shape)
     if key != shape:
-        return _least_vector(key, free, model_json, cluster_json, rates_json)
-    vecs = [coefficients_of_key(replace(shape, toggles=shape.toggles.model_copy(
-        update=dict(zip(free, flags, strict=True)))), model_json, cluster_json, rates_json).achievable["vector"]
+        return _least_vector(key, free, cm)
+    vecs = [cm.coefficients(replace(shape, toggles=shape.toggles.model_copy(
+        update=dict(zip(free, flags, strict=True))))).achievable["vector"]
         for flags in itertools.product((False, True), repeat=len(free))]
     out = np.minimum.reduce(vecs) * (1 - VECTOR_MARGIN)
     out.setflags(write=False)
@@ -171,11 +167,10 @@ def _build_least_vector(shape: Shape, free: tuple[str, ...], model_json: str, cl
 _least_vector = Memo(_build_least_vector, maxsize=1024)
 
 
-def _build_least_vector_any_recompute(key: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
-                                rates_json: str) -> np.ndarray:
+def _build_least_vector_any_recompute(key: Shape, free: tuple[str, ...], cm: CostModel) -> np.ndarray:
     """`_least_vector` least over every recompute mode, for a `_vector_shape` key (its recompute mode ignored):
     shared by every shape of those tokens, toggles and precision (at 8,192 GPUs, ten thousand frame bounds)."""
-    out = np.minimum.reduce([_least_vector(replace(key, recompute=rc), free, model_json, cluster_json, rates_json)
+    out = np.minimum.reduce([_least_vector(replace(key, recompute=rc), free, cm)
                              for rc in Recompute])
     out.setflags(write=False)
     return out
@@ -202,17 +197,15 @@ def coarse_work_floor(shape: Shape, model: ModelSpec, cluster: ClusterSpec,
     shared by every shape of the same tokens), every other term as the shape's (the activation toggles leave or
     raise them; a frame bound passes recompute 'none' without toggles, the least of them). The frame bounds of
     every shape use it; the search tightens a frame with `work_floor` when it reaches it."""
-    return _coarse_work_floor(shape, tuple(free), *cache_key(model, cluster))
+    return _coarse_work_floor(shape, tuple(free), cost_model(model, cluster))
 
 
-def _build_coarse_work_floor(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str,
-                       rates_json: str) -> Coefficients:
-    view = _ranked(shape, model_json, cluster_json, rates_json)
-    raw = coefficients_of_key(shape, model_json, cluster_json, rates_json)
+def _build_coarse_work_floor(shape: Shape, free: tuple[str, ...], cm: CostModel) -> Coefficients:
+    view = _ranked(shape, cm)
+    raw = cm.coefficients(shape)
     if view is raw:
         return view
-    least = _least_vector_any_recompute(replace(_vector_shape(shape), recompute=Recompute.NONE), free, model_json,
-                                        cluster_json, rates_json)
+    least = _least_vector_any_recompute(replace(_vector_shape(shape), recompute=Recompute.NONE), free, cm)
     time = dict(view.time)
     if "vector" in time:
         time["vector"] = least  # the kernels as their own resource
@@ -228,20 +221,20 @@ _LEAST: dict = register({})
 """`_least_arrays` by what its arrays read."""
 
 
-def _least_arrays(shape: Shape, free: tuple[str, ...], model_json: str, cluster_json: str, rates_json: str
+def _least_arrays(shape: Shape, free: tuple[str, ...], cm: CostModel
                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Elementwise least `time` and `update` arrays of the ranked views over every combination of the `free`
     toggles (work_floor) under the shape's recompute mode and lifecycle. The ranked per-layer arrays read the
     LayerShape (the per-layer build's key: no pipeline schedule) and the EP overlap flag only, so the shapes that
     differ in their schedule share one computation."""
     base = replace(shape, toggles=shape.toggles.model_copy(update={t: False for t in free}))
-    placement = coefficients_of_key(shape, model_json, cluster_json, rates_json).placement
-    key = (LayerShape.of(base, placement), shape.ep_overlap, free, model_json, cluster_json, rates_json)
+    placement = cm.coefficients(shape).placement
+    key = (LayerShape.of(base, placement), shape.ep_overlap, free, cm)
     hit = _LEAST.get(key)
     if hit is not None:
         return hit
     views = [_ranked(replace(shape, toggles=shape.toggles.model_copy(update=dict(zip(free, flags, strict=True)))),
-                     model_json, cluster_json, rates_json)
+                     cm)
              for flags in itertools.product((False, True), repeat=len(free))]
     time = {res: np.minimum.reduce([v.time[res] for v in views]) for res in views[0].time}
     update = {res: np.minimum.reduce([v.update[res] for v in views]) for res in views[0].update}

@@ -7,8 +7,8 @@ the caches, each right after a partner that differs from it in one field only (s
 would return the partner's arrays), and compare every field, array by array, with a build of the same shape from
 empty caches. The last tests break a key on purpose and check that the comparison sees it.
 
-The key itself is a spec's JSON, memoized per spec object (k3opt.cost.coefficients._spec_json): a spec object the
-memo has not seen (a fresh copy) gets the key pydantic serializes and the same coefficients.
+The caches of one (model, cluster, rates) belong to its CostModel (k3opt.cost.coefficients.cost_model): a spec object
+equal to one already seen (a fresh copy) gets the same CostModel and the same coefficients; a different one, its own.
 """
 
 from __future__ import annotations
@@ -23,19 +23,21 @@ import k3opt
 from k3opt.cost import coefficients as C
 from k3opt.cost import schedule
 from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.rates import rates_for
 from k3opt.inputs.specs import Dtype, FsdpLifecycle, Precision, Recompute, ShardGranularity, ShardingPolicy, Toggles
 from k3opt.search import ranking
 
-# Caches keyed by a spec's JSON only (the model's inventory, parsed specs): the same for every shape, kept.
-_SPEC_ONLY = {"_static", "_model_of", "_cluster_of", "_rates_from_json"}
-
 
 def _clear_shape_caches() -> None:
-    """Empty every cache of the cost model (its Memos) and of the ranking view (functools caches) that a shape's
-    fields reach."""
+    """Empty every cache a shape's fields reach: the module-level Memos of the cost model, the schedule and the
+    ranking view, and the Memos of every CostModel in use (its `static` arrays, the same for every shape, kept)."""
     for mod in (C, schedule, ranking):
-        for name, obj in vars(mod).items():
-            if hasattr(obj, "cache_clear") and not isinstance(obj, type) and name not in _SPEC_ONLY:
+        for obj in vars(mod).values():
+            if hasattr(obj, "cache_clear") and not isinstance(obj, type):
+                obj.cache_clear()
+    for cm in C._COST_MODELS.values():
+        for obj in vars(cm).values():
+            if hasattr(obj, "cache_clear"):
                 obj.cache_clear()
 
 
@@ -189,14 +191,15 @@ def test_an_achievable_tensor_key_without_ep_is_caught(k3, monkeypatch):
     """The achievable tensor time keyed without EP (every shape priced at the first one's experts per rank) gives
     the routed GEMMs the wrong size factor: the comparison must report the achievable arrays."""
     model, cluster = k3
-    real = C._achievable_tensor
+    cm = C.cost_model(model, cluster)
+    real = cm.achievable_tensor
     first_ep: list[int] = []
 
-    def forgetful(model_json, cluster_json, rates_json, T, ep, *rest):  # noqa: ANN001, ANN202
+    def forgetful(T, ep, *rest):  # noqa: ANN001, ANN202
         first_ep.append(ep)
-        return real(model_json, cluster_json, rates_json, T, first_ep[0], *rest)
+        return real(T, first_ep[0], *rest)
 
-    monkeypatch.setattr(C, "_achievable_tensor", forgetful)
+    monkeypatch.setattr(cm, "achievable_tensor", forgetful)
     shapes = list(_shapes(BASE, [{}, {"ep": 64}]))
     cached = _through_caches(shapes, lambda s: coefficients(s, model, cluster))
     monkeypatch.undo()
@@ -234,22 +237,30 @@ def test_activation_balancing_shares_the_layer_build(k3, extra):
     assert a.act is b.act and a.time["tensor"] is b.time["tensor"]
     assert a.balanced_inflight is not None and b.balanced_inflight is None
     key = C.LayerShape.of(off, a.placement)
-    build = C._layer_terms.__wrapped__  # the uncached build
-    raw_on = build(dataclasses.replace(key, toggles=on.toggles), *C.cache_key(model, cluster))
-    raw_off = build(key, *C.cache_key(model, cluster))
+    build = C.cost_model(model, cluster).layer_terms.__wrapped__  # the uncached build
+    raw_on = build(dataclasses.replace(key, toggles=on.toggles))
+    raw_off = build(key)
     assert raw_on.keys() == raw_off.keys()
     assert [k for k in raw_on if not _same(raw_on[k], raw_off[k])] == []
 
 
-# The cache key of a spec object the JSON memo has not seen.
+# The CostModel of a spec object not seen before.
 
-def test_a_fresh_spec_object_gets_the_key_pydantic_serializes_and_the_same_coefficients():
+def test_a_fresh_equal_spec_object_gets_the_same_cost_model_and_a_changed_one_its_own():
     model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
     lay = k3opt.make_layout(gpus=16, pp=2, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=2, context=4096,
                             split=[24, 24])
     a = coefficients(Shape.of(lay), model, cluster)
     fresh_model, fresh_cluster = model.model_copy(deep=True), cluster.model_copy(deep=True)
     b = coefficients(Shape.of(lay), fresh_model, fresh_cluster)
-    assert b.model_json == a.model_json == model.model_dump_json()
+    assert b.cost is a.cost is C.cost_model(model, cluster)
+    assert a.cost.model == model and a.cost.cluster == cluster and a.cost.rates == rates_for(cluster)
     np.testing.assert_array_equal(b.master, a.master)
     np.testing.assert_array_equal(b.time["nvlink"], a.time["nvlink"])
+    # Half the NVLink bandwidth: another CostModel, whose NVLink seconds double (EP 8 and dense FSDP 8 exchange
+    # inside the 8-GPU domains at the peak rate).
+    slow = cluster.model_copy(update={"nvlink_gbps": cluster.nvlink_gbps / 2})
+    c = coefficients(Shape.of(lay), model, slow)
+    assert c.cost is not a.cost and c.cost.cluster == slow
+    assert a.time["nvlink"].sum() > 0
+    np.testing.assert_allclose(c.time["nvlink"], 2 * a.time["nvlink"])

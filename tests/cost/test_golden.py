@@ -20,7 +20,7 @@ from conftest import shared_scope
 
 import k3opt
 from k3opt.cost import comm
-from k3opt.cost.coefficients import _static
+from k3opt.cost.coefficients import cost_model
 from k3opt.cost.structure import structure_of
 
 GB200 = hand.Cluster(bf16_tflops=2500, hbm_gbps=8000, nvlink_gbps=900, nic_gbps=50, host_link_gbps=200)
@@ -248,10 +248,10 @@ def test_layer_kinds_follow_the_config(model):
     assert kinds.count("mla+moe") == 24 and kinds.count("kda+moe") == 68 and kinds.count("kda+dense") == 1
 
 
-def test_per_layer_arrays_from_the_unit_table(model):
-    """The per-layer sums the ledger and the roofline read (coefficients._static, indexed 0 .. 92 by layer, then
+def test_per_layer_arrays_from_the_unit_table(model, cluster):
+    """The per-layer sums the ledger and the roofline read (CostModel.static, indexed 0 .. 92 by layer, then
     the first and last edges) against model-k3.md's unit table."""
-    a = _static(model.model_dump_json())
+    a = cost_model(model, cluster).static
     assert len(a.moe) == 93 + 2
     for i in range(93):
         mla = hand.is_mla(i)

@@ -12,7 +12,7 @@ import k3opt
 from k3opt.cli import main
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import _policy_formulas, _tensor_owned_state, memory_comparisons
-from k3opt.cost.sharding import framework_tensors, owned_per_rank, ping_pong, whole_params, worst_owned
+from k3opt.cost.sharding import count_owned_per_rank, framework_tensors, ping_pong, worst_owned
 from k3opt.cost.structure import structure_of
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.specs import Measured
@@ -173,10 +173,10 @@ def test_whole_tensor_owner_bounds(model):
     tensors = [n for i in blocks for n, _, k in framework_tensors(st.layers[i], False, 64, model.hidden_size)
                for _ in range(k)]
     assert len(tensors) > 64 and max(tensors) == 2 * 33792 * 7168  # layer 0's fused dense gate + up
-    m, a = worst_owned(model.model_dump_json(), blocks, False, 64, 64)
+    m, a = worst_owned(model, blocks, False, 64, 64)
     avg = sum(tensors) / 64
     assert avg <= m + a <= avg + max(tensors)
-    assert sum(x + y for x, y in owned_per_rank(model.model_dump_json(), blocks, False, 64, 64)) == sum(tensors)
+    assert sum(x + y for x, y in count_owned_per_rank(model, blocks, False, 64, 64)) == sum(tensors)
 
 
 def test_explain_and_validate_cli():
@@ -431,7 +431,7 @@ def _proxy_pp3_coefficients(policy: str):
 def _worst(policy: str) -> tuple[int, int]:
     cf = _proxy_pp3_coefficients(policy)
     wm, wa = WIDTHS[policy]
-    return max(owned_per_rank(cf.model_json, (1,), False, 3, 1), key=lambda s: wm * s[0] + wa * s[1])
+    return max(cf.cost.owned_per_rank((1,), False, 3, 1), key=lambda s: wm * s[0] + wa * s[1])
 
 
 def test_the_two_candidate_ranks_trade_places_between_policies():
@@ -449,15 +449,15 @@ def test_stage_state_is_the_worst_owners(policy):
     stage's parameters under optim (4 B each)."""
     cf = _proxy_pp3_coefficients(policy)
     wm, wa = WIDTHS[policy]
-    dense = max(owned_per_rank(cf.model_json, (1,), False, 3, 1), key=lambda s: wm * s[0] + wa * s[1])
-    (expert,) = owned_per_rank(cf.model_json, (1,), True, 1, 1)
+    dense = max(cf.cost.owned_per_rank((1,), False, 3, 1), key=lambda s: wm * s[0] + wa * s[1])
+    (expert,) = cf.cost.owned_per_rank((1,), True, 1, 1)
     got = _tensor_owned_state(cf, (1,))
     assert got["master"] == 4 * (dense[0] + dense[1] + expert[0] + expert[1])
     assert got["optimizer"] == 4 * (dense[0] + expert[0]) + 8 * (dense[1] + expert[1])
     if policy == "optim_grads":
         assert got["grads"] == 4 * (dense[0] + dense[1] + expert[0] + expert[1])
     else:
-        assert got["grads"] == 4 * (whole_params(cf.model_json, (1,), False, 1) + whole_params(cf.model_json, (1,),
+        assert got["grads"] == 4 * (cf.cost.whole_params((1,), False, 1) + cf.cost.whole_params((1,),
                                                                                                 True, 1))
 
 
@@ -470,8 +470,8 @@ def test_k3_stage_of_three_layers_keeps_the_owner_of_the_most_bytes(group):
                             expert_sharding="optim_grads", optimizer_shard_granularity="tensor")
     cf = coefficients(Shape.of(lay), k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72"))
     idx = (1, 2, 3)
-    dense = max(owned_per_rank(cf.model_json, idx, False, group, 1), key=lambda s: 12 * s[0] + 16 * s[1])
-    (expert,) = owned_per_rank(cf.model_json, idx, True, 1, 1)
+    dense = max(cf.cost.owned_per_rank(idx, False, group, 1), key=lambda s: 12 * s[0] + 16 * s[1])
+    (expert,) = cf.cost.owned_per_rank(idx, True, 1, 1)
     got = _tensor_owned_state(cf, idx)
     assert got["master"] == 4 * (dense[0] + dense[1] + expert[0] + expert[1])
     assert got["optimizer"] == 4 * (dense[0] + expert[0]) + 8 * (dense[1] + expert[1])
@@ -497,16 +497,16 @@ def _k3_bf16_state_coefficients():
 
 def test_bf16_state_keeps_the_dense_rank_owning_the_most_bytes():
     cf = _k3_bf16_state_coefficients()
-    shares = owned_per_rank(cf.model_json, IDX, False, 16, 1)
+    shares = cf.cost.owned_per_rank(IDX, False, 16, 1)
     dense = max(shares, key=lambda s: MUON * s[0] + ADAMW * s[1])
     # The case is a near-tie: one more byte per element would keep another rank (so the widths are what is tested).
     assert max(shares, key=lambda s: (MUON + 1) * s[0] + (ADAMW + 1) * s[1]) != dense
-    (expert,) = owned_per_rank(cf.model_json, IDX, True, 1, 1)  # expert FSDP 1: one rank owns every expert tensor
+    (expert,) = cf.cost.owned_per_rank(IDX, True, 1, 1)  # expert FSDP 1: one rank owns every expert tensor
     got = _tensor_owned_state(cf, IDX)
     assert got["master"] == 4 * (dense[0] + dense[1] + expert[0] + expert[1])
     assert got["optimizer"] == 2 * (dense[0] + expert[0]) + 4 * (dense[1] + expert[1])
     # optim: the FP32 gradient buffer stays whole, every parameter of the stage (4 B each).
-    assert got["grads"] == 4 * (whole_params(cf.model_json, IDX, False, 1) + whole_params(cf.model_json, IDX, True, 1))
+    assert got["grads"] == 4 * (cf.cost.whole_params(IDX, False, 1) + cf.cost.whole_params(IDX, True, 1))
 
 
 # Memory comparisons on one stated data-parallel rank under whole-tensor sharding (seed 003's 4-layer proxy, a dense

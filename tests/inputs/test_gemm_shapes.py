@@ -262,10 +262,10 @@ def test_a_fused_gemm_quantizes_its_input_once():
     are separate linears: 99,392); the shared expert's linear_fc1 reads X once, 7168 + 2 x 2048, and its fc2
     2048 + 7168 (20,480); 8 routed experts x the same (163,840): 283,712. Per weight (X once for gate and once for
     up) it would be 7168 x 9 more: 348,224. The embedding stays BF16 and quantizes nothing."""
-    from k3opt.cost.coefficients import _static
+    from k3opt.cost.coefficients import cost_model
 
     model = k3opt.load_model("deepseek-v3")
-    sa = _static(model.model_dump_json())
+    sa = cost_model(model, k3opt.load_cluster("b200")).static
     moe_layer = int(np.nonzero(sa.moe[:model.num_layers])[0][0])
     assert sa.q_elements[moe_layer] == 99_392 + 20_480 + 8 * 20_480
     assert sa.q_elements[model.num_layers] == 0

@@ -33,19 +33,36 @@ def test_every_cache_is_a_registered_memo() -> None:
     assert unregistered == []
     memos = [f"{mod.__name__}.{name}" for mod in _modules() for name, obj in vars(mod).items()
              if isinstance(obj, Memo)]
-    assert len(memos) >= 31, memos  # the scan sees the caches: 21 of the cost model and inputs, 10 of the search
+    assert len(memos) >= 19, memos  # the scan sees the caches: 9 of the cost model and inputs, 10 of the search
 
 
 def test_clear_all_empties_every_memo_and_registered_store(model, cluster) -> None:
     shape = Shape(gpus=512, pp=4, vp=2, cp=1, ep=32, expert_fsdp=2, dense_fsdp=32, microbatches=16, rows=1,
                   context=4096, document_length=4096, recompute=Recompute.SELECTIVE,
                   fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH, toggles=Toggles(), domain_gpus_used=64)
-    coefficients.coefficients(shape, model, cluster)
-    assert coefficients._coefficients.cache_info().currsize > 0
+    cf = coefficients.coefficients(shape, model, cluster)
+    owner = coefficients.cost_model(model, cluster)
+    assert cf.cost is owner and owner.coefficients.cache_info().currsize > 0
     assert structure._CACHE and coefficients._SPEC_JSON
     memo.clear_all()
     assert [m.__wrapped__.__qualname__ for m in memo.memos() if m.cache_info().currsize] == []
-    assert not structure._CACHE and not coefficients._SPEC_JSON and not coefficients._RATES_JSON
+    assert not structure._CACHE and not coefficients._SPEC_JSON
+    # The CostModel and its caches are dropped with it: the next call builds a new one, from empty caches.
+    again = coefficients.cost_model(model, cluster)
+    assert again is not owner and again.coefficients.cache_info().currsize == 0
+
+
+def test_a_cost_model_owns_its_caches_unregistered_and_the_registry_keeps_a_few(model, cluster) -> None:
+    """A CostModel's Memos are its own (not in the module registry, which would keep every CostModel alive), and
+    past the registry's size the oldest CostModel is dropped."""
+    owner = coefficients.cost_model(model, cluster)
+    registered = {id(m) for m in memo.memos()}
+    own = [m for m in vars(owner).values() if isinstance(m, Memo)]
+    assert len(own) >= 8 and not any(id(m) in registered for m in own)
+    others = [coefficients.cost_model(model, cluster.model_copy(update={"nic_gbps": cluster.nic_gbps + i}))
+              for i in range(1, coefficients._MAX_COST_MODELS + 1)]
+    assert len({id(o) for o in others}) == len(others)
+    assert coefficients.cost_model(model, cluster) is not owner  # the oldest was dropped
 
 
 def test_a_memo_evicts_the_least_recently_used_result() -> None:
