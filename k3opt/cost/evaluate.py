@@ -31,7 +31,7 @@ from k3opt.cost.ledger import (
 )
 from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
-from k3opt.cost.structure import ParamCounts, structure_of
+from k3opt.cost.structure import ParamCounts
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model, load_runtime
@@ -418,7 +418,7 @@ def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str,
                 raise ValueError(f"ledger term {t.key}: {alt.aggregate} under {alt.toggle} needs its own pricing")
             out[t.key] = 2 * max(rc.csum(getattr(cf, alt.coefficient)))
     tensor_terms = None
-    if sh.optimizer_shard_granularity == ShardGranularity.TENSOR and cf.cost is not None:
+    if sh.optimizer_shard_granularity == ShardGranularity.TENSOR:
         out.update(_tensor_owned_state(cf, tuple(rc.idx)))
         tensor_terms = _tensor_owned_per_dp_rank(cf, tuple(rc.idx))
     return out, tensor_terms
@@ -651,7 +651,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         if m.tokens_per_s_per_gpu is not None and step.achievable_tokens_per_s_per_gpu is not None:
             validation.append(Comparison("tokens/s per GPU at achievable rates",
                                          step.achievable_tokens_per_s_per_gpu, m.tokens_per_s_per_gpu, "tokens/s"))
-    return Evaluation(layout=layout, model=model, cluster=cluster, params=structure_of(model).params,
+    return Evaluation(layout=layout, model=model, cluster=cluster, params=cf.cost.structure.params,
                       ranks=tuple(ranks), step=step, capacity_bytes=capacity, validation=tuple(validation),
                       runtime=rt)
 
