@@ -1463,7 +1463,7 @@ def _gemm_row_seconds(sa: _Static, cluster: ClusterSpec, rt: RatesSpec, T: int, 
                     dense)
     peak = np.where(use_q, pk, bf16)
     cube = rt.size_factor(np.cbrt(m_tokens * out * inp))
-    fused = sa.gemm_out_fused if len(sa.gemm_out_fused) == len(out) else out
+    fused = sa.gemm_out_fused
     inv = np.zeros(len(out))  # 1 / (class fraction x shape factor), averaged over the passes
     for prec, rows in ((p, use_q), (bf, ~use_q)):
         if not rows.any():

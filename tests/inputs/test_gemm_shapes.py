@@ -111,6 +111,37 @@ def test_routed_expert_gemms_pass_by_pass_on_the_table():
     assert abs(cube.moe_compute_achievable[5] - cf.moe_compute_achievable[5]) > 1e-5
 
 
+@pytest.mark.parametrize("precision, grad", [("mxfp8", None), ("fp8", "e5")])
+def test_a_routed_gemm_under_its_dense_cap_runs_at_the_grouped_rate(precision, grad):
+    """The same routed experts as in test_routed_expert_gemms_pass_by_pass_on_the_table with a grouped fraction of
+    0.45 instead of 0.534: per pass the grouped rate 0.45 x table(pass) / 2,499.435 is now under the dense cap
+    0.564 x table(pass) / 2,764.982 (0.45 / 2,499.435 = 1.800e-4 < 0.564 / 2,764.982 = 2.040e-4), so every pass runs
+    at the grouped rate. Under the hybrid FP8 recipe the two gradient passes read the E5M2 column (as in
+    test_fp8_gradient_gemms_read_the_e5m2_column), relative to the forward column's reference; MXFP8 reads E4M3."""
+    f = math.log2(1.5)
+    gt = E5 if grad == "e5" else F8
+    fc1 = [F8[(2048, 1024, 2048)] + f * (F8[(2048, 2048, 2048)] - F8[(2048, 1024, 2048)]),
+           gt[(2048, 2048, 1024)] + f * (gt[(2048, 2048, 2048)] - gt[(2048, 2048, 1024)]),
+           gt[(1024, 2048, 2048)] + f * (gt[(2048, 2048, 2048)] - gt[(1024, 2048, 2048)])]
+    fc2 = [F8[(2048, 2048, 512)] + f * (F8[(2048, 2048, 1024)] - F8[(2048, 2048, 512)]),
+           gt[(2048, 512, 2048)] + f * (gt[(2048, 1024, 2048)] - gt[(2048, 512, 2048)]),
+           gt[(2048, 512, 2048)] + f * (gt[(2048, 1024, 2048)] - gt[(2048, 512, 2048)])]
+    pass_flops = 2 * 4096 * 768 * 2048 * 8
+
+    def seconds(x: float) -> float:  # the grouped rate, under the cap (B200's FP8 and MXFP8 peaks are equal)
+        return pass_flops / (MXFP8_PEAK * 0.45 * x / F8[(4096, 2048, 4096)])
+
+    gemm = 2 * sum(seconds(x) for x in fc1) + sum(seconds(x) for x in fc2)
+    r = load_rates("b200")
+    prec = Precision(precision)
+    slow = r.model_copy(update={"gemm_grouped": {**r.gemm_grouped, prec: r.gemm_grouped[prec].model_copy(
+        update={"value": 0.45})}})
+    lay = k3opt.make_layout(gpus=8, pp=1, ep=8, dense_fsdp=8, expert_fsdp=1, microbatches=4, context=4096,
+                            split=[48], recompute="none", precision=precision)
+    cf = coefficients(Shape.of(lay), k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200"), rates=slow)
+    assert cf.moe_compute_achievable[5] - cf.moe_vector_achievable[5] == pytest.approx(gemm, rel=1e-6, abs=0)
+
+
 def _rates_text() -> str:
     from k3opt.inputs.presets import preset_dir
 
