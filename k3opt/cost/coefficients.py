@@ -1530,15 +1530,14 @@ def _achievable_time(shape: LayerShape, cluster: ClusterSpec, rt: RatesSpec, *, 
                      hbm: np.ndarray, elementwise: np.ndarray, nvl: np.ndarray,
                      nic: np.ndarray, ep_nvl: np.ndarray, ep_nic: np.ndarray, host: np.ndarray, ns_flops: np.ndarray,
                      up_hbm: np.ndarray, up_nvl: np.ndarray, up_nic: np.ndarray, up_host: np.ndarray,
-                     quantize: np.ndarray | None = None, up_quantize: np.ndarray | None = None,
+                     quantize: np.ndarray, up_quantize: np.ndarray
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Seconds per microbatch (and per update) on each resource at the achievable rates of `rt`: `tensor` from
     _achievable_tensor, bytes / (link or HBM peak x fraction), EP all-to-all bytes / the dispatcher's measured
     all-to-all bandwidth. `ep_nvlink` / `ep_nic` are kept apart: they are exposed unless an overlap schedule is on
     (the step-time helper decides). `quantize` / `up_quantize`: the part of `elementwise` / `up_hbm` the MXFP8 / FP8
     cast kernels move, at achievable_quantize_seconds."""
-    q = np.zeros_like(elementwise) if quantize is None else quantize
-    uq = np.zeros_like(up_hbm) if up_quantize is None else up_quantize
+    q, uq = quantize, up_quantize
     gb, tf = 1e9, 1e12
     dispatcher = shape.dispatcher or DEFAULT_DISPATCHER
     bf = Precision.BF16

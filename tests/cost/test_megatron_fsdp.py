@@ -104,6 +104,27 @@ def test_an_expert_group_gathered_per_layer_leaves_the_dense_edges_alone():
     np.testing.assert_allclose(cf.working_set[L:] - ref.working_set[L:], 0.0)
 
 
+@pytest.mark.parametrize("ep, link", [(8, "nic"), (4, "nvlink")])
+def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str):
+    """The expert group of the test above under Megatron-FSDP: per microbatch and layer, each rank gathers its
+    128 / ep experts (3 x 768 x 2048 weights each) before the forward and again before the backward, in BF16, from
+    its expert-FSDP peer: 2 x 2 B x (128 / ep) x 4,718,592 x (1 - 1/2). EP 8 fills an 8-GPU B200 domain, so the two
+    expert-FSDP ranks sit in two domains (the NIC: 150,994,944 B); EP 4 leaves them in one (NVLink: 301,989,888 B).
+    The other link and the dense group (distributed optimizer, gathered at the update) carry nothing more."""
+    base = dict(gpus=16, ep=ep, expert_fsdp=2, dense_fsdp=16, microbatches=4, split=[48], recompute="selective",
+                dense_sharding="optim", expert_sharding="optim_grads_params", grad_dtype="bf16",
+                model="qwen3-30b-a3b", cluster="b200")
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    cf, ref = (coefficients(Shape.of(k3opt.make_layout(**base, param_gather=g)), model, cluster)
+               for g in ("layer", "update"))
+    L = cf.n_layers
+    rate = {"nic": cluster.nic_gbps, "nvlink": cluster.nvlink_gbps}
+    other = "nvlink" if link == "nic" else "nic"
+    gathered = 2 * 2 * (128 // ep) * 3 * 768 * 2048 * (1 - 1 / 2)
+    np.testing.assert_allclose((cf.time[link][:L] - ref.time[link][:L]) * rate[link] * 1e9, gathered, rtol=1e-9)
+    np.testing.assert_allclose(cf.time[other][:L] - ref.time[other][:L], 0.0, atol=1e-15)
+
+
 def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():
     lay = _layout()
     ev = k3opt.evaluate(lay, k3opt.load_model("llama3-70b"), k3opt.load_cluster("gb200-nvl72"))

@@ -15,6 +15,7 @@ import k3opt
 from k3opt.cost.coefficients import Precision, Shape, coefficients, saved_per_token
 from k3opt.cost.structure import structure_of
 from k3opt.inputs.errors import LayoutError
+from k3opt.inputs.rates import rates_for
 from k3opt.inputs.specs import Recompute, Toggles
 
 T = 8192  # MB-12: micro batch 2 x 4,096
@@ -58,6 +59,25 @@ def test_mla_up_proj_replays_the_up_projection_gemms() -> None:
     np.testing.assert_allclose(mod.tensor_flops[:layers] - none.tensor_flops[:layers], T * 109_051_904, rtol=1e-12)
     np.testing.assert_allclose(mod.gemm_flops[:layers] - none.gemm_flops[:layers], T * 109_051_904, rtol=1e-12)
     assert mod.achievable["tensor"][0] > none.achievable["tensor"][0]
+
+
+def test_the_replayed_up_projections_run_their_forward_once_more_at_the_achievable_rate() -> None:
+    """The replayed forward of q_b (24,576 x 1,536) and kv_b (32,768 x 512) at the achievable rates: per weight
+    2 T out in FLOPs at the MXFP8 peak x the dense GEMM fraction x the size factor at (T out in)^(1/3), the rates'
+    cube-edge curve (the shape table left out, so one factor serves the pass), on every MLA layer."""
+    cluster = k3opt.load_cluster("gb300-nvl72")
+    rt = rates_for(cluster).model_copy(update={"gemm_shape": None})
+    model = k3opt.load_model("deepseek-v3")
+    none, mod = (coefficients(Shape.of(_layout("mxfp8", rc, mods)), model, cluster, rates=rt)
+                 for rc, mods in (("none", []), ("selective", ["mla_up_proj"])))
+    rate = cluster.dense_tflops(Precision.MXFP8) * 1e12 * rt.gemm("dense", Precision.MXFP8)
+
+    def forward(out: int, inp: int) -> float:
+        return 2 * T * out * inp / (rate * float(rt.size_factor(np.cbrt(float(T) * out * inp))))
+
+    layers = none.n_layers
+    np.testing.assert_allclose(mod.achievable["tensor"][:layers] - none.achievable["tensor"][:layers],
+                               forward(24_576, 1_536) + forward(32_768, 512), rtol=1e-9)
 
 
 def test_mlp_recomputes_only_the_dense_layers_mlp() -> None:
