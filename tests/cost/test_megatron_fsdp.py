@@ -110,7 +110,8 @@ def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str
     128 / ep experts (3 x 768 x 2048 weights each) before the forward and again before the backward, in BF16, from
     its expert-FSDP peer: 2 x 2 B x (128 / ep) x 4,718,592 x (1 - 1/2). EP 8 fills an 8-GPU B200 domain, so the two
     expert-FSDP ranks sit in two domains (the NIC: 150,994,944 B); EP 4 leaves them in one (NVLink: 301,989,888 B).
-    The other link and the dense group (distributed optimizer, gathered at the update) carry nothing more."""
+    The other link and the dense group (distributed optimizer, gathered at the update) carry nothing more; the
+    update's all-gather of the experts goes."""
     base = dict(gpus=16, ep=ep, expert_fsdp=2, dense_fsdp=16, microbatches=4, split=[48], recompute="selective",
                 dense_sharding="optim", expert_sharding="optim_grads_params", grad_dtype="bf16",
                 model="qwen3-30b-a3b", cluster="b200")
@@ -123,6 +124,11 @@ def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str
     gathered = 2 * 2 * (128 // ep) * 3 * 768 * 2048 * (1 - 1 / 2)
     np.testing.assert_allclose((cf.time[link][:L] - ref.time[link][:L]) * rate[link] * 1e9, gathered, rtol=1e-9)
     np.testing.assert_allclose(cf.time[other][:L] - ref.time[other][:L], 0.0, atol=1e-15)
+    # The update no longer all-gathers the experts' BF16 parameters from their shards, 2 B x (128 / ep) x 4,718,592
+    # x (1 - 1/2) on the same link (the gradient reduce-scatter runs per microbatch either way).
+    np.testing.assert_allclose((ref.update[link][:L] - cf.update[link][:L]) * rate[link] * 1e9, gathered / 2,
+                               rtol=1e-9)
+    np.testing.assert_allclose(ref.update[other][:L] - cf.update[other][:L], 0.0, atol=1e-15)
 
 
 def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():
