@@ -124,6 +124,7 @@ def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str
     gathered = 2 * 2 * (128 // ep) * 3 * 768 * 2048 * (1 - 1 / 2)
     np.testing.assert_allclose((cf.time[link][:L] - ref.time[link][:L]) * rate[link] * 1e9, gathered, rtol=1e-9)
     np.testing.assert_allclose(cf.time[other][:L] - ref.time[other][:L], 0.0, atol=1e-15)
+    np.testing.assert_allclose(cf.time[link][L:] - ref.time[link][L:], 0.0, atol=1e-15)  # the edges: no unit
     # The update no longer all-gathers the experts' BF16 parameters from their shards, 2 B x (128 / ep) x 4,718,592
     # x (1 - 1/2) on the same link (the gradient reduce-scatter runs per microbatch either way).
     np.testing.assert_allclose((ref.update[link][:L] - cf.update[link][:L]) * rate[link] * 1e9, gathered / 2,
@@ -144,6 +145,11 @@ def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():
     extra = cf.time["nvlink"][:80] - kept.time["nvlink"][:80]
     np.testing.assert_allclose(extra * k3opt.load_cluster("gb200-nvl72").nvlink_gbps * 1e9,
                                2 * LAYER * 63 / 64, rtol=1e-9)
+    # In BF16 (no FP8 primary weights) the shards and their gathers are 2 B a weight: twice the traffic.
+    bf16, bf16_kept = _cf(_layout(precision="bf16")), _cf(_layout(param_gather="update", precision="bf16"))
+    extra = bf16.time["nvlink"][:80] - bf16_kept.time["nvlink"][:80]
+    np.testing.assert_allclose(extra * k3opt.load_cluster("gb200-nvl72").nvlink_gbps * 1e9,
+                               2 * 2 * LAYER * 63 / 64, rtol=1e-9)
 
 
 def test_the_first_n_layers_wait_in_host_memory():
