@@ -125,6 +125,11 @@ def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str
     np.testing.assert_allclose((cf.time[link][:L] - ref.time[link][:L]) * rate[link] * 1e9, gathered, rtol=1e-9)
     np.testing.assert_allclose(cf.time[other][:L] - ref.time[other][:L], 0.0, atol=1e-15)
     np.testing.assert_allclose(cf.time[link][L:] - ref.time[link][L:], 0.0, atol=1e-15)  # the edges: no unit
+    # AdamW's FP32 masters of the layer's share, either way: the dense group's 19,140,864 / 16 and the rank's
+    # experts over the expert-FSDP pair, 128 x 4,718,592 / (ep x 2); the resident count is the same share.
+    share = 19_140_864 / 16 + 128 * 3 * 768 * 2048 / (ep * 2)
+    np.testing.assert_allclose(cf.master[:L], 4 * share, rtol=1e-12)
+    np.testing.assert_allclose(cf.resident_params[:L], share, rtol=1e-12)
     # The update no longer all-gathers the experts' BF16 parameters from their shards, 2 B x (128 / ep) x 4,718,592
     # x (1 - 1/2) on the same link (the gradient reduce-scatter runs per microbatch either way).
     np.testing.assert_allclose((ref.update[link][:L] - cf.update[link][:L]) * rate[link] * 1e9, gathered / 2,
