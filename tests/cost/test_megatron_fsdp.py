@@ -135,6 +135,9 @@ def test_expert_units_are_gathered_twice_a_microbatch_in_bf16(ep: int, link: str
     np.testing.assert_allclose((ref.update[link][:L] - cf.update[link][:L]) * rate[link] * 1e9, gathered / 2,
                                rtol=1e-9)
     np.testing.assert_allclose(ref.update[other][:L] - cf.update[other][:L], 0.0, atol=1e-15)
+    # Nor does the step gather them into fresh buffers: 2 B x (128 / ep) x 4,718,592 when gathered at the update.
+    np.testing.assert_allclose(ref.step_gather, np.r_[[2 * (128 // ep) * 3 * 768 * 2048] * L, 0, 0], rtol=1e-12)
+    np.testing.assert_allclose(cf.step_gather, 0.0)
 
 
 def test_the_step_gathers_nothing_and_the_gather_runs_twice_a_microbatch():
