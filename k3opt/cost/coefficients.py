@@ -260,7 +260,8 @@ class Coefficients:
     step_gather_with_ns: bool = True
     """The Newton-Schulz working set adds to the step gather (default policy) instead of preceding it."""
     cost: CostModel | None = field(default=None, repr=False)
-    """The CostModel that built these coefficients (its caches of the parameters a rank owns)."""
+    """The CostModel that built these coefficients (its caches of the parameters a rank owns); every build sets it,
+    the default only keeps the field order."""
     gemm_flops: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """Per-microbatch FLOPs of the linear GEMMs that run in the compute precision (0 under BF16)."""
     quantized_weights: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -1026,13 +1027,13 @@ def _saved_activations(b: _LayerBuild) -> _Activations:
     the layer in backward; full keeps one BF16 [T, d] layer input per layer (the edges are not checkpointed). The
     working set adds the layer's unsharded gradient (per-microbatch lifecycle) and its two gradient streams."""
     sh, n, e = b.shape, b.n, b.shape.ep
-    saved, recomputable, fp8_values = b.cm.saved(sh.tokens, _activation_toggles(sh.toggles),
-                                             sh.fp8_block_size, sh.precision)
+    saved, recomputable, fp8_values = b.cm.saved(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
+                                                 sh.precision)
     if sh.recompute == Recompute.NONE:
         act, recompute_ws = saved.copy(), np.zeros(n)
     elif sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
         dropped = b.cm.module_recompute(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
-                                    sh.precision, sh.recompute_modules)[0]
+                                        sh.precision, sh.recompute_modules)[0]
         act, recompute_ws = saved - dropped, dropped.copy()
     elif sh.recompute == Recompute.SELECTIVE:
         act, recompute_ws = saved - recomputable, recomputable.copy()
@@ -1089,7 +1090,7 @@ def _compute_work(b: _LayerBuild) -> _Work:
     replay = np.zeros(b.n)
     if sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
         replay = 2 * T * b.cm.module_recompute(T, _activation_toggles(sh.toggles), sh.fp8_block_size,
-                                           sh.precision, sh.recompute_modules)[1]
+                                               sh.precision, sh.recompute_modules)[1]
     tensor_flops = tensor_flops + replay
     if sh.toggles.fused_cross_entropy:
         tensor_flops[L + 1] += 2 * T * sa.head_active
@@ -1357,10 +1358,9 @@ def _achievable_terms(b: _LayerBuild, acts: _Activations, work: _Work, traffic: 
         + (traffic.hbm - traffic.hbm_weights - 2 * (acts.act + acts.recompute_ws))
     elementwise = elementwise + loss_kernel_bytes(b.model, rt, T)
     replayed = sh.recompute_modules if sh.recompute == Recompute.SELECTIVE else ()
-    tensor = b.cm.achievable_tensor(T, e, sh.precision, full, work.s_eff,
-                                sh.toggles.fused_cross_entropy, replayed)
-    moe_gemm, moe_vector = b.cm.expert_compute(T, e, sh.precision, full,
-                                           _activation_toggles(sh.toggles), sh.fp8_block_size)
+    tensor = b.cm.achievable_tensor(T, e, sh.precision, full, work.s_eff, sh.toggles.fused_cross_entropy, replayed)
+    moe_gemm, moe_vector = b.cm.expert_compute(T, e, sh.precision, full, _activation_toggles(sh.toggles),
+                                               sh.fp8_block_size)
     achievable, update_achievable = _achievable_time(
         sh, b.cluster, rt, tensor=tensor, hbm=traffic.hbm_weights, elementwise=elementwise, nvl=traffic.nvl,
         nic=traffic.nic, ep_nvl=traffic.ep_nvl, ep_nic=traffic.ep_nic, host=traffic.host, ns_flops=ns_flops,

@@ -173,8 +173,8 @@ def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float |
 
 def balanced_scale(balanced_inflight: float | None, n_peak: float) -> float:
     """The factor on a rank's in-flight saved bytes and bank under activation balancing: every rank holds the
-    average count, balanced / its own peak (above 1 on the late ranks); 1 without balancing (K3 paper, section
-    5.2.2's memory-efficient ledger)."""
+    average count, balanced / its own peak (above 1 on the late ranks); 1 without balancing (K3 paper section
+    5.2.2, seed 001: the in-flight count becomes the ranks' average)."""
     return balanced_inflight / n_peak if balanced_inflight is not None else 1.0
 
 

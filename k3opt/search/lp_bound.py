@@ -394,7 +394,7 @@ class _VariantSearch:
             merged = _merge([m.arrays for m in members])
             if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths,
-                                                exact_balance=True))):
+                                        exact_balance=True))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
@@ -1103,8 +1103,8 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
     """Whether `_solve`'s program over the same arrays is feasible: its memory rows, every chunk holding a layer
     and every layer placed (its time and replay rows only bound free variables from below, so they never make it
     infeasible). Layers are grouped by their memory columns and closed blocks alone, which is exact for the
-    fractional program: a
-    much smaller program that settles a node that cannot fit before its time rows are built."""
+    fractional program: a much smaller program that settles a node that cannot fit before its time rows are
+    built."""
     L, p, v = c0.n_layers, f.pp, f.vp
     kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L], c0.closes[:L]], axis=1), axis=0,
                               return_counts=True)
