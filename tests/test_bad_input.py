@@ -130,6 +130,10 @@ JOB_CASES = {
     "domain_above_its_size": ("gpus = 512\ndomain_gpus_used = 96\n",
                               "domain_gpus_used (96) exceeds the 72-GPU NVLink domain"),
     "neither_gpus_nor_racks": ("context = 4096\n", "give gpus"),
+    # The peak cap of [search] is a positive number of GiB.
+    "max_peak_zero": ("gpus = 512\n[search]\nmax_peak_gib = 0\n", "max_peak_gib"),
+    "max_peak_negative": ("gpus = 512\n[search]\nmax_peak_gib = -90.5\n", "max_peak_gib"),
+    "max_peak_string": ('gpus = 512\n[search]\nmax_peak_gib = "ninety"\n', "max_peak_gib"),
     # 512 GPUs at 32 per rack take 16 racks.
     "pinned_size_needs_more_racks": ("racks = 8\ngpus = 512\ndomain_gpus_used = 32\n",
                                      "512 GPUs at domain_gpus_used = 32 take 16 racks, more than racks = 8"),

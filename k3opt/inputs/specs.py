@@ -689,6 +689,10 @@ class SearchSpace(StrictModel):
     """Fix the layer split (then p * v must match its length); a 0 only on the first or last chunk, with
     `empty_edge_chunks`."""
     max_vp: PosInt = 4
+    max_peak_gib: PosFloat | None = None
+    """A cap on every rank's ledger peak (live tensors, `Evaluation.peak_bytes`) below the HBM budget: the
+    search returns the fastest layouts that keep their worst rank under it (one region of the Pareto front).
+    Absent: the budget alone (k3opt.search.frames.allocated_capacity_bytes)."""
     empty_edge_chunks: StrictBool = False
     """Let the first and the last chunk hold no decoder layer: an embedding-only first stage, a last stage of
     only the MTP layers and the loss (Megatron's layout strings 'E|t*4|...' and '...|mL'). Off: every chunk holds

@@ -36,8 +36,10 @@ from k3opt.search.frames import (
     ActMode,
     Frame,
     allocated_capacity_bytes,
+    budget_line,
     chunk_least,
     enumerate_frames,
+    fits,
     frame_of,
     frame_shape,
     layout_of,
@@ -212,8 +214,9 @@ class _Search:
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
         self.frames = _frames(job, self.model, self.cluster)
         self.caps = _Caps(job, self.model, self.cluster)
-        self.hbm_line = self.cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
-        """No allocated budget exceeds HBM minus the reserve: a frame whose peak bound is above it needs no budget."""
+        self.hbm_line = budget_line(job, self.cluster)
+        """No allocated budget exceeds HBM minus the reserve (or the job's peak cap): a frame whose peak bound is
+        above it needs no budget."""
         self.recs = job.search.recompute or list(Recompute)
         self.lcs = lifecycles(job)
         self.budget = min(POLICY.heuristic_max_s,
@@ -1249,7 +1252,7 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
     for split in candidate_splits(ranked_coefficients(shape, model, cluster),
                                   allocated_capacity_bytes(job, f, model, cluster), chunk_least(job, f)):
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
-        if ev.fits and _key(ev) < _key(best.evaluation):
+        if fits(job, ev) and _key(ev) < _key(best.evaluation):
             best = PlanItem(ev.layout, ev)
     return best
 
@@ -1279,6 +1282,15 @@ def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Fram
     gpus = ", ".join(str(g) for g in job.gpu_counts)
     shape = (f"PP{f.pp} EP{f.ep} expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
              + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top) + " GiB per GPU")
+    peak_cap = job.search.max_peak_gib
+    if peak_cap is not None and cap >= int(round(peak_cap * GIB)):
+        # The job's own cap is the budget that binds: raising it is the first fix.
+        return (f"no layout fits on {gpus} {cluster.name} GPUs under [search] max_peak_gib = {peak_cap:g}: the "
+                f"smallest worst-rank peak any layout can reach is at least {lb / GIB:,.1f} GiB (best shape "
+                f"{shape}); raise max_peak_gib or drop it" if lb > cap else
+                f"no layout fits on {gpus} {cluster.name} GPUs under [search] max_peak_gib = {peak_cap:g}: every "
+                f"shape searched was proven over it once its activations, working sets and buffers are counted; "
+                f"raise max_peak_gib or drop it")
     if lb > cap:
         return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is "
                 f"at least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape {shape}; the model "

@@ -10,6 +10,7 @@ import numpy as np
 
 from k3opt.cost import comm
 from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
+from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs import toggles as toggle_registry
@@ -407,7 +408,7 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
     outside the allocator, k3opt.cost.memory_outside) under HBM minus the reserve, as evaluate() checks it. Every
     capacity test of the search goes through this function."""
     if job.runtime is None:
-        return cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+        return budget_line(job, cluster)
     # Keyed by object identity (specs hold lists, so they are not hashable); the value keeps the objects alive so
     # an identity is never reused while its entry exists.
     # The runtime items (memory_outside.runtime_items) read the degrees, the tokens and the placement only: any
@@ -423,8 +424,24 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
         budget = allocated_budget_bytes(shape, model, cluster, job.reserve_gib, _runtime(job.runtime))
         if len(_BUDGETS) > 65536:
             _BUDGETS.clear()
-        hit = _BUDGETS[key] = (budget, model, cluster)
+        hit = _BUDGETS[key] = (min(budget, budget_line(job, cluster)), model, cluster)
     return hit[0]
+
+
+def fits(job: Job, ev: Evaluation) -> bool:
+    """evaluate()'s fit (the device line or the live tensors under HBM minus the reserve) and the job's peak cap
+    (`[search] max_peak_gib`) on the worst rank's ledger peak: what a layout the search returns must meet."""
+    cap = job.search.max_peak_gib
+    return ev.fits and (cap is None or ev.peak_bytes <= int(round(cap * GIB)))
+
+
+def budget_line(job: Job, cluster: ClusterSpec) -> int:
+    """What no rank's allocated budget exceeds: HBM minus the job's reserve, or the job's peak cap
+    (`[search] max_peak_gib`) when it is lower."""
+    line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
+    if job.search.max_peak_gib is not None:
+        line = min(line, int(round(job.search.max_peak_gib * GIB)))
+    return line
 
 
 _BUDGETS: dict[tuple, tuple[int, ModelSpec, ClusterSpec]] = register({})

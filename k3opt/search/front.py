@@ -49,6 +49,7 @@ from k3opt.search.frames import (
     Frame,
     act_modes,
     allocated_capacity_bytes,
+    budget_line,
     choices,
     enumerate_frames,
     frame_of,
@@ -137,7 +138,7 @@ class _FrontSearch:
         self.frames = [f for g in job.gpu_counts for f in enumerate_frames(job, model, g, cluster)
                        if f not in self.skip]
         self.facts.frame.update((f, b) for f, b in (lower_bounds or {}).items() if f not in self.skip)
-        self.line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))  # no allocated budget exceeds it
+        self.line = budget_line(job, cluster)  # no allocated budget exceeds it
         # The seeding: the ranked search's frames first, then the frames the driver queued (with their estimates)
         # and the frames next to any that adds to the front, spread over the pipeline depths (_Visits).
         self.runtime = load_runtime(job.runtime) if job.runtime is not None else None

@@ -34,6 +34,7 @@ from k3opt.search.frames import (
     allocated_capacity_bytes,
     choices,
     chunk_least,
+    fits,
     frame_of,
     frame_shape,
     layout_of,
@@ -202,7 +203,7 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
             if _time.monotonic() > deadline:
                 break
             ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
-            if not ev.fits:
+            if not fits(job, ev):
                 continue
             fitted = True
             key = (ev.step.rank_time_s, ev.peak_bytes)
@@ -285,8 +286,8 @@ def _price(job: Job, f: Frame, cfg: Config, model: ModelSpec, cluster: ClusterSp
         if _time.monotonic() > deadline:
             break
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster, runtime=runtime)
-        got = (ev.step.rank_time_s, ev.peak_bytes, ev.fits)
-        if ev.fits:
+        got = (ev.step.rank_time_s, ev.peak_bytes, fits(job, ev))
+        if fits(job, ev):
             out.append(PlanItem(ev.layout, ev))
             fast = got if fast is None or got < fast else fast
             if not every_split:
@@ -743,7 +744,7 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
                 break
             moved = lay.model_copy(update={"split": s})
             ev = evaluate(moved, model=model, cluster=cluster, runtime=runtime)
-            if ev.fits and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
+            if fits(job, ev) and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
                 # The other moves the screen cannot tell from this one (the same rank loads: another chunk of the
                 # same ranks) are priced too, and the fastest is taken: they differ in the layers' kinds, their
                 # edges and the replayed order (K3 PP8 VP4: 18.84 s or 18.63 s for one layer moved from rank 4 to
@@ -838,10 +839,10 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
                 ev = evaluate(layout_of(job, g, cfg.shape(job, g), split), model=model, cluster=cluster,
                               runtime=runtime)
                 mine = out.get(g) or found.get(g)
-                if ev.fits and (mine is None or (ev.step.rank_time_s, ev.peak_bytes) < (mine.rank_time_s,
+                if fits(job, ev) and (mine is None or (ev.step.rank_time_s, ev.peak_bytes) < (mine.rank_time_s,
                                                                                        mine.peak_bytes)):
                     out[g] = PlanItem(ev.layout, ev)
-                if ev.fits and ev.step.rank_time_s <= src.rank_time_s * (1 + within):
+                if fits(job, ev) and ev.step.rank_time_s <= src.rank_time_s * (1 + within):
                     break  # within `within` of its source: the source's toggles cost it little
     return out
 
@@ -854,7 +855,7 @@ def _costs_nothing(job: Job, src: PlanItem, f: Frame, cfg: Config, model: ModelS
         return False
     ev = evaluate(layout_of(job, f, cfg.shape(job, f), list(src.layout.split)), model=model, cluster=cluster,
                   runtime=runtime)
-    return ev.fits and ev.step.rank_time_s <= src.rank_time_s
+    return fits(job, ev) and ev.step.rank_time_s <= src.rank_time_s
 
 
 def _build_runtime(name: str) -> RuntimeSpec:

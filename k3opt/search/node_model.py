@@ -31,6 +31,7 @@ from k3opt.search.frames import (
     allocated_capacity_bytes,
     choices,
     chunk_least,
+    fits,
     frame_shape,
     layout_of,
     lifecycles,
@@ -824,5 +825,5 @@ def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
         raise RuntimeError(
             f"solver and evaluate() disagree on {f}: solver {solver_step:.6f} s, evaluate {ranked:.6f} s"
         )
-    if not ev.fits:
+    if not fits(fm.job, ev):
         raise RuntimeError(f"solver returned a layout evaluate() says does not fit: {f} {res.split}")

@@ -134,6 +134,28 @@ def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
         assert it.rank_time_s == pytest.approx(best[f][0], abs=TOL_S)
 
 
+def test_a_peak_cap_plans_the_fastest_layout_under_it(job, tiny, slow, enumerated):
+    """[search] max_peak_gib caps every rank's ledger peak: the plan is enumeration's fastest layout whose peak is
+    under the cap (a cap halfway between the leanest fitting peak and the unconstrained best's, so the best is cut
+    off), nothing returned is over it, and a cap under every layout's peak is an infeasible job that names it."""
+    (_, (t_free, m_free, _)), *_ = _best_per_frame(enumerated)
+    m_lean = min(m for _, _, m, _ in enumerated)
+    cap = (m_lean + m_free) // 2 // MIB * MIB
+    assert m_lean < cap < m_free  # the cap cuts the unconstrained best off and leaves layouts under it
+    capped = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": cap / GIB})})
+    t_want = min(t for _, t, m, _ in enumerated if m <= cap)
+    assert t_want > t_free + TOL_S  # the cap costs step time, or the test would not see it
+    # The best under this cap is interleaved and ranks by its replay, a hair above the step formula the node's solve
+    # proves (0.04%): proven to a 0.1% gap, not to 0.
+    plan = k3opt.plan(capped, model=tiny, cluster=slow, top=3, gap=1e-3)
+    assert plan.status == "OPTIMAL"
+    assert plan.layouts[0].rank_time_s == pytest.approx(t_want, abs=TOL_S)
+    assert all(it.peak_bytes <= cap and it.evaluation.fits for it in plan.layouts)
+    below = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": (m_lean - 64 * MIB) / GIB})})
+    with pytest.raises(k3opt.InfeasibleJobError, match="max_peak_gib"):
+        k3opt.plan(below, model=tiny, cluster=slow, top=1, time_limit=30)
+
+
 def _front_bounds_hold(plan, points):
     """Each point's proven bound holds over the peak range it stands for (below the next faster point's peak by the
     step; everything for the fastest)."""
@@ -752,6 +774,24 @@ def test_budget_depends_on_the_degrees_only():
             assert allocated_capacity_bytes(job, g, model, cluster) == direct, g
             checked += 1
     assert checked == 60
+
+
+def test_a_peak_cap_lowers_the_budget_it_is_under():
+    """With a runtime (the device line), [search] max_peak_gib caps each frame's allocated budget: a cap under the
+    budget is the budget (to the byte: 120 GiB = 128,849,018,880 B), a cap over it leaves the budget alone."""
+    from k3opt.cost.memory_outside import allocated_budget_bytes
+    from k3opt.inputs.presets import load_cluster, load_model
+    from k3opt.search.frames import ActMode, _runtime, allocated_capacity_bytes, frame_shape
+
+    job = k3opt.load_job("k3-512-4k")
+    model, cluster = load_model(job.model), load_cluster(job.cluster)
+    f = enumerate_frames(job, model, 512, cluster)[0]
+    shape = frame_shape(job, f, ActMode(Recompute.NONE, True, True, True, True), FsdpLifecycle.ACCUMULATE)
+    direct = allocated_budget_bytes(shape, model, cluster, job.reserve_gib, _runtime(job.runtime))
+    assert direct > 120 * GIB  # a GB200's budget at a 4-GiB reserve holds well over 120 GiB of live tensors
+    for cap_gib, want in ((120, 128_849_018_880), (direct / GIB + 1, direct)):
+        capped = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": cap_gib})})
+        assert allocated_capacity_bytes(capped, f, model, cluster) == want
 
 
 def test_a_node_bound_stopped_at_the_line_closes_it(tiny, slow, monkeypatch):
