@@ -753,8 +753,10 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     _pipeline_rows(lp)
     # Equalities: each kind's layers all placed; each chunk holds its least layers (as -sum <= -least).
     chunk_rows, chunk_rhs, a_eq = _placement_rows(lp.p, lp.v, lp.nk, lp.ncol, a.least)
-    a_ub = np.vstack([np.array(lp.rows), chunk_rows])
-    b_ub = np.concatenate([lp.rhs, chunk_rhs])
+    order_rows, order_rhs = _order_rows(lp.p, lp.v, np.asarray(c0.closes[:lp.L], dtype=float), lp.kclose, lp.ncol,
+                                        a.least)
+    a_ub = np.vstack([np.array(lp.rows), chunk_rows, order_rows])
+    b_ub = np.concatenate([lp.rhs, chunk_rhs, order_rhs])
     upper = np.concatenate([np.tile(lp.counts.astype(float), lp.p * lp.v), np.full(lp.ncol - lp.n, np.inf)])
     value = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper)
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
@@ -865,6 +867,57 @@ def _placement_rows(p: int, v: int, nk: int, ncol: int, least: tuple[int, ...]
         r, k = divmod(j, v)
         chunk_rhs[j] = -float(least[k * p + r])
     return chunk_rows, chunk_rhs, a_eq
+
+
+def _order_rows(p: int, v: int, closes: np.ndarray, kclose: np.ndarray, ncol: int, least: tuple[int, ...]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The AttnRes blocks closed before each chunk boundary, in model order: a split is contiguous, so global chunks
+    0..g hold the first N_g layers and close exactly C(N_g) blocks (C(n): the blocks the first n layers close, a
+    step function of n). Every line of C's lower convex hull lies below it over the N_g a split can have (from the
+    least layers of chunks 0..g to L less those of the later chunks), so sum_{chunks <= g} kclose . x >=
+    c1 + s (N_g - n1) for each hull segment. Without them the relaxation deals the closing layers (K3: every sixth)
+    into the last chunks and holds almost no residual bank; the bank only grows with C, so the upper side is not
+    needed. `closes`: blocks closed per layer in model order; `kclose`: per kind."""
+    L = len(closes)
+    chunks = p * v
+    nk = len(kclose)
+    if not np.any(closes):
+        return np.zeros((0, ncol)), np.zeros(0)
+    lk = least_or_one(least, chunks)
+    prefix = np.concatenate([[0.0], np.cumsum(closes)])
+    rows: list[np.ndarray] = []
+    rhs: list[float] = []
+    held = np.zeros(ncol)  # N_g: every layer in global chunks 0..g
+    closed = np.zeros(ncol)  # the blocks they close
+    for g in range(chunks - 1):
+        k, r = divmod(g, p)
+        held[(r * v + k) * nk:(r * v + k + 1) * nk] = 1.0
+        closed[(r * v + k) * nk:(r * v + k + 1) * nk] = kclose
+        lo, hi = int(sum(lk[:g + 1])), L - int(sum(lk[g + 1:]))
+        if hi <= lo:
+            continue  # N_g is pinned by the least layers, and with it the placement rows' counts
+        for (n1, c1), (n2, c2) in itertools.pairwise(_hull(np.arange(lo, hi + 1), prefix[lo:hi + 1])):
+            slope = (c2 - c1) / (n2 - n1)
+            rows.append(slope * held - closed)
+            rhs.append(slope * n1 - c1)
+    if not rows:
+        return np.zeros((0, ncol)), np.zeros(0)
+    return np.array(rows), np.array(rhs)
+
+
+def _hull(ns: np.ndarray, c: np.ndarray) -> list[tuple[int, float]]:
+    """The vertices of the lower convex hull of the points (ns[i], c[i]), ns increasing (monotone chain)."""
+    out: list[tuple[int, float]] = []
+    for n, y in zip(ns.tolist(), c.tolist(), strict=True):
+        while len(out) >= 2:
+            (n0, y0), (n1, y1) = out[-2], out[-1]
+            cross = (n1 - n0) * (y - y0) - (y1 - y0) * (n - n0)
+            if cross <= 0:
+                out.pop()
+            else:
+                break
+        out.append((n, y))
+    return out
 
 
 def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
@@ -1113,8 +1166,9 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
                                      kinds[:, 3], exact_balance=exact_balance)
     n = p * v * nk
     chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, a.least)
-    a_ub = np.vstack([mem_rows, chunk_rows])
-    b_ub = np.concatenate([mem_rhs, chunk_rhs])
+    order_rows, order_rhs = _order_rows(p, v, np.asarray(c0.closes[:L], dtype=float), kinds[:, 3], n, a.least)
+    a_ub = np.vstack([mem_rows, chunk_rows, order_rows])
+    b_ub = np.concatenate([mem_rhs, chunk_rhs, order_rhs])
     return _glop(np.zeros(n), a_ub, b_ub, a_eq, counts.astype(float), np.tile(counts.astype(float), p * v)) < math.inf
 
 

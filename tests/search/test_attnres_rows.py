@@ -64,3 +64,67 @@ def test_the_fractional_fit_now_settles_nodes_it_let_through(tiny, slow, reserve
     for rc in (Recompute.NONE, Recompute.SELECTIVE):
         lean = memory_view(job, f, ActMode(rc, *(True in choices(job, t) for t in ACT_TOGGLES)), lc, tiny, slow)
         assert not lean_fits(job, f, lean, cap, slow.host_memory_bytes), (rc, reserve)
+
+
+def _x_of(split: list[int], kind: list[int], p: int, v: int, nk: int) -> np.ndarray:
+    """The placement of a contiguous split (global chunk g = k p + r) as the rows' columns (r v + k) nk + t."""
+    x = np.zeros(p * v * nk)
+    i = 0
+    for g, n in enumerate(split):
+        k, r = divmod(g, p)
+        for _ in range(n):
+            x[(r * v + k) * nk + kind[i]] += 1.0
+            i += 1
+    return x
+
+
+def test_the_order_rows_hold_for_every_contiguous_split_and_cut_the_closing_layers_dealt_last():
+    """Twelve layers, every third closes a block (layers 2, 5, 8, 11: kind 0 closes, kind 1 does not), PP2 VP2.
+    Every contiguous split satisfies the order rows. The placement the relaxation could take without them, the four
+    closing layers in the last chunk and chunks 0-2 holding three plain layers each, breaks them: its first three
+    layers close C(3) = 1 block (layer 2), not 0."""
+    from itertools import combinations
+
+    from k3opt.search.lp_bound import _order_rows  # noqa: PLC2701 - the rows under test
+
+    closes = np.array([0, 0, 1] * 4, dtype=float)
+    kind = [0 if c else 1 for c in closes]
+    kclose = np.array([1.0, 0.0])
+    p, v, nk = 2, 2, 2
+    rows, rhs = _order_rows(p, v, closes, kclose, p * v * nk, ())
+    assert len(rows) > 0
+    splits = 0
+    for cuts in combinations(range(1, 12), 3):  # every split of 12 layers into 4 non-empty contiguous chunks
+        bounds = (0, *cuts, 12)
+        split = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert np.all(rows @ _x_of(split, kind, p, v, nk) <= rhs + 1e-9), split
+        splits += 1
+    assert splits == 165  # C(11, 3)
+    dealt_last = np.zeros(p * v * nk)
+    for g in range(3):  # chunks 0-2: three plain layers each
+        k, r = divmod(g, p)
+        dealt_last[(r * v + k) * nk + 1] = 3.0
+    dealt_last[(1 * v + 1) * nk + 0] = 4.0  # chunk 3 (rank 1, local chunk 1): the four closing layers
+    assert np.any(rows @ dealt_last > rhs + 1e-9)
+
+
+def test_the_order_rows_are_the_hull_of_the_blocks_closed_over_the_counts_a_split_can_have():
+    """The same twelve layers. Chunks 0-1 hold 10 layers in any split whose chunks 2 and 3 hold one each, and the
+    first 10 layers close 3 blocks (layers 2, 5, 8): 10 is the end of the range chunks 0-1 can hold (2..10), a vertex
+    of the hull, so a fractional placement with 2.8 closing layers among those 10 is cut. The hull over the whole
+    0..12 (ignoring the least layers of the other chunks) would allow 2.67, and a row that dropped its hull offset
+    would allow less still. The placement meets every other row: chunk 0 holds 5 layers with 1.4 closing (the first
+    5 close 1), chunks 0-2 hold 11 with 3 closing (the first 11 close 3)."""
+    from k3opt.search.lp_bound import _order_rows  # noqa: PLC2701 - the rows under test
+
+    closes = np.array([0, 0, 1] * 4, dtype=float)
+    p, v, nk = 2, 2, 2
+    rows, rhs = _order_rows(p, v, closes, np.array([1.0, 0.0]), p * v * nk, ())
+    x = np.zeros(p * v * nk)
+    at = {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}  # global chunk -> (rank, local chunk)
+    for g, (closing, plain) in {0: (1.4, 3.6), 1: (1.4, 3.6), 2: (0.2, 0.8), 3: (1.0, 0.0)}.items():
+        r, k = at[g]
+        x[(r * v + k) * nk:(r * v + k) * nk + 2] = (closing, plain)
+    over = rows @ x - rhs
+    assert np.sum(over > 1e-9) == 1  # only the boundary after chunk 1 is cut
+    assert over.max() == pytest.approx(0.5 * 10 - 2.8 - (0.5 * 8 - 2))  # the segment (8, 2)-(10, 3), slope 1/2
