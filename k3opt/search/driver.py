@@ -54,6 +54,7 @@ from k3opt.search.incumbents import (
     frame_incumbent,
     incumbents,
     seed,
+    split_climb,
     spread,
     visiting_order,
 )
@@ -804,7 +805,8 @@ class _Search:
         self.solved += 1
         self.dive = None
         if item is not None and res.shape is not None:
-            item = _rebalanced(self.job, f, res.shape, item, self.model, self.cluster)
+            item = _rebalanced(self.job, f, res.shape, item, self.model, self.cluster,
+                               min(self.deadline, _time.monotonic() + POLICY.climb_min_s))
         self.size = {"variables": max(self.size.get("variables", 0), res.variables),
                      "constraints": max(self.size.get("constraints", 0), res.constraints)}
         if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
@@ -1241,11 +1243,13 @@ class _Caps(dict):
         return self[f]
 
 
-def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
-                ) -> PlanItem:
+def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSpec, cluster: ClusterSpec,
+                deadline: float) -> PlanItem:
     """The node's layout, or a better one of the same configuration: when its replayed schedule ranks it above the
     step formula the node model minimized (uneven interleaved chunks), the heuristic splits of that configuration
-    (search/incumbents.candidate_splits: work-balanced, memory-balanced, even) are priced with evaluate() too."""
+    (search/incumbents.candidate_splits: work-balanced, memory-balanced, even) are priced with evaluate() too, and
+    the best of them, if it still ranks by its replay, has its split climbed (incumbents.split_climb, whose moves
+    within a rank change the replay alone) until the monotonic `deadline`."""
     if item.rank_time_s <= item.evaluation.step.formula_time_s * (1 + 1e-9):
         return item
     best = item
@@ -1254,6 +1258,8 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
         if fits(job, ev) and _key(ev) < _key(best.evaluation):
             best = PlanItem(ev.layout, ev)
+    if best.rank_time_s > best.evaluation.step.formula_time_s * (1 + 1e-9):
+        best = split_climb(job, best, model, cluster, deadline)
     return best
 
 

@@ -216,3 +216,50 @@ def test_the_plan_climbs_to_a_tenth_of_its_gap(pp2_job, monkeypatch):
     cluster = k3opt.load_cluster(DATA / "slow-cluster.toml")
     k3opt.plan(pp2_job, model=model, cluster=cluster, top=1, time_limit=20, gap=0.02)
     assert seen and all(g == POLICY.seed_gain * 0.02 for g in seen)
+
+
+K2_REPLAYED = {
+    "gpus": 256, "pp": 2, "vp": 4, "ep": 64, "expert_fsdp": 2, "dense_fsdp": 64, "microbatches": 16,
+    "split": [7, 8, 9, 8, 8, 9, 7, 5], "recompute": "selective", "fsdp_lifecycle": "accumulate",
+    "toggles": {"fp8_activations": True, "balance_activations": True, "moe_backward_rewrite": True,
+                "pipeline_zero2_host_grads": True},
+    "reserve_gib": 4.0, "domain_gpus_used": 64, "model": "kimi-k2", "cluster": "gb200-nvl72",
+    "dense_sharding": "optim", "expert_sharding": "optim", "runtime": "megatron-te-hybridep-gb200"}
+"""A Kimi K2 PP2 VP4 layout a node solve returned, ranked by its replayed schedule (above its step formula)."""
+
+
+def _best_single_move(lay: k3opt.Layout) -> float:
+    """The fastest fitting layout one layer move away (any chunk to any other), by evaluate()."""
+    best = math.inf
+    k = len(lay.split)
+    for i, j in itertools.permutations(range(k), 2):
+        s = list(lay.split)
+        if s[i] <= 1:
+            continue
+        s[i] -= 1
+        s[j] += 1
+        ev = k3opt.evaluate(lay.model_copy(update={"split": s}))
+        if ev.fits:
+            best = min(best, ev.step.rank_time_s)
+    return best
+
+
+def test_a_replayed_layout_climbs_by_moves_within_a_rank_and_so_does_a_node_solution():
+    """The layout ranks by its replay; its loads are balanced, so no move between ranks helps, but moving a layer
+    between two chunks of one rank changes the replay's warm-up and drain. Every one-layer move priced: the best is
+    faster than the layout, and the climb (and the driver's polish of a node's solution, `_rebalanced`) reach it."""
+    from k3opt.search.driver import _rebalanced  # noqa: PLC2701 - the step under test
+    from k3opt.search.frames import frame_of
+
+    job = k3opt.Job(model="kimi-k2", gpus=256, tokens_per_update=8_388_608, reserve_gib=4.0, domain_gpus_used=64)
+    lay = k3opt.Layout(**K2_REPLAYED)
+    ev = k3opt.evaluate(lay)
+    assert ev.fits and ev.step.rank_time_s > ev.step.formula_time_s * (1 + 1e-6)
+    want = _best_single_move(lay)
+    assert want < ev.step.rank_time_s - 1e-3
+    model, cluster = k3opt.load_model("kimi-k2"), k3opt.load_cluster("gb200-nvl72")
+    climbed = split_climb(job, PlanItem(lay, ev), model, cluster, math.inf)
+    assert climbed.rank_time_s <= want + 1e-9
+    polished = _rebalanced(job, frame_of(lay), k3opt.cost.coefficients.Shape.of(lay), PlanItem(lay, ev), model,
+                           cluster, math.inf)
+    assert polished.rank_time_s <= want + 1e-9
