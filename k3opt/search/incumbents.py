@@ -20,11 +20,11 @@ import numpy as np
 from k3opt.cost.achievable import rank_sums
 from k3opt.cost.coefficients import Coefficients, Shape
 from k3opt.cost.evaluate import evaluate
-from k3opt.cost.ledger import layer_bytes
+from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.inputs.memo import Memo
 from k3opt.inputs.presets import load_runtime
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute, RuntimeSpec
-from k3opt.inputs.toggles import ToggleKind
+from k3opt.inputs.toggles import TOGGLES, ToggleKind
 from k3opt.inputs.toggles import names as toggle_names
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -52,6 +52,12 @@ LEAN = {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}
 
 MEMORY_TOGGLES = toggle_names(ToggleKind.RANK, memory_only=True)
 """Rank toggles that only save memory (at some time cost); the 'lean' toggle set turns on those allowed."""
+STATE_TOGGLES = tuple(t for t in MEMORY_TOGGLES
+                      if set(TOGGLES[t].changes) & {*ALWAYS_HELD, "grads", "grad_accum"})
+"""Memory toggles that trade one persistent buffer for another: pipeline ZeRO-2's host gradients keep two GPU chunk
+buffers in place of the gradient shard, leaner under an unsharded gradient buffer and fatter under a sharded one
+(K3 PP8 VP4 dFSDP64 optim_grads: 19.5 -> 37.1 GiB of gradients on rank 0). So the lean sets are two, with and
+without them (`toggle_sets`)."""
 
 
 def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = None,
@@ -157,8 +163,20 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
 
 
 def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
-    """(activation toggles, rank toggles): none on, the activation-saving ones on, every memory-saving one on.
+    """(activation toggles, rank toggles): none on, the activation-saving ones on, then the lean sets (`lean_sets`).
     A toggle the job requires is always on, one it forbids always off."""
+    plain, act = _pick(job, set(), set()), _pick(job, set(ACT_TOGGLES), set())
+    return _unique([plain, act, *lean_sets(job)[::-1]])
+
+
+def lean_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
+    """The lean toggle sets, the activation-saving toggles on with every memory-saving one, then with every one
+    but those that trade persistent buffers (STATE_TOGGLES): either may be the leaner on a given shape."""
+    return _unique([_pick(job, set(ACT_TOGGLES), set(MEMORY_TOGGLES)),
+                    _pick(job, set(ACT_TOGGLES), set(MEMORY_TOGGLES) - set(STATE_TOGGLES))])
+
+
+def _pick(job: Job, act: set[str], rank: set[str]) -> tuple[dict[str, bool], dict[str, bool]]:
     def pick(names: tuple[str, ...], want: set[str]) -> dict[str, bool]:
         out = {}
         for t in names:
@@ -166,13 +184,14 @@ def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
             out[t] = (t in want and True in ch) or ch == [True]
         return out
 
-    plain = (pick(ACT_TOGGLES, set()), pick(RANK_TOGGLES, set()))
-    act = (pick(ACT_TOGGLES, set(ACT_TOGGLES)), plain[1])
-    lean = (act[0], pick(RANK_TOGGLES, set(MEMORY_TOGGLES)))
+    return pick(ACT_TOGGLES, act), pick(RANK_TOGGLES, rank)
+
+
+def _unique(sets: list[tuple[dict[str, bool], dict[str, bool]]]) -> list[tuple[dict[str, bool], dict[str, bool]]]:
     out = []
-    for s in (plain, act, lean):
-        if s not in out:
-            out.append(s)
+    for st in sets:
+        if st not in out:
+            out.append(st)
     return out
 
 
@@ -180,8 +199,8 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
                     recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None,
                     deadline: float = math.inf) -> PlanItem | None:
     """The fastest fitting layout of frame f among the heuristic candidates (None when none fits). The leanest
-    candidate (full recompute, every memory-saving toggle, memory-balanced split) is tried first: when it does
-    not fit, no other candidate of this family does either, and the frame is left to the exact search.
+    candidates (full recompute, each lean toggle set, memory-balanced split) are tried first: when neither fits,
+    no other candidate of this family does either, and the frame is left to the exact search.
     `recompute` and `lifecycle` restrict the candidates to one node (without them: the first lifecycle only);
     pricing stops at the monotonic `deadline`."""
     recs = [recompute] if recompute is not None else (job.search.recompute or list(Recompute))
@@ -213,14 +232,19 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
         return fitted
 
     fixed = [list(job.search.split)] if job.search.split is not None else None
-    if not price(order[0], lcs[0], *sets[-1], fixed):
+    # Either lean set may be the leaner (STATE_TOGGLES): the frame is left to the exact search when neither fits.
+    priced = []
+    for act, rank in lean_sets(job):
+        priced.append((order[0], lcs[0], act, rank))
+        if price(order[0], lcs[0], act, rank, fixed):
+            break
+    else:
         return None
     for rc in order:
         for lc in lcs:
             for act, rank in sets:
-                if (rc, lc, act, rank) == (order[0], lcs[0], *sets[-1]):
-                    continue
-                price(rc, lc, act, rank, fixed)
+                if (rc, lc, act, rank) not in priced:
+                    price(rc, lc, act, rank, fixed)
     return best
 
 
