@@ -44,6 +44,7 @@ from k3opt.search.frames import (
     frame_shape,
     layout_of,
     lifecycles,
+    peak_cap_bytes,
     policy_group,
     sharding_group,
 )
@@ -1250,7 +1251,7 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
     (search/incumbents.candidate_splits: work-balanced, memory-balanced, even) are priced with evaluate() too, and
     the best of them, if it still ranks by its replay, has its split climbed (incumbents.split_climb, whose moves
     within a rank change the replay alone) until the monotonic `deadline`."""
-    if item.rank_time_s <= item.evaluation.step.formula_time_s * (1 + 1e-9):
+    if not item.ranks_by_replay:
         return item
     best = item
     for split in candidate_splits(ranked_coefficients(shape, model, cluster),
@@ -1258,7 +1259,7 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
         if fits(job, ev) and _key(ev) < _key(best.evaluation):
             best = PlanItem(ev.layout, ev)
-    if best.rank_time_s > best.evaluation.step.formula_time_s * (1 + 1e-9):
+    if best.ranks_by_replay:
         best = split_climb(job, best, model, cluster, deadline)
     return best
 
@@ -1288,15 +1289,14 @@ def _infeasible_reason(job: Job, model: ModelSpec, cluster: ClusterSpec, f: Fram
     gpus = ", ".join(str(g) for g in job.gpu_counts)
     shape = (f"PP{f.pp} EP{f.ep} expert-FSDP{f.expert_fsdp} dense-FSDP{f.dense_fsdp}: "
              + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in top) + " GiB per GPU")
-    peak_cap = job.search.max_peak_gib
-    if peak_cap is not None and cap >= int(round(peak_cap * GIB)):
+    peak_cap = peak_cap_bytes(job)
+    if peak_cap is not None and cap >= peak_cap:
         # The job's own cap is the budget that binds: raising it is the first fix.
-        return (f"no layout fits on {gpus} {cluster.name} GPUs under [search] max_peak_gib = {peak_cap:g}: the "
-                f"smallest worst-rank peak any layout can reach is at least {lb / GIB:,.1f} GiB (best shape "
-                f"{shape}); raise max_peak_gib or drop it" if lb > cap else
-                f"no layout fits on {gpus} {cluster.name} GPUs under [search] max_peak_gib = {peak_cap:g}: every "
-                f"shape searched was proven over it once its activations, working sets and buffers are counted; "
-                f"raise max_peak_gib or drop it")
+        why = (f"the smallest worst-rank peak any layout can reach is at least {lb / GIB:,.1f} GiB (best shape "
+               f"{shape})" if lb > cap else "every shape searched was proven over it once its activations, working "
+               "sets and buffers are counted")
+        return (f"no layout fits on {gpus} {cluster.name} GPUs under [search] max_peak_gib = "
+                f"{job.search.max_peak_gib:g}: {why}; raise max_peak_gib or drop it")
     if lb > cap:
         return (f"no layout fits on {gpus} {cluster.name} GPUs: the smallest worst-rank peak any layout can reach is "
                 f"at least {lb / GIB:,.1f} GiB against {cap / GIB:,.1f} GiB usable (best shape {shape}; the model "

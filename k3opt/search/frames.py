@@ -428,20 +428,25 @@ def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: 
     return hit[0]
 
 
+def peak_cap_bytes(job: Job) -> int | None:
+    """The job's cap on every rank's ledger peak (`[search] max_peak_gib`) in bytes; None without one."""
+    cap = job.search.max_peak_gib
+    return None if cap is None else int(round(cap * GIB))
+
+
 def fits(job: Job, ev: Evaluation) -> bool:
     """evaluate()'s fit (the device line or the live tensors under HBM minus the reserve) and the job's peak cap
-    (`[search] max_peak_gib`) on the worst rank's ledger peak: what a layout the search returns must meet."""
-    cap = job.search.max_peak_gib
-    return ev.fits and (cap is None or ev.peak_bytes <= int(round(cap * GIB)))
+    (`peak_cap_bytes`) on the worst rank's ledger peak: what a layout the search returns must meet."""
+    cap = peak_cap_bytes(job)
+    return ev.fits and (cap is None or ev.peak_bytes <= cap)
 
 
 def budget_line(job: Job, cluster: ClusterSpec) -> int:
     """What no rank's allocated budget exceeds: HBM minus the job's reserve, or the job's peak cap
-    (`[search] max_peak_gib`) when it is lower."""
+    (`peak_cap_bytes`) when it is lower."""
     line = cluster.hbm_bytes - int(round(job.reserve_gib * GIB))
-    if job.search.max_peak_gib is not None:
-        line = min(line, int(round(job.search.max_peak_gib * GIB)))
-    return line
+    cap = peak_cap_bytes(job)
+    return line if cap is None else min(line, cap)
 
 
 _BUDGETS: dict[tuple, tuple[int, ModelSpec, ClusterSpec]] = register({})

@@ -323,7 +323,7 @@ class _FrontSearch:
             item = plan_item(self.job, f, fm, res, self.model, self.cluster)
             if item is None:
                 break
-            if item.rank_time_s > item.evaluation.step.formula_time_s * (1 + 1e-9):
+            if item.ranks_by_replay:
                 exact = False  # the solve proved the step formula; this layout ranks by its longer replay
             self.points.append(item)
             cap = item.peak_bytes // MIB * MIB - self.step

@@ -57,7 +57,7 @@ STATE_TOGGLES = tuple(t for t in MEMORY_TOGGLES
 """Memory toggles that trade one persistent buffer for another: pipeline ZeRO-2's host gradients keep two GPU chunk
 buffers in place of the gradient shard, leaner under an unsharded gradient buffer and fatter under a sharded one
 (K3 PP8 VP4 dFSDP64 optim_grads: 19.5 -> 37.1 GiB of gradients on rank 0). So the lean sets are two, with and
-without them (`toggle_sets`)."""
+without them (`lean_sets`)."""
 
 
 def minmax_split(cost: np.ndarray, fixed: np.ndarray, mem: np.ndarray | None = None,
@@ -311,7 +311,7 @@ def _price(job: Job, f: Frame, cfg: Config, model: ModelSpec, cluster: ClusterSp
             break
         ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster, runtime=runtime)
         got = (ev.step.rank_time_s, ev.peak_bytes, fits(job, ev))
-        if fits(job, ev):
+        if got[2]:
             out.append(PlanItem(ev.layout, ev))
             fast = got if fast is None or got < fast else fast
             if not every_split:
@@ -747,14 +747,13 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
         # A layout ranked by its replayed schedule rather than its formula also moves layers between the chunks of
         # one rank: the rank loads stay, the replay's warm-up and drain change (Kimi K2 PP2 VP4: chunk 0 to chunk 6,
         # both rank 0's, 7.174 -> 7.163 s).
-        replayed = best.rank_time_s > best.evaluation.step.formula_time_s * (1 + 1e-9)
         cands: list[tuple[tuple[float, ...], list[int]]] = []
         for src in sorted(range(p), key=lambda r: -now[r])[:2]:
             for i in range(src, k, p):
                 if cur[i] <= least[i]:
                     continue
                 for j in range(k):
-                    if j == i or (j % p == src and not replayed):
+                    if j == i or (j % p == src and not best.ranks_by_replay):
                         continue
                     s = cur[:]
                     s[i] -= 1

@@ -103,7 +103,8 @@ class SearchPolicy:
     """Share of the seeding's time the split climbs may take (one costs tens to hundreds of evaluate() calls)."""
 
     climb_min_s: float = 0.5
-    """Seconds a climb may take beyond the share left (the first climb comes before any share has accrued)."""
+    """Seconds a climb may take beyond the share left (the first climb comes before any share has accrued); also
+    what the driver's climb of a node solution that ranks by its replay may take (driver._rebalanced)."""
 
     spread_sources: int = 5
     """incumbents.spread prices the configuration and split of at most this many of the fastest layouts on their

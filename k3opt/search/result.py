@@ -38,6 +38,12 @@ class PlanItem:
         return self.evaluation.peak_bytes
 
     @property
+    def ranks_by_replay(self) -> bool:
+        """The layout ranks by its replayed schedule, above the step formula (uneven interleaved chunks) by more than
+        float rounding: what the node model minimizes is then below its ranked time."""
+        return self.rank_time_s > self.evaluation.step.formula_time_s * (1 + 1e-9)
+
+    @property
     def front_gap(self) -> float | None:
         """(ranked step - front_bound_s) / ranked step: 0 where the Pareto point is proven; None off the front."""
         if self.front_bound_s is None:
