@@ -343,10 +343,13 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
             "peak_gib", "headroom_gib", "front_bound_s", "front_gap_pct", "proven"]
     worst = max((it.front_gap or 0.0 for it in result.pareto), default=0.0)
     if result.pareto_complete:
-        status = f"exact at the {step_gib:g} GiB step"
+        status = (f"proven at the {step_gib:g} GiB step: no layout in a point's peak range is faster than the point by "
+                  f"more than the {100 * gap:g}% gap, and none is leaner than the last")
     else:
-        status = (f"NOT PROVEN (cut by the time limit): each point's front_bound_s is a proven lower bound on the "
-                  f"step time at its peak or less, gap up to {100 * worst:.1f}%")
+        proven = sum(it.proven for it in result.pareto)
+        status = (f"NOT PROVEN (cut by the time limit), {proven} of {len(result.pareto)} points proven to the "
+                  f"{100 * gap:g}% gap: each point's front_bound_s is a proven lower bound on the step time in its "
+                  f"peak range, gap up to {100 * worst:.1f}%")
     click.echo(f"Pareto front, {len(df)} layouts in {result.solve_time_s:.1f} s, {status}; ranked search "
                f"status {result.status}")
     if result.layouts:

@@ -65,6 +65,8 @@ class LiveProgress:
         t.add_row("models solved", f"{p.models_solved:,}")
         if p.phase == "front":
             t.add_row("front points", f"{p.front_points}")
+            if p.front_region:
+                t.add_row("region", p.front_region)
         return t
 
     def _plain(self) -> None:

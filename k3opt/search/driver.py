@@ -48,10 +48,11 @@ from k3opt.search.frames import (
     policy_group,
     sharding_group,
 )
-from k3opt.search.front import build_front, ranked_time_limit
+from k3opt.search.front import Region, build_front, ranked_time_limit
 from k3opt.search.incumbents import (
     SeedState,
     candidate_splits,
+    cap_descent,
     frame_incumbent,
     incumbents,
     seed,
@@ -65,7 +66,7 @@ from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.progress import Progress, ProgressFn, Ticker
 from k3opt.search.ranking import ranked_coefficients
-from k3opt.search.result import OpenBound, PlacementOption, Plan, PlanItem
+from k3opt.search.result import LINE_ROUNDING, OpenBound, PlacementOption, Plan, PlanItem
 
 # ------------------------------------------------------------------------------------- driver
 
@@ -103,13 +104,6 @@ class _CtrlC:
 DEFAULT_GAP = 0.01
 """Relative gap at which the search stops and reports OPTIMAL: 1%, far below the cost model's own error."""
 
-LINE_ROUNDING = 1e-8
-"""Relative: a bound program told to stop at the pruning line returns a hair under it once it has shown the line
-reached (lp_bound.granular_stage: the stop x (1 - 1e-9)), so a bound this close under the line counts as at it.
-Without it such a node would stay open and be solved by CP-SAT, and a plan proven to the gap would report
-FEASIBLE."""
-
-
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          time_limit: float = 60.0, workers: int = 2, pareto: bool = False, pareto_step_gib: float = 1.0,
          progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
@@ -129,18 +123,7 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     smallest reachable peak when nothing fits."""
     search = _Search(job, model, cluster, top=top, time_limit=time_limit, workers=workers, pareto=pareto,
                      pareto_step_gib=pareto_step_gib, progress=progress, gap=gap)
-    with search.ctrl_c:
-        try:
-            search.first_pass()
-            search.bound_shapes()
-        except KeyboardInterrupt:
-            # Off the main thread Ctrl-C raises (_CtrlC): with a layout at hand the plan still returns it, its bound
-            # 0 (shapes left unbounded).
-            if not search.best_of:
-                raise
-            search.unbounded = True
-        search.start_helper()
-        search.run()
+    search.execute()
     return search.finish()
 
 
@@ -233,6 +216,22 @@ class _Search:
         self.prefetch = Prefetch([], math.inf)
         """The helper process that runs the bounding pass's programs ahead (none until `start_helper`)."""
         self._init_state()
+
+    def execute(self) -> None:
+        """The phases before `finish`, in order, under the Ctrl-C handler: `first_pass`, `bound_shapes`,
+        `start_helper`, `run`."""
+        with self.ctrl_c:
+            try:
+                self.first_pass()
+                self.bound_shapes()
+            except KeyboardInterrupt:
+                # Off the main thread Ctrl-C raises (_CtrlC): with a layout at hand the plan still returns it, its
+                # bound 0 (shapes left unbounded).
+                if not self.best_of:
+                    raise
+                self.unbounded = True
+            self.start_helper()
+            self.run()
 
     def _init_state(self) -> None:
         """The search's state before any phase: an empty queue, no layout, nothing bounded or solved."""
@@ -852,7 +851,7 @@ class _Search:
         ranked = self._ranked()
         if not ranked:
             self._raise_nothing_found(bound)
-        front, complete = self._front(ranked)
+        front, complete = self._front(ranked, bound)
         if len(self.job.gpu_counts) == 1:
             front = _with_ranked_bound(front, bound)
         ranked = _with_front(ranked, front)
@@ -900,14 +899,65 @@ class _Search:
         raise InfeasibleJobError(_infeasible_reason(self.job, self.model, self.cluster, self.min_peak_lb[1],
                                                     self.min_peak_lb[0]))
 
-    def _front(self, ranked: list[PlanItem]) -> tuple[list[PlanItem], bool]:
-        """The Pareto front (search/front.py) and whether it is complete; after Ctrl-C, the best layout alone."""
+    def _front(self, ranked: list[PlanItem], bound: float) -> tuple[list[PlanItem], bool]:
+        """The Pareto front (search/front.py) and whether it is complete; after Ctrl-C, the best layout alone.
+        `bound`: the ranked search's, a bound on every layout of every GPU count (the front's first region)."""
         if self.pareto and not self.ctrl_c.flag and (self.unbounded or not self.interrupted):
             self._tick("front")
             return build_front(self.job, self.model, self.cluster, self.best_of, ranked, self.pareto_step_gib,
                                self.t0, self.total_limit, self.workers, lower_bounds=self.lbs,
-                               over_line=self.over_line, estimates=self.estimates, on_progress=self._front_tick)
+                               over_line=self.over_line, estimates=self.estimates, on_progress=self._front_tick,
+                               regions=self._region, ranked_bound=bound, gap=self.gap)
         return (ranked[:1] if self.interrupted else [], False)
+
+    def _region(self, gpus: int, cap: float, known: list[PlanItem], points: int) -> Region | None:
+        """One region of the front (search/front.py): a ranked search (top 1) of `gpus` GPUs whose every rank's
+        peak is at most `cap` bytes (inf: the job's own budget), by the front's deadline, started from the points
+        `known` (the front's at these GPUs) under the cap, and from the leanest over it brought under it
+        (incumbents.cap_descent; `points`: the front's size, for the progress). Returns its best layouts, its bound
+        (inf when it proved that nothing fits) and whether it is proven to the gap; None after Ctrl-C."""
+        update: dict = {"gpus": gpus}
+        own = peak_cap_bytes(self.job)
+        if math.isfinite(cap):
+            update["search"] = self.job.search.model_copy(
+                update={"max_peak_gib": (cap if own is None else min(own, cap)) / GIB})
+        job = self.job.model_copy(update=update)
+
+        region = "every peak" if not math.isfinite(cap) else f"peak <= {cap / GIB:.2f} GiB"
+
+        def forward(p: Progress) -> None:
+            if self.ticker.due():
+                self.ticker.send(lambda elapsed: replace(p, phase="front", elapsed_s=elapsed, front_points=points,
+                                                         front_region=region))
+
+        # Each region has at most the ranked search's share of the limit, so that one hard region leaves time to the
+        # others; its budgets (seeding, slices) scale with it as a plan's do.
+        left = min(self.t0 + self.total_limit - _time.monotonic(), self.time_limit)
+        sub = _Search(job, self.model, self.cluster, top=1, time_limit=left, workers=self.workers, pareto=False,
+                      pareto_step_gib=self.pareto_step_gib, progress=forward if self.ticker.fn else None,
+                      gap=self.gap)
+        # The front's points under the cap are its first incumbents, and the leanest over it brought under it (the
+        # region's fastest layout is often the next faster point with a layer moved or a toggle flipped): the
+        # seeding need not find them again.
+        above = sorted((it for it in known if not fits(job, it.evaluation)), key=lambda it: it.peak_bytes)
+        for it in above[:POLICY.region_descents]:
+            got = cap_descent(job, it, self.model, self.cluster, _time.monotonic() + POLICY.region_descent_s,
+                              stop=sub._flag)
+            known = known + ([got] if got is not None else [])
+        for it in known:
+            f = frame_of(it.layout)
+            if fits(job, it.evaluation) and (f not in sub.best_of or _key(it.evaluation) < _key(
+                    sub.best_of[f].evaluation)):
+                sub.best_of[f] = it
+        sub.execute()
+        if sub.ctrl_c.flag:
+            return None
+        try:
+            res = sub.finish()
+        except InfeasibleJobError:
+            proved = not (sub.timed_out or sub.interrupted) and math.isinf(sub._open_bound())
+            return [], (math.inf if proved else 0.0), proved
+        return res.layouts, res.bound, res.status == "OPTIMAL"
 
     def _front_tick(self, points: int, settled: int, total: int) -> None:
         """The front's progress: its points, and its frames settled (dominated or solved) out of those to prove."""

@@ -19,20 +19,24 @@ Anytime, within the time limit (plan() gives the ranked search POLICY.front_rank
    degree, VP, PP...), then its frame under its configuration one change away, towards the gap first. A point
    the ranked search returns is often dominated by its own layout one sharding change away (the same step, tens
    of GiB leaner), which the visits reach late. Every fitting layout priced is a candidate point.
-2. Prove: epsilon-constraint CP-SAT solves per frame, best bound first (minimize the step time, ties the lower
-   peak, under peak <= epsilon; then lower epsilon by the step), skipping or stopping a frame once a point found
-   dominates its bounds. When every frame is done the front is exact at the epsilon step (`complete`).
+2. Prove, region by region: the region of a point is every layout whose peak is at most the next faster point's
+   peak less the step (every layout for the fastest), and under the leanest point the region that should be
+   empty. The first region whose bound does not close its point to the search's gap (or, below the leanest, that
+   is not shown empty) gets the ranked search itself (search/driver.py) under the region's cap, `[search]
+   max_peak_gib`, started from the points under it and from the next faster point brought under the cap
+   (search/incumbents.cap_descent): its best layout joins the front and its bound covers every layout under the
+   cap. Its relaxations, node models and seeding are the ranked search's, so a region is proven the way a plan is.
+   When every region is proven the front is complete (`Plan.pareto_complete`).
 
 The points are the non-dominated layouts found, kept at least one epsilon step apart in peak (fastest first).
 Each returned point carries `front_bound_s`: a proven lower bound on the ranked step time of every layout of its
 GPU count whose peak is at most the next faster point's peak minus the step (no cap for the fastest point) --
 the region the point stands for. It comes from the frame bounds (`frame_lower_bound`, reused from the driver)
-and the CP-SAT solves; its gap `(t - bound) / t` is 0 where the point is proven.
+and the regions' searches; the point is `proven` when its gap `(t - bound) / t` is within the search's.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import itertools
@@ -47,14 +51,12 @@ from k3opt.search.frames import (
     ACT_TOGGLES,
     RANK_TOGGLES,
     Frame,
-    act_modes,
     allocated_capacity_bytes,
     budget_line,
     choices,
     enumerate_frames,
     frame_of,
     lifecycles,
-    undominated_modes,
 )
 from k3opt.search.incumbents import (
     LEAN,
@@ -66,9 +68,8 @@ from k3opt.search.incumbents import (
     seed_library,
     toggle_sets,
 )
-from k3opt.search.node_model import FrameModel, plan_item
 from k3opt.search.policy import POLICY
-from k3opt.search.result import PlanItem
+from k3opt.search.result import PlanItem, within_gap
 
 
 def ranked_time_limit(time_limit: float) -> float:
@@ -79,43 +80,54 @@ def ranked_time_limit(time_limit: float) -> float:
 # ------------------------------------------------------------------------------------- the front
 
 
+Region = tuple[list[PlanItem], float, bool]
+"""What one region's search returns: its best layouts, its proven bound on every layout of the GPU count under
+the cap (inf: none fits), and whether the bound closes the best to the gap."""
+
+RegionSearch = Callable[[int, float, list[PlanItem], int], "Region | None"]
+"""regions(gpus, cap bytes (inf: no cap), the points found at these GPUs, the front's size): the ranked search
+under the cap (driver._Search._region); None when Ctrl-C stopped it."""
+
+
 class _Facts:
-    """What is proven per frame: its bounds (step time, peak) and, from CP-SAT solves under a peak cap,
-    'every layout of the frame with peak <= cap takes at least bound s'."""
+    """What is proven: each frame's bounds (step time, peak), and per GPU count, from the ranked searches under a
+    peak cap, 'every layout of these GPUs with peak <= cap takes at least bound s'."""
 
     def __init__(self) -> None:
         self.frame: dict[Frame, tuple[float, float]] = {}
-        self.capped: dict[Frame, list[tuple[float, float]]] = {}
+        self.region: dict[int, list[tuple[float, float]]] = {}
 
-    def add(self, f: Frame, cap_bytes: float, bound_s: float) -> None:
-        self.capped.setdefault(f, []).append((cap_bytes, bound_s))
+    def add_region(self, gpus: int, cap_bytes: float, bound_s: float) -> None:
+        self.region.setdefault(gpus, []).append((cap_bytes, bound_s))
 
-    def bound(self, f: Frame, cap_bytes: float) -> float:
-        """Least ranked step time of a layout of f with peak <= cap_bytes (inf when none can exist)."""
-        t_lb, m_lb = self.frame[f]
-        if m_lb > cap_bytes:
-            return math.inf
-        return max([t_lb] + [b for c, b in self.capped.get(f, []) if c >= cap_bytes])
+    def region_bound(self, gpus: int, cap_bytes: float) -> float:
+        """The best region bound that covers the cap: from a search under a cap at least as high."""
+        return max([0.0] + [b for c, b in self.region.get(gpus, []) if c >= cap_bytes])
 
 
 def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
                 ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
                 lower_bounds: dict[Frame, tuple[float, float]] | None = None, over_line: set[Frame] | None = None,
                 estimates: dict[Frame, float] | None = None,
-                on_progress: Callable[[int, int, int], None] | None = None) -> tuple[list[PlanItem], bool]:
+                on_progress: Callable[[int, int, int], None] | None = None,
+                regions: RegionSearch | None = None, ranked_bound: float = 0.0, gap: float = 0.0
+                ) -> tuple[list[PlanItem], bool]:
     """The front (see the module docstring) from the ranked search's layouts (`ranked`, `best_of`), by the
     monotonic deadline t0 + time_limit. Returns its points, fastest first per GPU count, each with its
-    `front_bound_s`, and whether it is complete (exact at the step; False when the time limit cut it short).
-    `lower_bounds`: the frame_lower_bound of frames already bounded (by the driver), not computed again;
+    `front_bound_s`, and whether it is complete (every region proven to `gap`; False when the time limit cut it
+    short). `lower_bounds`: the frame_lower_bound of frames already bounded (by the driver), not computed again;
     `over_line`: frames whose peak bound the driver showed over HBM minus the reserve (no layout of theirs
     fits: left out, as a bound would leave them); `estimates`: the driver's frame_estimate of the frames it
-    queued, the order the seeding visits them in; `on_progress(points, frames settled, frames to prove)` is called
-    as it moves."""
+    queued, the order the seeding visits them in; `on_progress(points, regions proven, regions known)` is called
+    as it moves; `regions`: the ranked search under a cap (without it the front is seeded only, and not complete);
+    `ranked_bound`: the ranked search's bound, which holds for every layout (the first region of each GPU count)."""
     search = _FrontSearch(job, model, cluster, best_of, ranked, step_gib, t0, time_limit, workers, lower_bounds,
-                          over_line, estimates)
+                          over_line, estimates, gap)
     search.on_progress = on_progress
+    for g in job.gpu_counts:
+        search.facts.add_region(g, math.inf, ranked_bound)
     search.seed()
-    complete = search.bound_rest() and search.prove()
+    complete = search.bound_rest() and regions is not None and search.prove(regions)
     return search.finish(), complete
 
 
@@ -128,8 +140,8 @@ class _FrontSearch:
     def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
                  ranked: list[PlanItem], step_gib: float, t0: float, time_limit: float, workers: int,
                  lower_bounds: dict[Frame, tuple[float, float]] | None, over_line: set[Frame] | None,
-                 estimates: dict[Frame, float] | None) -> None:
-        self.job, self.model, self.cluster, self.workers = job, model, cluster, workers
+                 estimates: dict[Frame, float] | None, gap: float = 0.0) -> None:
+        self.job, self.model, self.cluster, self.workers, self.gap = job, model, cluster, workers, gap
         self.deadline = t0 + time_limit
         self.step = max(1, int(round(step_gib * GIB / MIB))) * MIB
         self.points: list[PlanItem] = list(ranked) + [it for it in best_of.values() if it not in ranked]
@@ -273,79 +285,66 @@ class _FrontSearch:
                 self.facts.frame[f] = frame_lower_bound(self.job, f, self.model, self.cluster)
         return True
 
-    # -- 3. prove: epsilon-constraint solves, frames best bound first
+    # -- 3. prove: a ranked search under each region's cap, fastest region first
 
-    def prove(self) -> bool:
-        """Solve each frame whose bounds no point dominates, best bound first (`solve_frame`); whether every
-        solve was exact before the deadline."""
+    def prove(self, regions: RegionSearch) -> bool:
+        """Until every region is proven or searched (`_open_region`): the ranked search under the first open
+        region's cap, started from the points under it; the layouts it finds join the front, its bound covers the
+        region. A region its search leaves unproven (its share of the time spent) stays so, and the next is
+        searched. Whether every region was proven before the deadline."""
+        tried: set[tuple[int, float]] = set()
         complete = True
-        self.build_s = POLICY.build_guess_s
-        queue = sorted((b[0], b[1], i, f) for i, (f, b) in enumerate(self.facts.frame.items()))
-        for n, (t_lb, m_lb, _, f) in enumerate(queue):
-            self.report(n, len(queue))
-            if self.dominated(f, t_lb, m_lb):
-                continue
-            if _time.monotonic() > self.deadline:
+        while (region := self._open_region(tried)) is not None:
+            g, cap = region
+            if self.deadline - _time.monotonic() < POLICY.front_region_min_s:
                 return False
-            if not self.fits_bound(f):
-                self.facts.add(f, math.inf, math.inf)  # its peak bound is over its budget: no layout of it fits
-                continue
-            if not self.solve_frame(f, t_lb, m_lb):
-                complete = False
+            got = regions(g, cap, [p for p in self.points if p.layout.gpus == g], len(self.points))
+            if got is None:
+                return False  # Ctrl-C
+            items, bound, exact = got
+            tried.add(region)
+            self.points = _non_dominated(self.points + items)
+            self.facts.add_region(g, cap, bound)
+            complete = complete and exact
         return complete
 
-    def solve_frame(self, f: Frame, t_lb: float, m_lb: float) -> bool:
-        """Epsilon-constraint CP-SAT solves of frame f: minimize the step time (ties: the lower peak) under
-        peak <= cap, then lower the cap below the layout found by the step; each layout found is a point and
-        each solve a fact. False when a solve was cut short or the frame was left unsolved for lack of time."""
-        exact = True
-        cap: int | None = None
-        # Each solve lowers the cap, so every later layout of the frame is no faster than the last one found
-        # (t_seen) and holds at least the frame's peak bound: a point at least as fast with a peak no higher than
-        # that bound dominates them all. (A point under the cap but above the bound does not.)
-        t_seen = t_lb
-        fm: FrameModel | None = None
-        hint = _fastest_of(self.points, f)
-        while True:
-            if cap is not None and (cap < m_lb or self.dominated(f, t_seen, m_lb)):
-                break
-            remaining = self.deadline - _time.monotonic()
-            if remaining <= 0 or (fm is None and remaining < 2 * self.build_s):
-                return False  # no time to build the frame's model and search it
-            if fm is None:
-                fm = self.frame_model(f, hint)
-                remaining = self.deadline - _time.monotonic()
-            res = fm.solve(remaining, self.workers, peak_cap_mib=None if cap is None else cap // MIB)
-            if res.status in ("FEASIBLE", "UNKNOWN"):
-                exact = False
-            self.facts.add(f, math.inf if cap is None else cap,
-                           math.inf if res.status == "INFEASIBLE" else max(t_lb, res.bound_step_s))
-            item = plan_item(self.job, f, fm, res, self.model, self.cluster)
-            if item is None:
-                break
-            if item.ranks_by_replay:
-                exact = False  # the solve proved the step formula; this layout ranks by its longer replay
-            self.points.append(item)
-            cap = item.peak_bytes // MIB * MIB - self.step
-            t_seen = max(t_seen, item.rank_time_s)
-        return exact
+    def _open_region(self, tried: set[tuple[int, float]]) -> tuple[int, float] | None:
+        """The first region (GPU count, cap), fastest point first, whose bound does not close its point to the gap,
+        or, below the leanest point, that is not shown empty, and that has not been searched (`tried`: a search
+        cut by its share of the time is not repeated, and one that proved its region may leave a point that the
+        rounding of the cap moved). None when none is left."""
+        for g in self.job.gpu_counts:
+            cap = math.inf
+            for it in _thin(_non_dominated(p for p in self.points if p.layout.gpus == g), self.step):
+                if (g, cap) not in tried and not within_gap(it.rank_time_s, self.bound_at(g, cap), self.gap):
+                    return g, cap
+                cap = _cap_below(it, self.step)
+            if (g, cap) not in tried and math.isfinite(self.bound_at(g, cap)):
+                return g, cap
+        return None
 
-    def frame_model(self, f: Frame, hint: Layout | None) -> FrameModel:
-        """Frame f's CP-SAT model over its undominated activation modes, hinted with its fastest point; the
-        longest build so far is the guess for the next frame's."""
-        started = _time.monotonic()
-        modes = undominated_modes(self.job, f, act_modes(self.job), lifecycles(self.job), self.model, self.cluster)
-        fm = FrameModel(self.job, f, self.model, self.cluster, modes=modes)
-        if hint is not None:
-            fm.add_layout_hint(hint)
-        self.build_s = max(self.build_s, _time.monotonic() - started)
-        return fm
+    def bound_at(self, g: int, cap: float) -> float:
+        """The least ranked step time of a layout of g GPUs with peak <= cap: the best region bound that covers
+        the cap, or the least bound of the frames whose peak bound is under it (inf when no frame's is); 0 while a
+        frame of g is not bounded."""
+        frames = 0.0 if any(f not in self.facts.frame for f in self.frames if f.gpus == g) else min(
+            (t for f, (t, m) in self.facts.frame.items() if f.gpus == g and m <= cap), default=math.inf)
+        return max(frames, self.facts.region_bound(g, cap))
 
     # -- 4. the front
 
     def finish(self) -> list[PlanItem]:
-        """The non-dominated points thinned to the step, each with its proven bound."""
-        return _with_bounds(_thin(_non_dominated(self.points), self.step), self.facts, self.step)
+        """The non-dominated points thinned to the step, each with its proven bound (`bound_at` its region: no cap
+        for the fastest of its GPU count, else the next faster point's peak less the step) and the gap that
+        proves it."""
+        out: list[PlanItem] = []
+        caps: dict[int, float] = {}
+        for it in _thin(_non_dominated(self.points), self.step):
+            g = it.layout.gpus
+            bound = min(self.bound_at(g, caps.get(g, math.inf)), it.rank_time_s)
+            out.append(dataclasses.replace(it, front_bound_s=bound, front_gap_allowed=self.gap))
+            caps[g] = _cap_below(it, self.step)
+        return out
 
 
 class _Fill:
@@ -551,21 +550,6 @@ def _thin(front: list[PlanItem], step: int) -> list[PlanItem]:
     return out
 
 
-def _with_bounds(front: list[PlanItem], facts: _Facts, step: int) -> list[PlanItem]:
-    """Each point with its proven bound: the least step time any frame of its GPU count can reach under the cap
-    the point stands for (no cap for the fastest; else the next faster point's peak minus the step)."""
-    out: list[PlanItem] = []
-    for g, its in itertools.groupby(front, key=lambda it: it.layout.gpus):
-        # Frames with only their bound: the least time bound among those whose peak bound is under a cap is a
-        # prefix minimum over the frames sorted by peak bound.
-        plain = sorted((m, t) for f, (t, m) in facts.frame.items() if f.gpus == g and f not in facts.capped)
-        peaks = [m for m, _ in plain]
-        least = list(itertools.accumulate((t for _, t in plain), min))
-        solved = [f for f in facts.capped if f.gpus == g]
-        cap = math.inf
-        for it in its:
-            k = bisect.bisect_right(peaks, cap)
-            bound = min([least[k - 1] if k else math.inf] + [facts.bound(f, cap) for f in solved])
-            out.append(dataclasses.replace(it, front_bound_s=min(bound, it.rank_time_s)))
-            cap = it.peak_bytes // MIB * MIB - step
-    return out
+def _cap_below(it: PlanItem, step: int) -> float:
+    """The cap of the region under point `it`: its peak, rounded down to the MiB, less the step."""
+    return float(it.peak_bytes // MIB * MIB - step)

@@ -113,11 +113,12 @@ class SearchPolicy:
     # -- the Pareto front (search/front.py)
     front_ranked_share: float = 0.25
     """With the front requested, the share of the time limit the ranked search may use before the front starts
-    (the ranked search stops earlier when it proves its gap); the front has the rest."""
+    (the ranked search stops earlier when it proves its gap); the front has the rest. Each region's search under
+    its cap has at most the same share (search/front.py)."""
 
     front_seed_share: float = 0.85
-    """Share of the front's time the seeding walks may use before the CP-SAT solves start (they start earlier when
-    every frame is seeded or dominated)."""
+    """Share of the front's time the seeding walks may use before the regions' searches start (they start earlier
+    when every frame is seeded or dominated)."""
 
     front_fill_share: float = 0.5
     """Share of the front's seeding time after the ranked search's frames that the gap filling may take while
@@ -129,9 +130,16 @@ class SearchPolicy:
     front is walked through its own configurations while some of it is left; the other frames are priced under the
     front's configurations."""
 
-    build_guess_s: float = 1.0
-    """Seconds a frame's CP-SAT model is assumed to take to build before one has been built (then: the longest
-    seen); a model is started only with twice that left, so that building it does not overrun the time limit."""
+    region_descents: int = 2
+    """A region's search first brings this many of the front's points over its cap under it, the leanest first
+    (search/incumbents.cap_descent)."""
+
+    region_descent_s: float = 4.0
+    """Seconds each of those descents may take (about a hundred evaluate() calls per change on K3 PP8 VP4)."""
+
+    front_region_min_s: float = 1.0
+    """Seconds a region's ranked search under its cap needs at least to be started (search/front.py): with less
+    left the front stops, not proven."""
 
     # -- the node models and bound programs (search/node_model.py, search/lp_bound.py, search/replay_bound.py)
     max_dag_ops: int = 512

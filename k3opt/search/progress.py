@@ -26,6 +26,8 @@ class Progress:
     shapes_total: int
     models_solved: int
     front_points: int = 0
+    front_region: str = ""
+    """In the front phase, the region being proven (its peak cap): best, bound and shapes are its search's."""
 
     @property
     def gap(self) -> float | None:
@@ -38,7 +40,10 @@ class Progress:
         inc = f"{self.incumbent_s:.3f} s" if self.incumbent_s is not None else "none yet"
         bnd = f"{self.bound_s:.3f} s" if self.bound_s is not None else "not yet"
         gap = f"{100 * self.gap:.2f}%" if self.gap is not None else "-"
-        front = f", front {self.front_points} points" if self.phase == "front" else ""
+        front = ""
+        if self.phase == "front":
+            front = f", front {self.front_points} points" + (f", region {self.front_region}" if self.front_region
+                                                              else "")
         return (f"[{self.elapsed_s:6.1f} s] {self.phase}: best {inc}, bound {bnd}, gap {gap}, shapes settled "
                 f"{self.shapes_settled}/{self.shapes_total}, models solved {self.models_solved}{front}")
 

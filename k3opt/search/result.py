@@ -13,6 +13,18 @@ from k3opt.inputs.specs import GIB, TOGGLE_NAMES, Job, Layout
 PROVEN_TOL = 1e-9
 """Relative: a front point whose bound is this close under its step time is proven (float rounding, not a gap)."""
 
+LINE_ROUNDING = 1e-8
+"""Relative: a bound program told to stop at the pruning line returns a hair under it once it has shown the line
+reached (lp_bound.granular_stage: the stop x (1 - 1e-9)), so a bound this close under the line counts as at it.
+Without it such a node would stay open and be solved by CP-SAT, and a plan proven to the gap would report
+FEASIBLE."""
+
+
+def within_gap(t: float, bound: float, gap: float) -> bool:
+    """Whether a proven lower `bound` closes step time `t` to the relative `gap`: bound >= t (1 - gap), with
+    LINE_ROUNDING under it counting as at it (PROVEN_TOL with gap 0)."""
+    return bound >= t * (1 - gap) * (1 - (LINE_ROUNDING if gap > 0 else PROVEN_TOL)) - 1e-12
+
 
 @dataclass(frozen=True)
 class PlanItem:
@@ -23,6 +35,8 @@ class PlanItem:
     peak range the point stands for (search/front.py); None elsewhere."""
     runs_on: tuple[str, ...] | None = None
     """The launch targets that can run the layout as priced (k3opt.launch.limits); None where not checked."""
+    front_gap_allowed: float = 0.0
+    """On a Pareto point: the search's relative gap, within which its bound proves it (`proven`)."""
 
     @property
     def step_time_s(self) -> float:
@@ -52,8 +66,10 @@ class PlanItem:
 
     @property
     def proven(self) -> bool:
-        """A Pareto point no layout at its peak or less beats: its front bound is its step time (to PROVEN_TOL)."""
-        return self.front_gap is not None and self.front_gap <= PROVEN_TOL
+        """A Pareto point no layout in its peak range beats by more than the search's gap: its front bound is
+        within `front_gap_allowed` of its step time (`within_gap`; with gap 0, to PROVEN_TOL)."""
+        return self.front_bound_s is not None and within_gap(self.rank_time_s, self.front_bound_s,
+                                                             self.front_gap_allowed)
 
 
 @dataclass(frozen=True)

@@ -92,11 +92,11 @@ def test_cli_pareto_says_exact_on_a_small_job(tmp_path):
     csv = tmp_path / "front.csv"
     res = CliRunner().invoke(main, ["pareto", str(job), "--csv", str(csv), "--gap", "0", "--time-limit", "120"])
     assert res.exit_code == 0, res.output
-    assert "exact at the 1 GiB step" in res.output
+    assert "proven at the 1 GiB step" in res.output
     import pandas as pd
 
     df = pd.read_csv(csv)
-    assert len(df) >= 1 and (df["front_gap_pct"] == 0).all()
+    assert len(df) >= 1 and (df["front_gap_pct"] == 0).all() and df["proven"].all()
     assert (df["front_bound_s"] <= df["ranked_step_time_s"] + 1e-9).all()
 
 

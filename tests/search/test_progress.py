@@ -3,6 +3,7 @@ on the optimum, on the small model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,11 @@ def test_pareto_reports_the_front_phase(tiny, slow, use_policy):
     assert front and res.pareto
     assert max(p.front_points for p in front) >= 1
     assert all(p.shapes_settled <= p.shapes_total for p in front)
+    # The regions' searches report under the front phase, each naming its peak cap, with its own bound.
+    regions = [p for p in front if p.front_region]
+    assert res.pareto_complete and regions
+    assert all(re.fullmatch(r"every peak|peak <= \d+\.\d\d GiB", p.front_region) for p in regions)
+    assert any("region peak <= " in p.line() for p in regions)
 
 
 def test_plan_builds_no_front_and_pareto_does(tiny, slow):

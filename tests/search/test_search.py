@@ -193,6 +193,65 @@ def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
         assert it.rank_time_s - it.front_bound_s <= TOL_S
 
 
+def test_cap_descent_reaches_each_frames_fastest_layout_under_a_cap(job, tiny, slow, enumerated):
+    """A region's search starts from the next faster point brought under its cap (incumbents.cap_descent). On
+    every frame whose fastest layout is over a cap halfway down to the frame's leanest peak, the descent from that
+    layout ends on the frame's enumerated fastest under the cap; under the leanest peak it finds nothing; a layout
+    already under the cap is returned as it is."""
+    import time
+
+    from k3opt.search.incumbents import cap_descent
+    from k3opt.search.result import PlanItem
+
+    by_frame: dict = {}
+    for f, t, m, lay in enumerated:
+        by_frame.setdefault(f, []).append((t, m, lay))
+    checked = 0
+    for f, items in by_frame.items():
+        t_fast, m_fast, fast = min(items, key=lambda x: x[:2])
+        lean = min(m for _, m, _ in items)
+        cap = (lean + m_fast) // 2 // MIB * MIB
+        if cap <= lean:
+            continue
+        capped = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": cap / GIB})})
+        start = PlanItem(fast, k3opt.evaluate(fast, model=tiny, cluster=slow))
+        got = cap_descent(capped, start, tiny, slow, time.monotonic() + 30)
+        assert got is not None and got.peak_bytes <= cap and got.evaluation.fits
+        assert (got.layout.pp, got.layout.vp, got.layout.dense_sharding) == (f.pp, f.vp, f.dense_sharding)
+        assert got.rank_time_s == pytest.approx(min(t for t, m, _ in items if m <= cap), abs=TOL_S)
+        checked += 1
+        under = job.model_copy(update={"search": job.search.model_copy(
+            update={"max_peak_gib": (lean - MIB) / GIB})})
+        assert cap_descent(under, start, tiny, slow, time.monotonic() + 30) is None
+    assert checked >= 10  # the space has frames the cap cuts
+    free = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": 1000.0})})
+    assert cap_descent(free, start, tiny, slow, time.monotonic() + 30) is start
+
+
+def test_whole_front_is_proven_region_by_region(job, tiny, slow, enumerated):
+    """With the v = 2 frames too, each region of the front (the peaks at or under a point, down to the next faster
+    point's less the step) is proven by a ranked search under its cap, so the front is complete at the search's gap:
+    every enumerated front layout has a returned point at most the gap slower and no more than the step (plus the
+    MiB rounding) fatter, every point's bound holds over its region, and the region under the leanest point is
+    empty."""
+    gap = 1e-3
+    plan = k3opt.pareto(job, model=tiny, cluster=slow, top=1, gap=gap, step_gib=1 / 1024, time_limit=120)
+    points = sorted((t, m) for _, t, m, _ in enumerated)
+    _front_bounds_hold(plan, points)
+    assert plan.pareto_complete
+    assert all(it.proven and it.front_gap <= gap + 1e-8 for it in plan.pareto)
+    front, best_m = [], float("inf")
+    for t, m in points:
+        if m < best_m - MIB:
+            front.append((t, m))
+            best_m = m
+    got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
+    for t, m in front:
+        assert any(gt * (1 - gap) <= t + TOL_S and gm <= m + 2 * MIB for gt, gm in got), (t, m / GIB)
+    leanest = min(gm for _, gm in got)
+    assert not any(m <= leanest // MIB * MIB - MIB for _, m in points)  # nothing fits under the last region
+
+
 def test_presolve_off_gives_the_same_objective(job, tiny, slow):
     for f in enumerate_frames(job, tiny, 8)[:6]:
         on, _ = solve_frame(job, f, tiny, slow, 30, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
