@@ -134,7 +134,7 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
 class _FrontSearch:
     """One `build_front` call: the points found, the frames' facts, and the seeding's state (the frames to visit,
     the gap filling, the time the walks and the filling took). Its steps: `seed` (visit frames and fill gaps),
-    `bound_rest` (bound the frames not reached), `prove` (epsilon-constraint CP-SAT solves per frame), `finish`
+    `bound_rest` (bound the frames not reached), `prove` (the ranked search under each region's cap), `finish`
     (thin the front to the step, each point with its proven bound)."""
 
     def __init__(self, job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[Frame, PlanItem],
@@ -539,7 +539,7 @@ def _non_dominated(items: Iterable[PlanItem]) -> list[PlanItem]:
 
 def _thin(front: list[PlanItem], step: int) -> list[PlanItem]:
     """Per GPU count, fastest first: a point is kept when its peak is at least `step` under the last kept one's,
-    the points the epsilon-constraint solves would stop at."""
+    the points whose regions (the peaks under the last kept one's less the step) are proven one by one."""
     out: list[PlanItem] = []
     for _, its in itertools.groupby(front, key=lambda it: it.layout.gpus):
         last = math.inf

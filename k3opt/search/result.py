@@ -117,7 +117,8 @@ class Plan:
     solve_time_s: float
     model_size: dict[str, int] = field(default_factory=dict)
     pareto_complete: bool = False
-    """True when every frame was either dominated by its bounds or solved down to its last epsilon step."""
+    """True when every region of the front is proven to the gap, the one under the leanest point (no layout) too
+    (search/front.py)."""
     first_layout_s: float | None = None
     """Seconds from the call to the first fitting layout (heuristic or solved); None if none was found."""
     open_shapes: int = 0
