@@ -107,3 +107,31 @@ def test_ranked_layouts_include_the_fronts_faster_points(k3_plan):
     assert plan.layouts[0].rank_time_s <= min(it.rank_time_s for it in plan.pareto)
     assert plan.layouts[0].front_bound_s is None
     assert plan.gap == pytest.approx((plan.layouts[0].rank_time_s - plan.bound) / plan.layouts[0].rank_time_s)
+
+
+def test_a_region_bound_covers_only_the_caps_under_its_own():
+    """A search under cap C proves 'every layout with peak <= C takes at least b': it covers a region of cap
+    c <= C, never one above C (whose layouts the search did not see)."""
+    from k3opt.search.front import _Facts  # noqa: PLC2701
+
+    facts = _Facts()
+    facts.add_region(8, 10 * GIB, 5.0)
+    facts.add_region(8, 8 * GIB, 7.0)
+    assert facts.region_bound(8, 9 * GIB) == 5.0  # only the 10-GiB search saw every layout under 9 GiB
+    assert facts.region_bound(8, 8 * GIB) == 7.0  # both did; the 8-GiB one proves more
+    assert facts.region_bound(8, 11 * GIB) == 0.0  # none did
+    assert facts.region_bound(16, 8 * GIB) == 0.0  # another GPU count
+
+
+def test_the_region_under_a_point_starts_one_step_under_its_peak():
+    """The next region's cap: the point's peak rounded down to the MiB, less the step (points are kept a step apart,
+    so a layout in the next region is a step leaner)."""
+    from types import SimpleNamespace
+
+    from k3opt.search.front import _cap_below  # noqa: PLC2701
+
+    mib = 2**20
+    point = SimpleNamespace(peak_bytes=100 * GIB + 3 * mib + 5)
+    assert _cap_below(point, GIB) == 99 * GIB + 3 * mib
+    assert _cap_below(point, mib) == 100 * GIB + 2 * mib
+

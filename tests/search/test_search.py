@@ -252,6 +252,48 @@ def test_whole_front_is_proven_region_by_region(job, tiny, slow, enumerated):
     assert not any(m <= leanest // MIB * MIB - MIB for _, m in points)  # nothing fits under the last region
 
 
+def test_regions_alone_build_the_whole_front(job, tiny, slow, enumerated, use_policy):
+    """With no seeding (its share 0) the front starts from the ranked search's layout alone: each region's search
+    under its cap, the one under the leanest point found so far included, adds the next point, down to a region
+    where nothing fits. The front is then enumeration's (as in the test above)."""
+    use_policy(front_seed_share=0.0)
+    gap = 1e-3
+    plan = k3opt.pareto(job, model=tiny, cluster=slow, top=1, gap=gap, step_gib=1 / 1024, time_limit=120)
+    points = sorted((t, m) for _, t, m, _ in enumerated)
+    _front_bounds_hold(plan, points)
+    assert plan.pareto_complete and len(plan.pareto) >= 3
+    got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
+    best_m = float("inf")
+    for t, m in points:
+        if m < best_m - MIB:
+            assert any(gt * (1 - gap) <= t + TOL_S and gm <= m + 2 * MIB for gt, gm in got), (t, m / GIB)
+            best_m = m
+    assert min(gm for _, gm in got) <= min(m for _, m in points) + 2 * MIB  # the leanest layout is reached
+
+
+def test_a_region_its_search_leaves_open_leaves_the_front_incomplete(job, tiny, slow, enumerated):
+    """The region loop on its own (search/front.py): with no frame bounded nothing is known of any region (bound 0);
+    each region is searched once, the first (no cap) and then the one under the only point; a search that ends
+    short of its gap leaves the front incomplete."""
+    import time
+
+    from k3opt.search.front import _cap_below, _FrontSearch  # noqa: PLC2701
+    from k3opt.search.result import PlanItem
+
+    (_, (_, _, lay)), *_ = _best_per_frame(enumerated)
+    item = PlanItem(lay, k3opt.evaluate(lay, model=tiny, cluster=slow))
+    fs = _FrontSearch(job, tiny, slow, {}, [item], 1 / 1024, time.monotonic(), 60.0, 1, None, None, None, 0.0)
+    assert fs.bound_at(8, math.inf) == 0.0
+    calls = []
+
+    def cut_short(g, cap, known, points):  # noqa: ANN001, ANN202
+        calls.append(cap)
+        return [], 0.0, False
+
+    assert fs.prove(cut_short) is False
+    assert calls == [math.inf, _cap_below(item, MIB)]
+
+
 def test_presolve_off_gives_the_same_objective(job, tiny, slow):
     for f in enumerate_frames(job, tiny, 8)[:6]:
         on, _ = solve_frame(job, f, tiny, slow, 30, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
