@@ -356,6 +356,9 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
         click.echo(planning_runtime(result.job, result.layouts[0].evaluation.cluster).line())
     if len(df):
         click.echo(df[[c for c in cols if c in df]].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
+    for n, it in enumerate(result.pareto, start=1):
+        if it.front_holding and not it.proven:
+            click.echo(f"point {n} not proven: its region's search stopped at {it.front_holding}")
     if csv_path:
         click.echo(f"wrote {len(df)} rows to {csv_path}")
 

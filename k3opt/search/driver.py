@@ -915,7 +915,8 @@ class _Search:
         peak is at most `cap` bytes (inf: the job's own budget), by the front's deadline, started from the points
         `known` (the front's at these GPUs) under the cap, and from the leanest over it brought under it
         (incumbents.cap_descent; `points`: the front's size, for the progress). Returns its best layouts, its bound
-        (inf when it proved that nothing fits) and whether it is proven to the gap; None after Ctrl-C."""
+        (inf when it proved that nothing fits), whether it is proven to the gap and, when not, the bound that holds
+        it (Plan.holding); None after Ctrl-C."""
         update: dict = {"gpus": gpus}
         own = peak_cap_bytes(self.job)
         if math.isfinite(cap):
@@ -956,8 +957,10 @@ class _Search:
             res = sub.finish()
         except InfeasibleJobError:
             proved = not (sub.timed_out or sub.interrupted) and math.isinf(sub._open_bound())
-            return [], (math.inf if proved else 0.0), proved
-        return res.layouts, res.bound, res.status == "OPTIMAL"
+            return [], (math.inf if proved else 0.0), proved, None if proved else "no layout found under the cap"
+        h = res.holding
+        held = None if h is None else f"the {h.kind} of {h.shape} at {h.bound_s:.3f} s"
+        return res.layouts, res.bound, res.status == "OPTIMAL", held
 
     def _front_tick(self, points: int, settled: int, total: int) -> None:
         """The front's progress: its points, and its frames settled (dominated or solved) out of those to prove."""

@@ -80,9 +80,10 @@ def ranked_time_limit(time_limit: float) -> float:
 # ------------------------------------------------------------------------------------- the front
 
 
-Region = tuple[list[PlanItem], float, bool]
+Region = tuple[list[PlanItem], float, bool, str | None]
 """What one region's search returns: its best layouts, its proven bound on every layout of the GPU count under
-the cap (inf: none fits), and whether the bound closes the best to the gap."""
+the cap (inf: none fits), whether the bound closes the best to the gap, and where its proof stopped when it does
+not (the shape and kind of bound that holds it, `OpenBound`)."""
 
 RegionSearch = Callable[[int, float, list[PlanItem], int], "Region | None"]
 """regions(gpus, cap bytes (inf: no cap), the points found at these GPUs, the front's size): the ranked search
@@ -96,9 +97,13 @@ class _Facts:
     def __init__(self) -> None:
         self.frame: dict[Frame, tuple[float, float]] = {}
         self.region: dict[int, list[tuple[float, float]]] = {}
+        self.holding: dict[tuple[int, float], str] = {}
+        """Per region searched short of its gap, (GPU count, cap): where its proof stopped."""
 
-    def add_region(self, gpus: int, cap_bytes: float, bound_s: float) -> None:
+    def add_region(self, gpus: int, cap_bytes: float, bound_s: float, holding: str | None = None) -> None:
         self.region.setdefault(gpus, []).append((cap_bytes, bound_s))
+        if holding is not None:
+            self.holding[(gpus, cap_bytes)] = holding
 
     def region_bound(self, gpus: int, cap_bytes: float) -> float:
         """The best region bound that covers the cap: from a search under a cap at least as high."""
@@ -301,10 +306,10 @@ class _FrontSearch:
             got = regions(g, cap, [p for p in self.points if p.layout.gpus == g], len(self.points))
             if got is None:
                 return False  # Ctrl-C
-            items, bound, exact = got
+            items, bound, exact, holding = got
             tried.add(region)
             self.points = _non_dominated(self.points + items)
-            self.facts.add_region(g, cap, bound)
+            self.facts.add_region(g, cap, bound, None if exact else holding)
             complete = complete and exact
         return complete
 
@@ -335,14 +340,16 @@ class _FrontSearch:
 
     def finish(self) -> list[PlanItem]:
         """The non-dominated points thinned to the step, each with its proven bound (`bound_at` its region: no cap
-        for the fastest of its GPU count, else the next faster point's peak less the step) and the gap that
-        proves it."""
+        for the fastest of its GPU count, else the next faster point's peak less the step), the gap that proves
+        it, and where its region's search stopped when that search ended short of the gap."""
         out: list[PlanItem] = []
         caps: dict[int, float] = {}
         for it in _thin(_non_dominated(self.points), self.step):
             g = it.layout.gpus
-            bound = min(self.bound_at(g, caps.get(g, math.inf)), it.rank_time_s)
-            out.append(dataclasses.replace(it, front_bound_s=bound, front_gap_allowed=self.gap))
+            cap = caps.get(g, math.inf)
+            bound = min(self.bound_at(g, cap), it.rank_time_s)
+            out.append(dataclasses.replace(it, front_bound_s=bound, front_gap_allowed=self.gap,
+                                           front_holding=self.facts.holding.get((g, cap))))
             caps[g] = _cap_below(it, self.step)
         return out
 

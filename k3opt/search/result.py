@@ -37,6 +37,9 @@ class PlanItem:
     """The launch targets that can run the layout as priced (k3opt.launch.limits); None where not checked."""
     front_gap_allowed: float = 0.0
     """On a Pareto point: the search's relative gap, within which its bound proves it (`proven`)."""
+    front_holding: str | None = None
+    """On a Pareto point whose region's search ended short of the gap: the bound that held it (its shape and kind,
+    as Plan.holding); None where proven or not searched."""
 
     @property
     def step_time_s(self) -> float:
@@ -195,4 +198,5 @@ def front_frame(points: list[PlanItem]) -> pd.DataFrame:
         df["front_bound_s"] = [it.front_bound_s for it in points]
         df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in points]
         df["proven"] = [it.proven for it in points]
+        df["front_holding"] = [it.front_holding or "" for it in points]
     return df

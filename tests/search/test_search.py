@@ -274,7 +274,7 @@ def test_regions_alone_build_the_whole_front(job, tiny, slow, enumerated, use_po
 def test_a_region_its_search_leaves_open_leaves_the_front_incomplete(job, tiny, slow, enumerated):
     """The region loop on its own (search/front.py): with no frame bounded nothing is known of any region (bound 0);
     each region is searched once, the first (no cap) and then the one under the only point; a search that ends
-    short of its gap leaves the front incomplete."""
+    short of its gap leaves the front incomplete, and the point says what held its region."""
     import time
 
     from k3opt.search.front import _cap_below, _FrontSearch  # noqa: PLC2701
@@ -288,10 +288,12 @@ def test_a_region_its_search_leaves_open_leaves_the_front_incomplete(job, tiny, 
 
     def cut_short(g, cap, known, points):  # noqa: ANN001, ANN202
         calls.append(cap)
-        return [], 0.0, False
+        return [], 0.0, False, f"a node under {cap}"
 
     assert fs.prove(cut_short) is False
     assert calls == [math.inf, _cap_below(item, MIB)]
+    (point,) = fs.finish()  # the point says where its region's proof stopped
+    assert not point.proven and point.front_holding == "a node under inf"
 
 
 def test_presolve_off_gives_the_same_objective(job, tiny, slow):
