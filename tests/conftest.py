@@ -92,6 +92,17 @@ def slow() -> k3opt.ClusterSpec:
     return k3opt.load_cluster(Path(__file__).parent / "data" / "slow-cluster.toml")
 
 
+def enumerated_front(points: list[tuple[float, int]], step: int = 2**20) -> list[tuple[float, int]]:
+    """The (step time, peak) front of enumerated layouts, `points` sorted fastest first: each layout at least `step`
+    bytes leaner than the last one kept (the front an epsilon-constraint search resolves at that step)."""
+    front, best_m = [], float("inf")
+    for t, m in points:
+        if m < best_m - step:
+            front.append((t, m))
+            best_m = m
+    return front
+
+
 def contiguous_splits(layers: int, chunks: int, empty_edges: bool = False):
     """Every split of `layers` layers into `chunks` contiguous chunks of at least one layer (C(L - 1, K - 1));
     with `empty_edges`, the first and the last chunk may also hold none (cuts at 0 and at L allowed)."""

@@ -66,7 +66,7 @@ from k3opt.search.policy import POLICY
 from k3opt.search.prefetch import Prefetch
 from k3opt.search.progress import Progress, ProgressFn, Ticker
 from k3opt.search.ranking import ranked_coefficients
-from k3opt.search.result import LINE_ROUNDING, OpenBound, PlacementOption, Plan, PlanItem
+from k3opt.search.result import LINE_ROUNDING, OpenBound, PlacementOption, Plan, PlanItem, within_gap
 
 # ------------------------------------------------------------------------------------- driver
 
@@ -648,7 +648,7 @@ class _Search:
         self.current = e.bound
         mine = self.best_of.get(e.frame)
         if mine is not None and (e.bound > mine.rank_time_s or (
-                self.gap > 0 and e.bound >= mine.rank_time_s * (1 - self.gap) * (1 - LINE_ROUNDING))):
+                self.gap > 0 and within_gap(mine.rank_time_s, e.bound, self.gap))):
             self.residual = min(self.residual, e.bound)
             self.current = math.inf
             return _Outcome.PRUNED  # it cannot improve its frame (beyond the gap), and the frame is already ranked
@@ -971,11 +971,10 @@ class _Search:
         """OPTIMAL when the search ended on its own with the bound within the gap of the top-th layout, and the
         proven gap of the best within the gap; else FEASIBLE."""
         k = ranked[min(self.top, len(ranked)) - 1].rank_time_s
-        # gap > 0: bounds within LINE_ROUNDING under the line count as at it, so the proven gap may exceed `gap` by
-        # as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
+        # gap > 0: bounds within LINE_ROUNDING under the line count as at it (within_gap), so the proven gap may
+        # exceed `gap` by as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
         tol = LINE_ROUNDING if self.gap > 0 else 0.0
-        done = not (self.timed_out or self.interrupted) and (
-            bound >= k * (1 - self.gap) * (1 - tol) - 1e-12 or not self.queue)
+        done = not (self.timed_out or self.interrupted) and (within_gap(k, bound, self.gap) or not self.queue)
         return "OPTIMAL" if done and proven_gap <= self.gap + tol + 1e-12 else "FEASIBLE"
 
 
@@ -1178,7 +1177,7 @@ class _PassPrograms:
 def _closed(t: float, m: float, k: PlanItem | None, gap: float) -> bool:
     """Whether a node of bounds (t s, m bytes) cannot displace the top-th layout k: at or above k's step time less
     the relative gap (LINE_ROUNDING under it counts as at it), or with gap 0 slower, or as fast and no leaner."""
-    return k is not None and (t >= k.rank_time_s * (1 - gap) * (1 - LINE_ROUNDING) if gap > 0 else
+    return k is not None and (within_gap(k.rank_time_s, t, gap) if gap > 0 else
                               (t > k.rank_time_s or (t == k.rank_time_s and m >= k.peak_bytes)))
 
 

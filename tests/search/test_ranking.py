@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import contiguous_splits
+from conftest import contiguous_splits, enumerated_front
 
 import k3opt
 import k3opt.inputs.rates
@@ -165,11 +165,7 @@ def test_pareto_front_on_the_achievable_step_equals_enumeration(rated):
     assert plan.pareto_complete
     mib = 2**20
     points = sorted((r[2], r[4]) for r in rows)
-    front, best_m = [], float("inf")
-    for t, m in points:
-        if m < best_m - mib:
-            front.append((t, m))
-            best_m = m
+    front = enumerated_front(points, mib)
     got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
     # PP 1 replays the one rank's microbatches: the formula up to rounding, and the ranked time is the larger
     assert all(it.rank_time_s == pytest.approx(it.evaluation.step.achievable_step_time_s, rel=1e-12)

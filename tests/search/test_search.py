@@ -17,6 +17,7 @@ from conftest import (
     PP2_VP2_TOGGLES,
     assert_bounds_below,
     contiguous_splits,
+    enumerated_front,
     interleaved_small_job,
     pp2_vp2_memory_job,
 )
@@ -165,6 +166,14 @@ def _front_bounds_hold(plan, points):
         cap = it.peak_bytes // MIB * MIB - MIB
 
 
+def _reaches_the_front(plan, points, gap):
+    """Every enumerated front layout (1 MiB step) has a returned point at most the gap slower and no more than the
+    step fatter (plus the MiB rounding of a region's cap)."""
+    got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
+    for t, m in enumerated_front(points):
+        assert any(gt * (1 - gap) <= t + TOL_S and gm <= m + 2 * MIB for gt, gm in got), (t, m / GIB)
+
+
 def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
     """On the v = 1 frames (the epsilon solves prove the step formula, which is the ranked time there) the front is
     complete and equals enumeration. With v = 2 frames too, a layout whose replayed schedule is longer than its
@@ -178,13 +187,8 @@ def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
     assert plan.pareto_complete
     frame = plan.to_frame()
     assert len(frame) == len(plan.pareto) and "peak_gib" in frame and "toggle_fp8_activations" in frame
-    front, best_m = [], float("inf")
-    for t, m in points:
-        if m < best_m - MIB:  # the front is resolved at the 1 MiB epsilon step
-            front.append((t, m))
-            best_m = m
     got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
-    for t, m in front:
+    for t, m in enumerated_front(points):  # the front is resolved at the 1 MiB epsilon step
         assert any(abs(gt - t) <= TOL_S and gm <= m + MIB for gt, gm in got), (t, m / GIB)
     for gt, gm in got:  # nothing returned is dominated by an enumerated layout
         assert not any(t < gt - TOL_S and m < gm - MIB for t, m in points)
@@ -240,14 +244,8 @@ def test_whole_front_is_proven_region_by_region(job, tiny, slow, enumerated):
     _front_bounds_hold(plan, points)
     assert plan.pareto_complete
     assert all(it.proven and it.front_gap <= gap + 1e-8 for it in plan.pareto)
-    front, best_m = [], float("inf")
-    for t, m in points:
-        if m < best_m - MIB:
-            front.append((t, m))
-            best_m = m
+    _reaches_the_front(plan, points, gap)
     got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
-    for t, m in front:
-        assert any(gt * (1 - gap) <= t + TOL_S and gm <= m + 2 * MIB for gt, gm in got), (t, m / GIB)
     leanest = min(gm for _, gm in got)
     assert not any(m <= leanest // MIB * MIB - MIB for _, m in points)  # nothing fits under the last region
 
@@ -262,12 +260,8 @@ def test_regions_alone_build_the_whole_front(job, tiny, slow, enumerated, use_po
     points = sorted((t, m) for _, t, m, _ in enumerated)
     _front_bounds_hold(plan, points)
     assert plan.pareto_complete and len(plan.pareto) >= 3
+    _reaches_the_front(plan, points, gap)
     got = [(it.rank_time_s, it.peak_bytes) for it in plan.pareto]
-    best_m = float("inf")
-    for t, m in points:
-        if m < best_m - MIB:
-            assert any(gt * (1 - gap) <= t + TOL_S and gm <= m + 2 * MIB for gt, gm in got), (t, m / GIB)
-            best_m = m
     assert min(gm for _, gm in got) <= min(m for _, m in points) + 2 * MIB  # the leanest layout is reached
 
 
