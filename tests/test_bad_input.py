@@ -137,6 +137,11 @@ JOB_CASES = {
     # 512 GPUs at 32 per rack take 16 racks.
     "pinned_size_needs_more_racks": ("racks = 8\ngpus = 512\ndomain_gpus_used = 32\n",
                                      "512 GPUs at domain_gpus_used = 32 take 16 racks, more than racks = 8"),
+    # Hopper has no block-scaled tensor cores (constraints/clusters/h100-sxm.toml: microscaling = false): an
+    # accepted precision it cannot run names the field and what the cluster runs.
+    "precision_the_cluster_cannot_run": (
+        'model = "llama3-70b"\ncluster = "h100-sxm"\ngpus = 64\ncontext = 8192\nprecisions = ["mxfp8", "fp8"]\n',
+        "the job's precisions list mxfp8, which h100-sxm cannot run; list only bf16, fp8 in `precisions`"),
 }
 
 

@@ -471,6 +471,9 @@ class Measured(StrictModel):
     tokens_per_s_per_gpu: PosFloat | None = None
     model_tflops_per_gpu: PosFloat | None = None
     """The run's own model-FLOP rate per GPU (Megatron's num_floating_point_operations), when published."""
+    hardware: str | None = None
+    """The GPU the run was measured on, when the layout's cluster preset only stands in for one k3opt has no preset
+    of: its figures are then compared as allocated bytes only, and no fit against that preset's HBM is claimed."""
     note: str = ""
 
 

@@ -56,10 +56,18 @@ class FitRow:
     runtime: str
     device_gib: float
     hbm_gib: float
+    stand_in_for: str | None = None
+    """The GPU the run ran on when the cluster preset only stands in for it: no fit is claimed."""
 
     @property
-    def fits(self) -> bool:
-        return self.device_gib <= self.hbm_gib
+    def fits(self) -> bool | None:
+        return None if self.stand_in_for else self.device_gib <= self.hbm_gib
+
+    @property
+    def verdict(self) -> str:
+        if self.stand_in_for:
+            return f"n/a (ran on {self.stand_in_for})"
+        return "yes" if self.fits else "NO"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "fits": self.fits}
@@ -73,8 +81,9 @@ def fit_rows(folder: str | Path | None = None) -> list[FitRow]:
         cluster = load_cluster(layout.cluster or "gb200-nvl72")
         runtime = layout.runtime or cluster.default_runtime or NO_RUNTIME
         ev = evaluate(layout, cluster=cluster, runtime=runtime)
+        hardware = layout.measured.hardware if layout.measured else None
         rows.append(FitRow(layout.name or path.stem, ev.model.name, cluster.name, runtime,
-                           ev.peak_device_bytes / GIB, cluster.hbm_bytes / GIB))
+                           ev.peak_device_bytes / GIB, cluster.hbm_bytes / GIB, hardware))
     return rows
 
 
@@ -82,7 +91,7 @@ def fit_text(rows: list[FitRow]) -> str:
     import pandas as pd
 
     df = pd.DataFrame([{"layout": r.layout, "model": r.model, "cluster": r.cluster, "runtime": r.runtime,
-                        "device GiB": r.device_gib, "HBM GiB": r.hbm_gib, "fits": "yes" if r.fits else "NO"}
+                        "device GiB": r.device_gib, "HBM GiB": r.hbm_gib, "fits": r.verdict}
                        for r in rows])
     return df.to_string(index=False, float_format=lambda x: f"{x:,.1f}")
 

@@ -14,6 +14,7 @@ from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
 from k3opt.inputs import toggles as toggle_registry
+from k3opt.inputs.errors import LayoutError, SpecError
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domains_held
 from k3opt.inputs.presets import load_cluster, load_runtime
@@ -156,6 +157,7 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
     experts = model.moe.num_experts if model.moe else 1
     grad_dtypes = list(dict.fromkeys(s.grad_dtype or [Dtype.FP32]))
     precisions = list(dict.fromkeys(job.precisions))
+    _check_precisions(precisions, cluster)
     frames = []
     for p in _allowed(_divisors(gpus), s.pp):
         if p > L:
@@ -192,6 +194,21 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                                     for pg in _gathers(s, pd, pe, fd, fe, model.moe is not None):
                                         frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg))
     return frames
+
+
+def _check_precisions(precisions: list[Precision], cluster: ClusterSpec) -> None:
+    """A job's accepted precision the cluster's tensor cores cannot run is bad input, named with its fix."""
+    runs, cannot = [], []
+    for q in Precision:
+        try:
+            cluster.dense_tflops(q)
+            runs.append(q.value)
+        except LayoutError:
+            if q in precisions:
+                cannot.append(q.value)
+    if cannot:
+        raise SpecError(f"the job's precisions list {', '.join(cannot)}, which {cluster.name} cannot run; "
+                        f"list only {', '.join(runs)} in `precisions` for this cluster")
 
 
 def _placement_signature(gpus: int, p: int, c: int, e: int, fe: int, fd: int, u: int) -> tuple:

@@ -43,6 +43,19 @@ def test_a_run_over_its_hbm_is_marked_no():
     assert any(ln.split()[0] == "MB-2" and ln.split()[-1] == "NO" for ln in fit.splitlines()[2:] if ln.strip())
 
 
+def test_a_run_measured_on_other_hardware_claims_no_fit():
+    """The dist_muon proxy ran on an MI355X node (seed 003); the GB200 preset only stands in for its allocated
+    bytes, so its 232-GiB device line against GB200's 185 GiB says nothing about that run."""
+    row = next(r for r in fit_rows() if r.layout == "k3-4layer-dist-muon-8gpu")
+    assert row.stand_in_for == "MI355X" and row.fits is None and row.to_dict()["fits"] is None
+    assert row.device_gib > row.hbm_gib  # judged on its stand-in it would read NO
+    out = CliRunner().invoke(main, ["validate"]).output
+    fit = out[out.index("Fit:"):]
+    line = next(ln for ln in fit.splitlines() if ln.split() and ln.split()[0] == "k3-4layer-dist-muon-8gpu")
+    assert line.rstrip().endswith("n/a (ran on MI355X)")
+    assert next(r for r in fit_rows() if r.layout == "MB-2").verdict == "NO"
+
+
 def test_the_measured_layouts_carry_their_recipes_optimizer_settings():
     """Megatron-Bridge's performance configs: distributed optimizer with FSDP off (`optim`), BF16 gradient buffer
     (grad_reduce_in_fp32 = False), DeepSeek-V3's Adam moments in BF16, Kimi K2's dist_muon at tensor granularity."""
