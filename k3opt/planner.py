@@ -94,6 +94,18 @@ def limit_prices(job: Job, best_s: float, binding: list[str], model: ModelSpec |
     return sorted(out, key=lambda p: -(p.saves_s or 0.0))
 
 
+def _muon_toggles(job: Job, model: ModelSpec) -> Job:
+    """P2P Muon changes only how Muon's matrices meet at the step: on a model that trains every tensor with AdamW
+    it is no decision, so the search leaves it off (a job that requires it is told so)."""
+    if model.optimizer.name != "adamw" or "p2p_muon" in job.search.forbid_toggles:
+        return job
+    if "p2p_muon" in job.search.require_toggles:
+        raise SpecError(f"[search] require_toggles lists p2p_muon, but {model.name} trains every tensor with AdamW "
+                        "(no Muon matrices to pull): remove it")
+    search = job.search.model_copy(update={"forbid_toggles": [*job.search.forbid_toggles, "p2p_muon"]})
+    return job.model_copy(update={"search": search})
+
+
 def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | None, top: int,
          kwargs: dict[str, Any], lifted: frozenset[str] = frozenset()) -> Plan:
     """The search of `job` after it takes its cluster's default runtime when it names none
@@ -106,7 +118,7 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     grows until `top` runnable ones are found or the search runs out of frames."""
     m = model if isinstance(model, ModelSpec) else load_model(model or job.model)
     c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
-    job = resolve_placement(resolve_job_runtime(job, c), m, c)
+    job = _muon_toggles(resolve_placement(resolve_job_runtime(job, c), m, c), m)
     target = getattr(job, "target", None)
     if target is None:
         return _with_targets(search_plan(job, model=m, cluster=c, top=top, **kwargs), m)

@@ -367,7 +367,8 @@ def golden(g: Golden) -> dict:
         if g.accumulate:
             groups += [(4 * pn, fd, g.a_dense), (4 * u.routed / e, fe, g.a_expert)]
         if t.p2p_muon:
-            groups += [(2 * pn / fd, fd, g.a_dense), (2 * u.routed / (e * fe), fe, g.a_expert)]
+            # P2P Muon pulls the shards of the Muon matrices only (K3's routed experts are all Muon).
+            groups += [(2 * u.d_muon / fd, fd, g.a_dense), (2 * u.routed / (e * fe), fe, g.a_expert)]
         for size, n, a in groups:
             x, y = hier(size, n, a)
             up_nvl, up_nic = up_nvl + x, up_nic + y
@@ -381,6 +382,7 @@ def golden(g: Golden) -> dict:
             "moonep_slots": 2 * Fraction(u.routed, e) if t.moonep else 0,
             "grad_accum": 4 * view if g.accumulate else 0,
             "chunk_grad": 4 * view, "view": view, "resident": resident,
+            "res_muon": res_muon, "d_adam": u.d_adam,
             "act": act, "rws": rws, "ws": ws, "moe": u.moe, "ns_ws": u.ns_ws, "ns_flops": ns_flops,
             "ns_routed": Fraction(u.ns_routed_all, e * fe),
             "time": {"tensor": float(flops) / (c.bf16_tflops * 1e12) + stall, "hbm": float(hbm) / (c.hbm_gbps * 1e9),
@@ -457,7 +459,11 @@ def golden(g: Golden) -> dict:
         v_tokens = min(T, g.ce_chunk) if t.fused_cross_entropy else T
         led["logits"] = v_tokens * VOCAB * (2 + 4) if (k - 1) in mine else 0
         ws = max(u["ns_ws"] for u in units)
-        led["optimizer_transient"] = (2 * tot("resident") if t.p2p_muon else 2 * tot("view")) + ws
+        # Default policy (optim_grads_params, gathered at the update): the step all-gathers the whole BF16 group;
+        # under P2P Muon the Muon matrices are pulled instead (2 x resident Muon parameters) and the AdamW
+        # parameters are still all-gathered whole (2 x D_adam).
+        gather = 2 * tot("res_muon") + 2 * tot("d_adam") if t.p2p_muon else 2 * tot("view")
+        led["optimizer_transient"] = gather + ws
         led["quantized_weights"] = 0  # BF16 compute precision: no cached low-precision weight copies
         time = {res: sum(u["time"][res] for u in units) for res in ("tensor", "hbm", "nvlink", "nic", "host_link")}
         time["nvlink"] += pp_time["nvlink"]

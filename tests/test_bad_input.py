@@ -142,6 +142,10 @@ JOB_CASES = {
     "precision_the_cluster_cannot_run": (
         'model = "llama3-70b"\ncluster = "h100-sxm"\ngpus = 64\ncontext = 8192\nprecisions = ["mxfp8", "fp8"]\n',
         "the job's precisions list mxfp8, which h100-sxm cannot run; list only bf16, fp8 in `precisions`"),
+    # Qwen3-30B-A3B trains every tensor with AdamW (constraints/models/qwen3-30b-a3b.toml [optimizer]).
+    "p2p_muon_required_without_muon": (
+        'model = "qwen3-30b-a3b"\ncluster = "b200"\ngpus = 64\n[search]\nrequire_toggles = ["p2p_muon"]\n',
+        "require_toggles lists p2p_muon, but qwen3-30b-a3b trains every tensor with AdamW"),
 }
 
 

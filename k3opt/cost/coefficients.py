@@ -252,6 +252,9 @@ class Coefficients:
     balance_seconds_per_byte: float = 0.0
     step_gather: np.ndarray | None = field(default=None, repr=False)
     """BF16 bytes all-gathered into fresh buffers at the optimizer step (without P2P Muon), by sharding policy."""
+    p2p_step_gather: np.ndarray | None = field(default=None, repr=False)
+    """The step's fresh BF16 bytes under P2P Muon: the pulled resident Muon matrices (2 x resident Muon
+    parameters) and the AdamW parameters' policy gather (None: 2 x every resident parameter)."""
     state_bytes: int = 4
     """Bytes per optimizer-state element: the layout's optimizer_state_dtype, else the model's."""
     step_grad_copy: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -391,11 +394,13 @@ def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN
 
 def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
     """Per-layer bytes the optimizer step adds beside the Newton-Schulz working set (evaluate.rank_ledger): under
-    P2P Muon the pulled resident matrices, 2 x resident; else the sharding policy's step gather (2 x the BF16 view
-    where the coefficients have none); plus the FP32 copies of a BF16 gradient shard (step_grad_copy)."""
+    P2P Muon the pulled resident Muon matrices, 2 x resident Muon parameters, beside the AdamW parameters' policy
+    gather (P2P Muon changes only how Muon's matrices meet); else the sharding policy's step gather (2 x the BF16
+    view where the coefficients have none); plus the FP32 copies of a BF16 gradient shard (step_grad_copy)."""
     copy = step_grad_copy_bytes(cf)
     if p2p_muon:
-        return 2 * cf.resident_params + copy
+        pulled = 2 * cf.resident_params if cf.p2p_step_gather is None else cf.p2p_step_gather
+        return pulled + copy
     return policy_step_gather(cf) + copy
 
 
@@ -845,6 +850,8 @@ class _LayerBuild:
     """Dense parameters (Muon and AdamW) of each layer, D."""
     resident: np.ndarray
     """Parameters resident per GPU: D / f_d + E / (e f_e)."""
+    res_muon: np.ndarray
+    """Of those, the Muon parameters."""
     view: np.ndarray
     """Parameters of the gathered compute view: D + E / e."""
     own_muon: np.ndarray
@@ -908,7 +915,7 @@ class _LayerBuild:
             shape=shape, cm=cm, model=model, cluster=cm.cluster, sa=sa, n=n,
             layer=layer, full=shape.recompute == Recompute.FULL,
             accumulate=shape.fsdp_lifecycle == FsdpLifecycle.ACCUMULATE,
-            stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam,
+            stream=shape.tokens * model.hidden_size * BF16, pn=pn, resident=res_muon + res_adam, res_muon=res_muon,
             view=pn + p_routed / e, own_muon=pn_muon / opt_fd + pr_muon / (e * opt_fe),
             own_adam=p_adam / opt_fd + pr_adam / (e * opt_fe),
             unit=layer * (gd_ * pn + ge_ * p_routed / e),
@@ -946,7 +953,8 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         host_grads=4 * b.resident if zero2 else np.zeros(n),
         view_params=b.view, resident_params=b.resident,
         quantized_weights=2 * b.qb * (b.q_view - b.unit_q) if b.lowp else np.zeros(n),
-        step_gather=_step_gather(b), step_gather_with_ns=default_policy,
+        step_gather=_step_gather(b), p2p_step_gather=2 * b.res_muon + _step_gather(b, adamw_only=True),
+        step_gather_with_ns=default_policy,
         # Megatron's optimizers keep FP32 main parameters; with a BF16 gradient buffer the step hands each owned
         # shard main_grad.float() as its .grad (NVIDIA/Megatron-LM@2edffadb megatron/core/optimizer/
         # distrib_optimizer.py _copy_model_grads_to_main_grads, `shard_main_param.grad = shard_model_grad.float()`;
@@ -972,11 +980,12 @@ def _unit_weight_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     return wb * b.unit_shard, wb * b.unit + quantized
 
 
-def _step_gather(b: _LayerBuild) -> np.ndarray:
+def _step_gather(b: _LayerBuild, adamw_only: bool = False) -> np.ndarray:
     """Optimizer-step all-gather into fresh BF16 buffers. Default policy: the whole view. optim / optim_grads:
     Megatron's distributed optimizer gathers in place into the whole BF16 weights (element granularity: no extra
     buffer); the layer-wise optimizer (tensor granularity) allocates receive buffers for every sharded group, after
-    step() (seed 003: 9.71 GiB = dense params x 2 B at EP8, f_e = 1)."""
+    step() (seed 003: 9.71 GiB = dense params x 2 B at EP8, f_e = 1). `adamw_only`: the AdamW parameters' share
+    (what P2P Muon leaves to the policy)."""
     sh = b.shape
     tensor_gran = sh.optimizer_shard_granularity == ShardGranularity.TENSOR
 
@@ -989,8 +998,9 @@ def _step_gather(b: _LayerBuild) -> np.ndarray:
         return 2 * params
 
     # The edges gathered per layer's mode stay gathered (not FSDP units): their buffers are the bf16_view term.
-    dense = gather(sh.dense_sharding, sh.dense_fsdp, b.pn, b.gather_d)
-    return dense + gather(sh.expert_sharding, sh.expert_fsdp, b.sa.p_routed / sh.ep, b.gather_e)
+    pn, p_routed = (b.sa.p_adam, b.sa.pr_adam) if adamw_only else (b.pn, b.sa.p_routed)
+    dense = gather(sh.dense_sharding, sh.dense_fsdp, pn, b.gather_d)
+    return dense + gather(sh.expert_sharding, sh.expert_fsdp, p_routed / sh.ep, b.gather_e)
 
 
 def _newton_schulz(b: _LayerBuild) -> dict[str, np.ndarray]:
@@ -1314,9 +1324,11 @@ def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
             a, b_ = _hier(times * b.gd * total, f, local)
         up_nvl, up_nic = up_nvl + a, up_nic + b_
     if sh.toggles.p2p_muon:
-        # Pull the other shards of the matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group.
-        a, b_ = _hier(2 * pn / sh.dense_fsdp, sh.dense_fsdp, sh.dense_fsdp_local)
-        c, d_ = _hier(2 * p_routed / (e * sh.expert_fsdp), sh.expert_fsdp, sh.expert_fsdp_local)
+        # Pull the other shards of the Muon matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group (the
+        # AdamW parameters are stepped element-wise on their shards: nothing to pull).
+        pr_muon = p_routed - b.sa.pr_adam
+        a, b_ = _hier(2 * b.sa.pn_muon / sh.dense_fsdp, sh.dense_fsdp, sh.dense_fsdp_local)
+        c, d_ = _hier(2 * pr_muon / (e * sh.expert_fsdp), sh.expert_fsdp, sh.expert_fsdp_local)
         up_nvl, up_nic = up_nvl + a + c, up_nic + b_ + d_
     return up_nvl, up_nic
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, cost_model, policy_step_gather
+from k3opt.cost.coefficients import (
+    Coefficients,
+    balance_moved_bytes,
+    cost_model,
+    policy_step_gather,
+    step_gather_bytes,
+    step_grad_copy_bytes,
+)
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo, register
@@ -380,6 +387,7 @@ def _least_bytes(views: list[Coefficients]) -> Coefficients:
         "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
         "working_set", "view_params", "resident_params", "step_grad_copy")},
         step_gather=np.min([policy_step_gather(vw) for vw in views], axis=0),
+        p2p_step_gather=np.min([step_gather_bytes(vw, True) - step_grad_copy_bytes(vw) for vw in views], axis=0),
         logits=min(vw.logits for vw in views),
         ep_buffers=min(vw.ep_buffers for vw in views), routing_map=min(vw.routing_map for vw in views),
         moonep_buffers=min(vw.moonep_buffers for vw in views))

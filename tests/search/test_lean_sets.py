@@ -41,3 +41,28 @@ def test_a_frame_whose_every_toggle_set_is_fatter_than_one_without_host_gradient
     got = frame_incumbent(job, frame_of(lay), k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72"))
     assert got is not None and got.peak_bytes <= CAP_GIB * GIB and got.evaluation.fits
     assert not got.layout.toggles.pipeline_zero2_host_grads
+
+
+def test_p2p_muon_weighs_nothing_on_a_model_without_muon_and_the_lean_set_still_fits():
+    """DeepSeek-V3 trains every tensor with AdamW. Its PP4 VP4 CP4 EP16 dFSDP4 frame at 32K context on 64 GB200
+    fits under the lean toggle set; P2P Muon, one of that set, once priced a pull of every resident parameter
+    (22.7 GiB on rank 1) where there are no Muon matrices, so the lean set missed the line and no heuristic layout
+    was found. The toggle changes no byte and no second of such a model, and a plan leaves it off."""
+    lay = k3opt.make_layout(gpus=64, pp=4, vp=4, cp=4, ep=16, dense_fsdp=4, microbatches=64, context=32768,
+                            split=[4] * 15 + [1], recompute="selective", reserve_gib=2.0,
+                            dense_sharding="optim", expert_sharding="optim", runtime="megatron-te-hybridep-gb200",
+                            toggles={"activation_offload": True, "balance_activations": True,
+                                     "pipeline_zero2_host_grads": True, "fused_cross_entropy": True})
+    off = k3opt.evaluate(lay, model="deepseek-v3", cluster="gb200-nvl72")
+    on = k3opt.evaluate(lay.model_copy(update={"toggles": lay.toggles.model_copy(update={"p2p_muon": True})}),
+                        model="deepseek-v3", cluster="gb200-nvl72")
+    for a, b in zip(on.ranks, off.ranks, strict=True):
+        assert a.ledger == b.ledger and a.update_s == b.update_s
+    job = k3opt.Job(name="dsv3-64-32k", model="deepseek-v3", cluster="gb200-nvl72", gpus=64, context=32768,
+                    tokens_per_update=8_388_608, reserve_gib=2.0, runtime="megatron-te-hybridep-gb200")
+    got = frame_incumbent(job, frame_of(lay), k3opt.load_model("deepseek-v3"), k3opt.load_cluster("gb200-nvl72"))
+    assert got is not None and got.evaluation.fits
+    small = k3opt.Job(name="qwen3-30b-8", model="qwen3-30b-a3b", cluster="b200", gpus=8, context=4096,
+                      tokens_per_update=1_048_576)
+    plan = k3opt.plan(small, top=3, time_limit=30)
+    assert plan.layouts and not any(it.layout.toggles.p2p_muon for it in plan.layouts)
