@@ -146,7 +146,6 @@ class FrameModel:
         upd = max(max(float(c.update[res].sum()) for res in (*c.update, *c.update_hidden))
                   for c in (*self.p2p.values(), self.z2))
         self.time_ub = int((worst + extra + upd + pp_bytes / (self.cluster.nic_gbps * 1e9)) / TIME_UNIT) * 2 + 10**5
-        self.tie_max = self.cap_bytes // PEAK_TIE_UNIT + 1
         self.ranks = [self._rank(r) for r in range(p)]
         self._objective()
 
@@ -361,9 +360,13 @@ class FrameModel:
                     # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers.
                     m.add(stage >= int(np.sort(t[: self.L][moe])[:k_moe].sum())).only_enforce_if(
                         [self.mv[md], self.lv[lc]])
-        peak_mib = m.new_int_var(0, self.tie_max, "peak_mib")
+        slots_v = schedule_slot_units(f.pp, f.vp, f.microbatches)
+        self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
+        self.tie_unit, self.tie_max = _tie_resolution(slots_v * self.time_ub + 2 * f.vp * self.time_ub,
+                                                      self.cap_bytes, self.toggle_scale)
+        peak_mib = m.new_int_var(0, self.tie_max, "peak_tie")
         for rk in self.ranks:
-            m.add(peak_mib * (PEAK_TIE_UNIT // MEM_UNIT) >= rk["peak"])
+            m.add(peak_mib * (self.tie_unit // MEM_UNIT) >= rk["peak"])
         exposed = 0
         if self.c0.update_hidden:
             # Only the hidden communication beyond its window of update_hidden_stages x stage adds to the step.
@@ -372,7 +375,6 @@ class FrameModel:
             for rk in self.ranks:
                 for u in rk["hidden"].values():
                     m.add(den * exposed >= den * u - num * stage)
-        slots_v = schedule_slot_units(f.pp, f.vp, f.microbatches)
         # The pipeline term: the step formula's slots x stage, and (v > 1) the replayed schedule's linear lower
         # bounds (search/replay_bound.py), so the objective is max(formula, replay bound) + update.
         self.pipe = m.new_int_var(0, slots_v * self.time_ub, "pipe")
@@ -387,7 +389,6 @@ class FrameModel:
         # so that equal layouts do not switch on toggles that buy nothing.
         toggles_on = sum(self.tv[t] for t in RANK_TOGGLES) + sum(
             sum(getattr(md, t) for t in ACT_TOGGLES) * v for md, v in self.mv.items())
-        self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
         self.obj_scale = (self.tie_max + 1) * self.toggle_scale
         m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
 
@@ -655,7 +656,8 @@ class FrameModel:
         """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
         CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
         if peak_cap_mib is not None:
-            self.m.add(self.peak_mib <= peak_cap_mib)
+            for rk in self.ranks:
+                self.m.add(rk["peak"] <= peak_cap_mib * (MIB // MEM_UNIT))
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(time_limit, 0.05)
         solver.parameters.num_workers = workers
@@ -727,6 +729,20 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
 
 _NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = register({})
 """Replay paths found at a node's solutions, kept for its next solve (a node cut by its slice is solved again)."""
+
+
+OBJECTIVE_LIMIT = 2 ** 60
+"""What the objective's largest value stays under: CP-SAT refuses a model whose objective could overflow int64."""
+
+
+def _tie_resolution(step_ub: int, cap_bytes: int, toggle_scale: int) -> tuple[int, int]:
+    """(bytes per unit of the peak tie-break, its largest value): MiB, coarsened by powers of two only where the
+    objective, (step_ub + 1) x (tie_max + 1) x toggle_scale, would pass OBJECTIVE_LIMIT (thousands of microbatches
+    make the step's units large); the step time itself is never coarsened."""
+    unit = PEAK_TIE_UNIT
+    while (step_ub + 1) * (cap_bytes // unit + 2) * toggle_scale >= OBJECTIVE_LIMIT and unit < cap_bytes:
+        unit *= 2
+    return unit, cap_bytes // unit + 1
 
 
 def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec, cluster: ClusterSpec,
