@@ -6,7 +6,14 @@ Public API (stable names):
 """
 
 from k3opt.cost.evaluate import Evaluation, RankEvaluation, StepTime, evaluate
-from k3opt.inputs.errors import InfeasibleJobError, K3optError, LayoutError, PresetNotFoundError, SpecError
+from k3opt.inputs.errors import (
+    InfeasibleJobError,
+    K3optError,
+    LayoutError,
+    PresetNotFoundError,
+    SearchTimeoutError,
+    SpecError,
+)
 from k3opt.inputs.presets import load_cluster, load_job, load_layout, load_model, load_runtime, make_layout
 from k3opt.inputs.specs import ClusterSpec, Job, Layout, ModelSpec, RuntimeSpec, Toggles
 from k3opt.launch import to_launch
@@ -15,7 +22,8 @@ from k3opt.search import Plan, PlanItem
 
 __all__ = [
     "ClusterSpec", "Evaluation", "InfeasibleJobError", "Job", "K3optError", "Layout", "LayoutError",
-    "ModelSpec", "PresetNotFoundError", "RankEvaluation", "SpecError", "StepTime", "Toggles", "evaluate",
+    "ModelSpec", "PresetNotFoundError", "RankEvaluation", "SearchTimeoutError", "SpecError", "StepTime", "Toggles",
+    "evaluate",
     "load_cluster", "load_job", "load_layout", "load_model", "make_layout", "Plan", "PlanItem", "pareto", "plan",
     "RuntimeSpec", "load_runtime", "to_launch",
 ]

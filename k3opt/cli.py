@@ -25,14 +25,15 @@ from k3opt.inputs.presets import format_validation_error, layout_toml, load_job,
 from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
 from k3opt.inputs.sweep import load_sweep
-from k3opt.launch import check_format, to_launch
-from k3opt.planner import binding_limits, limit_price
+from k3opt.launch import check_format, limit_text, to_launch
+from k3opt.planner import LimitPrice, binding_limits, limit_price
 from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
 from k3opt.report.live import LiveProgress, SweepLive
 from k3opt.report.text import explain_text, plan_text, sweep_table
 from k3opt.report.throughput import validate_throughput, validation_table
 from k3opt.report.validate import fit_rows, fit_text, rows_text, validation_rows
+from k3opt.search import Plan
 from k3opt.search.result import front_frame
 from k3opt.sweep import SweepSettings, run_sweep
 from k3opt.sweep.store import check_out, read_rows
@@ -222,19 +223,23 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
     if target is not None:
         j = j.model_copy(update={"target": check_format(target)})
     free = None
-    if j.target is not None:
-        # Two searches: the cost of the target's limits is the best without them against the best with them.
-        with LiveProgress(not as_json, f"plan without the {j.target} limits") as live:
-            free = run_plan(j.model_copy(update={"target": None}), top=1, time_limit=time_limit, workers=workers,
-                            progress=live.callback, gap=gap)
+    # With a target, every search of the command shares the one limit: the plan itself first, with its share
+    # (_TARGET_PLAN_SHARE); then the plan without the target's limits and the price of each binding limit share
+    # what it leaves.
+    deadline = time.monotonic() + time_limit
+    share = _TARGET_PLAN_SHARE if j.target is not None else 1.0
     try:
         with LiveProgress(not as_json, "plan") as live:
-            result = run_plan(j, top=top, time_limit=time_limit, workers=workers, progress=live.callback, gap=gap)
+            result = run_plan(j, top=top, time_limit=time_limit * share, workers=workers, progress=live.callback,
+                              gap=gap)
     except InfeasibleJobError as err:
-        if free is None:
+        if j.target is None:
             raise
+        free = _plan_free(j, deadline, 1.0, workers, gap, as_json)
         raise InfeasibleJobError(f"{err} (without the {j.target} limits the best layout takes "
                                  f"{free.layouts[0].rank_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
+    if j.target is not None:
+        free = _plan_free(j, deadline, _FREE_PLAN_SHARE, workers, gap, as_json)
     launch = None
     if save is not None:
         n, path = save
@@ -253,9 +258,14 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
                 f"({_short(free.layouts[0].layout)}); the limits cost "
                 f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
         binding = binding_limits(free.layouts[0].layout, j.target, j.model)
-        for lim in binding if best > unlimited else []:
+        todo = binding if best > unlimited else []
+        for i, lim in enumerate(todo):
+            left = (deadline - time.monotonic()) / (len(todo) - i)
+            if left < _LEAST_PRICE_S:
+                prices.append(LimitPrice(lim, limit_text(j.target, lim), None, None, proven=False, priced=False))
+                continue
             with LiveProgress(not as_json, f"plan with {lim} lifted") as live:
-                prices.append(limit_price(j, best, lim, time_limit=time_limit, workers=workers, gap=gap,
+                prices.append(limit_price(j, best, lim, time_limit=left, workers=workers, gap=gap,
                                           progress=live.callback))
         prices.sort(key=lambda p: -(p.saves_s or 0.0))
     if as_json:
@@ -434,6 +444,22 @@ def sweep_plot_cmd(results: str, png: str) -> None:
     count, one line per value of the other swept keys, points with no fitting layout marked."""
     _check_png(png)
     _sweep_picture(read_rows(results), png)
+
+
+_TARGET_PLAN_SHARE = 0.5
+"""Of `plan --target`'s time limit, the share the plan with the target's limits (the answer) may take."""
+_FREE_PLAN_SHARE = 0.5
+"""Of what that plan leaves, the share the plan without the limits may take; the limit prices share the rest."""
+_LEAST_PRICE_S = 1.0
+"""A limit price is searched only with at least this many seconds left for it; else it is named as not priced."""
+
+
+def _plan_free(j: Job, deadline: float, share: float, workers: int, gap: float, as_json: bool) -> Plan:
+    """The plan of `j` without its launch target's limits, in `share` of the time left before `deadline`."""
+    with LiveProgress(not as_json, f"plan without the {j.target} limits") as live:
+        return run_plan(j.model_copy(update={"target": None}), top=1,
+                        time_limit=max(0.1, (deadline - time.monotonic()) * share), workers=workers,
+                        progress=live.callback, gap=gap)
 
 
 _OUTPUT_RESERVE_S = 2.0

@@ -4,10 +4,11 @@ the ranked search is done; `pareto` also builds the front over (step time, worst
 
 from __future__ import annotations
 
+import time as _time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from k3opt.inputs.errors import InfeasibleJobError, SpecError
+from k3opt.inputs.errors import InfeasibleJobError, SearchTimeoutError, SpecError
 from k3opt.inputs.placement import resolve_placement
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
@@ -52,11 +53,22 @@ class LimitPrice:
     """The best ranked step time with this limit lifted (None: nothing runnable was found even so)."""
     saves_s: float | None
     """Step time it would save: best with every limit - best_s."""
+    proven: bool = True
+    """The lifted search ended OPTIMAL (else best_s is only the best it found: the saving is at least saves_s)."""
+    priced: bool = True
+    """False: no time was left to search it."""
 
     def line(self) -> str:
         what = f"{self.limit.removeprefix('toggle:')} has no switch" if self.limit.startswith("toggle:") \
             else f"{self.limit} limited"
+        if not self.priced:
+            return f"{what}: not priced, the time limit was spent (raise --time-limit) ({self.text})"
+        if not self.proven and self.saves_s is not None and self.saves_s >= 5e-4:
+            return f"{what}: at least {-self.saves_s:+.3f} s per step lifted alone (search cut by the time limit) " \
+                   f"({self.text})"
         if self.saves_s is None:
+            if not self.proven:
+                return f"{what}: lifting it alone found no runnable layout within its time ({self.text})"
             return f"{what}: lifting it alone finds no runnable layout ({self.text})"
         if self.saves_s < 5e-4:  # under half the printed resolution (0.001 s): it would print as -0.000 s
             return f"{what}: saves nothing lifted alone, it pays only with other limits lifted ({self.text})"
@@ -76,13 +88,17 @@ def limit_price(job: Job, best_s: float, limit: str, model: ModelSpec | str | No
     with every limit."""
     if job.target is None:
         raise SpecError("a limit price needs a job with a launch target; set `target` or pass --target")
+    proven = True
     try:
         res = plan(job, model, cluster, top=1, time_limit=time_limit, workers=workers, gap=gap,
                    lifted=frozenset({limit}), progress=progress)
         t: float | None = res.layouts[0].rank_time_s
+        proven = res.status == "OPTIMAL"
+    except SearchTimeoutError:
+        t, proven = None, False
     except InfeasibleJobError:
         t = None
-    return LimitPrice(limit, limit_text(job.target, limit), t, None if t is None else best_s - t)
+    return LimitPrice(limit, limit_text(job.target, limit), t, None if t is None else best_s - t, proven)
 
 
 def limit_prices(job: Job, best_s: float, binding: list[str], model: ModelSpec | str | None = None,
@@ -124,12 +140,16 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
         return _with_targets(search_plan(job, model=m, cluster=c, top=top, **kwargs), m)
     narrowed = apply_target_limits(job, m, lifted)
     ask = top
+    # The wider requests share the one time limit: each gets what the ones before it left.
+    deadline = _time.monotonic() + kwargs["time_limit"]
     while True:
-        res = search_plan(narrowed, model=m, cluster=c, top=ask, **kwargs)
+        res = search_plan(narrowed, model=m, cluster=c, top=ask,
+                          **{**kwargs, "time_limit": max(deadline - _time.monotonic(), 0.1)})
         ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m, lifted)]
         exhausted = len(res.layouts) < ask
         # Past OPTIMAL a wider request costs another search; it is made only while nothing runnable is found.
-        if len(ok) >= top or exhausted or (res.status != "OPTIMAL" and ok) or ask >= 64:
+        if len(ok) >= top or exhausted or (res.status != "OPTIMAL" and ok) or ask >= 64 \
+                or _time.monotonic() >= deadline:
             break
         ask *= 4
     if not ok:

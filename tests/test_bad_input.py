@@ -118,6 +118,8 @@ def test_make_layout_raises_layout_error():
 def test_every_error_is_a_k3opt_error():
     for exc in (k3opt.SpecError, k3opt.LayoutError, k3opt.PresetNotFoundError, k3opt.InfeasibleJobError):
         assert issubclass(exc, k3opt.K3optError)
+    # a search cut before its first layout is an infeasible job to a caller that catches that, told apart by type
+    assert issubclass(k3opt.SearchTimeoutError, k3opt.InfeasibleJobError)
 
 
 JOB_CASES = {

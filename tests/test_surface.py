@@ -25,7 +25,8 @@ HBM = 189_471 * 2**20  # gb200-nvl72, nvidia-smi MiB
 
 PUBLIC_API = frozenset({
     "ClusterSpec", "Evaluation", "InfeasibleJobError", "Job", "K3optError", "Layout", "LayoutError", "ModelSpec",
-    "PresetNotFoundError", "RankEvaluation", "SpecError", "StepTime", "Toggles", "evaluate", "load_cluster",
+    "PresetNotFoundError", "RankEvaluation", "SearchTimeoutError", "SpecError", "StepTime", "Toggles", "evaluate",
+    "load_cluster",
     "load_job", "load_layout", "load_model", "make_layout", "Plan", "PlanItem", "plan", "RuntimeSpec", "load_runtime",
     "to_launch", "pareto",
 })

@@ -24,5 +24,9 @@ class InfeasibleJobError(K3optError):
     """A job for which no layout fits; the message carries the smallest reachable peak."""
 
 
+class SearchTimeoutError(InfeasibleJobError):
+    """The search ended at its time limit before it found a layout or proved that none fits."""
+
+
 class UnknownTargetError(K3optError):
     """A launch format or job target that k3opt cannot export to."""

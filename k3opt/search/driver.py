@@ -17,7 +17,7 @@ from k3opt.cost import comm
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import layer_bytes
-from k3opt.inputs.errors import InfeasibleJobError
+from k3opt.inputs.errors import InfeasibleJobError, SearchTimeoutError
 from k3opt.inputs.labels import degrees_text, sharding_text
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model
@@ -893,7 +893,7 @@ class _Search:
         if self.interrupted:
             raise KeyboardInterrupt
         if self.timed_out or math.isfinite(bound):
-            raise InfeasibleJobError(
+            raise SearchTimeoutError(
                 f"no layout found within the {self.time_limit:g} s time limit ({self.solved} candidate shapes "
                 "solved); raise --time-limit")
         raise InfeasibleJobError(_infeasible_reason(self.job, self.model, self.cluster, self.min_peak_lb[1],

@@ -101,3 +101,49 @@ def test_cli_plan_with_a_target_prints_and_reports_each_limit_price(tmp_path):
     for p in prices:
         assert p["limit"].removeprefix("toggle:") in res.output
     assert "runs_on" in res.output
+
+
+def test_plan_with_a_target_keeps_every_search_inside_the_one_time_limit(tmp_path, monkeypatch):
+    """`plan --target` runs the plan, the plan without the target's limits and one plan per binding limit. Each is
+    given at most what is left of the command's limit when it starts, so none can end after it (the searches
+    once took the whole limit each: a 12-s plan with six binding limits ran 99 s)."""
+    import time
+
+    import k3opt.cli as cli
+
+    calls: list[tuple[float, float]] = []
+
+    def recording(fn):  # noqa: ANN001, ANN202
+        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls.append((time.monotonic(), kwargs["time_limit"]))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(cli, "run_plan", recording(cli.run_plan))
+    monkeypatch.setattr(cli, "limit_price", recording(cli.limit_price))
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\n[search]\npp = [2]\nep = [2, 4]\nvp = [1, 2]\n'
+        'recompute = ["full"]\n')
+    limit = 30.0
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--target", TARGET, "--json",
+                                    "--time-limit", str(limit)])
+    assert res.exit_code == 0, res.output
+    assert len(calls) >= 3  # the plan, the plan without the limits, at least one limit price
+    assert calls[0][1] == pytest.approx(limit / 2)  # the answer's share
+    for start, given in calls:
+        # the command sets its deadline once its job is read, a few milliseconds after t0
+        assert start + given <= t0 + limit + 0.5
+
+
+def test_a_limit_price_says_when_its_search_was_cut_or_not_run():
+    cut = k3opt.planner.LimitPrice("vp", "vp limited in x", 10.0, 2.0, proven=False)
+    assert cut.line() == "vp limited: at least -2.000 s per step lifted alone (search cut by the time limit) " \
+                         "(vp limited in x)"
+    none = k3opt.planner.LimitPrice("vp", "vp limited in x", None, None, proven=False)
+    assert "found no runnable layout within its time" in none.line()
+    skipped = k3opt.planner.LimitPrice("toggle:fused_situ", "t", None, None, proven=False, priced=False)
+    assert skipped.line() == "fused_situ has no switch: not priced, the time limit was spent (raise --time-limit) (t)"
+    assert k3opt.planner.LimitPrice("vp", "x", 10.0, 2.0).line() == "vp limited: -2.000 s per step lifted alone (x)"
