@@ -1,0 +1,37 @@
+"""The time limit stops the shapes' first bounds: a job of tens of thousands of shapes (Kimi K2 on 16 racks, every
+GPUs-per-rack size: 48,615) took 14 s to bound under a 6-s limit, because only Ctrl-C (or the front's share) cut
+that phase."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import k3opt
+from k3opt.search.driver import _Search  # noqa: PLC2701
+
+
+def _search(job: k3opt.Job, pareto: bool = False) -> _Search:
+    return _Search(job, None, None, top=1, time_limit=60.0, workers=1, pareto=pareto, pareto_step_gib=1.0,
+                   progress=None, gap=0.01)
+
+
+def test_bounding_stops_at_the_deadline_and_leaves_the_bound_open():
+    s = _search(k3opt.load_job("k3-512-4k"))
+    s.first_pass()
+    assert s.best_of  # the first pass found a layout on the default job
+    s.deadline = time.monotonic() - 1.0  # the limit has passed
+    s.bound_shapes()
+    assert s.shapes_bounded == 0 and s.timed_out and s.unbounded
+
+
+def test_a_plan_past_its_limit_without_a_layout_raises_the_timeout_error():
+    s = _search(k3opt.load_job("k3-512-4k"))
+    s.deadline = time.monotonic() - 1.0
+    s.bound_shapes()  # before any layout
+    assert s.shapes_bounded == 0 and s.timed_out
+    s.start_helper()
+    s.run()
+    with pytest.raises(k3opt.SearchTimeoutError, match="no layout found within the 60 s time limit"):
+        s.finish()
