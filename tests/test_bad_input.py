@@ -144,6 +144,10 @@ JOB_CASES = {
     "precision_the_cluster_cannot_run": (
         'model = "llama3-70b"\ncluster = "h100-sxm"\ngpus = 64\ncontext = 8192\nprecisions = ["mxfp8", "fp8"]\n',
         "the job's precisions list mxfp8, which h100-sxm cannot run; list only bf16, fp8 in `precisions`"),
+    # GB200's 189,471 MiB is 185.03 GiB: a reserve of 200 GiB leaves no HBM to plan in.
+    "reserve_above_the_hbm": ("gpus = 512\nreserve_gib = 200\n",
+                              "reserve_gib = 200 leaves nothing of gb200-nvl72's 185.03 GiB of HBM per GPU"),
+    "no_precision_accepted": ("gpus = 512\nprecisions = []\n", "precisions: List should have at least 1 item"),
     # Qwen3-30B-A3B trains every tensor with AdamW (constraints/models/qwen3-30b-a3b.toml [optimizer]).
     "p2p_muon_required_without_muon": (
         'model = "qwen3-30b-a3b"\ncluster = "b200"\ngpus = 64\n[search]\nrequire_toggles = ["p2p_muon"]\n',

@@ -760,7 +760,7 @@ class Job(StrictModel):
     `default_runtime` (live tensors only if it names none); "none": live tensors only, explicitly."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
-    precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16])
+    precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16], min_length=1)
     """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
