@@ -35,3 +35,15 @@ def test_a_plan_past_its_limit_without_a_layout_raises_the_timeout_error():
     s.run()
     with pytest.raises(k3opt.SearchTimeoutError, match="no layout found within the 60 s time limit"):
         s.finish()
+
+
+def test_the_first_pass_has_its_share_however_long_the_set_up_took():
+    """Listing 48,615 shapes and bounding the pipeline heads took the whole heuristic budget counted from the
+    search's start, so the first pass priced nothing and the first layout waited for every shape's bounds. Its
+    share now counts from its own start: with the start pushed 100 s back (the limit still ahead), the default
+    job's first pass still finds a layout."""
+    s = _search(k3opt.load_job("k3-512-4k"))
+    s.t0 -= 100.0
+    s.deadline = time.monotonic() + 60.0
+    s.first_pass()
+    assert s.best_of
