@@ -34,6 +34,7 @@ from k3opt.report.text import explain_text, plan_text, sweep_table
 from k3opt.report.throughput import validate_throughput, validation_table
 from k3opt.report.validate import fit_rows, fit_text, rows_text, validation_rows
 from k3opt.search import Plan
+from k3opt.search.policy import POLICY
 from k3opt.search.result import front_frame
 from k3opt.sweep import SweepSettings, run_sweep
 from k3opt.sweep.store import check_out, read_rows
@@ -224,10 +225,10 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         j = j.model_copy(update={"target": check_format(target)})
     free = None
     # With a target, every search of the command shares the one limit: the plan itself first, with its share
-    # (_TARGET_PLAN_SHARE); then the plan without the target's limits and the price of each binding limit share
-    # what it leaves.
+    # (POLICY.target_plan_share); then the plan without the target's limits and the price of each binding limit
+    # share what it leaves.
     deadline = time.monotonic() + time_limit
-    share = _TARGET_PLAN_SHARE if j.target is not None else 1.0
+    share = POLICY.target_plan_share if j.target is not None else 1.0
     try:
         with LiveProgress(not as_json, "plan") as live:
             result = run_plan(j, top=top, time_limit=time_limit * share, workers=workers, progress=live.callback,
@@ -239,7 +240,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         raise InfeasibleJobError(f"{err} (without the {j.target} limits the best layout takes "
                                  f"{free.layouts[0].rank_time_s:.3f} s: {_short(free.layouts[0].layout)})") from None
     if j.target is not None:
-        free = _plan_free(j, deadline, _FREE_PLAN_SHARE, workers, gap, as_json)
+        free = _plan_free(j, deadline, POLICY.target_free_share, workers, gap, as_json)
     launch = None
     if save is not None:
         n, path = save
@@ -261,7 +262,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         todo = binding if best > unlimited else []
         for i, lim in enumerate(todo):
             left = (deadline - time.monotonic()) / (len(todo) - i)
-            if left < _LEAST_PRICE_S:
+            if left < POLICY.least_price_s:
                 prices.append(LimitPrice(lim, limit_text(j.target, lim), None, None, proven=False, priced=False))
                 continue
             with LiveProgress(not as_json, f"plan with {lim} lifted") as live:
@@ -444,14 +445,6 @@ def sweep_plot_cmd(results: str, png: str) -> None:
     count, one line per value of the other swept keys, points with no fitting layout marked."""
     _check_png(png)
     _sweep_picture(read_rows(results), png)
-
-
-_TARGET_PLAN_SHARE = 0.5
-"""Of `plan --target`'s time limit, the share the plan with the target's limits (the answer) may take."""
-_FREE_PLAN_SHARE = 0.5
-"""Of what that plan leaves, the share the plan without the limits may take; the limit prices share the rest."""
-_LEAST_PRICE_S = 1.0
-"""A limit price is searched only with at least this many seconds left for it; else it is named as not priced."""
 
 
 def _plan_free(j: Job, deadline: float, share: float, workers: int, gap: float, as_json: bool) -> Plan:

@@ -252,9 +252,9 @@ class Coefficients:
     balance_seconds_per_byte: float = 0.0
     step_gather: np.ndarray | None = field(default=None, repr=False)
     """BF16 bytes all-gathered into fresh buffers at the optimizer step (without P2P Muon), by sharding policy."""
-    p2p_step_gather: np.ndarray | None = field(default=None, repr=False)
+    p2p_step_gather: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     """The step's fresh BF16 bytes under P2P Muon: the pulled resident Muon matrices (2 x resident Muon
-    parameters) and the AdamW parameters' policy gather (None: 2 x every resident parameter)."""
+    parameters) and the AdamW parameters' policy gather."""
     state_bytes: int = 4
     """Bytes per optimizer-state element: the layout's optimizer_state_dtype, else the model's."""
     step_grad_copy: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
@@ -399,8 +399,7 @@ def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
     view where the coefficients have none); plus the FP32 copies of a BF16 gradient shard (step_grad_copy)."""
     copy = step_grad_copy_bytes(cf)
     if p2p_muon:
-        pulled = 2 * cf.resident_params if cf.p2p_step_gather is None else cf.p2p_step_gather
-        return pulled + copy
+        return cf.p2p_step_gather + copy
     return policy_step_gather(cf) + copy
 
 

@@ -385,7 +385,7 @@ def _least_bytes(views: list[Coefficients]) -> Coefficients:
     # step gather and their FP32 gradient copies (what coefficients.step_gather_bytes reads).
     return replace(views[0], **{k: np.min([getattr(vw, k) for vw in views], axis=0) for k in (
         "master", "optimizer", "bf16_view", "grad_accum", "grads", "chunk_grad_buffer", "act",
-        "working_set", "view_params", "resident_params", "step_grad_copy")},
+        "working_set", "view_params", "step_grad_copy")},
         step_gather=np.min([policy_step_gather(vw) for vw in views], axis=0),
         p2p_step_gather=np.min([step_gather_bytes(vw, True) - step_grad_copy_bytes(vw) for vw in views], axis=0),
         logits=min(vw.logits for vw in views),

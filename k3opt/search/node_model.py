@@ -364,9 +364,9 @@ class FrameModel:
         self.toggle_scale = len(RANK_TOGGLES) + len(ACT_TOGGLES) + 1
         self.tie_unit, self.tie_max = _tie_resolution(slots_v * self.time_ub + 2 * f.vp * self.time_ub,
                                                       self.cap_bytes, self.toggle_scale)
-        peak_mib = m.new_int_var(0, self.tie_max, "peak_tie")
+        peak_tie = m.new_int_var(0, self.tie_max, "peak_tie")
         for rk in self.ranks:
-            m.add(peak_mib * (self.tie_unit // MEM_UNIT) >= rk["peak"])
+            m.add(peak_tie * (self.tie_unit // MEM_UNIT) >= rk["peak"])
         exposed = 0
         if self.c0.update_hidden:
             # Only the hidden communication beyond its window of update_hidden_stages x stage adds to the step.
@@ -383,14 +383,13 @@ class FrameModel:
         if f.vp > 1:
             self._replay_terms()
         self.step_units = self.pipe + f.vp * (update + exposed)
-        self.peak_mib = peak_mib
         self.stage, self.update = stage, update
         # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
         # so that equal layouts do not switch on toggles that buy nothing.
         toggles_on = sum(self.tv[t] for t in RANK_TOGGLES) + sum(
             sum(getattr(md, t) for t in ACT_TOGGLES) * v for md, v in self.mv.items())
         self.obj_scale = (self.tie_max + 1) * self.toggle_scale
-        m.minimize(self.step_units * self.obj_scale + peak_mib * self.toggle_scale + toggles_on)
+        m.minimize(self.step_units * self.obj_scale + peak_tie * self.toggle_scale + toggles_on)
 
     # -- replayed schedule: linear lower bound (search/replay_bound.py) ---------------------------
     def _replay_terms(self) -> None:
@@ -652,12 +651,9 @@ class FrameModel:
 
     # -- solve --------------------------------------------------------------------------------
     def solve(self, time_limit: float, workers: int = 2, presolve: bool = True,
-              peak_cap_mib: int | None = None, relative_gap: float = 0.0) -> FrameResult:
+              relative_gap: float = 0.0) -> FrameResult:
         """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
         CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
-        if peak_cap_mib is not None:
-            for rk in self.ranks:
-                self.m.add(rk["peak"] <= peak_cap_mib * (MIB // MEM_UNIT))
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(time_limit, 0.05)
         solver.parameters.num_workers = workers
@@ -702,7 +698,7 @@ def _tq(seconds: float) -> int:
 
 
 def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time_limit: float,
-                workers: int = 2, presolve: bool = True, peak_cap_mib: int | None = None,
+                workers: int = 2, presolve: bool = True,
                 recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None,
                 hint: Layout | None = None, relative_gap: float = 0.0) -> tuple[FrameResult, PlanItem | None]:
     """Solve one frame (optionally one recompute mode and lifecycle of it) to optimality, to `relative_gap`, or
@@ -721,10 +717,10 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
     if hint is not None:
         fm.add_layout_hint(hint)
     if f.vp == 1:
-        res = fm.solve(time_limit, workers, presolve, peak_cap_mib, relative_gap)
+        res = fm.solve(time_limit, workers, presolve, relative_gap)
         return res, plan_item(job, f, fm, res, model, cluster)
-    return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, peak_cap_mib,
-                                   relative_gap, node_key(job, f, recompute, lifecycle, model, cluster))
+    return _solve_with_replay_cuts(job, f, fm, model, cluster, time_limit, workers, presolve, relative_gap,
+                                   node_key(job, f, recompute, lifecycle, model, cluster))
 
 
 _NODE_PATHS: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = register({})
@@ -746,8 +742,8 @@ def _tie_resolution(step_ub: int, cap_bytes: int, toggle_scale: int) -> tuple[in
 
 
 def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec, cluster: ClusterSpec,
-                            time_limit: float, workers: int, presolve: bool, peak_cap_mib: int | None,
-                            relative_gap: float, key: tuple) -> tuple[FrameResult, PlanItem | None]:
+                            time_limit: float, workers: int, presolve: bool, relative_gap: float,
+                            key: tuple) -> tuple[FrameResult, PlanItem | None]:
     """Interleaved nodes: solve; when the solution's ranked time (its replay) is above the model's objective by
     more than the gap, add the replay's longest path at that solution as a cut (replay_bound), hint the solution,
     keep the proven bound (a lower bound of the tightened model too) and solve again, while time is left. The
@@ -760,7 +756,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     bound = 0
     timed_out = False
     while True:
-        res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, peak_cap_mib, relative_gap)
+        res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, relative_gap)
         last_status = res.status
         item = plan_item(job, f, fm, res, model, cluster)
         bound = max(bound, res.bound or 0)

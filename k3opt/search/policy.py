@@ -141,6 +141,17 @@ class SearchPolicy:
     """Seconds a region's ranked search under its cap needs at least to be started (search/front.py): with less
     left the front stops, not proven."""
 
+    # -- a plan with a launch target (k3opt plan --target): the plan, the plan without the target's limits and the
+    # price of each binding limit share the one time limit
+    target_plan_share: float = 0.5
+    """Of the time limit, the share the plan with the target's limits (the answer) may take."""
+
+    target_free_share: float = 0.5
+    """Of what that plan leaves, the share the plan without the limits may take; the limit prices split the rest."""
+
+    least_price_s: float = 1.0
+    """Seconds a limit price needs at least to be searched; with less left for it, it is named as not priced."""
+
     # -- the node models and bound programs (search/node_model.py, search/lp_bound.py, search/replay_bound.py)
     max_dag_ops: int = 512
     """Interleaved nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the

@@ -233,7 +233,7 @@ def test_a_node_is_optimal_only_when_its_last_solve_proved_it(monkeypatch):
     monkeypatch.setattr(node_model, "plan_item", lambda *_a: SimpleNamespace(rank_time_s=next(ranked), layout=None))
     monkeypatch.setattr(node_model, "_solution_path", lambda *_a: (np.zeros(1), np.zeros(1)))
     monkeypatch.setattr(node_model, "_NODE_PATHS", {})
-    res, plan_item = node_model._solve_with_replay_cuts(None, f, FakeModel(), None, None, 60.0, 2, True, None, 0.01,
+    res, plan_item = node_model._solve_with_replay_cuts(None, f, FakeModel(), None, None, 60.0, 2, True, 0.01,
                                                      ("key",))
     assert res.status == "FEASIBLE"
     assert res.bound == 204  # the better proven bound of the two solves is kept
