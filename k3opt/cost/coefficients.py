@@ -1345,13 +1345,19 @@ def _peak_update_seconds(b: _LayerBuild, ns_flops: np.ndarray, up: _UpdateTraffi
 
 
 def _logits(b: _LayerBuild) -> dict[str, object]:
-    """The logits of the LM head: BF16 logits and FP32 softmax of the microbatch's tokens (one cross-entropy chunk
-    under fused cross entropy), with the formula the report prints."""
+    """The loss's logits on the last stage: the LM head's BF16 logits and FP32 softmax of the microbatch's tokens,
+    plus each MTP head's FP32 softmax, saved for backward when its loss ran before the LM head's (Megatron's
+    GPTModel._postprocess computes the MTP losses first); under the chunked cross entropy one chunk, nothing saved."""
     tg, T, vocab = b.shape.toggles, b.shape.tokens, b.model.vocab_size
-    v_tokens = min(T, b.shape.ce_chunk_tokens) if tg.fused_cross_entropy else T
-    return dict(logits=float(v_tokens * vocab * (BF16 + FP32)),
-                logits_formula=(f"{v_tokens} tokens x vocab {vocab} x (2 B BF16 logits + 4 B FP32 softmax)"
-                                + (" (one cross-entropy chunk)" if tg.fused_cross_entropy else "")))
+    if tg.fused_cross_entropy:
+        v_tokens = min(T, b.shape.ce_chunk_tokens)
+        return dict(logits=float(v_tokens * vocab * (BF16 + FP32)),
+                    logits_formula=(f"{v_tokens} tokens x vocab {vocab} x (2 B BF16 logits + 4 B FP32 softmax) "
+                                    "(one cross-entropy chunk)"))
+    mtp = b.model.mtp_layers
+    mtp_text = f" + {mtp} MTP head{'s' * (mtp > 1)} x 4 B FP32 softmax" if mtp else ""
+    return dict(logits=float(T * vocab * (BF16 + FP32 + mtp * FP32)),
+                logits_formula=f"{T} tokens x vocab {vocab} x (2 B BF16 logits + 4 B FP32 softmax{mtp_text})")
 
 
 def _achievable_terms(b: _LayerBuild, acts: _Activations, work: _Work, traffic: _Traffic, ns_flops: np.ndarray,

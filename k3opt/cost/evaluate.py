@@ -23,8 +23,11 @@ from k3opt.cost.ledger import (
     TERM_INFO,
     TERMS,
     Aggregate,
+    Phase,
     TermDecl,
+    activation_phase_bytes,
     balanced_scale,
+    binding_activation_terms,
     optimizer_transient_bytes,
     peak_inflight,
     pp_packet_bytes,
@@ -102,6 +105,15 @@ class RankEvaluation:
     """Device-used (nvidia-smi): reserved plus the memory outside the allocator. `fits` is device <= capacity."""
     memory_items: tuple[MemoryItem, ...] = ()
     """The runtime's items beyond the ledger (k3opt.cost.memory_outside); empty without a runtime."""
+    activation_peak_terms: tuple[str, ...] = ()
+    """The activation-phase terms live together at the phase's peak (ledger.binding_activation_terms): the loss's
+    logits and a layer's transients are not both there unless the EP overlap schedule runs them together."""
+
+    def at_peak(self, key: str) -> int:
+        """Ledger term `key`'s bytes in the stacked peak: 0 for an activation term not live at the phase's peak."""
+        if TERMS[key].phase is Phase.ACTIVATION and key not in self.activation_peak_terms:
+            return 0
+        return self.ledger[key]
 
     @property
     def headroom_bytes(self) -> int:
@@ -607,7 +619,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         rl = rank_ledger(cf, layout.split, r)
         ledger = {key: int(round(val)) for key, val in rl["ledger"].items()}
         persistent = sum(ledger[k] for k in PERSISTENT)
-        act_phase = sum(ledger[k] for k in ACTIVATION)
+        act_phase = int(activation_phase_bytes(ledger, layout.ep_overlap))
         opt_phase = sum(ledger[k] for k in OPTIMIZER)
         peak = persistent + max(act_phase, opt_phase)
         terms = []
@@ -633,6 +645,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
             host_capacity_bytes=host_capacity, host_fits=host <= host_capacity, time_s=time,
             update_s=rl["update"], binding=binding, counts=rl["counts"], allocated_bytes=allocated,
             reserved_bytes=reserved, device_bytes=device, memory_items=items,
+            activation_peak_terms=binding_activation_terms(ledger, layout.ep_overlap),
         ))
 
     step = _step(cf, ranks, model, cluster, layout)

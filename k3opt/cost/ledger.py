@@ -29,6 +29,15 @@ class Phase(StrEnum):
     """Live only during the optimizer step (after the last backward)."""
 
 
+class Moment(StrEnum):
+    """When, within the activation phase, a term is live: the saved state is held throughout, a layer's transients
+    only while that layer runs, the loss's logits only between the last chunk's forward and its backward."""
+
+    HELD = "held"
+    LAYER = "layer"
+    LOSS = "loss"
+
+
 class Aggregate(StrEnum):
     """How a term's per-layer coefficient adds up to the rank's bytes."""
 
@@ -68,6 +77,8 @@ class TermDecl:
     """Its form while a rank toggle is on, where that differs from `aggregate` over `coefficient`."""
     per_lifecycle: bool = False
     """The FSDP lifecycle (a decision of the search) changes its coefficient."""
+    moment: Moment = Moment.HELD
+    """Within the activation phase, when the term is live (k3opt.cost.ledger.activation_moments)."""
 
 
 LEDGER: tuple[TermDecl, ...] = (
@@ -101,20 +112,21 @@ LEDGER: tuple[TermDecl, ...] = (
     TermDecl("attnres_bank", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "closes", "balance_activations", "derived",
              "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per in-flight microbatch"),
     TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws", "recompute mode",
-             "derived", "saved set of the one layer being recomputed in backward"),
+             "derived", "saved set of the one layer being recomputed in backward", moment=Moment.LAYER),
     TermDecl("grad_transient", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "working_set", "CP",
              "derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus two BF16 "
              "[T, d] gradient streams (with CP: plus the KV ring or state-gather buffers; param_gather = layer: two "
-             "gathered units, two gradient buckets and the largest fresh weight gradient)"),
+             "gathered units, two gradient buckets and the largest fresh weight gradient)", moment=Moment.LAYER),
     TermDecl("pp_buffers", Phase.ACTIVATION, Aggregate.CHUNK_PAIR, "closes", None, "assumption",
              "one forward and one backward packet in each direction live: 2 x max over chunks (in + out packet), "
              "packet = (1 + R) x BF16 [T, d]"),
     TermDecl("ep_buffers", Phase.ACTIVATION, Aggregate.MOE_RANK, "ep_buffers", None, "derived",
-             "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B"),
+             "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B", moment=Moment.LAYER),
     TermDecl("routing_map", Phase.ACTIVATION, Aggregate.MOE_RANK, "routing_map", "dispatcher", "derived",
              "HybridEP Boolean routing map gathered across EP: e x T x experts bytes"),
     TermDecl("logits", Phase.ACTIVATION, Aggregate.LAST_STAGE, "logits", "fused_cross_entropy", "derived",
-             "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy"),
+             "last stage: [T, vocab] BF16 logits + FP32 softmax for the cross-entropy, plus each MTP head's FP32 "
+             "softmax saved before it", moment=Moment.LOSS),
     TermDecl("optimizer_transient", Phase.OPTIMIZER, Aggregate.STEP, "ns_working_set", "p2p_muon, sharding policy",
              "derived", "without P2P Muon: the full BF16 parameter group all-gathered at the step (2 x (D + E/e)); "
              "with P2P Muon: the pulled share; plus the largest Newton-Schulz working set; with a BF16 gradient "
@@ -125,6 +137,40 @@ TERMS: dict[str, TermDecl] = {t.key: t for t in LEDGER}
 PERSISTENT: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.PERSISTENT)
 ACTIVATION: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.ACTIVATION)
 OPTIMIZER: tuple[str, ...] = tuple(t.key for t in LEDGER if t.phase is Phase.OPTIMIZER)
+MOMENT_TERMS: dict[Moment, tuple[str, ...]] = {mo: tuple(t.key for t in LEDGER if t.phase is Phase.ACTIVATION
+                                                          and t.moment is mo) for mo in Moment}
+
+
+def activation_moments(concurrent: bool) -> tuple[tuple[Moment, ...], ...]:
+    """The moments live together at some instant of the activation phase; the phase is the largest of their sums.
+    One schedule step runs one microbatch's forward or backward on a rank (Megatron's 1F1B, interleaved too: the
+    last rank runs F(last chunk, m) then B(last chunk, m), and B starts with the loss's backward, which frees the
+    logits), so the loss and a layer's transients are never live together; under the EP overlap schedule
+    (`concurrent`: Megatron's combined 1F1B) a forward and a backward run in one step, and they are."""
+    if concurrent:
+        return ((Moment.HELD, Moment.LAYER, Moment.LOSS),)
+    return ((Moment.HELD, Moment.LAYER), (Moment.HELD, Moment.LOSS))
+
+
+def activation_phase_bytes(values: dict[str, float], concurrent: bool) -> float:
+    """The activation phase of one rank from its ledger `values`: held + the larger of a layer's transients and the
+    loss's logits, or all three under the EP overlap schedule (`activation_moments`)."""
+    return max(sum(values[k] for mo in group for k in MOMENT_TERMS[mo]) for group in activation_moments(concurrent))
+
+
+def least_transient(layer: float | np.ndarray, loss: float | np.ndarray) -> float | np.ndarray:
+    """What a layer's transients and the loss's logits add to the held bytes at the least, under either schedule
+    (`activation_moments`): the larger of the two (under the EP overlap schedule their sum, which is more). The
+    bounds read this form, valid for every layout."""
+    return np.maximum(layer, loss)
+
+
+def binding_activation_terms(values: dict[str, float], concurrent: bool) -> tuple[str, ...]:
+    """The activation terms of the group that makes the phase (what a stacked ledger draws)."""
+    group = max(activation_moments(concurrent), key=lambda g: sum(values[k] for mo in g for k in MOMENT_TERMS[mo]))
+    return tuple(k for k in ACTIVATION if TERMS[k].moment in group)
+
+
 TERM_INFO: dict[str, tuple[str, str]] = {t.key: (t.kind, t.formula) for t in LEDGER}
 """key -> (kind, formula), as the ledger prints them."""
 

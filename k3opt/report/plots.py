@@ -40,8 +40,8 @@ def _save(fig: plt.Figure, path: str | Path) -> None:
 
 
 def ledger_plot(ev: Evaluation, path: str | Path) -> None:
-    """Stacked per-rank bars: persistent terms, then the activation-phase terms; a tick marks persistent +
-    optimizer phase (peak = persistent + max of the two phases). Lines: HBM capacity and the usable share
+    """Stacked per-rank bars: persistent terms, then the activation-phase terms live at its peak; a tick marks
+    persistent + optimizer phase (peak = persistent + max of the two phases). Lines: HBM capacity and the usable share
     after the reserve."""
     ranks = list(ev.ranks)
     x = list(range(len(ranks)))
@@ -50,7 +50,7 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(ranks) + 4), 5.5))
     bottom = [0.0] * len(ranks)
     for i, k in enumerate(keys):
-        vals = [r.ledger[k] / GIB for r in ranks]
+        vals = [r.at_peak(k) / GIB for r in ranks]
         hatch = "" if k in PERSISTENT else "//"
         ax.bar(x, vals, bottom=bottom, color=cmap(i % 20), hatch=hatch, edgecolor="white", linewidth=0.4,
                label=f"{k} ({'persistent' if k in PERSISTENT else 'activation phase'})")

@@ -80,7 +80,9 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"  HBM line {cl.hbm_bytes / GIB:.2f} GiB ({cl.hbm_mib:,} MiB, nvidia-smi) - reserve {reserve:.2f} GiB "
         f"= {ev.capacity_bytes / GIB:.2f} GiB usable per GPU; host {cl.host_memory_gb:g} GB per GPU",
         "",
-        "Per-rank memory ledger (GiB); peak = persistent + max(activation phase, optimizer phase); "
+        "Per-rank memory ledger (GiB); peak = persistent + max(activation phase, optimizer phase); activation "
+        "phase = held + max(a layer's transients, the logits)"
+        + (" (together under the EP overlap schedule)" if ev.layout.ep_overlap else "") + "; "
         "ALLOCATED = peak + allocator workspaces, RESERVED = allocated x (1 + slack), DEVICE = reserved + "
         "memory outside the allocator"
         + (f" (runtime {ev.runtime.name})" if ev.runtime is not None else

@@ -20,7 +20,7 @@ from k3opt.cost.coefficients import (
     step_gather_bytes,
     step_grad_copy_bytes,
 )
-from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
+from k3opt.cost.ledger import least_transient, peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
@@ -623,7 +623,7 @@ def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, clus
     has_moe = rng(lean.moe) > 0
     return _Ranges(
         L=L, p=p, Pr=Pr, Ar=Ar, Or=Or, bank=bank, packet_in=packet_in, packet_out=packet_out, has_moe=has_moe,
-        buffers=2 * (packet_in + packet_out) + has_moe * (lean.routing_map + lean.ep_buffers),
+        buffers=2 * (packet_in + packet_out) + has_moe * lean.routing_map, layer_buffers=has_moe * lean.ep_buffers,
         ws=_range_max(lean.working_set, L), work={res: rng(cf.time[res]) for res in cf.time},
         resident=(lean.shape.offload_resident_layers * np.maximum(_range_max(lean.act, L), 0.0)
                   if off is not None else None),
@@ -679,7 +679,9 @@ class _Ranges:
     packet_out: np.ndarray
     has_moe: np.ndarray
     buffers: np.ndarray
-    """PP packets in and out, EP and routing buffers."""
+    """PP packets in and out and the routing map: held through the activation phase."""
+    layer_buffers: np.ndarray
+    """The EP dispatch and combine buffers: live while a MoE layer runs (ledger.Moment.LAYER)."""
     ws: np.ndarray
     """Largest working set."""
     work: dict[str, np.ndarray]
@@ -737,9 +739,7 @@ def _rank_terms(r: int, blk: tuple[slice, slice], s: _Ranges) -> _RankTerms:
     persistent = plus(s.Pr[blk], edge(s.P)) + s.has_moe[blk] * lean.moonep_buffers
     ws_r = np.maximum(s.ws[blk], max(float(lean.working_set[L]) if first else 0.0,
                                      float(lean.working_set[L + 1]) if last else 0.0))
-    fixed_act = ws_r + s.buffers[blk]
-    if last:
-        fixed_act = fixed_act + lean.logits
+    fixed_act = s.buffers[blk] + least_transient(ws_r + s.layer_buffers[blk], lean.logits if last else 0.0)
     busy = {res: plus(w[blk], edge(s.cf.time[res])) for res, w in s.work.items()}
     others = [w for res, w in busy.items() if res not in ("nvlink", "nic")]
     return _RankTerms(

@@ -977,13 +977,18 @@ class _Search:
             self.ticker.send(partial(self._snapshot, front_points=points, front_settled=(settled, total)))
 
     def _status(self, ranked: list[PlanItem], bound: float, proven_gap: float) -> str:
-        """OPTIMAL when the search ended on its own with the bound within the gap of the top-th layout, and the
-        proven gap of the best within the gap; else FEASIBLE."""
-        k = ranked[min(self.top, len(ranked)) - 1].rank_time_s
+        """OPTIMAL when the search ended on its own with the bound within the gap of the top-th layout, or every
+        queue entry closed against it, and the proven gap of the best within the gap; else FEASIBLE. A node left
+        behind (the residual, under the bound) was left because it cannot improve its own frame's ranked layout
+        beyond the gap, so it cannot displace the top-th beyond the gap either."""
+        k_item = ranked[min(self.top, len(ranked)) - 1]
+        k = k_item.rank_time_s
         # gap > 0: bounds within LINE_ROUNDING under the line count as at it (within_gap), so the proven gap may
         # exceed `gap` by as much: 1 - (1 - gap)(1 - LINE_ROUNDING) <= gap + LINE_ROUNDING.
         tol = LINE_ROUNDING if self.gap > 0 else 0.0
-        done = not (self.timed_out or self.interrupted) and (within_gap(k, bound, self.gap) or not self.queue)
+        closed = not self.queue or (len(ranked) >= self.top and _closed(self.queue.top().bound,
+                                                                         self.queue.top().peak, k_item, self.gap))
+        done = not (self.timed_out or self.interrupted) and (within_gap(k, bound, self.gap) or closed)
         return "OPTIMAL" if done and proven_gap <= self.gap + tol + 1e-12 else "FEASIBLE"
 
 

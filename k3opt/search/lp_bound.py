@@ -53,7 +53,7 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
-from k3opt.cost.ledger import balanced_scale, peak_inflight, pp_packet_bytes
+from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
@@ -951,12 +951,12 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
     moe = c0.moe[:L] > 0
     # Each rank holds at least its chunks' least layers; more than the non-MoE layers means it holds an MoE layer.
     must_moe = _must_moe(moe, a.least, p, v)
-    ep_fixed = (a.ep_min + c0.routing_map) if must_moe else 0.0
     room = cap * (1 + FEAS_TOL)
     for r in range(p):
         n_peak = peak_inflight(c0.compositions[r])
         fixed = _edge(a.persistent, r, p, L)
-        act_fixed = a.ws_min + packets + ep_fixed + (a.logits if r == p - 1 else 0.0)
+        act_fixed = _least_act_fixed(a.ws_min, packets, a.ep_min, c0.routing_map, must_moe,
+                                     a.logits if r == p - 1 else 0.0)
         ratio = balanced_scale(c0.balanced_inflight, n_peak) if bal else 1.0
         # Balancing on: every rank holds the average count, more than its own on the late ranks (evaluate's scale).
         # Rows over several settings at once (the lean tests) take the smaller of the two counts.
@@ -986,6 +986,15 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
             le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L))
             le([kp] * v, r, room - fixed - a.nsws_min)
     return np.array(rows), rhs
+
+
+def _least_act_fixed(ws_min: float, packets: float, ep_min: float, routing_map: float, must_moe: bool,
+                     logits: float) -> float:
+    """The least activation-phase bytes beside the saved sets and the bank: the PP packets and (on a rank that must
+    hold a MoE layer) the routing map, held; the smallest working set and EP buffers of a layer, or the loss's
+    logits, whichever is more (ledger.least_transient)."""
+    held = packets + (routing_map if must_moe else 0.0)
+    return held + float(least_transient(ws_min + (ep_min if must_moe else 0.0), logits))
 
 
 def _bank_row(p: int, v: int, kclose: np.ndarray, stream: float, comp: tuple[float, ...], r: int) -> np.ndarray:
@@ -1299,7 +1308,6 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
     kp, ka = kinds[:, 0], kinds[:, 1]
     moe = lean.moe[:L] > 0
     must_moe = _must_moe(moe, la.least, p, v)
-    act_fixed = la.ws_min + _least_packets(lean, p) + ((la.ep_min + lean.routing_map) if must_moe else 0.0)
     n = p * v * nk
     rows, rhs = [], []
     for r in range(p):
@@ -1307,7 +1315,9 @@ def needs_offload(job: Job, f: Frame, lean: Coefficients, cap: float) -> bool:
         scale = 1.0
         if "balance_activations" in allowed and lean.balanced_inflight is not None:
             scale = min(1.0, balanced_scale(lean.balanced_inflight, n_peak))
-        fixed = (P[L] if r == 0 else 0.0) + (P[L + 1] + lean.logits if r == p - 1 else 0.0) + act_fixed
+        fixed = (P[L] if r == 0 else 0.0) + (P[L + 1] if r == p - 1 else 0.0) + _least_act_fixed(
+            la.ws_min, _least_packets(lean, p), la.ep_min, lean.routing_map, must_moe,
+            lean.logits if r == p - 1 else 0.0)
         for comp in _undominated([tuple(scale * c for c in cc) for cc in lean.compositions[r]]):
             row = np.zeros(n)
             for k in range(v):

@@ -22,9 +22,12 @@ from ortools.sat.python import cp_model
 from k3opt.cost.coefficients import Coefficients, step_gather_bytes
 from k3opt.cost.ledger import (
     LEDGER,
+    TERMS,
     Aggregate,
+    Moment,
     Phase,
     TermDecl,
+    activation_moments,
     balanced_scale,
     declared_layer_bytes,
     peak_inflight,
@@ -98,13 +101,19 @@ class RankLedgerModel:
             raise ValueError(f"rank ledger submodel: terms {missing} have no builder, or one is priced twice")
         self.peak = fm.mem_var(rk, "peak")
         persistent = self.phase(Phase.PERSISTENT)
-        self.m.add(self.peak >= persistent + self.phase(Phase.ACTIVATION))
+        for group in activation_moments(fm.c0.shape.ep_overlap):
+            self.m.add(self.peak >= persistent + sum((self.moment(mo) for mo in group), start=0))
         self.m.add(self.peak >= persistent + self.phase(Phase.OPTIMIZER))
         self.m.add(self.peak <= fm.cap_bytes // MEM_UNIT)
 
     def phase(self, phase: Phase) -> Expr:
         """The sum of the parts in `phase`."""
         return sum((p.expr for p in self.parts if p.phase is phase), start=0)
+
+    def moment(self, moment: Moment) -> Expr:
+        """The sum of the activation-phase parts live at `moment` (a part's terms share one, `_one_phase`)."""
+        return sum((p.expr for p in self.parts if p.phase is Phase.ACTIVATION and TERMS[p.keys[0]].moment is moment),
+                   start=0)
 
     def part(self, key: str) -> LedgerPart:
         """The part that holds ledger term `key`."""
@@ -276,8 +285,8 @@ class RankLedgerModel:
 
 
 def _one_phase(decls: list[TermDecl]) -> Phase:
-    """The phase of terms one builder prices together (they must share one)."""
+    """The phase of terms one builder prices together (they must share one, and one moment)."""
     phases = {t.phase for t in decls}
-    if len(phases) != 1:
-        raise ValueError(f"ledger terms {[t.key for t in decls]} span phases {sorted(phases)}")
+    if len(phases) != 1 or len({t.moment for t in decls}) != 1:
+        raise ValueError(f"ledger terms {[t.key for t in decls]} span phases {sorted(phases)} or moments")
     return phases.pop()

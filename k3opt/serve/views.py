@@ -49,7 +49,7 @@ def _ledger_segments(ev: Evaluation) -> list[dict[str, Any]]:
     for k in PERSISTENT + ACTIVATION:
         if any(r.ledger[k] for r in ranks):
             segs.append({"key": k, "group": "persistent" if k in PERSISTENT else "activation phase",
-                         "gib": [r.ledger[k] / GIB for r in ranks],
+                         "gib": [r.at_peak(k) / GIB for r in ranks],
                          "formula": next(t.formula for t in ranks[0].terms if t.key == k)})
     # The ledger's peak is persistent + max(activation, optimizer phase): when the optimizer phase is the larger,
     # the difference is drawn so the stack reaches the peak.

