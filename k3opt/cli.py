@@ -160,7 +160,10 @@ def validate(folder: str | None, as_json: bool) -> None:
     click.echo(rows_text([r for r in rows if r.unit == "GiB"]))
     click.echo("")
     click.echo("Fit: each run's modeled device peak (worst rank; its runtime, else the cluster's default) against its "
-               "GPU's HBM; every run here ran, so NO marks memory the model over-counts or a saving it cannot express")
+               "GPU's HBM; every run here ran, so NO marks memory the model over-counts or a saving it cannot express. "
+               "'without slack' is the device peak less the allocator slack (measured with room to spare): a run "
+               "over its device line but under that one runs only if the allocator frees its cache and retries "
+               "(PyTorch does, under pressure), with room for the fragmentation named")
     click.echo(fit_text(fit_rows(folder)))
     if any(r.figure.startswith("tokens/s") for r in rows):
         click.echo("")
