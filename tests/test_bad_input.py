@@ -63,6 +63,9 @@ CASES = {
     "interleaved_partial_group": (_with(gpus="576", pp="9", vp="2", microbatches="64",
                                         split="[6, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]"),
                                   k3opt.SpecError, "microbatches (64) must be a multiple of pp (9) when vp > 1"),
+    # Megatron's interleaved schedule needs pipeline stages (parallel_state.initialize_model_parallel raises).
+    "interleaved_without_pipeline": (_with(gpus="64", pp="1", vp="2", split="[46, 47]"), k3opt.SpecError,
+                                     "vp (2) needs pp > 1"),
     # [measured] hardware names the GPU a run ran on: a string.
     "measured_hardware_not_a_string": (REFERENCE + "[measured]\nhardware = 355\n", k3opt.SpecError,
                                        "measured.hardware: Input should be a valid string"),

@@ -636,6 +636,11 @@ class Layout(StrictModel):
                 f"expert_fsdp ({self.expert_fsdp}) must divide the {edp} expert-data-parallel ranks "
                 f"(gpus / (pp * ep) = {n} / ({p} * {e}))"
             )
+        if self.vp > 1 and p == 1:
+            # megatron/core/parallel_state.py initialize_model_parallel: "pipeline-model-parallel size should be
+            # greater than 1 with interleaved schedule".
+            raise ValueError(f"vp ({self.vp}) needs pp > 1: Megatron's interleaved schedule runs model chunks across "
+                             "pipeline stages; set vp = 1, or pp >= 2")
         if self.vp > 1 and self.microbatches % p:
             # Megatron's interleaved order runs microbatches in groups of pp per model chunk and raises on a
             # remainder (megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_interleaving);
