@@ -63,7 +63,7 @@ def test_the_fit_verdict_has_three_levels():
 
 def test_a_run_measured_on_other_hardware_claims_no_fit():
     """The dist_muon proxy ran on an MI355X node (seed 003); the GB200 preset only stands in for its allocated
-    bytes, so its 232-GiB device line against GB200's 185 GiB says nothing about that run."""
+    bytes, so its 229-GiB device line against GB200's 185 GiB says nothing about that run."""
     row = next(r for r in fit_rows() if r.layout == "k3-4layer-dist-muon-8gpu")
     assert row.stand_in_for == "MI355X" and row.fits is None and row.to_dict()["fits"] is None
     assert row.device_gib > row.hbm_gib  # judged on its stand-in it would read NO
