@@ -82,10 +82,11 @@ def test_fused_situ_keeps_one_sixth(base, reference, model, cluster):
 
 
 def test_pipeline_zero2_host_grads_two_chunk_buffers_and_host_shards(reference, model, cluster):
-    split = [3] * 31
-    base = _eval(reference, model, cluster, pp=1, vp=31, split=split, dense_fsdp=64,
-                 gpus=64, ep=64, microbatches=8)
-    ev = _eval(reference, model, cluster, pp=1, vp=31, split=split, dense_fsdp=64, gpus=64, ep=64,
+    # PP2 VP4 (interleaving needs pipeline stages): eight chunks, each rank holds four.
+    split = [12] * 7 + [9]
+    base = _eval(reference, model, cluster, pp=2, vp=4, split=split, dense_fsdp=32,
+                 gpus=64, ep=32, microbatches=8)
+    ev = _eval(reference, model, cluster, pp=2, vp=4, split=split, dense_fsdp=32, gpus=64, ep=32,
                microbatches=8, toggles={"pipeline_zero2_host_grads": True})
     assert ev.ranks[0].ledger["grads"] < base.ranks[0].ledger["grads"]
     assert ev.ranks[0].host_bytes == pytest.approx(base.ranks[0].ledger["grads"], abs=64)
