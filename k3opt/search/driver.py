@@ -802,8 +802,10 @@ class _Search:
         # The helper bounds on until the first CP-SAT solve, which takes both cores (the values it has computed
         # stay): at 8,192 GPUs the bounding after the seeding solves nothing.
         self.prefetch.close()
+        k = self._kth()
         hint = frame_incumbent(self.job, f, self.model, self.cluster, recompute=rc, lifecycle=lc,
-                               deadline=self.deadline) if e.attempt == 0 else None
+                               deadline=self.deadline, repair_below=k.rank_time_s if k is not None else math.inf
+                               ) if e.attempt == 0 else None
         if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
             self.best_of[f] = mine = hint
         remaining = self.time_limit - (_time.monotonic() - self.t0)
