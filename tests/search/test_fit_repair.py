@@ -50,6 +50,20 @@ def test_a_layout_over_its_gpus_is_moved_under_them(tiny, slow):
                                                                                start.layout.toggles)
 
 
+def test_the_repair_passes_through_layouts_that_do_not_fit(tiny, slow):
+    """From [3, 1, 1, 1] (1.55 GiB over at a 1.0-GiB reserve) no single move fits: [2, 2, 1, 1], [2, 1, 2, 1] and
+    [2, 1, 1, 2] leave 0.67, 0.29 and 0.74 GiB under HBM against the 1.0 GiB reserved. Two moves reach the fastest
+    fitting split, 4.5112 s."""
+    job = pp2_vp2_memory_job(1.0)
+    (f,) = enumerate_frames(job, tiny, 8)
+    start = k3opt.evaluate(_layout(f, [3, 1, 1, 1], 1.0), model=tiny, cluster=slow)
+    for one in ([2, 2, 1, 1], [2, 1, 2, 1], [2, 1, 1, 2]):
+        assert not k3opt.evaluate(_layout(f, one, 1.0), model=tiny, cluster=slow).fits
+    got = fit_repair(job, PlanItem(start.layout, start), tiny, slow, time.monotonic() + 30)
+    assert got is not None and got.evaluation.fits
+    assert got.rank_time_s == pytest.approx(_fitting(f, 1.0, tiny, slow)[0][0], abs=1e-6)
+
+
 def test_no_split_fits_no_repair(tiny, slow):
     """At a 1.4-GiB reserve no split of this configuration fits (the leanest is 1.32 GiB under HBM): None."""
     job = pp2_vp2_memory_job(1.4)
