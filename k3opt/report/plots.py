@@ -52,8 +52,10 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
     for i, k in enumerate(keys):
         vals = [r.at_peak(k) / GIB for r in ranks]
         hatch = "" if k in PERSISTENT else "//"
+        where = "persistent" if k in PERSISTENT else "activation phase" if any(vals) else \
+            "activation phase, not live at its peak"
         ax.bar(x, vals, bottom=bottom, color=cmap(i % 20), hatch=hatch, edgecolor="white", linewidth=0.4,
-               label=f"{k} ({'persistent' if k in PERSISTENT else 'activation phase'})")
+               label=f"{k} ({where})")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     opt = [(r.persistent_bytes + r.optimizer_phase_bytes) / GIB for r in ranks]
     ax.scatter(x, opt, marker="_", s=900, color="black", zorder=5,
