@@ -94,7 +94,8 @@ class FitRow:
         return "NO"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "fits": self.fits, "fits_after_cache_release": self.fits_after_cache_release}
+        return {**asdict(self), "fits": self.fits, "fits_after_cache_release": self.fits_after_cache_release,
+                "verdict": self.verdict}
 
 
 def fit_rows(folder: str | Path | None = None) -> list[FitRow]:

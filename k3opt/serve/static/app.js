@@ -310,9 +310,10 @@ function loadItem(item) {
 
 async function loadValidation() {
   const v = await api("GET", "/api/validation");
-  drawTable(document.getElementById("fit-table"), ["run", "model", "cluster", "runtime", "device GiB", "HBM GiB", "fits"],
-    v.fit.map((r) => [r.layout, r.model, r.cluster, r.runtime, fmt(r.device_gib, 1), fmt(r.hbm_gib, 1),
-      r.stand_in_for ? `n/a (ran on ${r.stand_in_for})` : r.fits ? "yes" : "NO"]));
+  drawTable(document.getElementById("fit-table"),
+    ["run", "model", "cluster", "runtime", "device GiB", "without slack GiB", "HBM GiB", "fits"],
+    v.fit.map((r) => [r.layout, r.model, r.cluster, r.runtime, fmt(r.device_gib, 1), fmt(r.floor_gib, 1),
+      fmt(r.hbm_gib, 1), r.verdict]));
   drawTable(document.getElementById("memory-table"), ["run", "figure", "kind", "modeled", "measured", "unit", "GAP", "GAP %"],
     v.memory.map((r) => [r.layout, r.figure, r.kind, fmt(r.modeled), fmt(r.measured), r.unit, fmt(r.gap), fmt(r.gap_pct, 1)]));
   const t = v.throughput;
