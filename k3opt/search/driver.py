@@ -797,7 +797,8 @@ class _Search:
 
     def _solve(self, e: _Entry, t_lb: float, mine: PlanItem | None) -> _Outcome:
         """The node's CP-SAT model for a slice (base_slice x 2^attempt), hinted on its first slice with a heuristic
-        layout of the node; its layout (rebalanced, `_rebalanced`) replaces its frame's when better."""
+        layout of the node (a candidate under the top-th layout that misses the memory line repaired first,
+        incumbents.fit_repair); its layout (rebalanced, `_rebalanced`) replaces its frame's when better."""
         f, rc, lc = e.frame, e.recompute, e.lifecycle
         # The helper bounds on until the first CP-SAT solve, which takes both cores (the values it has computed
         # stay): at 8,192 GPUs the bounding after the seeding solves nothing.
