@@ -561,6 +561,11 @@ class _Static:
     """Per layer and edge, the elements of its largest non-routed GEMM weight as the GEMM runs it (q, k, v and
     gate, up fused: fused_gemm_widths)."""
 
+    @property
+    def pr_muon(self) -> np.ndarray:
+        """Routed expert parameters under Muon: the routed parameters less those under AdamW."""
+        return self.p_routed - self.pr_adam
+
 
 def _largest_weight(rows: list[tuple], fused: list[int], n: int) -> np.ndarray:
     """Per layer and edge, max over its non-routed GEMM rows of (fused output width x input width)."""
@@ -894,8 +899,7 @@ class _LayerBuild:
         sa = cm.static
         n = model.num_layers + 2
         e, fe, fd = shape.ep, shape.expert_fsdp, shape.dense_fsdp
-        pn_muon, p_adam, p_routed, pr_adam = sa.pn_muon, sa.p_adam, sa.p_routed, sa.pr_adam
-        pr_muon = p_routed - pr_adam
+        pn_muon, p_adam, p_routed, pr_adam, pr_muon = sa.pn_muon, sa.p_adam, sa.p_routed, sa.pr_adam, sa.pr_muon
         pn = pn_muon + p_adam
         # Seed 000: resident parameters per GPU = D / f_d + E / (e * f_e); BF16 view = 2 (D + E / e). The routed
         # experts are EP-local whichever optimizer trains them (Muon under K3's split, AdamW for every tensor).
@@ -1325,9 +1329,8 @@ def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     if sh.toggles.p2p_muon:
         # Pull the other shards of the Muon matrices this rank orthogonalizes: 2 (P / n)(1 - 1/n) per group (the
         # AdamW parameters are stepped element-wise on their shards: nothing to pull).
-        pr_muon = p_routed - b.sa.pr_adam
         a, b_ = _hier(2 * b.sa.pn_muon / sh.dense_fsdp, sh.dense_fsdp, sh.dense_fsdp_local)
-        c, d_ = _hier(2 * pr_muon / (e * sh.expert_fsdp), sh.expert_fsdp, sh.expert_fsdp_local)
+        c, d_ = _hier(2 * b.sa.pr_muon / (e * sh.expert_fsdp), sh.expert_fsdp, sh.expert_fsdp_local)
         up_nvl, up_nic = up_nvl + a + c, up_nic + b_ + d_
     return up_nvl, up_nic
 
