@@ -66,6 +66,21 @@ CASES = {
     # Megatron's interleaved schedule needs pipeline stages (parallel_state.initialize_model_parallel raises).
     "interleaved_without_pipeline": (_with(gpus="64", pp="1", vp="2", split="[46, 47]"), k3opt.SpecError,
                                      "vp (2) needs pp > 1"),
+    # CUDA graphs, Megatron's rules (megatron/core/transformer/transformer_config.py @ d98e8a64 __post_init__).
+    "cuda_graph_modules_without_impl": (_with(recompute='"selective"', cuda_graph_modules='["attn"]'),
+                                        k3opt.SpecError, "need cuda_graph_impl"),
+    "cuda_graph_unknown_impl": (_with(cuda_graph_impl='"cudnn"'), k3opt.SpecError, "cuda_graph_impl"),
+    "cuda_graph_unknown_module": (_with(recompute='"selective"', cuda_graph_impl='"transformer_engine"',
+                                        cuda_graph_modules='["mamba"]'), k3opt.SpecError, "cuda_graph_modules"),
+    "cuda_graph_full_iteration_with_modules": (_with(cuda_graph_impl='"full_iteration"', cuda_graph_modules='["attn"]'),
+                                               k3opt.SpecError, "requires them empty under full_iteration"),
+    "cuda_graph_moe_module": (_with(recompute='"selective"', cuda_graph_impl='"local"', cuda_graph_modules='["moe"]'),
+                              k3opt.SpecError, "drop-and-pad MoE only"),
+    "cuda_graph_preprocess_without_router": (_with(recompute='"selective"', cuda_graph_impl='"transformer_engine"',
+                                                   cuda_graph_modules='["attn", "moe_preprocess"]'),
+                                             k3opt.SpecError, "needs 'moe_router' beside it"),
+    "cuda_graph_with_full_recompute": (_with(cuda_graph_impl='"transformer_engine"', cuda_graph_modules='["attn"]'),
+                                       k3opt.SpecError, "runs full recompute only under a full_iteration graph"),
     # [measured] hardware names the GPU a run ran on: a string.
     "measured_hardware_not_a_string": (REFERENCE + "[measured]\nhardware = 355\n", k3opt.SpecError,
                                        "measured.hardware: Input should be a valid string"),

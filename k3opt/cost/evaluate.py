@@ -58,6 +58,8 @@ UNPRICED = (
     "element-wise recompute work (selective recompute, fused SiTU, MoE backward rewrite) has no vector-unit roof",
     "vision-tower activations: microbatches are text-only in this model",
     "collective latency, rank skew and routing imbalance (routing is modelled uniform / forced-balanced)",
+    "host-side kernel launch: a layout is priced the same eager, partially or fully CUDA-graphed "
+    "(cuda_graph_impl), and graph capture's static buffers and private pool are not in the ledger",
 )
 
 

@@ -48,4 +48,16 @@ def layout_text(layout: Layout) -> str:
             f"split {split_text(layout.split)}"
             + (f" (Megatron layout {layout.pipeline_layout})" if layout.pipeline_layout else "")
             + f" recompute={recompute_text(layout)} "
-            f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}")
+            f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}"
+            + (f" cuda_graphs={cuda_graphs_text(layout)}" if layout.cuda_graph_impl is not None else ""))
+
+
+def cuda_graphs_text(layout: Layout) -> str:
+    """Megatron's CUDA graph setting in one word: none, full_iteration, or the per-layer impl with its modules (an
+    empty module list is the whole layer); "-" when the layout does not state it."""
+    impl = layout.cuda_graph_impl
+    if impl is None:
+        return "-"
+    if impl.value in ("none", "full_iteration"):
+        return impl.value
+    return f"{impl.value}[{','.join(m.value for m in layout.cuda_graph_modules) or 'whole layer'}]"

@@ -370,6 +370,33 @@ class RecomputeModule(StrEnum):
     """The whole dense MLP of a non-MoE layer, checkpointed at its input."""
 
 
+class CudaGraphImpl(StrEnum):
+    """Megatron's --cuda-graph-impl (megatron/core/transformer/transformer_config.py L1075 @ d98e8a64)."""
+
+    NONE = "none"
+    LOCAL = "local"
+    """MCore's CudaGraphManager: per-layer graphs over `cuda_graph_modules`."""
+    TRANSFORMER_ENGINE = "transformer_engine"
+    """TransformerEngine's make_graphed_callables: per-layer graphs over `cuda_graph_modules`."""
+    FULL_ITERATION = "full_iteration"
+    """One graph for the whole forward-backward pass (the optimizer step excluded)."""
+
+
+class CudaGraphModule(StrEnum):
+    """Megatron's --cuda-graph-modules: what a per-layer graph captures (transformer_config.py L1090-1104)."""
+
+    ATTN = "attn"
+    """TransformerLayer._forward_attention()."""
+    MLP = "mlp"
+    """The dense MLP of a non-MoE layer."""
+    MOE = "moe"
+    """The whole MoE block: drop-and-pad MoE only."""
+    MOE_ROUTER = "moe_router"
+    """The MoE block up to the router, with the shared experts when they are not overlapped with EP comm."""
+    MOE_PREPROCESS = "moe_preprocess"
+    """MoELayer.preprocess(), with moe_router only."""
+
+
 class ParamGather(StrEnum):
     """When a fully sharded group's (optim_grads_params) parameters are gathered for compute."""
 
@@ -477,6 +504,36 @@ class Measured(StrictModel):
     note: str = ""
 
 
+def _check_cuda_graphs(lay: Layout) -> None:
+    """Megatron's own rules on CUDA graph settings, one line each (megatron/core/transformer/transformer_config.py
+    @ d98e8a64, __post_init__); k3opt's MoE is dropless (token choice without a capacity factor)."""
+    impl, mods = lay.cuda_graph_impl, lay.cuda_graph_modules
+    per_layer = impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE)
+    if mods and not per_layer:
+        raise ValueError(f"cuda_graph_modules {[m.value for m in mods]} need cuda_graph_impl = "
+                         f"\"transformer_engine\" or \"local\" (got {impl.value if impl else 'none'}): Megatron "
+                         "ignores them without a per-layer graph and requires them empty under full_iteration "
+                         "(Megatron transformer_config.py L2794-2796)")
+    if len(set(mods)) != len(mods):
+        raise ValueError("cuda_graph_modules lists a module twice; name each once")
+    if CudaGraphModule.MOE in mods:
+        raise ValueError("cuda_graph_modules 'moe' captures drop-and-pad MoE only (Megatron "
+                         "transformer_config.py L2838-2844) and k3opt's MoE is dropless; capture 'moe_router' and "
+                         "'moe_preprocess' instead")
+    if CudaGraphModule.MOE_PREPROCESS in mods and CudaGraphModule.MOE_ROUTER not in mods:
+        raise ValueError("cuda_graph_modules 'moe_preprocess' needs 'moe_router' beside it (Megatron "
+                         "transformer_config.py L2821-2824); add it")
+    if per_layer and lay.activation_offload_layers:
+        raise ValueError(f"activation_offload_layers = {lay.activation_offload_layers} with cuda_graph_impl = "
+                         f"\"{impl.value}\": Megatron refuses per-layer CUDA graphs with CPU offloading "
+                         "(Megatron transformer_config.py L2800-2801); use full_iteration or drop the "
+                         "offload")
+    if per_layer and lay.recompute == Recompute.FULL:
+        raise ValueError(f"recompute = \"full\" with cuda_graph_impl = \"{impl.value}\": Megatron runs full "
+                         "recompute only under a full_iteration graph (Megatron transformer_config.py "
+                         "L2854-2858); use selective recompute or cuda_graph_impl = \"full_iteration\"")
+
+
 class Layout(StrictModel):
     """One parallel layout of a training job. `split` lists layers per chunk, p*v entries in order;
     chunk j runs on PP rank j mod p."""
@@ -553,6 +610,13 @@ class Layout(StrictModel):
     """EP token dispatcher (a key of the rates file's a2a tables: hybridep, deepep). A hierarchical dispatcher
     crosses NVLink domains once per destination domain and forwards inside it. Absent: seed 002's per-rank
     copies, and HybridEP's measured bandwidth for the achievable step time."""
+    cuda_graph_impl: CudaGraphImpl | None = None
+    """CUDA graph capture (Megatron --cuda-graph-impl): recorded, checked against Megatron's rules and exported.
+    Not priced: eager, partially and fully graphed runs of a layout get the same step time (the host-side launch
+    cost graphs remove is listed under `unpriced`). Absent: not stated, and the exports leave Megatron's default."""
+    cuda_graph_modules: list[CudaGraphModule] = Field(default_factory=list)
+    """What each per-layer graph captures (Megatron --cuda-graph-modules, Bridge model.cuda_graph_scope) under
+    cuda_graph_impl = "local" or "transformer_engine"; empty there: the whole layer."""
     source: str = ""
     """Where a measured layout's settings come from (recipe file and commit)."""
 
@@ -618,6 +682,7 @@ class Layout(StrictModel):
                              "without the activation_offload toggle; use it with pp = vp = 1, or the toggle instead")
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise ValueError("recompute_modules lists a module twice; name each once")
+        _check_cuda_graphs(self)
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
         if n % (p * c):
             raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")
@@ -821,6 +886,13 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
         cluster.dense_tflops(layout.precision)  # raises LayoutError if the cluster lacks the precision
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
+    mods = set(layout.cuda_graph_modules)
+    if model.moe is None and mods & {CudaGraphModule.MOE_ROUTER, CudaGraphModule.MOE_PREPROCESS}:
+        raise LayoutError(f"cuda_graph_modules 'moe_router' / 'moe_preprocess': {model.name} has no MoE layers "
+                          "(transformer_config.py L2825-2829); drop them")
+    if model.moe is not None and CudaGraphModule.MLP in mods and not model.dense_ffn_layers:
+        raise LayoutError(f"cuda_graph_modules 'mlp' captures dense-FFN layers and every layer of {model.name} is MoE "
+                          "(transformer_config.py L2831-2837); drop it")
 
 
 # ------------------------------------------------------------------------------------------- runtime

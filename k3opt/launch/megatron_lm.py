@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from k3opt.inputs.specs import Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute
+from k3opt.inputs.specs import CudaGraphImpl, Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute
 from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
@@ -69,6 +69,7 @@ def megatron_settings(layout: Layout, model: ModelSpec, bridge: bool = False
     _precision(out, layout)
     _activation_offload(out, layout)
     _moe_dispatch(out, layout, model)
+    _cuda_graphs(out, layout)
     _optimizer_sharding(out, layout, model, bridge, target)
     _model_facts(out, model, bridge)
     _placement_and_unswitched(out, layout, target, model)
@@ -193,6 +194,21 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
                          Setting("--moe-flex-dispatcher-backend", "model.moe_flex_dispatcher_backend", "hybridep")]
     else:
         out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
+
+
+def _cuda_graphs(out: _Decisions, lay: Layout) -> None:
+    """CUDA graph capture as the layout states it (absent: nothing, Megatron's default is none). Bridge keeps the
+    per-layer modules under model.cuda_graph_scope (its perf recipes' key at 067f987d)."""
+    if lay.cuda_graph_impl is None:
+        return
+    out.settings.append(Setting("--cuda-graph-impl", "model.cuda_graph_impl", lay.cuda_graph_impl.value))
+    if lay.cuda_graph_modules:
+        out.settings.append(Setting("--cuda-graph-modules", "model.cuda_graph_scope",
+                                    [m.value for m in lay.cuda_graph_modules]))
+    if lay.cuda_graph_impl != CudaGraphImpl.NONE:
+        out.notes.append("CUDA graphs: k3opt prices the step the same with or without them (the host launch cost "
+                         "they remove is unpriced), and the graphs' static buffers and private pool are not in the "
+                         "memory ledger: keep headroom for them")
 
 
 def _optimizer_sharding(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool, target: str) -> None:

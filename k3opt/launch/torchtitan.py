@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from k3opt.inputs.specs import Layout, ModelSpec, Recompute
+from k3opt.inputs.specs import CudaGraphImpl, Layout, ModelSpec, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
 from k3opt.launch.limits import no_switch_for
 
@@ -104,6 +104,9 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     miss.append(Missing(f"fsdp_lifecycle = {lay.fsdp_lifecycle.value}",
                         "no key: FSDP2's gradient reduce-scatter timing under a PP schedule is decided by "
                         "PyTorch's pipelining stage, not by the config; check it matches what k3opt priced"))
+    if lay.cuda_graph_impl not in (None, CudaGraphImpl.NONE):
+        miss.append(Missing(f"cuda_graph_impl = {lay.cuda_graph_impl.value}",
+                            "torchtitan's job config has no CUDA-graph switch for training; the run is eager"))
     miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
                         "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
     if kda_layers(model):

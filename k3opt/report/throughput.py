@@ -15,6 +15,7 @@ from pathlib import Path
 
 from k3opt.cost.evaluate import evaluate
 from k3opt.inputs.errors import K3optError
+from k3opt.inputs.labels import cuda_graphs_text
 from k3opt.inputs.presets import load_layout
 from k3opt.report.validate import measured_layouts as all_measured_layouts
 
@@ -52,6 +53,8 @@ class ThroughputRow:
     all-to-all) / slots - stage, ms; negative when the prediction is slower."""
     layers_per_rank: float = 0.0
     """Decoder layers per pipeline rank (L / PP), to read the GAP per layer."""
+    cuda_graphs: str = "-"
+    """The run's CUDA graph capture (k3opt.inputs.labels.cuda_graphs_text): unpriced, shown beside the error."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
             stage_ms=1e3 * st.achievable_stage_time_s,
             stage_gap_ms=1e3 * ((measured_step - st.achievable_update_time_s - st.achievable_unpaired_ep_s) / st.slots
                                 - st.achievable_stage_time_s),
-            layers_per_rank=ev.model.num_layers / lay.pp,
+            layers_per_rank=ev.model.num_layers / lay.pp, cuda_graphs=cuda_graphs_text(lay),
         ))
     if not rows:
         raise K3optError("no measured layouts with tokens_per_s_per_gpu found")
@@ -123,14 +126,14 @@ def validate_throughput(folder: Path | None = None) -> ThroughputValidation:
 def validation_table(v: ThroughputValidation) -> str:
     """A markdown table (the README shows the same)."""
     out = ["| row | model | system | GPUs | precision | measured TPS/GPU | predicted (achievable) | error | "
-           "roofline (peak) | roofline error | binding | GFLOP/token k3opt / run |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "roofline (peak) | roofline error | binding | GFLOP/token k3opt / run | CUDA graphs (unpriced) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in v.rows:
         fl = (f"{r.flops_per_token / 1e9:.1f} / {r.measured_flops_per_token / 1e9:.1f}"
               if r.measured_flops_per_token else f"{r.flops_per_token / 1e9:.1f} / -")
         out.append(f"| {r.id} | {r.model} | {r.cluster} | {r.gpus} | {r.precision} | {r.measured_tps_per_gpu:,.0f} | "
                    f"{r.predicted_tps_per_gpu:,.0f} | {r.error_pct:+.1f}% | {r.roofline_tps_per_gpu:,.0f} | "
-                   f"{r.roofline_error_pct:+.1f}% | {r.binding} | {fl} |")
+                   f"{r.roofline_error_pct:+.1f}% | {r.binding} | {fl} | {r.cuda_graphs} |")
     out.append("")
     out.append(f"Mean absolute error (achievable): {v.mean_abs_error_pct:.1f}%; largest: {v.max_abs_error_pct:.1f}%; "
                f"peak roofline: {v.roofline_mean_abs_error_pct:.1f}%.")

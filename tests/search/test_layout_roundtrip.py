@@ -9,8 +9,10 @@ from k3opt.inputs.specs import Dtype, FsdpLifecycle, Job, Precision, Recompute, 
 from k3opt.search.frames import frame_of, layout_of
 
 # Every field set away from its default; `measured` and `source` describe a measurement, not a layout to price.
-NOT_PRICED = {"measured", "source", "pipeline_layout"}
-"""`pipeline_layout` spells the split in Megatron's syntax; the split it sets is what the search types carry."""
+NOT_PRICED = {"measured", "source", "pipeline_layout", "cuda_graph_impl", "cuda_graph_modules"}
+"""`pipeline_layout` spells the split in Megatron's syntax; the split it sets is what the search types carry. The CUDA
+graph settings are recorded and exported, not priced (k3opt.cost.evaluate.UNPRICED): the search does not choose them,
+so its types do not carry them."""
 
 
 def _unusual_layout() -> k3opt.Layout:
