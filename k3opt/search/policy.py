@@ -136,8 +136,8 @@ class SearchPolicy:
     front's configurations."""
 
     region_descents: int = 2
-    """A region's search first brings this many of the front's points over its cap under it, the leanest first
-    (search/incumbents.cap_descent)."""
+    """A region's search first brings this many of the front's points over its cap under it (search/incumbents.
+    cap_descent): the leanest, then the fastest of the others."""
 
     region_descent_s: float = 4.0
     """Seconds each of those descents may take (about a hundred evaluate() calls per change on K3 PP8 VP4)."""
