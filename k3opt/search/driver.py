@@ -954,11 +954,7 @@ class _Search:
         # not find them again. The leanest over the cap has the fewest bytes to shed; the fastest is the other start
         # (K3 PP8 VP4 under 108.96 GiB: 18.624 s at 108.72 GiB from the 18.631-s point at 109.96, where the leaner
         # points between them descend to 18.71 s and slower).
-        above = sorted((it for it in known if not fits(job, it.evaluation)), key=lambda it: it.peak_bytes)
-        starts = above[:max(POLICY.region_descents - 1, 0)]
-        rest = [it for it in above if all(it is not s for s in starts)]
-        starts += sorted(rest, key=lambda it: it.rank_time_s)[:POLICY.region_descents - len(starts)]
-        for it in starts:
+        for it in descent_starts([it for it in known if not fits(job, it.evaluation)], POLICY.region_descents):
             got = cap_descent(job, it, self.model, self.cluster, _time.monotonic() + POLICY.region_descent_s,
                               stop=sub._flag)
             known = known + ([got] if got is not None else [])
@@ -998,6 +994,14 @@ class _Search:
                                                                          self.queue.top().peak, k_item, self.gap))
         done = not (self.timed_out or self.interrupted) and (within_gap(k, bound, self.gap) or closed)
         return "OPTIMAL" if done and proven_gap <= self.gap + tol + 1e-12 else "FEASIBLE"
+
+
+def descent_starts(above: list[PlanItem], n: int) -> list[PlanItem]:
+    """The points over a region's cap its search first brings under it (at most n): the leanest (the fewest bytes to
+    shed), then the fastest of the others."""
+    lean = sorted(above, key=lambda it: it.peak_bytes)
+    first = lean[:min(1, n)]
+    return first + sorted(lean[len(first):], key=lambda it: it.rank_time_s)[:max(n - len(first), 0)]
 
 
 def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:

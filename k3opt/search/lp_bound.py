@@ -473,9 +473,12 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: fl
     memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
     kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
     93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
-    to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection."""
+    to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection.
+    inf when the ranks' `most` layers add up to fewer than L."""
     need = tuple(int(n) for n in rank_least(least_or_one(least, p * v), p))
     cap = tuple(min(int(n), L) for n in most) if most else (L,) * p
+    if sum(cap) < L:
+        return math.inf  # the ranks' most layers cannot hold the model's L: no layout deals them at any stage
     key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need, cap)
     hit = _GRANULAR.get(key)
     if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):

@@ -135,3 +135,17 @@ def test_the_region_under_a_point_starts_one_step_under_its_peak():
     assert _cap_below(point, GIB) == 99 * GIB + 3 * mib
     assert _cap_below(point, mib) == 100 * GIB + 2 * mib
 
+
+
+def test_region_descents_start_from_the_leanest_and_the_fastest_over_the_cap():
+    # Four points over a region's cap (peak GiB, step s): the leanest has the fewest bytes to shed, the fastest is
+    # often the one whose own frame holds the region's best layout; the two between them are neither.
+    from types import SimpleNamespace
+
+    from k3opt.search.driver import descent_starts
+
+    pts = [SimpleNamespace(peak_bytes=p * GIB, rank_time_s=t) for p, t in
+           ((109.0, 18.72), (110.0, 18.63), (109.5, 18.70), (109.2, 18.71))]
+    assert [(it.peak_bytes / GIB, it.rank_time_s) for it in descent_starts(pts, 2)] == [(109.0, 18.72), (110.0, 18.63)]
+    assert [it.peak_bytes / GIB for it in descent_starts(pts, 1)] == [109.0]
+    assert descent_starts(pts, 0) == [] and descent_starts([], 2) == []

@@ -211,3 +211,13 @@ def test_a_keys_base_bytes_do_not_cap_its_leaner_variants():
     for line in (7.3, 7.4, math.inf):
         assert tight_node_bound(job, f, rc, lc, model, cluster, stop_at=line) <= ev.step.rank_time_s
         assert group_node_bound(job, members, rc, lc, model, cluster, stop_at=line) <= ev.step.rank_time_s
+
+
+def test_ranks_that_cannot_hold_every_layer_have_no_stage():
+    # 7 equal layers over 3 ranks whose memory lets them hold at most 2, 2 and 2 layers: 6 < 7, so no dealing
+    # exists at any stage (the bound is inf, the setting has no layout); with 3, 2, 2 the 7 fit and the slowest
+    # rank holds 3 layers, 3 ms.
+    L = 7
+    t = {"tensor": np.array([1.0] * L + [0.0, 0.0]) * 1e-3}
+    assert granular_stage(t, L, 3, 1, most=(2, 2, 2)) == math.inf
+    assert granular_stage(t, L, 3, 1, most=(3, 2, 2)) == pytest.approx(3e-3, rel=1e-6)
