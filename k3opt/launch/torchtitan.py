@@ -39,6 +39,14 @@ def chunk_fqns(layout: Layout) -> list[list[str]]:
     return parts
 
 
+def _cuda_graphs_missing(lay: Layout) -> list[Missing]:
+    """A stated CUDA graph capture: torchtitan's job config (TORCHTITAN_TOML_COMMIT) has no switch for it."""
+    if lay.cuda_graph_impl in (None, CudaGraphImpl.NONE):
+        return []
+    return [Missing(f"cuda_graph_impl = {lay.cuda_graph_impl.value}",
+                    "torchtitan's job config has no CUDA-graph switch for training; the run is eager")]
+
+
 def export(layout: Layout, model: ModelSpec) -> Launch:
     """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
     lay = layout
@@ -104,9 +112,7 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     miss.append(Missing(f"fsdp_lifecycle = {lay.fsdp_lifecycle.value}",
                         "no key: FSDP2's gradient reduce-scatter timing under a PP schedule is decided by "
                         "PyTorch's pipelining stage, not by the config; check it matches what k3opt priced"))
-    if lay.cuda_graph_impl not in (None, CudaGraphImpl.NONE):
-        miss.append(Missing(f"cuda_graph_impl = {lay.cuda_graph_impl.value}",
-                            "torchtitan's job config has no CUDA-graph switch for training; the run is eager"))
+    miss += _cuda_graphs_missing(lay)
     miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
                         "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
     if kda_layers(model):
