@@ -39,7 +39,9 @@ def test_the_shipped_presets_are_the_ones_with_spec_sheets():
     assert preset_names("job") == ["k3-512-128k", "k3-512-32k", "k3-512-4k"]
     # Measured layouts are validated row by row (test_memory_kinds.py, test_throughput_validation.py).
     assert "k3-gb200-512-reference" in preset_names("measured layout")
-    assert preset_names("runtime") == ["megatron-te-hybridep-gb200", "megatron-te-hybridep-gb200-expandable"]
+    assert preset_names("runtime") == ["megatron-te-hybridep-gb200", "megatron-te-hybridep-gb200-expandable",
+                                       "megatron-te-hybridep-gb200-expandable-nvls-off",
+                                       "megatron-te-hybridep-gb200-nvls-off"]
     assert preset_names("rates") == ["b200", "gb200-nvl72", "gb300-nvl72"]
 
 

@@ -18,17 +18,18 @@ def test_every_measured_run_has_a_fit_row_on_its_device_line():
     assert ref.hbm_gib == pytest.approx(189_471 / 1024, abs=1e-9) and ref.fits
     assert ref.device_gib == pytest.approx(132.83, abs=0.005)
     # a layout naming no runtime is judged with its cluster's default (GB200: the HybridEP runtime), B200 has none;
-    # one naming a runtime (MB-13's recipe runs expandable segments) is judged with it
-    assert rows["MB-18"].runtime == "megatron-te-hybridep-gb200" and rows["MB-14"].runtime == "none"
-    assert rows["MB-13"].runtime == "megatron-te-hybridep-gb200-expandable"
+    # one naming a runtime (MB-13's recipe runs expandable segments, and NVLS off) is judged with it
+    assert rows["k3-4layer-dist-muon-8gpu"].runtime == "megatron-te-hybridep-gb200" and rows["MB-14"].runtime == "none"
+    assert rows["MB-13"].runtime == "megatron-te-hybridep-gb200-expandable-nvls-off"
 
 
 def test_expandable_segments_bring_mb13_under_its_hbm():
     """MB-13's allocated peak is the same under both runtimes; reserved = allocated x (1 + slack): 13.33% without
-    expandable segments took it over GB200's 185 GiB, the 3.4% measured with them (as its recipe runs) does not."""
+    expandable segments took it over GB200's 185 GiB, the 3.4% measured with them (as its recipe runs) does not.
+    Both runtimes have NVLS off, as the run had, so the slack is their only difference."""
     lay = k3opt.load_layout("mb-13-deepseek-v3-gb200")
     es = k3opt.evaluate(lay)
-    plain = k3opt.evaluate(lay, runtime="megatron-te-hybridep-gb200")
+    plain = k3opt.evaluate(lay, runtime="megatron-te-hybridep-gb200-nvls-off")
     a, b = max(es.ranks, key=lambda r: r.device_bytes), max(plain.ranks, key=lambda r: r.device_bytes)
     assert a.allocated_bytes == b.allocated_bytes
     assert es.fits and not plain.fits
@@ -85,3 +86,18 @@ def test_the_measured_layouts_carry_their_recipes_optimizer_settings():
         state = k3opt.load_model(lay.model).optimizer.state_of(lay.optimizer_state_dtype)
         assert state.value == ("bf16" if "deepseek" in name else "fp32"), name
     assert k3opt.load_layout("mb-21-kimi-k2-gb300").optimizer_shard_granularity.value == "tensor"
+
+
+def test_nvls_off_drops_only_the_nvls_buffers():
+    # NCCL_NVLS_ENABLE=0 (the Bridge performance runs' setting): NCCL sets up no NVLS buffers, so the device line
+    # loses exactly the runtime's nccl_nvls item and nothing else moves (allocated and reserved are inside PyTorch).
+    lay = k3opt.load_layout("mb-2-llama3-70b-gb200")
+    on = k3opt.evaluate(lay, runtime="megatron-te-hybridep-gb200")
+    off = k3opt.evaluate(lay)
+    assert lay.runtime == "megatron-te-hybridep-gb200-nvls-off"
+    a, b = on.ranks[0], off.ranks[0]
+    assert a.allocated_bytes == b.allocated_bytes and a.reserved_bytes == b.reserved_bytes
+    on_items = {m.key: m.bytes for m in a.memory_items}
+    off_items = {m.key: m.bytes for m in b.memory_items}
+    assert on_items["nccl_nvls"] > 0 and off_items["nccl_nvls"] == 0
+    assert a.device_bytes - b.device_bytes == on_items["nccl_nvls"]
