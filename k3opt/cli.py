@@ -26,7 +26,7 @@ from k3opt.inputs.runtime import planning_runtime
 from k3opt.inputs.specs import Job
 from k3opt.inputs.sweep import load_sweep
 from k3opt.launch import check_format, limit_text, to_launch
-from k3opt.planner import LimitPrice, binding_limits, limit_price
+from k3opt.planner import MIN_TIME_LIMIT_S, LimitPrice, binding_limits, limit_price
 from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
 from k3opt.report.live import LiveProgress, SweepLive
@@ -187,7 +187,7 @@ _plan_options = [
     click.option("--gpus", type=click.IntRange(min=1), multiple=True,
                  help="Override the job's GPU count (repeat for a capacity sweep)."),
     click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to rank."),
-    click.option("--time-limit", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
+    click.option("--time-limit", type=click.FloatRange(min=MIN_TIME_LIMIT_S), default=300.0, show_default=True,
                  help="Seconds for the whole search; when it stops early the status is FEASIBLE with the gap."),
     click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
                  help="CP-SAT threads; with 2 or more the bounds before the solves also run ahead in a second "
@@ -336,7 +336,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     if plot_path:
         _check_png(plot_path)
     j = _load_job(job, gpus)
-    limit = max(0.1, time_limit - _command_seconds() - _OUTPUT_RESERVE_S)
+    limit = max(MIN_TIME_LIMIT_S, time_limit - _command_seconds() - _OUTPUT_RESERVE_S)
     with LiveProgress(not as_json, "pareto") as live:
         result = run_pareto(j, top=top, time_limit=limit, workers=workers, step_gib=step_gib,
                             progress=live.callback, gap=gap)
@@ -392,7 +392,7 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
                    "(needs k3opt[ray]).")
 @click.option("--top", type=click.IntRange(min=1), default=1, show_default=True,
               help="Layouts per point: the best and the next K-1.")
-@click.option("--time-limit", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+@click.option("--time-limit", type=click.FloatRange(min=MIN_TIME_LIMIT_S), default=60.0, show_default=True,
               help="Seconds per point's plan.")
 @click.option("--gap", type=click.FloatRange(min=0.0, max=1.0), default=0.01, show_default=True,
               help="Relative gap at which each plan stops and reports OPTIMAL.")
@@ -454,7 +454,7 @@ def _plan_free(j: Job, deadline: float, share: float, workers: int, gap: float, 
     """The plan of `j` without its launch target's limits, in `share` of the time left before `deadline`."""
     with LiveProgress(not as_json, f"plan without the {j.target} limits") as live:
         return run_plan(j.model_copy(update={"target": None}), top=1,
-                        time_limit=max(0.1, (deadline - time.monotonic()) * share), workers=workers,
+                        time_limit=max(MIN_TIME_LIMIT_S, (deadline - time.monotonic()) * share), workers=workers,
                         progress=live.callback, gap=gap)
 
 

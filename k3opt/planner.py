@@ -19,6 +19,10 @@ from k3opt.search.driver import DEFAULT_GAP
 from k3opt.search.progress import ProgressFn
 from k3opt.search.result import Plan, PlanItem
 
+MIN_TIME_LIMIT_S = 0.1
+"""The least time limit a search is given, and the least --time-limit the CLI accepts: a limit used up by a wider
+request or a command's start-up starts the search with this, never with a zero or negative limit."""
+
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          *, time_limit: float = 60.0, workers: int = 2, progress: ProgressFn | None = None,
@@ -147,7 +151,7 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     deadline = _time.monotonic() + kwargs["time_limit"]
     while True:
         res = search_plan(narrowed, model=m, cluster=c, top=ask,
-                          **{**kwargs, "time_limit": max(deadline - _time.monotonic(), 0.1)})
+                          **{**kwargs, "time_limit": max(deadline - _time.monotonic(), MIN_TIME_LIMIT_S)})
         ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m, lifted)]
         exhausted = len(res.layouts) < ask
         # Past OPTIMAL a wider request costs another search; it is made only while nothing runnable is found.
