@@ -520,7 +520,9 @@ def _check_cuda_graphs(lay: Layout) -> None:
         raise ValueError("cuda_graph_modules 'moe' captures drop-and-pad MoE only (Megatron "
                          "transformer_config.py L2838-2844) and k3opt's MoE is dropless; capture 'moe_router' and "
                          "'moe_preprocess' instead")
-    if CudaGraphModule.MOE_PREPROCESS in mods and CudaGraphModule.MOE_ROUTER not in mods:
+    # Under "local" Megatron adds moe_router beside moe_preprocess itself (L2804-2815); TE's graphs need both named.
+    if impl == CudaGraphImpl.TRANSFORMER_ENGINE and CudaGraphModule.MOE_PREPROCESS in mods \
+            and CudaGraphModule.MOE_ROUTER not in mods:
         raise ValueError("cuda_graph_modules 'moe_preprocess' needs 'moe_router' beside it (Megatron "
                          "transformer_config.py L2821-2824); add it")
     if per_layer and lay.activation_offload_layers:
@@ -528,6 +530,13 @@ def _check_cuda_graphs(lay: Layout) -> None:
                          f"\"{impl.value}\": Megatron refuses per-layer CUDA graphs with CPU offloading "
                          "(Megatron transformer_config.py L2800-2801); use full_iteration or drop the "
                          "offload")
+    if impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.FULL_ITERATION) and lay.toggles.activation_offload:
+        # k3opt's activation offload exports attention modules to --offload-modules; "local" graphs take only the
+        # expert ones, full_iteration needs an in-flight offload count the exports do not set (L2929-2975).
+        raise ValueError(f"the activation_offload toggle with cuda_graph_impl = \"{impl.value}\": Megatron runs "
+                         "fine-grained activation offloading of attention modules only beside transformer_engine "
+                         "graphs (Megatron transformer_config.py L2929-2975); use cuda_graph_impl = "
+                         "\"transformer_engine\" or turn the toggle off")
     if per_layer and lay.recompute == Recompute.FULL:
         raise ValueError(f"recompute = \"full\" with cuda_graph_impl = \"{impl.value}\": Megatron runs full "
                          "recompute only under a full_iteration graph (Megatron transformer_config.py "
@@ -890,6 +899,16 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
     if model.moe is None and mods & {CudaGraphModule.MOE_ROUTER, CudaGraphModule.MOE_PREPROCESS}:
         raise LayoutError(f"cuda_graph_modules 'moe_router' / 'moe_preprocess': {model.name} has no MoE layers "
                           "(transformer_config.py L2825-2829); drop them")
+    impl = layout.cuda_graph_impl
+    whole = impl == CudaGraphImpl.FULL_ITERATION or (
+        impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE) and not mods)
+    if model.moe is not None and whole:
+        # A dropless MoE layer's dispatch syncs the host on its token counts; only a capacity factor (which k3opt's
+        # dropless routing has not) makes the layer capturable.
+        raise LayoutError(f"cuda_graph_impl = \"{impl.value}\" captures {model.name}'s MoE layers whole, and dropless "
+                          "MoE dispatch has dynamic shapes that cannot be captured (Megatron-LM "
+                          "docs/user-guide/features/cuda_graph.md L161); name per-layer cuda_graph_modules such as "
+                          "[\"attn\", \"moe_router\", \"moe_preprocess\"]")
     if model.moe is not None and CudaGraphModule.MLP in mods and not model.dense_ffn_layers:
         raise LayoutError(f"cuda_graph_modules 'mlp' captures dense-FFN layers and every layer of {model.name} is MoE "
                           "(transformer_config.py L2831-2837); drop it")

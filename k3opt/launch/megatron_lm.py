@@ -201,11 +201,22 @@ def _cuda_graphs(out: _Decisions, lay: Layout) -> None:
     per-layer modules under model.cuda_graph_scope (its perf recipes' key at 067f987d)."""
     if lay.cuda_graph_impl is None:
         return
-    out.settings.append(Setting("--cuda-graph-impl", "model.cuda_graph_impl", lay.cuda_graph_impl.value))
+    impl = lay.cuda_graph_impl
+    out.settings.append(Setting("--cuda-graph-impl", "model.cuda_graph_impl", impl.value))
     if lay.cuda_graph_modules:
         out.settings.append(Setting("--cuda-graph-modules", "model.cuda_graph_scope",
                                     [m.value for m in lay.cuda_graph_modules]))
-    if lay.cuda_graph_impl != CudaGraphImpl.NONE:
+    elif impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
+        # The whole layer: Megatron-LM's default; a Bridge recipe may carry its own scope, so clear it.
+        out.settings.append(Setting(None, "model.cuda_graph_scope", []))
+    if impl != CudaGraphImpl.NONE:
+        # Bridge asserts TE's RNG tracker under any CUDA graph (models/gpt_provider.py L233-238); Megatron-LM sets it.
+        out.settings.append(Setting(None, "model.use_te_rng_tracker", True))
+    if impl == CudaGraphImpl.FULL_ITERATION:
+        # Megatron-LM training/arguments.py L1235-1237, Bridge training/config.py L1508-1512: no NaN check in the graph.
+        out.settings.append(Setting("--no-check-for-nan-in-loss-and-grad", "rerun_state_machine.check_for_nan_in_loss",
+                                    True, bridge_value=False))
+    if impl != CudaGraphImpl.NONE:
         out.notes.append("CUDA graphs: k3opt prices the step the same with or without them (the host launch cost "
                          "they remove is unpriced), and the graphs' static buffers and private pool are not in the "
                          "memory ledger: keep headroom for them")

@@ -43,12 +43,30 @@ def test_exports_write_megatrons_names():
     assert any("cuda_graph_impl = transformer_engine" in m.decision for m in tt.missing)
 
 
-def test_full_iteration_exports_no_modules_and_unstated_exports_nothing():
-    lay = _with(_measured("mb-13-deepseek-v3-gb200.toml"), cuda_graph_impl="full_iteration", cuda_graph_modules=[])
-    lm = dict(to_launch(lay, "megatron-lm", "deepseek-v3").settings)
+def test_full_iteration_exports_its_companion_switches_and_unstated_exports_nothing():
+    # Llama 3 70B is dense, so a full-iteration graph can capture it. Megatron-LM asserts the NaN check off under it
+    # (training/arguments.py L1235-1237), Bridge the same (training/config.py L1508-1512) and TE's RNG tracker on
+    # under any graph (models/gpt_provider.py L233-238).
+    lay = _with(_measured("mb-1-llama3-70b-gb300.toml"), cuda_graph_impl="full_iteration")
+    lm = dict(to_launch(lay, "megatron-lm", "llama3-70b").settings)
     assert lm["--cuda-graph-impl"] == "full_iteration" and "--cuda-graph-modules" not in lm
+    assert lm["--no-check-for-nan-in-loss-and-grad"] == ""
+    bridge = dict(to_launch(lay, "megatron-bridge", "llama3-70b").settings)
+    assert bridge["rerun_state_machine.check_for_nan_in_loss"] == "false"
+    assert bridge["model.use_te_rng_tracker"] == "true"
     plain = _with(lay, cuda_graph_impl=None)
-    assert not any("cuda-graph" in k for k in dict(to_launch(plain, "megatron-lm", "deepseek-v3").settings))
+    assert not any("cuda-graph" in k for k in dict(to_launch(plain, "megatron-lm", "llama3-70b").settings))
+    assert "model.use_te_rng_tracker" not in dict(to_launch(plain, "megatron-bridge", "llama3-70b").settings)
+
+
+def test_a_whole_layer_graph_clears_a_recipe_s_scope_on_bridge():
+    # Per-layer graphs with no module named capture the whole layer: Megatron-LM's default needs no flag, but a
+    # Bridge recipe may carry its own scope list, so the export writes an empty one.
+    lay = _with(_measured("mb-1-llama3-70b-gb300.toml"), activation_offload_layers=0,
+                cuda_graph_impl="transformer_engine")
+    bridge = dict(to_launch(lay, "megatron-bridge", "llama3-70b").settings)
+    assert bridge["model.cuda_graph_scope"] == "[]"
+    assert "--cuda-graph-modules" not in dict(to_launch(lay, "megatron-lm", "llama3-70b").settings)
 
 
 def test_unpriced_names_the_host_launch_cost():
@@ -79,3 +97,34 @@ def test_per_layer_graphs_with_cpu_offloading_are_refused():
     with pytest.raises(ValueError, match="refuses per-layer CUDA graphs with CPU offloading"):
         _with(lay, cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"])
     assert _with(lay, cuda_graph_impl="full_iteration").cuda_graph_impl == "full_iteration"
+
+
+@pytest.mark.parametrize("impl, modules", [("full_iteration", []), ("transformer_engine", []), ("local", [])])
+def test_graphs_that_capture_a_dropless_moe_layer_whole_are_refused(impl, modules):
+    # Megatron-LM docs/user-guide/features/cuda_graph.md L161: MoE expert dispatch has dynamic shapes and cannot be
+    # captured, so a DeepSeek-V3 layout may graph its layers only by module.
+    lay = _with(_measured("mb-13-deepseek-v3-gb200.toml"), cuda_graph_impl=impl, cuda_graph_modules=modules)
+    with pytest.raises(k3opt.LayoutError, match="cannot be captured"):
+        k3opt.evaluate(lay)
+
+
+def test_local_graphs_take_moe_preprocess_alone():
+    # Under "local" Megatron adds moe_router beside moe_preprocess itself (transformer_config.py L2805-2815); only
+    # TE's graphs need both named.
+    lay = _with(_measured("mb-20-qwen3-30b-a3b-gb200.toml"), cuda_graph_impl="local",
+                cuda_graph_modules=["moe_preprocess"])
+    assert k3opt.evaluate(lay).step.achievable_step_time_s > 0
+    with pytest.raises(ValueError, match="needs 'moe_router' beside it"):
+        _with(lay, cuda_graph_impl="transformer_engine")
+
+
+def test_activation_offload_beside_local_or_full_iteration_graphs_is_refused():
+    # k3opt's activation offload exports attention modules to --offload-modules: Megatron takes them beside
+    # transformer_engine graphs only (transformer_config.py L2929-2975).
+    lay = _with(_measured("mb-20-qwen3-30b-a3b-gb200.toml"), recompute="selective")
+    on = {**lay.toggles.model_dump(), "activation_offload": True}
+    ok = _with(lay, toggles=on)
+    assert ok.cuda_graph_impl == "transformer_engine"
+    for impl, mods in (("local", ["attn"]), ("full_iteration", [])):
+        with pytest.raises(ValueError, match="fine-grained activation offloading of attention modules"):
+            _with(ok, cuda_graph_impl=impl, cuda_graph_modules=mods)
