@@ -152,10 +152,15 @@ def activation_moments(concurrent: bool) -> tuple[tuple[Moment, ...], ...]:
     return ((Moment.HELD, Moment.LAYER), (Moment.HELD, Moment.LOSS))
 
 
+def _group_bytes(values: dict[str, float], group: tuple[Moment, ...]) -> float:
+    """The ledger `values` of the activation terms live at the moments of `group`."""
+    return sum(values[k] for mo in group for k in MOMENT_TERMS[mo])
+
+
 def activation_phase_bytes(values: dict[str, float], concurrent: bool) -> float:
     """The activation phase of one rank from its ledger `values`: held + the larger of a layer's transients and the
     loss's logits, or all three under the EP overlap schedule (`activation_moments`)."""
-    return max(sum(values[k] for mo in group for k in MOMENT_TERMS[mo]) for group in activation_moments(concurrent))
+    return max(_group_bytes(values, group) for group in activation_moments(concurrent))
 
 
 def least_transient(layer: float | np.ndarray, loss: float | np.ndarray) -> float | np.ndarray:
@@ -167,7 +172,7 @@ def least_transient(layer: float | np.ndarray, loss: float | np.ndarray) -> floa
 
 def binding_activation_terms(values: dict[str, float], concurrent: bool) -> tuple[str, ...]:
     """The activation terms of the group that makes the phase (what a stacked ledger draws)."""
-    group = max(activation_moments(concurrent), key=lambda g: sum(values[k] for mo in g for k in MOMENT_TERMS[mo]))
+    group = max(activation_moments(concurrent), key=lambda g: _group_bytes(values, g))
     return tuple(k for k in ACTIVATION if TERMS[k].moment in group)
 
 

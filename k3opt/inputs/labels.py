@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k3opt.inputs.specs import TOGGLE_NAMES, Layout
+from k3opt.inputs.specs import PER_LAYER_GRAPHS, TOGGLE_NAMES, Layout
 
 
 def split_text(split: list[int] | tuple[int, ...]) -> str:
@@ -58,6 +58,6 @@ def cuda_graphs_text(layout: Layout) -> str:
     impl = layout.cuda_graph_impl
     if impl is None:
         return "-"
-    if impl.value in ("none", "full_iteration"):
+    if impl not in PER_LAYER_GRAPHS:
         return impl.value
     return f"{impl.value}[{','.join(m.value for m in layout.cuda_graph_modules) or 'whole layer'}]"

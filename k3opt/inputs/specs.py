@@ -382,6 +382,10 @@ class CudaGraphImpl(StrEnum):
     """One graph for the whole forward-backward pass (the optimizer step excluded)."""
 
 
+PER_LAYER_GRAPHS = frozenset({CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE})
+"""The implementations that graph each layer over `cuda_graph_modules` (an empty list: the whole layer)."""
+
+
 class CudaGraphModule(StrEnum):
     """Megatron's --cuda-graph-modules: what a per-layer graph captures (transformer_config.py L1090-1104)."""
 
@@ -508,7 +512,7 @@ def _check_cuda_graphs(lay: Layout) -> None:
     """Megatron's own rules on CUDA graph settings, one line each (megatron/core/transformer/transformer_config.py
     @ d98e8a64, __post_init__); k3opt's MoE is dropless (token choice without a capacity factor)."""
     impl, mods = lay.cuda_graph_impl, lay.cuda_graph_modules
-    per_layer = impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE)
+    per_layer = impl in PER_LAYER_GRAPHS
     if mods and not per_layer:
         raise ValueError(f"cuda_graph_modules {[m.value for m in mods]} need cuda_graph_impl = "
                          f"\"transformer_engine\" or \"local\" (got {impl.value if impl else 'none'}): Megatron "
@@ -900,8 +904,7 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
         raise LayoutError(f"cuda_graph_modules 'moe_router' / 'moe_preprocess': {model.name} has no MoE layers "
                           "(transformer_config.py L2825-2829); drop them")
     impl = layout.cuda_graph_impl
-    whole = impl == CudaGraphImpl.FULL_ITERATION or (
-        impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE) and not mods)
+    whole = impl == CudaGraphImpl.FULL_ITERATION or (impl in PER_LAYER_GRAPHS and not mods)
     if model.moe is not None and whole:
         # A dropless MoE layer's dispatch syncs the host on its token counts; only a capacity factor (which k3opt's
         # dropless routing has not) makes the layer capturable.

@@ -11,7 +11,16 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from k3opt.inputs.specs import CudaGraphImpl, Dtype, FsdpLifecycle, Layout, ModelSpec, ParamGather, Recompute
+from k3opt.inputs.specs import (
+    PER_LAYER_GRAPHS,
+    CudaGraphImpl,
+    Dtype,
+    FsdpLifecycle,
+    Layout,
+    ModelSpec,
+    ParamGather,
+    Recompute,
+)
 from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
@@ -206,20 +215,20 @@ def _cuda_graphs(out: _Decisions, lay: Layout) -> None:
     if lay.cuda_graph_modules:
         out.settings.append(Setting("--cuda-graph-modules", "model.cuda_graph_scope",
                                     [m.value for m in lay.cuda_graph_modules]))
-    elif impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
+    elif impl in PER_LAYER_GRAPHS:
         # The whole layer: Megatron-LM's default; a Bridge recipe may carry its own scope, so clear it.
         out.settings.append(Setting(None, "model.cuda_graph_scope", []))
-    if impl != CudaGraphImpl.NONE:
-        # Bridge asserts TE's RNG tracker under any CUDA graph (models/gpt_provider.py L233-238); Megatron-LM sets it.
-        out.settings.append(Setting(None, "model.use_te_rng_tracker", True))
+    if impl == CudaGraphImpl.NONE:
+        return
+    # Bridge asserts TE's RNG tracker under any CUDA graph (models/gpt_provider.py L233-238); Megatron-LM sets it.
+    out.settings.append(Setting(None, "model.use_te_rng_tracker", True))
     if impl == CudaGraphImpl.FULL_ITERATION:
         # Megatron-LM training/arguments.py L1235-1237, Bridge training/config.py L1508-1512: no NaN check in the graph.
         out.settings.append(Setting("--no-check-for-nan-in-loss-and-grad", "rerun_state_machine.check_for_nan_in_loss",
                                     True, bridge_value=False))
-    if impl != CudaGraphImpl.NONE:
-        out.notes.append("CUDA graphs: k3opt prices the step the same with or without them (the host launch cost "
-                         "they remove is unpriced), and the graphs' static buffers and private pool are not in the "
-                         "memory ledger: keep headroom for them")
+    out.notes.append("CUDA graphs: k3opt prices the step the same with or without them (the host launch cost "
+                     "they remove is unpriced), and the graphs' static buffers and private pool are not in the "
+                     "memory ledger: keep headroom for them")
 
 
 def _optimizer_sharding(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool, target: str) -> None:

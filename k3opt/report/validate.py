@@ -107,8 +107,10 @@ def fit_rows(folder: str | Path | None = None) -> list[FitRow]:
         runtime = layout.runtime or cluster.default_runtime or NO_RUNTIME
         ev = evaluate(layout, cluster=cluster, runtime=runtime)
         hardware = layout.measured.hardware if layout.measured else None
-        worst = max(ev.ranks, key=lambda r: r.device_bytes - (r.reserved_bytes - r.allocated_bytes))
-        floor = worst.device_bytes - (worst.reserved_bytes - worst.allocated_bytes)
+        # Per rank, the device line less the allocator slack (reserved beyond allocated); the worst rank's.
+        floors = {r.rank: r.device_bytes - (r.reserved_bytes - r.allocated_bytes) for r in ev.ranks}
+        worst = max(ev.ranks, key=lambda r: floors[r.rank])
+        floor = floors[worst.rank]
         rows.append(FitRow(layout.name or path.stem, ev.model.name, cluster.name, runtime,
                            ev.peak_device_bytes / GIB, cluster.hbm_bytes / GIB, hardware, floor / GIB,
                            worst.allocated_bytes / GIB))
