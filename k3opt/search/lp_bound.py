@@ -10,12 +10,15 @@ entropy: global decisions), each with that variant's own work and bytes; the bou
 the mean load, 18.12 s, when every fitting layout needs full-recompute-like savings: 20.7 s.)
 
 - time: each rank's per-microbatch work on every resource is the sum of its layers' work, the first-chunk edge on
-  rank 0, the last-chunk edge on rank p - 1, and a floor on its PP packets (`_packet_floor`). The update is the
-  same sum of per-layer update work. The replayed schedule (`StepTime.rank_time_s` ranks by the larger of the step
-  formula and the replay): each chunk's replayed time is bounded below as in the node model (`_replay_terms`) and
-  every replay path of `replay_bound` bounds the makespan. Objective: max((M + (p - 1)/v) x the slowest rank,
-  replay) + the slowest rank's update + the excess of its update communication over `update_hidden_stages` x
-  the slowest rank (`schedule_slots`, as in the node model).
+  rank 0, the last-chunk edge on rank p - 1, and its PP packets: at least their shallowest (`_packet_floor`), and
+  each packet's open AttnRes streams, linear in the closing layers of the chunks before its boundary
+  (`_packet_stream_rows`). The update is the same sum of per-layer update work. The replayed schedule
+  (`StepTime.rank_time_s` ranks by the larger of the step formula and the replay): each chunk's replayed time is
+  bounded below as in the node model (`_replay_terms`) and by a share of its work (`_share_ratio`), and every
+  replay path of `replay_bound` bounds the makespan; the path longest at the program's own chunk times joins them
+  and the program is solved again, up to `SearchPolicy.lp_path_rounds` times (`_violated_path`). Objective:
+  max((M + (p - 1)/v) x the slowest rank, replay) + the slowest rank's update + the excess of its update
+  communication over `update_hidden_stages` x the slowest rank (`schedule_slots`, as in the node model).
 - memory: every rank's activation phase for every in-flight composition it passes through (persistent bytes of
   its layers + count x saved bytes of each chunk's layers + the smallest working set + the packets and expert
   buffers every such rank must hold + the AttnRes bank and the packets' open residual streams, both linear in the
@@ -54,7 +57,7 @@ from ortools.sat.python import cp_model
 
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
 from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes
-from k3opt.cost.schedule import schedule_slots
+from k3opt.cost.schedule import critical_path, schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
 from k3opt.inputs.toggles import ToggleKind
@@ -165,7 +168,8 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                          cluster: ClusterSpec, stop_at: float = math.inf,
-                         members: tuple[Frame, ...] | None = None, deadline: float = math.inf) -> float:
+                         members: tuple[Frame, ...] | None = None, deadline: float = math.inf,
+                         separate: bool = False) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
@@ -180,7 +184,12 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     members (`_merge`), the budget the largest, the modes every member's undominated ones, so the program relaxes
     the node (rc, lc) of every member. The schedule's terms (in-flight counts, packets, balancing) must be the
     members' common ones; 0.0 (no bound) when they are not, or when the monotonic `deadline` passes while the
-    members' arrays are built (tens of members take seconds)."""
+    members' arrays are built (tens of members take seconds).
+
+    `separate`: add the replay paths violated at each program's solution (`_violated_path`, up to
+    SearchPolicy.lp_path_rounds solves more per program). Taken for a node about to be solved (`tight_node_bound`),
+    not for the many group and shape programs of the bounding pass, where the extra solves cost more proofs than
+    they make."""
     fitting = _fitting_members(job, list(members or (f,)), rc, lc, model, cluster, deadline)
     if not isinstance(fitting, tuple):
         return fitting
@@ -188,7 +197,7 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     modes = _members_modes(job, group, rc, lc, model, cluster, deadline)
     if modes is None:
         return 0.0
-    search = _VariantSearch(job, f, lc, model, cluster, group, cap, modes, stop_at, deadline)
+    search = _VariantSearch(job, f, lc, model, cluster, group, cap, modes, stop_at, deadline, separate)
     try:
         search.build_bases()
         search.solve_keys(_paths(f, next(iter(search.base.values())).coefs, rc == Recompute.FULL))
@@ -264,8 +273,10 @@ class _VariantSearch:
     default job, 6 of the 8 keys of a PP8 VP4 group node)."""
 
     def __init__(self, job: Job, f: Frame, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
-                 group: list[Frame], cap: float, modes: list[ActMode], stop_at: float, deadline: float) -> None:
+                 group: list[Frame], cap: float, modes: list[ActMode], stop_at: float, deadline: float,
+                 separate: bool = False) -> None:
         self.job, self.f, self.lc, self.model, self.cluster = job, f, lc, model, cluster
+        self.rounds = POLICY.lp_path_rounds if separate else 0
         self.group, self.cap, self.host_cap = group, cap, cluster.host_memory_bytes
         self.stop_at, self.deadline = stop_at, deadline
         allowed = allowed_on(job)
@@ -335,6 +346,10 @@ class _VariantSearch:
                                most=most)
         return max(floor, _floor(c.slots, stage, a, self.f.pp))
 
+    def target(self) -> float:
+        """The value at which a program stops tightening: the least so far, or the line (`over` is then true)."""
+        return min(self.best, self.stop_at)
+
     def over(self, value: float) -> bool:
         """`value` (a floor or a relaxation of some variants) cannot lower the least below min(best, stop_at)."""
         if value >= self.best:
@@ -382,7 +397,8 @@ class _VariantSearch:
         if len(every) > 1:
             lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, (off, bal))
             return lo if self.over(lo) else max(
-                lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths, exact_balance=True))
+                lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths, exact_balance=True,
+                           stop=self.target(), rounds=self.rounds))
         return -math.inf
 
     def solve_key(self, key: tuple, off: bool, bal: bool, paths: np.ndarray) -> None:
@@ -394,7 +410,7 @@ class _VariantSearch:
             merged = _merge([m.arrays for m in members])
             if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths,
-                                        exact_balance=True))):
+                                        exact_balance=True, stop=self.target(), rounds=self.rounds))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
@@ -403,7 +419,7 @@ class _VariantSearch:
             if self.over(floor * (1 - 1e-9)):
                 continue
             self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths,
-                                                         exact_balance=True)))
+                                                         exact_balance=True, stop=self.target(), rounds=self.rounds)))
 
     def whole_layer_bound(self) -> float:
         """The least found (or the line's cap), raised by whole layers over the least of every variant's arrays,
@@ -740,9 +756,12 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
 
 
 def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-           paths: np.ndarray, exact_balance: bool = False) -> float:
+           paths: np.ndarray, exact_balance: bool = False, stop: float = math.inf, rounds: int = 0) -> float:
     """The linear program of the module docstring over one node's arrays `a` (c0: the schedule's terms) under one
-    offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible."""
+    offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible. Up to `rounds`
+    times, the replay path longest at the solution's chunk times joins the path rows and the
+    program is solved again (`_violated_path`), until no path is violated, a path leaves the value where it was, or
+    the value reaches `stop`."""
     lp = _program(f, a, c0)
     _work_rows(lp, a, c0, bal)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose,
@@ -761,9 +780,42 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     a_ub = np.vstack([np.array(lp.rows), chunk_rows, order_rows])
     b_ub = np.concatenate([lp.rhs, chunk_rhs, order_rhs])
     upper = np.concatenate([np.tile(lp.counts.astype(float), lp.p * lp.v), np.full(lp.ncol - lp.n, np.inf)])
-    value = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper)
+    value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True)
+    beta = replay_bound.betas([c0.shape.recompute == Recompute.FULL])
+    for _ in range(rounds):
+        if value * (1 - FEAS_TOL) >= stop:
+            break  # already at the least so far or the line: more paths would not change what the caller does
+        cut = _violated_path(lp, z, beta) if z is not None else None
+        if cut is None:
+            break
+        a_ub, b_ub = np.vstack([a_ub, cut]), np.append(b_ub, 0.0)
+        before = value
+        value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True)
+        if value <= before * (1 + FEAS_TOL):
+            break  # the program had another optimum the path does not touch: more paths rarely move it
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
     return value * (1 - FEAS_TOL) if math.isfinite(value) else value
+
+
+def _violated_path(lp: _Program, z: np.ndarray, beta: list[float]) -> np.ndarray | None:
+    """The replay path longest at the relaxation's own chunk times, as a row R >= sum_g a_g cl[g] / SCALE, when
+    it is longer than the relaxation's R; else None. Every path of the replay graph bounds the makespan at any chunk
+    times (`schedule.critical_path`), so the row is valid for every split; the longest one at the solution's cl[g]
+    is the most violated (a separation step: the seeded paths come from sample splits, and the relaxation places
+    its layers where none of them is long)."""
+    K = lp.p * lp.v
+    cl = np.maximum(z[lp.CL0:lp.CL0 + K], 0.0)
+    if not cl.any():
+        return None
+    b = beta[0]
+    nf, nb = critical_path(lp.p, lp.v, lp.m, cl / (1 + b), cl * b / (1 + b))
+    a_g = replay_bound.path_coefficients(nf, nb, beta).astype(float) / replay_bound.SCALE
+    if float(a_g @ cl) <= z[lp.R] * (1 + FEAS_TOL):  # within GLOP's tolerance: not violated
+        return None
+    row = np.zeros(lp.ncol)
+    row[lp.CL0:lp.CL0 + K] = a_g
+    row[lp.R] = -1.0
+    return row
 
 
 def _work_rows(lp: _Program, a: _Arrays, c0: Coefficients, bal: bool) -> None:
@@ -772,6 +824,7 @@ def _work_rows(lp: _Program, a: _Arrays, c0: Coefficients, bal: bool) -> None:
     hidden_stages x S + E."""
     L, p, v, work = lp.L, lp.p, lp.v, a.time
     pk = _packet_floor(c0, p, v, L, a.least)
+    streams = _packet_stream_rows(c0, p, v, lp.kclose)
     for r in range(p):
         n_peak = peak_inflight(c0.compositions[r])
         moved = 0.0
@@ -780,9 +833,18 @@ def _work_rows(lp: _Program, a: _Arrays, c0: Coefficients, bal: bool) -> None:
         for ri, res in enumerate(lp.res_names):
             per = lp.kt[:, ri] + (moved * lp.kact if res == c0.balance_resource else 0.0)
             e = _edge(work[res], r, p, L) + (moved * _edge(a.act, r, p, L) if res == c0.balance_resource else 0.0)
-            e += pk[r].get(res, 0.0)
-            if per.any() or e:
-                lp.le([per] * v, r, -e, {lp.S: -1.0})
+            if per.any() or e or res in pk[r]:
+                lp.le([per] * v, r, -(e + pk[r].get(res, 0.0)), {lp.S: -1.0})
+            if res in streams[r]:
+                # The same row with each packet's open residual streams, linear in the closing layers of the
+                # chunks before its boundary (with `_order_rows` keeping them in model order).
+                const, row_x = streams[r][res]
+                row = np.zeros(lp.ncol)
+                for k in range(v):
+                    row[lp.col(r, k)] = per
+                row[:lp.n] += row_x
+                row[lp.S] = -1.0
+                lp.add(row, -(e + const))
         for ui, res in enumerate(a.update):
             e = _edge(a.update[res], r, p, L)
             if lp.ku[:, ui].any() or e:
@@ -808,9 +870,27 @@ def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
     resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the sum
     of r's per-layer maxima over resources (`_Arrays.hi`; no packets in T[r] or U_r); chunk g's replayed time
     c_g = t_r w_g / W_r >= w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum e_g <= w_g;
-    every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE."""
+    every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE.
+
+    The same share as a ratio: W_r <= sum of r's per-layer maxima <= kappa_q A + H_r and t_r >= A + E_r for any
+    resource q, with A r's layers' sum on q, kappa_q the largest per-layer maximum over q's own time, H_r and E_r its
+    edges' maxima and q-time (`_share_ratio`); so c_g = t_r w_g / W_r >= rho_r w_g >= rho_r e_g. This keeps a small
+    chunk's time where the difference form gives none (U_r - T[r] is larger than the chunk when the layers bind on
+    different resources) and makes the paths through thin chunks count."""
     L, p, v, work = lp.L, lp.p, lp.v, a.time
     K = p * v
+    least = least_or_one(a.least, K)
+    for g in range(K):
+        k, r = divmod(g, p)
+        rho = _share_ratio(a, L, p, r, lp.res_names, sum(least[r::p]))
+        if rho <= 0:
+            continue
+        for ri, res in enumerate(lp.res_names):
+            row = np.zeros(lp.ncol)
+            row[lp.col(r, k)] = lp.kt[:, ri] * rho
+            row[lp.CL0 + g] = -1.0
+            e_g = (float(work[res][L]) if g == 0 else 0.0) + (float(work[res][L + 1]) if g == K - 1 else 0.0)
+            lp.add(row, -e_g * rho)
     for r in range(p):
         for ri, res in enumerate(lp.res_names):
             # Without the packets: T[r] <= U_r, which U_r (per-layer maxima) needs (the node model's note).
@@ -833,6 +913,29 @@ def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
         row[lp.CL0:lp.CL0 + K] = a_g / replay_bound.SCALE
         row[lp.R] = -1.0
         lp.add(row, 0.0)
+
+
+def _share_ratio(a: _Arrays, L: int, p: int, r: int, res_names: list[str], least_layers: int) -> float:
+    """rho_r of `_replay_rows`: the largest over resources q of min(1 / kappa_q, (A + E_r) / (kappa_q A + H_r)) at
+    A = the least layers rank r holds x the least per-layer time on q, a lower bound of t_r / W_r over every split
+    ((A + E) / (kappa A + H) is monotone in A); 0 when no resource has work in every layer."""
+    edges = [i for i, mine in ((L, r == 0), (L + 1, r == p - 1)) if mine]
+    h = np.asarray(a.hi, dtype=float)
+    big_h = float(h[edges].sum()) if edges else 0.0
+    best = 0.0
+    for res in res_names:
+        t = np.asarray(a.time[res], dtype=float)
+        layers = t[:L]
+        if np.any(layers <= 0):
+            continue
+        kappa = max(1.0, float(np.max(h[:L] / layers)))
+        e = float(t[edges].sum()) if edges else 0.0
+        lo = least_layers * float(layers.min())
+        rho = 1.0 / kappa
+        if kappa * lo + big_h > 0:
+            rho = min(rho, (lo + e) / (kappa * lo + big_h))
+        best = max(best, rho)
+    return best
 
 
 def _pipeline_rows(lp: _Program) -> None:
@@ -1229,6 +1332,37 @@ def _packet_floor(c0: Coefficients, p: int, v: int, L: int, least: tuple[int, ..
     return out
 
 
+def _packet_stream_rows(c0: Coefficients, p: int, v: int, kclose: np.ndarray
+                        ) -> list[dict[str, tuple[float, np.ndarray]]]:
+    """Per rank and link, its PP packets' seconds per microbatch as a constant plus a row over the x[r, k, t]:
+    the packet at the boundary before global chunk g carries 1 + R_g streams (`pp_packet_bytes`), R_g = sum over
+    chunks g' < g of kclose . x[g'], the blocks closed by the layers before the boundary, which is exact for a
+    contiguous split in model order (the node model's `closes_before`). Rank r sends the packet before its chunk
+    g + 1 on its own hop and receives the one before its chunk g on hop r - 1, as `achievable.rank_sums` prices
+    them. Empty for p = 1 and where no layer closes a block (the constant floor `_packet_floor` is then exact)."""
+    out: list[dict[str, tuple[float, np.ndarray]]] = [{} for _ in range(p)]
+    if p == 1 or not np.any(kclose):
+        return out
+    k = p * v
+    one = pp_packet_bytes(0.0, c0.stream_bytes)
+    per_stream = pp_packet_bytes(1.0, c0.stream_bytes) - one
+    for r in range(p):
+        weight: dict[str, np.ndarray] = {}
+        const: dict[str, float] = {}
+        for g in range(r, k, p):
+            for boundary, hop in ((g, (r - 1) % p), (g + 1, r)):
+                if not 0 < boundary < k:
+                    continue
+                res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
+                spb = c0.pp_seconds_per_byte[hop]
+                w = weight.setdefault(res, np.zeros(k))
+                w[:boundary] += per_stream * spb
+                const[res] = const.get(res, 0.0) + one * spb
+        for res, w in weight.items():
+            out[r][res] = (const[res], _by_chunk(p, v, w, kclose))
+    return out
+
+
 def _undominated(comps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     """In-flight compositions no other composition covers entry by entry (a covered one gives a weaker row)."""
     return list(_undominated_cached(tuple(comps)))
@@ -1245,11 +1379,11 @@ _undominated_cached = Memo(_build_undominated_cached, maxsize=4096)
 
 
 def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray, b_eq: np.ndarray,
-          upper: np.ndarray) -> float:
+          upper: np.ndarray, solution: bool = False):  # noqa: ANN201 - float, or (float, array | None)
     """min cost.z, a_ub z <= b_ub, a_eq z = b_eq, 0 <= z <= upper, by GLOP: the optimum, inf if infeasible,
-    0 when GLOP ends without a certificate (no bound rather than a wrong one). The model is handed over as one
-    MPModelProto (rows filled from numpy slices) rather than coefficient by coefficient: the same model, built in a
-    fraction of the time."""
+    0 when GLOP ends without a certificate (no bound rather than a wrong one); with `solution`, (optimum, z), z None
+    where there is no optimum. The model is handed over as one MPModelProto (rows filled from numpy slices) rather
+    than coefficient by coefficient: the same model, built in a fraction of the time."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
         raise RuntimeError("OR-tools' GLOP linear solver is unavailable")
@@ -1275,10 +1409,13 @@ def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
         raise RuntimeError(f"GLOP rejected the relaxation: {error}")
     status = solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
-        return math.inf
+        return (math.inf, None) if solution else math.inf
     if status != pywraplp.Solver.OPTIMAL:
-        return 0.0
-    return float(solver.Objective().Value())
+        return (0.0, None) if solution else 0.0
+    value = float(solver.Objective().Value())
+    if not solution:
+        return value
+    return value, np.array([var.solution_value() for var in solver.variables()])
 
 
 def _edge_act(a: _Arrays, comp: tuple[float, ...], r: int, p: int, L: int) -> float:

@@ -78,3 +78,53 @@ def test_with_empty_edge_chunks_the_floor_is_exact_one_layer_shallower(k3_pp4_vp
                 assert floor[r].get(res, 0.0) <= priced[res] * (1 + 1e-9) + 1e-12
     held = _packet_floor(cf, p, v, L)
     assert sum(sum(d.values()) for d in floor) < sum(sum(d.values()) for d in held)
+
+
+def _chunk_x(split, p, v):
+    """x over (r v + k) L + t, one kind per layer: 1 where layer t sits in global chunk g = k p + r."""
+    L = sum(split)
+    x = np.zeros(p * v * L)
+    edges = np.concatenate([[0], np.cumsum(split)]).astype(int)
+    for g in range(p * v):
+        k, r = divmod(g, p)
+        x[(r * v + k) * L + np.arange(edges[g], edges[g + 1])] = 1.0
+    return x
+
+
+def test_packet_stream_rows_are_the_priced_packets_at_every_contiguous_split(k3_pp4_vp4):
+    """The relaxation's packet rows (lp_bound._packet_stream_rows: a constant plus the closing layers of the chunks
+    before each boundary) give each rank's priced packets exactly at a contiguous split, here with one kind per
+    layer; and by hand at the even split: rank 1 holds chunks 1, 5, 9, 13, receives the packets before them and
+    sends those before 2, 6, 10, 14. K3 closes an AttnRes block at every sixth layer (layers 5, 11, ...), so the
+    boundary before chunk b (depth 6 b) carries 1 + b streams: 8 packets + (1 + 5 + 9 + 13 + 2 + 6 + 10 + 14) = 68
+    streams of BF16 [4096, 7168] on the NIC (every PP hop of this shape leaves its NVLink domain)."""
+    from k3opt.search.lp_bound import _packet_stream_rows
+
+    cf = k3_pp4_vp4
+    p, v, L = 4, 4, cf.n_layers
+    closes = np.asarray(cf.closes[:L], dtype=float)
+    assert closes.sum() == 15 and all(closes[i] == (1 if i % 6 == 5 else 0) for i in range(L))
+    rows = _packet_stream_rows(cf, p, v, closes)
+    rng = np.random.default_rng(7)
+    splits = [[6] * 15 + [3], [1] * 15 + [78], [3] * 12 + [15, 14, 14, 14]]
+    splits += [list(np.bincount(rng.integers(0, 16, L - 16), minlength=16) + 1) for _ in range(3)]
+    for split in splits:
+        x = _chunk_x(split, p, v)
+        for r in range(p):
+            priced = _packets(cf, split, r)
+            const, row = rows[r]["nic"]
+            assert const + float(row @ x) == pytest.approx(priced["nic"], rel=1e-9)
+            assert "nvlink" not in rows[r] and priced["nvlink"] == pytest.approx(0.0, abs=1e-12)
+    assert cf.stream_bytes == 4096 * 7168 * 2
+    const, row = rows[1]["nic"]
+    assert const + float(row @ _chunk_x([6] * 15 + [3], p, v)) == pytest.approx(
+        68 * cf.stream_bytes * cf.pp_seconds_per_byte[0], rel=1e-9)
+
+
+def test_packet_stream_rows_are_empty_without_attnres_or_a_pipeline(k3_pp4_vp4):
+    """Nothing to add where no layer closes a block (the constant floor is then exact) or with one stage."""
+    from k3opt.search.lp_bound import _packet_stream_rows
+
+    cf = k3_pp4_vp4
+    assert all(not d for d in _packet_stream_rows(cf, 4, 4, np.zeros(cf.n_layers)))
+    assert all(not d for d in _packet_stream_rows(cf, 1, 4, np.asarray(cf.closes[:cf.n_layers], dtype=float)))
