@@ -12,7 +12,7 @@ from k3opt.inputs.errors import InfeasibleJobError, SearchTimeoutError, SpecErro
 from k3opt.inputs.placement import resolve_placement
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
-from k3opt.inputs.specs import GIB, ClusterSpec, Job, Layout, ModelSpec
+from k3opt.inputs.specs import GIB, ClusterSpec, Job, Layout, ModelSpec, trained_model
 from k3opt.launch import FORMATS, apply_target_limits, launch_refusals, limit_text, refusals
 from k3opt.search import plan as search_plan
 from k3opt.search.driver import DEFAULT_GAP
@@ -136,7 +136,7 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     search keeps one layout per frame, and whether a frame is runnable depends only on its degrees once the toggles
     are narrowed, so asking for more frames and filtering keeps the optimum among runnable layouts; the request
     grows until `top` runnable ones are found or the search runs out of frames."""
-    m = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+    m = trained_model(job, model if isinstance(model, ModelSpec) else load_model(model or job.model))
     c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
     if job.reserve_gib * GIB >= c.hbm_bytes:
         raise SpecError(f"reserve_gib = {job.reserve_gib:g} leaves nothing of {c.name}'s {c.hbm_bytes / GIB:.2f} GiB "

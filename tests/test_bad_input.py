@@ -81,6 +81,11 @@ CASES = {
                                              k3opt.SpecError, "needs 'moe_router' beside it"),
     "cuda_graph_with_full_recompute": (_with(cuda_graph_impl='"transformer_engine"', cuda_graph_modules='["attn"]'),
                                        k3opt.SpecError, "runs full recompute only under a full_iteration graph"),
+    # mtp_layers: at most the model's MTP layers (K3 has none), a non-negative integer.
+    "mtp_layers_above_the_model": (_with(mtp_layers="1"), k3opt.LayoutError,
+                                   "mtp_layers (1) exceeds the 0 MTP layers of kimi-k3: leave mtp_layers out or set 0"),
+    "mtp_layers_negative": (_with(mtp_layers="-1"), k3opt.SpecError, "mtp_layers"),
+    "mtp_layers_not_an_integer": (_with(mtp_layers='"one"'), k3opt.SpecError, "mtp_layers"),
     # [measured] hardware names the GPU a run ran on: a string.
     "measured_hardware_not_a_string": (REFERENCE + "[measured]\nhardware = 355\n", k3opt.SpecError,
                                        "measured.hardware: Input should be a valid string"),

@@ -50,6 +50,7 @@ from k3opt.inputs.specs import (
     ShardGranularity,
     ShardingPolicy,
     check_layout,
+    trained_model,
 )
 
 UNPRICED = (
@@ -605,6 +606,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
     model = load_model(model or layout.model or "kimi-k3") if not isinstance(model, ModelSpec) else model
     cluster = (load_cluster(cluster or layout.cluster or "gb200-nvl72")
                if not isinstance(cluster, ClusterSpec) else cluster)
+    model = trained_model(layout, model)
     check_layout(layout, model, cluster)
     if layout.optimizer_state_dtype is None:
         layout = layout.model_copy(update={"optimizer_state_dtype": model.optimizer.state_of(None)})

@@ -630,6 +630,9 @@ class Layout(StrictModel):
     cuda_graph_modules: list[CudaGraphModule] = Field(default_factory=list)
     """What each per-layer graph captures (Megatron --cuda-graph-modules, Bridge model.cuda_graph_scope) under
     cuda_graph_impl = "local" or "transformer_engine"; empty there: the whole layer."""
+    mtp_layers: NonNegInt | None = None
+    """Multi-token prediction layers trained (Megatron --mtp-num-layers): None, the model preset's; 0 trains without
+    MTP (a run can drop the module its model was published with); at most the preset's, whose module it sizes."""
     source: str = ""
     """Where a measured layout's settings come from (recipe file and commit)."""
 
@@ -841,6 +844,8 @@ class Job(StrictModel):
     runtime: str | None = None
     """Runtime preset or file for the memory outside live tensors (see Layout.runtime). Absent: the cluster's
     `default_runtime` (live tensors only if it names none); "none": live tensors only, explicitly."""
+    mtp_layers: NonNegInt | None = None
+    """MTP layers to train (see Layout.mtp_layers): the planned layouts carry it. Absent: the model preset's."""
     search: SearchSpace = Field(default_factory=SearchSpace)
     name: str = ""
     precisions: list[Precision] = Field(default_factory=lambda: [Precision.BF16], min_length=1)
@@ -867,6 +872,21 @@ class Job(StrictModel):
         if isinstance(self.gpus, list) and not self.gpus:
             raise ValueError("gpus is an empty list")
         return self
+
+
+def trained_model(spec: Layout | Job, model: ModelSpec) -> ModelSpec:
+    """The model as a layout or a job trains it: the preset with its MTP layers cut to `spec.mtp_layers` (none at
+    0); the preset itself when it does not say. Above the preset's count: LayoutError for a layout, SpecError for a
+    job."""
+    n = spec.mtp_layers
+    if n is None or n == model.mtp_layers:
+        return model
+    if n > model.mtp_layers:
+        fix = (f"set at most {model.mtp_layers}, or 0 to train without MTP" if model.mtp_layers
+               else "leave mtp_layers out or set 0")
+        error = LayoutError if isinstance(spec, Layout) else SpecError
+        raise error(f"mtp_layers ({n}) exceeds the {model.mtp_layers} MTP layers of {model.name}: {fix}")
+    return model.model_copy(update={"mtp": MTPSpec(num_layers=n) if n else None})
 
 
 def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None = None) -> None:

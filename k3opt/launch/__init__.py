@@ -9,7 +9,7 @@ frameworks' limits as search constraints.
 from __future__ import annotations
 
 from k3opt.inputs.presets import load_model
-from k3opt.inputs.specs import Layout, ModelSpec
+from k3opt.inputs.specs import Layout, ModelSpec, trained_model
 from k3opt.launch import megatron_bridge, megatron_lm, torchtitan
 from k3opt.launch.common import FORMATS, SOURCES, Launch, Missing, check_format
 from k3opt.launch.limits import LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, limit_text, refusals
@@ -23,7 +23,7 @@ def to_launch(layout: Layout, fmt: str, model: ModelSpec | str | None = None) ->
     layout's, else kimi-k3). Raises UnknownTargetError for an unknown format."""
     check_format(fmt)
     m = model if isinstance(model, ModelSpec) else load_model(model or layout.model or "kimi-k3")
-    return _EXPORTERS[fmt](layout, m)
+    return _EXPORTERS[fmt](layout, trained_model(layout, m))
 
 
 __all__ = ["FORMATS", "LIMITS", "NO_SWITCH", "SOURCES", "Launch", "Missing", "apply_target_limits",

@@ -97,6 +97,9 @@ def _parallelism(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool) -
         Setting("--num-layers", "model.num_layers", model.num_layers),
         Setting("--pipeline-model-parallel-layout", "model.pipeline_model_parallel_layout",
                 megatron_layout(lay, model))]
+    if model.mtp_layers or lay.mtp_layers is not None:
+        # The MTP layers trained (the layout string places them as 'm'); Megatron's default trains none.
+        out.settings.append(Setting("--mtp-num-layers", "model.mtp_num_layers", model.mtp_layers))
     if lay.vp > 1:
         out.notes.append(f"vp = {lay.vp}: the layout string has pp x vp = {lay.pp * lay.vp} stages, so Megatron "
                          "sets the virtual pipeline size from it (no separate VPP flag is allowed with a layout)")

@@ -21,7 +21,16 @@ from k3opt.inputs.errors import InfeasibleJobError, SearchTimeoutError
 from k3opt.inputs.labels import degrees_text, sharding_text
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model
-from k3opt.inputs.specs import GIB, ClusterSpec, FsdpLifecycle, Job, ModelSpec, ParamGather, Recompute
+from k3opt.inputs.specs import (
+    GIB,
+    ClusterSpec,
+    FsdpLifecycle,
+    Job,
+    ModelSpec,
+    ParamGather,
+    Recompute,
+    trained_model,
+)
 from k3opt.search.bounds import (
     frame_dp_bound,
     frame_estimate,
@@ -195,7 +204,7 @@ class _Search:
         self.time_limit = ranked_time_limit(time_limit) if pareto else time_limit
         """The ranked search's share of the limit: with the front, the front has the rest (search/front.py)."""
         self.deadline = self.t0 + self.time_limit
-        self.model = model if isinstance(model, ModelSpec) else load_model(model or job.model)
+        self.model = trained_model(job, model if isinstance(model, ModelSpec) else load_model(model or job.model))
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
         self.frames = _frames(job, self.model, self.cluster)
         self.caps = _Caps(job, self.model, self.cluster)

@@ -312,10 +312,10 @@ dropped on the way back (document_length stays the job's, None meaning the conte
 def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = "") -> Layout:
     """The Layout of a priced shape: every Shape field it shares (the frame's degrees and policies, which
     frame_shape copied from `f`, the node's recompute, lifecycle and toggles, the stack settings), the split, and
-    the job's context, reserve and presets."""
+    the job's context, reserve, presets and MTP layers."""
     carried = {k: getattr(shape, k) for k in SHAPE_FIELDS_IN_LAYOUT}
     return Layout(**carried, document_length=job.document_length, split=split, reserve_gib=job.reserve_gib,
-                  model=job.model, cluster=job.cluster, runtime=job.runtime, name=name)
+                  model=job.model, cluster=job.cluster, runtime=job.runtime, mtp_layers=job.mtp_layers, name=name)
 
 
 def chunk_least(job: Job, f: Frame) -> tuple[int, ...]:

@@ -49,10 +49,13 @@ def test_under_the_ep_overlap_schedule_the_loss_and_a_layer_are_live_together() 
 
 
 def test_an_mtp_heads_softmax_is_live_with_the_lm_heads_logits() -> None:
-    """MB-22: DeepSeek-V3 (one MTP module), MBS 1 x 4,096 tokens, vocab 129,280; the last rank holds the MTP head's
-    FP32 softmax (4 B) beside the LM head's BF16 logits and FP32 softmax (6 B): 4,096 x 129,280 x 10 B."""
-    ev = k3opt.evaluate(k3opt.load_layout("mb-22-deepseek-v3-gb200"))
+    """MB-13: DeepSeek-V3 (one MTP module), MBS 1 x 4,096 tokens, vocab 129,280; the last rank holds the MTP head's
+    FP32 softmax (4 B) beside the LM head's BF16 logits and FP32 softmax (6 B): 4,096 x 129,280 x 10 B. MB-22 trains
+    without the MTP module (mtp_layers = 0): the LM head's 6 B alone."""
+    ev = k3opt.evaluate(k3opt.load_layout("mb-13-deepseek-v3-gb200"))
     assert ev.ranks[-1].ledger["logits"] == 4_096 * 129_280 * 10
     assert all(r.ledger["logits"] == 0 for r in ev.ranks[:-1])
+    without = k3opt.evaluate(k3opt.load_layout("mb-22-deepseek-v3-gb200"))
+    assert without.layout.mtp_layers == 0 and without.ranks[-1].ledger["logits"] == 4_096 * 129_280 * 6
     # Llama 3 has no MTP module: 6 B per logit (above)
     assert k3opt.load_model("llama3-70b").mtp_layers == 0

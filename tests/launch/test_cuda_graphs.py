@@ -24,15 +24,18 @@ def _with(lay: Layout, **fields: object) -> Layout:
 
 def test_measured_runs_state_their_recipes_graphs():
     # Megatron-Bridge v0.4.2 qwen3_workload_base_configs.py: the Qwen3-30B-A3B GB200 MXFP8 config graphs only the
-    # router and the EP preprocess; the Llama 3 70B GB200 recipe sets no cuda_graph_impl (eager).
+    # router and the EP preprocess; the Llama 3 70B GB200 recipe sets no cuda_graph_impl (eager). v0.4.2
+    # deepseek_workload_base_configs.py: the DeepSeek-V3 GB200 MXFP8 config adds attention; the 25.11 release's
+    # (v0.2.1 workload_base_configs.py L56) DeepSeek-V3 GB200 config graphs the router and preprocess only.
     rows = {r.id: r.cuda_graphs for r in validate_throughput().rows}
     assert rows["MB-20"] == "transformer_engine[moe_router,moe_preprocess]"
-    assert rows["MB-22"] == "transformer_engine[attn,moe_router,moe_preprocess]"
+    assert rows["MB-13"] == "transformer_engine[attn,moe_router,moe_preprocess]"
+    assert rows["MB-22"] == "transformer_engine[moe_router,moe_preprocess]"
     assert rows["MB-2"] == "none"
 
 
 def test_exports_write_megatrons_names():
-    lay = _measured("mb-22-deepseek-v3-gb200.toml")
+    lay = _measured("mb-13-deepseek-v3-gb200.toml")
     lm = dict(to_launch(lay, "megatron-lm", "deepseek-v3").settings)
     assert lm["--cuda-graph-impl"] == "transformer_engine"
     assert lm["--cuda-graph-modules"] == "attn moe_router moe_preprocess"
@@ -128,3 +131,4 @@ def test_activation_offload_beside_local_or_full_iteration_graphs_is_refused():
     for impl, mods in (("local", ["attn"]), ("full_iteration", [])):
         with pytest.raises(ValueError, match="fine-grained activation offloading of attention modules"):
             _with(ok, cuda_graph_impl=impl, cuda_graph_modules=mods)
+

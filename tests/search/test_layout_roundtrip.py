@@ -25,6 +25,7 @@ def _unusual_layout() -> k3opt.Layout:
         expert_sharding=ShardingPolicy.OPTIM_GRADS, optimizer_shard_granularity=ShardGranularity.TENSOR,
         grad_dtype=Dtype.BF16, optimizer_state_dtype=Dtype.BF16, lazy_optimizer_state=True,
         runtime="megatron-te-hybridep-gb200", precision=Precision.MXFP8, ep_overlap=True, dispatcher="deepep",
+        mtp_layers=0,
     )
 
 
@@ -40,7 +41,7 @@ def _single_chunk_fsdp_layout() -> k3opt.Layout:
 def _round_trip(lay: k3opt.Layout) -> None:
     job = Job(model=lay.model, cluster=lay.cluster, gpus=lay.gpus, context=lay.context, rows=lay.rows,
               document_length=lay.document_length, reserve_gib=lay.reserve_gib, runtime=lay.runtime,
-              search={"microbatches": [lay.microbatches]})
+              mtp_layers=lay.mtp_layers, search={"microbatches": [lay.microbatches]})
     back = layout_of(job, frame_of(lay), Shape.of(lay), list(lay.split), name=lay.name)
     for name in set(k3opt.Layout.model_fields) - NOT_PRICED:
         assert getattr(back, name) == getattr(lay, name), name
