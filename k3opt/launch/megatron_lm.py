@@ -314,6 +314,12 @@ def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
                          Setting("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", model.mla.qk_rope_head_dim),
                          Setting("--v-head-dim", "model.v_head_dim", model.mla.v_head_dim)]
     out.settings.append(Setting("--hidden-size", "model.hidden_size", model.hidden_size))
+    # The ledger holds no dropout masks: the models train without dropout (Megatron-Bridge's model bridges set
+    # hidden_dropout = 0.0, e.g. deepseek_v3_bridge.py L87, kimi_k3_bridge.py L127), while TransformerConfig's
+    # defaults are 0.1 (transformer_config.py L188-192). Zero also lets a whole-layer graph capture a recomputed
+    # MLP (transformer_config.py L2886-2899).
+    out.settings += [Setting("--hidden-dropout", "model.hidden_dropout", 0.0),
+                     Setting("--attention-dropout", "model.attention_dropout", 0.0)]
     if model.dense_ffn is not None:
         out.settings.append(Setting("--ffn-hidden-size", "model.ffn_hidden_size", model.dense_ffn.intermediate_size))
     kda = kda_layers(model)

@@ -132,3 +132,16 @@ def test_activation_offload_beside_local_or_full_iteration_graphs_is_refused():
         with pytest.raises(ValueError, match="fine-grained activation offloading of attention modules"):
             _with(ok, cuda_graph_impl=impl, cuda_graph_modules=mods)
 
+
+def test_exports_train_without_dropout_as_the_ledger_prices():
+    """The ledger holds no dropout masks, and Megatron's TransformerConfig defaults both dropouts to 0.1
+    (transformer_config.py L188-192 @ d98e8a64): every Megatron export sets them to 0, as Megatron-Bridge's model
+    bridges do (deepseek_v3_bridge.py L87). A whole-layer graph with the MLP recomputed needs it: Megatron asserts
+    hidden_dropout == 0 there (transformer_config.py L2886-2899)."""
+    lay = _with(_measured("mb-1-llama3-70b-gb300.toml"), cuda_graph_impl="transformer_engine", cuda_graph_modules=[],
+                recompute="selective", recompute_modules=["mlp"], activation_offload_layers=0)
+    lm = dict(to_launch(lay, "megatron-lm", "llama3-70b").settings)
+    assert lm["--hidden-dropout"] == "0.0" and lm["--attention-dropout"] == "0.0"
+    assert lm["--cuda-graph-impl"] == "transformer_engine" and "--cuda-graph-modules" not in lm
+    bridge = dict(to_launch(_measured("mb-13-deepseek-v3-gb200.toml"), "megatron-bridge", "deepseek-v3").settings)
+    assert bridge["model.hidden_dropout"] == "0.0" and bridge["model.attention_dropout"] == "0.0"
