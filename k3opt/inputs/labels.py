@@ -49,7 +49,8 @@ def layout_text(layout: Layout) -> str:
             + (f" (Megatron layout {layout.pipeline_layout})" if layout.pipeline_layout else "")
             + f" recompute={recompute_text(layout)} "
             f"fsdp={layout.fsdp_lifecycle.value} toggles={toggles_text(layout)}"
-            + (f" cuda_graphs={cuda_graphs_text(layout)}" if layout.cuda_graph_impl is not None else ""))
+            + (f" cuda_graphs={cuda_graphs_text(layout)}" if layout.cuda_graph_impl is not None else "")
+            + (f" mtp_layers={layout.mtp_layers}" if layout.mtp_layers is not None else ""))
 
 
 def cuda_graphs_text(layout: Layout) -> str:

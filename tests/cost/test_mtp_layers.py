@@ -70,3 +70,13 @@ def test_a_job_asking_for_more_mtp_layers_than_the_model_has_is_one_line(tmp_pat
     result = CliRunner().invoke(main, ["plan", str(job), "--time-limit", "5"])
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and "leave mtp_layers out or set 0" in lines[0]
+
+
+def test_explain_names_the_mtp_layers_a_layout_states():
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    out = CliRunner().invoke(main, ["explain", "mb-22-deepseek-v3-gb200"]).output
+    assert " mtp_layers=0" in out.splitlines()[1]
+    assert "mtp_layers" not in CliRunner().invoke(main, ["explain", "mb-13-deepseek-v3-gb200"]).output.splitlines()[1]
