@@ -452,8 +452,8 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     (`_mean_stage`) is already at or above the least so far is not run. v > 1: the linear relaxation of
     `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows, with the
     replay paths its solutions violate added), kept for the node's CP-SAT model as a cut on its objective; with
-    `stop_at` (the search's pruning line) it stops
-    once the node is proven at or above that line (the bound is then at least min(exact, stop_at))."""
+    `stop_at` (the search's pruning line) it stops once the node is proven at or above that line (the bound is then
+    at least min(exact, stop_at))."""
     if job.search.split is not None:
         return 0.0
     if f.vp != 1:
