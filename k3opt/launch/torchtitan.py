@@ -119,6 +119,11 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
         miss.append(Missing(f"{model.name} model (KDA linear-attention layers)",
                             "torchtitan has no KDA model: register one under [model] name = \"kimi_k3\" "
                             "with the module names used in module_fqns_per_model_part"))
+    if model.mtp_layers:
+        miss.append(Missing(f"{model.mtp_layers} MTP layer(s) before the loss",
+                            "no job-config key: torchtitan builds DeepSeek-V3's MTP layers through its model "
+                            "registry (model_registry(num_mtp_layers=N), torchtitan/models/deepseek_v3/MTP.md at "
+                            "b5bcd76c); register a flavor with them, or plan with mtp_layers = 0"))
     if model.vision is not None:
         miss.append(Missing("vision tower on the first pipeline chunk",
                             "add the vision tower's module names to the first list of module_fqns_per_model_part"))

@@ -41,6 +41,10 @@ def test_exports_write_the_mtp_layers_trained():
     assert bridge["model.mtp_num_layers"] == "0"
     k3 = dict(k3opt.to_launch(k3opt.load_layout("k3-gb200-512-reference"), "megatron-lm").settings)
     assert "--mtp-num-layers" not in k3
+    # torchtitan's job config has no MTP key (its registry builds the layers): named as missing, unless none trains.
+    tt_with = k3opt.to_launch(_mb22(mtp_layers=None), "torchtitan").missing
+    assert any(m.decision.startswith("1 MTP layer") for m in tt_with)
+    assert not any("MTP" in m.decision for m in k3opt.to_launch(_mb22(mtp_layers=0), "torchtitan").missing)
 
 
 def test_a_job_without_mtp_plans_layouts_without_it():
