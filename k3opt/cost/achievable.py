@@ -21,6 +21,7 @@ overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own st
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,20 @@ def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r
     return rank_sums(cf, cf.achievable, cf.pp_seconds_per_byte_achievable, split, r)
 
 
+def rank_packets(cf: Coefficients, r: int, chunks: Iterable[int]) -> list[tuple[int, int, str]]:
+    """The PP packets rank r receives and sends per microbatch for its global chunks `chunks`, as (boundary, hop,
+    link): in before each chunk j > 0 (boundary j, from rank r - 1 over hop r - 1), out after each j < K - 1
+    (boundary j + 1, over its own hop r); the link is the hop's ('nvlink' or 'nic', `pp_on_nvlink`). The packet at
+    boundary b carries the streams open after the first b chunks (`pp_packet_bytes`)."""
+    p, k = cf.shape.pp, cf.shape.chunks
+    out = []
+    for j in chunks:
+        for boundary, hop in ((j, (r - 1) % p), (j + 1, r)):
+            if 0 < boundary < k:
+                out.append((boundary, hop, "nvlink" if cf.pp_on_nvlink[hop] else "nic"))
+    return out
+
+
 def rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[float, ...],
                split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
     """Rank r's sums of per-layer seconds, plus its PP packets (at `pp_spb` seconds per byte) and the activation
@@ -138,15 +153,8 @@ def rank_sums(cf: Coefficients, arrays: dict[str, np.ndarray], pp_spb: tuple[flo
     out = {res: float(arr[idx].sum()) for res, arr in arrays.items()}
     # Pipeline packets (1 + AttnRes residual streams) x BF16 [T, d], in and out of each chunk, as in the ledger.
     closes_cum = np.concatenate([[0.0], np.cumsum(cf.closes[: cf.n_layers])])
-    for j in mine:
-        s, e = edges[j], edges[j + 1]
-        if j > 0:
-            hop = (r - 1) % p
-            out["nvlink" if cf.pp_on_nvlink[hop] else "nic"] += (
-                pp_packet_bytes(closes_cum[s], cf.stream_bytes) * pp_spb[hop])
-        if j < k - 1:
-            out["nvlink" if cf.pp_on_nvlink[r] else "nic"] += (
-                pp_packet_bytes(closes_cum[e], cf.stream_bytes) * pp_spb[r])
+    for boundary, hop, link in rank_packets(cf, r, mine):
+        out[link] += pp_packet_bytes(closes_cum[edges[boundary]], cf.stream_bytes) * pp_spb[hop]
     if cf.balanced_inflight is not None:
         n_peak = peak_inflight(cf.compositions[r])
         if n_peak > cf.balanced_inflight:

@@ -55,6 +55,7 @@ import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
+from k3opt.cost.achievable import rank_packets
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
 from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes
 from k3opt.cost.schedule import critical_path, schedule_slots
@@ -880,9 +881,10 @@ def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
     L, p, v, work = lp.L, lp.p, lp.v, a.time
     K = p * v
     least = least_or_one(a.least, K)
+    rhos = [_share_ratio(a, L, p, r, lp.res_names, sum(least[r::p])) for r in range(p)]
     for g in range(K):
         k, r = divmod(g, p)
-        rho = _share_ratio(a, L, p, r, lp.res_names, sum(least[r::p]))
+        rho = rhos[r]
         if rho <= 0:
             continue
         for ri, res in enumerate(lp.res_names):
@@ -1319,16 +1321,9 @@ def _packet_floor(c0: Coefficients, p: int, v: int, L: int, least: tuple[int, ..
     k = p * v
     depth = np.concatenate([[0], np.cumsum(least_or_one(least, k))])
     for r in range(p):
-        for g in range(r, k, p):
-            if g > 0:
-                hop = (r - 1) % p
-                res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
-                out[r][res] = out[r].get(res, 0.0) + (
-                    pp_packet_bytes(closes_cum[depth[g]], c0.stream_bytes) * c0.pp_seconds_per_byte[hop])
-            if g < k - 1:
-                res = "nvlink" if c0.pp_on_nvlink[r] else "nic"
-                out[r][res] = out[r].get(res, 0.0) + (
-                    pp_packet_bytes(closes_cum[depth[g + 1]], c0.stream_bytes) * c0.pp_seconds_per_byte[r])
+        for boundary, hop, res in rank_packets(c0, r, range(r, k, p)):
+            out[r][res] = out[r].get(res, 0.0) + (
+                pp_packet_bytes(closes_cum[depth[boundary]], c0.stream_bytes) * c0.pp_seconds_per_byte[hop])
     return out
 
 
@@ -1349,15 +1344,11 @@ def _packet_stream_rows(c0: Coefficients, p: int, v: int, kclose: np.ndarray
     for r in range(p):
         weight: dict[str, np.ndarray] = {}
         const: dict[str, float] = {}
-        for g in range(r, k, p):
-            for boundary, hop in ((g, (r - 1) % p), (g + 1, r)):
-                if not 0 < boundary < k:
-                    continue
-                res = "nvlink" if c0.pp_on_nvlink[hop] else "nic"
-                spb = c0.pp_seconds_per_byte[hop]
-                w = weight.setdefault(res, np.zeros(k))
-                w[:boundary] += per_stream * spb
-                const[res] = const.get(res, 0.0) + one * spb
+        for boundary, hop, res in rank_packets(c0, r, range(r, k, p)):
+            spb = c0.pp_seconds_per_byte[hop]
+            w = weight.setdefault(res, np.zeros(k))
+            w[:boundary] += per_stream * spb
+            const[res] = const.get(res, 0.0) + one * spb
         for res, w in weight.items():
             out[r][res] = (const[res], _by_chunk(p, v, w, kclose))
     return out

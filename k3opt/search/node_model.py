@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from k3opt.cost.achievable import rank_packets
 from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
@@ -303,19 +304,14 @@ class FrameModel:
 
     def _extra(self, res: str, r: int, md: ActMode, mine: list[int]) -> cp_model.LinearExprT:
         """Rank-level time terms on top of the per-layer sums: PP packets, the toggles' costs."""
-        c0, tv, K, p = self.c0, self.tv, self.K, self.f.pp
+        c0, tv, K = self.c0, self.tv, self.K
         expr = 0
         if res in ("nvlink", "nic"):
             # Each PP packet (`pp_packet_bytes`: 1 + R streams) at one stream's seconds, rounded up per stream.
-            for j in mine:
-                if j > 0:
-                    hop = (r - 1) % p
-                    if ("nvlink" if c0.pp_on_nvlink[hop] else "nic") == res:
-                        spb = c0.pp_seconds_per_byte[hop] * c0.stream_bytes
-                        expr = expr + _tq(spb) * (1 + self.closes_before(j))
-                if j < K - 1 and ("nvlink" if c0.pp_on_nvlink[r] else "nic") == res:
-                    spb = c0.pp_seconds_per_byte[r] * c0.stream_bytes
-                    expr = expr + _tq(spb) * (1 + self.closes_before(j + 1))
+            for boundary, hop, link in rank_packets(c0, r, mine):
+                if link == res:
+                    spb = c0.pp_seconds_per_byte[hop] * c0.stream_bytes
+                    expr = expr + _tq(spb) * (1 + self.closes_before(boundary))
             if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
                 n_peak = peak_inflight(c0.compositions[r])
                 if n_peak > self.bal.balanced_inflight:
