@@ -47,6 +47,24 @@ def _cuda_graphs_missing(lay: Layout) -> list[Missing]:
                     "torchtitan's job config has no CUDA-graph switch for training; the run is eager")]
 
 
+def _model_missing(model: ModelSpec) -> list[Missing]:
+    """The model's parts torchtitan's job config cannot build: KDA layers, MTP layers, the vision tower."""
+    miss = []
+    if kda_layers(model):
+        miss.append(Missing(f"{model.name} model (KDA linear-attention layers)",
+                            "torchtitan has no KDA model: register one under [model] name = \"kimi_k3\" "
+                            "with the module names used in module_fqns_per_model_part"))
+    if model.mtp_layers:
+        miss.append(Missing(f"{model.mtp_layers} MTP layer(s) before the loss",
+                            "no job-config key: torchtitan builds DeepSeek-V3's MTP layers through its model "
+                            "registry (model_registry(num_mtp_layers=N), torchtitan/models/deepseek_v3/MTP.md at "
+                            "b5bcd76c); register a flavor with them, or plan with mtp_layers = 0"))
+    if model.vision is not None:
+        miss.append(Missing("vision tower on the first pipeline chunk",
+                            "add the vision tower's module names to the first list of module_fqns_per_model_part"))
+    return miss
+
+
 def export(layout: Layout, model: ModelSpec) -> Launch:
     """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
     lay = layout
@@ -115,18 +133,7 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     miss += _cuda_graphs_missing(lay)
     miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
                         "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
-    if kda_layers(model):
-        miss.append(Missing(f"{model.name} model (KDA linear-attention layers)",
-                            "torchtitan has no KDA model: register one under [model] name = \"kimi_k3\" "
-                            "with the module names used in module_fqns_per_model_part"))
-    if model.mtp_layers:
-        miss.append(Missing(f"{model.mtp_layers} MTP layer(s) before the loss",
-                            "no job-config key: torchtitan builds DeepSeek-V3's MTP layers through its model "
-                            "registry (model_registry(num_mtp_layers=N), torchtitan/models/deepseek_v3/MTP.md at "
-                            "b5bcd76c); register a flavor with them, or plan with mtp_layers = 0"))
-    if model.vision is not None:
-        miss.append(Missing("vision tower on the first pipeline chunk",
-                            "add the vision tower's module names to the first list of module_fqns_per_model_part"))
+    miss += _model_missing(model)
     if lay.domain_gpus_used is not None:
         miss.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",
                             f"no key: give torchrun {lay.domain_gpus_used} ranks per rack so rank blocks follow "
