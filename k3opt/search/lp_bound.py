@@ -28,7 +28,8 @@ the mean load, 18.12 s, when every fitting layout needs full-recompute-like savi
 - granularity: every chunk holds at least one layer, and some rank holds at least ceil(L / p) layers, so the
   slowest rank does at least the work of the ceil(L / p) cheapest layers on each resource. `granular_stage` deals
   whole layers to ranks (some rank of PP8 holds 12 of 93 layers) at each variant's own work (and over the least of
-  the work of the variants a merged program stands for).
+  the work of the variants a merged program stands for), each rank holding the mix of layer kinds its chunks can
+  hold in model order (K3's busiest PP4 VP4 rank holds at most 9 MLA layers of its 24, not the 24 cheapest).
 
 Layers whose coefficients are all equal are aggregated into one variable per chunk (exact for the LP), which
 keeps a 93-layer, 32-chunk node at a few hundred variables. Solved with GLOP (OR-tools' LP solver).
@@ -486,21 +487,25 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: fl
     """A lower bound on the slowest rank's stage when every rank holds whole layers: the least S such that the L
     layers can be dealt to the p ranks, each holding at least its chunks' least layers (`least`, as
     `frames.chunk_least`; empty: one per chunk, v), with every resource's sum over a
-    rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S. Chunks and
-    memory are dropped. Bisection on S; each test is a program over ranks whose state is the count of every layer
-    kind but the most numerous, of which each rank then takes as many as fit (its loads grow with the count).
+    rank's layers and its edges (the first-chunk edge on rank 0, the last on rank p - 1) at most S, and each rank's
+    count of every kind within what its chunks can hold as windows of the model's layer order (`_mix_allowed`).
+    Memory is dropped but for `most`. Bisection on S; each test is a program over ranks whose state is the count
+    of every layer kind but the most numerous, of which each rank then takes as many as fit and its kind mix
+    allows (its loads grow with the count).
     93 layers over 8 ranks of equal layers: 12 layers' work, not 11.625. `stop`: a stage the caller only needs
     to know is reached; when no dealing fits under it, the bound is stop (just under it) without the bisection.
     inf when the ranks' `most` layers add up to fewer than L."""
-    need = tuple(int(n) for n in rank_least(least_or_one(least, p * v), p))
+    chunk_leasts = least_or_one(least, p * v)
+    need = tuple(int(n) for n in rank_least(chunk_leasts, p))
     cap = tuple(min(int(n), L) for n in most) if most else (L,) * p
     if sum(cap) < L:
         return math.inf  # the ranks' most layers cannot hold the model's L: no layout deals them at any stage
-    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need, cap)
+    windows = tuple(int(n) for n in chunk_leasts)
+    key = (tuple((r, np.asarray(time[r], dtype=float).tobytes()) for r in time), L, p, need, cap, windows)
     hit = _GRANULAR.get(key)
     if hit is not None and (hit[1] or hit[0] >= stop * (1 - 1e-9)):
         return hit[0]
-    value, exact = _granular_stage(time, L, p, need, stop, cap)
+    value, exact = _granular_stage(time, L, p, need, stop, cap, windows)
     if len(_GRANULAR) > 8192:
         _GRANULAR.clear()
     _GRANULAR[key] = (value, exact)
@@ -508,11 +513,11 @@ def granular_stage(time: dict[str, np.ndarray], L: int, p: int, v: int, stop: fl
 
 
 def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int, ...], stop: float,
-                    most: tuple[int, ...]) -> tuple[float, bool]:
+                    most: tuple[int, ...], windows: tuple[int, ...]) -> tuple[float, bool]:
     """(granular_stage's value, whether it is the bisection's rather than the stop); `need` and `most`: each rank's
-    least and most layers."""
+    least and most layers; `windows`: every chunk's least layers, in global chunk order (`_mix_allowed`)."""
     arrs = np.stack([np.asarray(time[r], dtype=float) for r in time], axis=1)  # (L + 2, resources)
-    kinds, counts = np.unique(arrs[:L], axis=0, return_counts=True)
+    kinds, kind_of, counts = np.unique(arrs[:L], axis=0, return_inverse=True, return_counts=True)
     main = int(np.argmax(counts))
     others = [t for t in range(len(counts)) if t != main]
     dims = tuple(int(counts[t]) + 1 for t in others)
@@ -524,6 +529,8 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
     w = kinds[main]
     n_main = int(counts[main])
     edges = [(arrs[L] if r == 0 else 0.0) + (arrs[L + 1] if r == p - 1 else 0.0) for r in range(p)]
+    # Per rank, for each pattern, the most main-kind layers beside it that its chunks' kind mix allows (<= x).
+    mix = [_mix_allowed(kind_of.ravel(), len(counts), main, others, grid, n_main, windows, p, r) for r in range(p)]
 
     # Every (state, pattern) pair with the pattern inside the state, as flat indices: a rank moves the program from
     # state s - P to s by taking pattern P (and as many of the main kind as fit beside it).
@@ -539,21 +546,17 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
         with np.errstate(divide="ignore", invalid="ignore"):
             per = np.where(w > 0, np.floor(room / np.where(w > 0, w, 1.0) + 1e-9), np.inf)
         cmax = np.minimum(np.minimum(per.min(axis=1), n_main), most[r] - n_base)
-        ok = (room >= -1e-15).all(axis=1) & (cmax >= np.maximum(need[r] - n_base, 0))
+        ok = (room >= -1e-15).all(axis=1) & (cmax >= 0)
+        allowed = mix[r]
+        cmax = np.where(ok, allowed[np.arange(len(cmax)), np.clip(cmax, 0, n_main).astype(np.int64)], -1)
+        ok = cmax >= np.maximum(need[r] - n_base, 0)
         return np.where(ok, cmax, -1).astype(np.int64)
 
     def feasible(S: float) -> bool:
         val = np.full(len(states), -1, dtype=np.int64)
         val[0] = 0
-        # Ranks without an edge that share their least and most layers share their capacities.
-        shared: dict[tuple[int, int], np.ndarray] = {}
         for r in range(p):
-            if 0 < r < p - 1:
-                cap = shared.get((need[r], most[r]))
-                if cap is None:
-                    cap = shared[(need[r], most[r])] = capacity(S, r)
-            else:
-                cap = capacity(S, r)
+            cap = capacity(S, r)
             cand = np.where((val[src] >= 0) & (cap[pat] >= 0), val[src] + cap[pat], -1)
             val = np.full(len(states), -1, dtype=np.int64)
             np.maximum.at(val, dst, cand)
@@ -586,6 +589,81 @@ def _granular_stage(time: dict[str, np.ndarray], L: int, p: int, need: tuple[int
         if hi - lo <= 1e-6 * hi:
             break
     return lo * (1 - 1e-9), True
+
+
+def _mix_allowed(kind_of: np.ndarray, nkinds: int, main: int, others: list[int], grid: np.ndarray, n_main: int,
+                 chunk_least: tuple[int, ...], p: int, r: int) -> np.ndarray:
+    """allowed[P, x]: the most main-kind layers c <= x that rank r may hold beside the other kinds' counts of
+    pattern P (-1: none): its layers form contiguous chunks of the model in order, so a rank of n layers holds
+    between the least and the most of each kind that its chunks' windows can hold (`_window_counts`). K3 has one
+    MLA layer in four: a rank of PP4 VP4 with 24 layers holds at most 9 of them, not the 24 cheapest layers that
+    a dealing by kind counts alone may give it."""
+    lo, hi = _window_counts(kind_of, nkinds, chunk_least, p, r)
+    n_p = grid.sum(axis=1)  # (patterns,)
+    c = np.arange(n_main + 1)
+    n = n_p[:, None] + c[None, :]  # (patterns, c): the rank's layers
+    inside = n <= len(kind_of)
+    n = np.minimum(n, len(kind_of))
+    ok = inside & (lo[main][n] <= c[None, :]) & (c[None, :] <= hi[main][n])
+    for j, t in enumerate(others):
+        ok &= (lo[t][n] <= grid[:, j:j + 1]) & (grid[:, j:j + 1] <= hi[t][n])
+    return np.maximum.accumulate(np.where(ok, c[None, :], -1), axis=1)
+
+
+def _window_counts(kind_of: np.ndarray, nkinds: int, chunk_least: tuple[int, ...], p: int, r: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi), each (kinds, L + 1): the least and the most layers of each kind rank r's chunks can hold when they
+    hold n layers in all (`window_extreme` over each kind's indicator); -1 / L + 1 where no chunks add up to n."""
+    key = (kind_of.tobytes(), nkinds, chunk_least, p, r)
+    hit = _WINDOWS.get(key)
+    if hit is None:
+        ind = [(kind_of == t).astype(float) for t in range(nkinds)]
+        lo = np.stack([window_extreme(w, chunk_least, p, r, low=True) for w in ind])
+        hi = np.stack([window_extreme(w, chunk_least, p, r, low=False) for w in ind])
+        L = len(kind_of)
+        hit = (np.where(np.isfinite(lo), np.rint(lo), L + 1).astype(np.int64),
+               np.where(np.isfinite(hi), np.rint(hi), -1).astype(np.int64))
+        _keep_window(key, hit)
+    return hit
+
+
+_WINDOWS: dict[tuple, tuple[np.ndarray, np.ndarray] | np.ndarray] = {}
+
+
+def _keep_window(key: tuple, value: tuple[np.ndarray, np.ndarray] | np.ndarray) -> None:
+    _WINDOWS[key] = value
+    if len(_WINDOWS) > 512:
+        _WINDOWS.pop(next(iter(_WINDOWS)))
+
+
+def window_extreme(weight: np.ndarray, chunk_least: tuple[int, ...], p: int, r: int, low: bool) -> np.ndarray:
+    """best[n], n = 0..L: the least (`low`) or the most sum of `weight` (one entry per layer, model order) that rank
+    r's chunks can hold when they hold n layers in all: its chunks (global chunks k p + r, each of at least
+    `chunk_least[k p + r]` layers) are windows of the layer order, in order, disjoint, with at least the other
+    ranks' chunks' least layers between them and before and after them (`chunk_least` in global chunk order).
+    Exact over contiguous splits: every such placement completes to a split. A dynamic program over the position
+    after each window; inf (-inf) where no chunks add up to n."""
+    L = len(weight)
+    mine = list(range(r, len(chunk_least), p))
+    lead = sum(chunk_least[:mine[0]])
+    gaps = [sum(chunk_least[a + 1:b]) for a, b in itertools.pairwise(mine)] + [sum(chunk_least[mine[-1] + 1:])]
+    worst = math.inf if low else -math.inf
+    pick = np.minimum if low else np.maximum
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weight, dtype=float))])
+    # best[x, n]: the chunks so far hold n layers, and the next one may start at layer x or later.
+    # The model's first chunk starts at layer 0 and its last ends at layer L: no chunk lies before or after them.
+    best = np.full((L + 1, L + 1), worst)
+    best[lead:lead + 1 if mine[0] == 0 else L + 1, 0] = 0.0
+    step = best
+    for k, gap in zip(mine, gaps, strict=True):
+        step = np.full_like(best, worst)
+        for m in range(int(chunk_least[k]), L + 1 - gap):
+            starts = np.arange(0, L + 1 - m - gap)  # a chunk [s, s + m), the next free at s + m + gap <= L
+            held = best[starts, :L + 1 - m] + (prefix[starts + m] - prefix[starts])[:, None]
+            rows = starts + m + gap
+            step[rows, m:] = pick(step[rows, m:], held)
+        best = pick.accumulate(step, axis=0)
+    return step[L] if mine[-1] == len(chunk_least) - 1 else best[L]
 
 
 def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
@@ -897,6 +975,10 @@ def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
         for ri, res in enumerate(lp.res_names):
             # Without the packets: T[r] <= U_r, which U_r (per-layer maxima) needs (the node model's note).
             lp.le([lp.kt[:, ri]] * v, r, -_edge(work[res], r, p, L), {lp.T0 + r: -1.0})
+        # chunk_times shares t_r among r's chunks, so they sum to it: sum_k c_{k p + r} = t_r >= T[r]. Without
+        # this row each chunk keeps only its own floor, and a rank of thin and fat chunks replays at a fraction of
+        # its stage time.
+        lp.le([np.zeros(lp.nk)] * v, r, 0.0, {lp.T0 + r: 1.0, **{lp.CL0 + k * p + r: -1.0 for k in range(v)}})
         u_r = _edge(a.hi, r, p, L)
         for k in range(v):
             g = k * p + r
