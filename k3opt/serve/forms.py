@@ -26,6 +26,7 @@ from k3opt.inputs.specs import (
     RuntimeSpec,
     ShardingPolicy,
     check_layout,
+    trained_model,
 )
 from k3opt.launch import FORMATS
 
@@ -137,8 +138,10 @@ def _which(message: str, names: tuple[str, ...], changed: Any = None) -> str | N
 
 COUNT_CONTROLS = ("activation_offload_layers",)
 """Whole numbers >= 0, empty meaning 0."""
-LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *FLOAT_CONTROLS, "split",
-                   "pipeline_layout", "recompute_modules", *CHOICE_CONTROLS, "toggles")
+MODEL_COUNT_CONTROLS = ("mtp_layers",)
+"""Whole numbers >= 0, empty meaning the model preset's own count."""
+LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *MODEL_COUNT_CONTROLS, *FLOAT_CONTROLS,
+                   "split", "pipeline_layout", "recompute_modules", *CHOICE_CONTROLS, "toggles")
 
 
 def _count(form: dict[str, Any], name: str) -> int:
@@ -146,6 +149,20 @@ def _count(form: dict[str, Any], name: str) -> int:
     if v in (None, "") or v == "0" or v == 0:
         return 0
     return _int(form, name)
+
+
+def _model_count(form: dict[str, Any], name: str) -> int | None:
+    """A count the model preset sets when the control is empty (None); else a whole number >= 0."""
+    v = form.get(name)
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    if v == "0" or v == 0:
+        return 0
+    try:
+        return _int(form, name)
+    except FieldError:
+        raise FieldError(f"{name}: '{v}' is not a whole number >= 0 (leave it empty for the model's own)",
+                         name) from None
 
 
 def parse_modules(text: Any) -> list[str]:
@@ -167,6 +184,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
     for k in OPTIONAL_INT_CONTROLS:
         fields[k] = None if form.get(k) in (None, "") else _int(form, k)
     fields.update({k: _count(form, k) for k in COUNT_CONTROLS})
+    fields.update({k: _model_count(form, k) for k in MODEL_COUNT_CONTROLS})
     fields.update({k: _float(form, k) for k in FLOAT_CONTROLS})
     fields.update({k: _choice(form, k, allowed) for k, allowed in CHOICE_CONTROLS.items()})
     if fields["optimizer_state_dtype"] == "model":  # the model's [optimizer] state_dtype
@@ -199,13 +217,14 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
         raise FieldError(line, loc if loc in LAYOUT_CONTROLS else _which(line, LAYOUT_CONTROLS, changed)) from None
     try:
         check_layout(layout, model, cluster)
+        trained_model(layout, model)
     except LayoutError as err:
         raise FieldError(str(err), _which(str(err), LAYOUT_CONTROLS, form.get("changed"))) from None
     return layout, model, cluster, runtime
 
 
 JOB_CONTROLS = ("gpus", "context", "rows", "reserve_gib", "domain_gpus_used", "tokens_per_update", "target",
-                "precision")
+                "precision", "mtp_layers")
 
 
 def job_from_form(form: dict[str, Any]) -> tuple[Job, ModelSpec, ClusterSpec, int, float]:
@@ -224,6 +243,7 @@ def job_from_form(form: dict[str, Any]) -> tuple[Job, ModelSpec, ClusterSpec, in
     fields["reserve_gib"] = _float(form, "reserve_gib")
     if form.get("domain_gpus_used") not in (None, ""):
         fields["domain_gpus_used"] = _int(form, "domain_gpus_used")
+    fields["mtp_layers"] = _model_count(form, "mtp_layers")
     fields["precisions"] = [_choice(form, "precision", CHOICE_CONTROLS["precision"])]
     fields.update(model=model.name, cluster=cluster.name, name="lab",
                   runtime=None if form.get("runtime") == "cluster-default" else rt_name,
@@ -235,6 +255,10 @@ def job_from_form(form: dict[str, Any]) -> tuple[Job, ModelSpec, ClusterSpec, in
         loc = str(err.errors()[0]["loc"][0]) if err.errors()[0]["loc"] else None
         raise FieldError(line, loc if loc in JOB_CONTROLS else _which(line, JOB_CONTROLS, form.get("changed"))) \
             from None
+    try:
+        trained_model(job, model)
+    except SpecError as err:
+        raise FieldError(str(err), "mtp_layers") from None
     return job, model, cluster, top, limit
 
 

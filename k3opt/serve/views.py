@@ -32,6 +32,7 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
                                 "param_gather")}
     out["activation_offload_layers"] = layout.activation_offload_layers or ""
     out["domain_gpus_used"] = layout.domain_gpus_used or ""
+    out["mtp_layers"] = "" if layout.mtp_layers is None else layout.mtp_layers
     out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
     out["split"] = split_text(layout.split)
     out["pipeline_layout"] = layout.pipeline_layout or ""

@@ -90,6 +90,25 @@ def test_evaluate_returns_what_evaluate_gives(client: TestClient, default: dict)
     assert len(data["view"]["timeline"]["ops"]) == 2 * 4 * 1 * 64
 
 
+def test_the_mtp_control_trains_the_run_without_its_mtp_module(client: TestClient) -> None:
+    """MB-22 ran DeepSeek-V3 "w/o MTP" (mtp_layers = 0 in its file): the explorer loads it with the control at 0 and
+    prices it as evaluate() does; emptied, the control trains the preset's one MTP layer, as the layout without
+    the field does (more parameters: the MTP layer's)."""
+    from k3opt.serve.views import form_of
+
+    lay = load_layout("mb-22-deepseek-v3-gb200")
+    form = form_of(lay, lay.runtime)
+    assert form["mtp_layers"] == 0
+    without = client.post("/api/evaluate", json=form).json()
+    assert without["form"]["mtp_layers"] == 0
+    assert without["view"]["summary"]["rank_time_s"] == pytest.approx(k3opt.evaluate(lay).step.rank_time_s, rel=1e-12)
+    with_mtp = client.post("/api/evaluate", json={**form, "mtp_layers": ""}).json()
+    ev = k3opt.evaluate(lay.model_copy(update={"mtp_layers": None}))
+    assert with_mtp["form"]["mtp_layers"] == ""
+    assert with_mtp["view"]["summary"]["rank_time_s"] == pytest.approx(ev.step.rank_time_s, rel=1e-12)
+    assert ev.params.total > k3opt.evaluate(lay).params.total
+
+
 def test_a_megatron_layout_string_sets_the_split(client: TestClient) -> None:
     """MB-12's release layout string (the embedding and four layers, 14 stages of four, then one layer, the MTP
     layer and the loss) round-trips through the explorer: the form shows it and its split, and the evaluation is
@@ -238,6 +257,9 @@ BAD_LAYOUT = [
     ("param_gather", "sometimes", "unknown value 'sometimes'"),
     ("activation_offload_layers", "-2", "not a positive whole number"),
     ("activation_offload_layers", "12", "priced for one chunk"),
+    ("mtp_layers", "1", "exceeds the 0 MTP layers of kimi-k3"),
+    ("mtp_layers", "-1", "not a whole number >= 0"),
+    ("mtp_layers", "two", "not a whole number >= 0"),
     ("recompute_modules", "mla_up_proj", 'need recompute = "selective"'),
     ("fsdp_lifecycle", "never", "unknown value"),
     ("dense_sharding", "zero9", "unknown value"),
@@ -272,6 +294,7 @@ BAD_PLAN = [
     ("time_limit", "soon", "not a number"),
     ("top", "500", "at most 20"),
     ("top", "1.5", "not a positive whole number"),
+    ("mtp_layers", "2", "exceeds the 0 MTP layers of qwen3-30b-a3b"),
 ]
 
 
