@@ -613,7 +613,8 @@ def _mix_allowed(kind_of: np.ndarray, nkinds: int, main: int, others: list[int],
 def _window_counts(kind_of: np.ndarray, nkinds: int, chunk_least: tuple[int, ...], p: int, r: int
                    ) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), each (kinds, L + 1): the least and the most layers of each kind rank r's chunks can hold when they
-    hold n layers in all (`window_extreme` over each kind's indicator); -1 / L + 1 where no chunks add up to n."""
+    hold n layers in all (`window_extreme` over each kind's indicator); L + 1 (lo) and -1 (hi) where no chunks add
+    up to n. Kept by their input: the search asks for the same order and chunks many times."""
     key = (kind_of.tobytes(), nkinds, chunk_least, p, r)
     hit = _WINDOWS.get(key)
     if hit is None:
@@ -623,17 +624,13 @@ def _window_counts(kind_of: np.ndarray, nkinds: int, chunk_least: tuple[int, ...
         L = len(kind_of)
         hit = (np.where(np.isfinite(lo), np.rint(lo), L + 1).astype(np.int64),
                np.where(np.isfinite(hi), np.rint(hi), -1).astype(np.int64))
-        _keep_window(key, hit)
+        if len(_WINDOWS) > 512:
+            _WINDOWS.clear()
+        _WINDOWS[key] = hit
     return hit
 
 
-_WINDOWS: dict[tuple, tuple[np.ndarray, np.ndarray] | np.ndarray] = {}
-
-
-def _keep_window(key: tuple, value: tuple[np.ndarray, np.ndarray] | np.ndarray) -> None:
-    _WINDOWS[key] = value
-    if len(_WINDOWS) > 512:
-        _WINDOWS.pop(next(iter(_WINDOWS)))
+_WINDOWS: dict[tuple, tuple[np.ndarray, np.ndarray]] = register({})
 
 
 def window_extreme(weight: np.ndarray, chunk_least: tuple[int, ...], p: int, r: int, low: bool) -> np.ndarray:
