@@ -222,6 +222,13 @@ def pp_packet_bytes(streams: float | np.ndarray, stream_bytes: float) -> float |
     return (1 + streams) * stream_bytes
 
 
+def pp_packet_terms(stream_bytes: float) -> tuple[float, float]:
+    """(a PP packet's bytes with no residual stream open, the bytes each open stream adds): `pp_packet_bytes` is
+    linear in the streams, so a program over the split writes a packet as the first plus R times the second."""
+    base = float(pp_packet_bytes(0.0, stream_bytes))
+    return base, float(pp_packet_bytes(1.0, stream_bytes)) - base
+
+
 def balanced_scale(balanced_inflight: float | None, n_peak: float) -> float:
     """The factor on a rank's in-flight saved bytes and bank under activation balancing: every rank holds the
     average count, balanced / its own peak (above 1 on the late ranks); 1 without balancing (K3 paper section

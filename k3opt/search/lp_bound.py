@@ -58,7 +58,7 @@ from ortools.sat.python import cp_model
 
 from k3opt.cost.achievable import rank_packets
 from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
-from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes
+from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes, pp_packet_terms
 from k3opt.cost.schedule import critical_path, schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
@@ -946,7 +946,8 @@ def _replay_rows(lp: _Program, a: _Arrays, paths: np.ndarray) -> None:
     resource's sum over r's layers; W_r (chunk_times' sum of the chunks' busiest-resource work) <= U_r = the sum
     of r's per-layer maxima over resources (`_Arrays.hi`; no packets in T[r] or U_r); chunk g's replayed time
     c_g = t_r w_g / W_r >= w_g + min(0, t_r - W_r) >= e_g + T[r] - U_r for every resource's chunk sum e_g <= w_g;
-    every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE.
+    every replay path (replay_bound) gives R >= sum_g a_g c_g / SCALE; and a rank's chunk times add up to its stage,
+    sum_k c_{kp+r} = t_r >= T[r].
 
     The same share as a ratio: W_r <= sum of r's per-layer maxima <= kappa_q A + H_r and t_r >= A + E_r for any
     resource q, with A r's layers' sum on q, kappa_q the largest per-layer maximum over q's own time, H_r and E_r its
@@ -1418,8 +1419,7 @@ def _packet_stream_rows(c0: Coefficients, p: int, v: int, kclose: np.ndarray
     if p == 1 or not np.any(kclose):
         return out
     k = p * v
-    one = pp_packet_bytes(0.0, c0.stream_bytes)
-    per_stream = pp_packet_bytes(1.0, c0.stream_bytes) - one
+    one, per_stream = pp_packet_terms(c0.stream_bytes)
     for r in range(p):
         weight: dict[str, np.ndarray] = {}
         const: dict[str, float] = {}

@@ -16,7 +16,7 @@ from ortools.sat.python import cp_model
 from k3opt.cost.achievable import rank_packets
 from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
 from k3opt.cost.evaluate import Evaluation, evaluate
-from k3opt.cost.ledger import peak_inflight, pp_packet_bytes
+from k3opt.cost.ledger import peak_inflight, pp_packet_bytes, pp_packet_terms
 from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, schedule_slot_units
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.memo import register
@@ -307,11 +307,13 @@ class FrameModel:
         c0, tv, K = self.c0, self.tv, self.K
         expr = 0
         if res in ("nvlink", "nic"):
-            # Each PP packet (`pp_packet_bytes`: 1 + R streams) at one stream's seconds, rounded up per stream.
+            # Each PP packet (`pp_packet_terms`: its bytes without an open stream, plus R times a stream's), each
+            # part's seconds rounded up.
+            base, per_stream = pp_packet_terms(c0.stream_bytes)
             for boundary, hop, link in rank_packets(c0, r, mine):
                 if link == res:
-                    spb = c0.pp_seconds_per_byte[hop] * c0.stream_bytes
-                    expr = expr + _tq(spb) * (1 + self.closes_before(boundary))
+                    rate = c0.pp_seconds_per_byte[hop]
+                    expr = expr + _tq(rate * base) + _tq(rate * per_stream) * self.closes_before(boundary)
             if res == self.bal.balance_resource and self.bal.balanced_inflight is not None:
                 n_peak = peak_inflight(c0.compositions[r])
                 if n_peak > self.bal.balanced_inflight:
