@@ -355,15 +355,22 @@ def frame_walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadl
     out = _walk(job, f, model, cluster, deadline, runtime, start)
     if not without_offload or start is not None or choices(job, "activation_offload") != [False, True]:
         return out
-    recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
-    on = frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if True in choices(job, t)) - {"activation_offload"}
+    lean = _leanest(job)
     fitting: list[PlanItem] = []
-    _price(job, f, Config(recs[0], lifecycles(job)[0], on), model, cluster, runtime,
+    _price(job, f, dataclasses.replace(lean, on=lean.on - {"activation_offload"}), model, cluster, runtime,
            allocated_capacity_bytes(job, f, model, cluster), deadline, fitting)
     if fitting:
         first = min(fitting, key=lambda it: (it.rank_time_s, it.peak_bytes))
         out += [first] + _walk(job, f, model, cluster, deadline, runtime, first.layout)
     return out
+
+
+def _leanest(job: Job) -> Config:
+    """A walk's first configuration: the leanest recompute mode, the first lifecycle, every memory toggle the job
+    allows on."""
+    recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
+    return Config(recs[0], lifecycles(job)[0], frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES
+                                                         if True in choices(job, t)))
 
 
 def _walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: float,
@@ -380,11 +387,10 @@ def _walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: 
     recs = sorted(job.search.recompute or list(Recompute), key=LEAN.__getitem__)
     lcs = lifecycles(job)
     names = ACT_TOGGLES + RANK_TOGGLES
-    free = [t for t in names if choices(job, t) == [False, True]]
     required = frozenset(t for t in names if choices(job, t) == [True])
     cap = allocated_capacity_bytes(job, f, model, cluster)
     out: list[PlanItem] = []
-    cur = config_of(start) if start is not None else Config(recs[0], lcs[0], required | frozenset(free))
+    cur = config_of(start) if start is not None else _leanest(job)
     now = _price(job, f, cur, model, cluster, runtime, cap, deadline, out)
     while now is not None and not now[2]:
         # Some "memory" toggles hold more on some ranks (host gradient shards keep a second buffer under a
