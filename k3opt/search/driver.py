@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn
 
-from k3opt.cost import comm
-from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.cost.coefficients import Shape, coefficients, placement_of
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import layer_bytes
 from k3opt.inputs.errors import InfeasibleJobError, SearchTimeoutError
@@ -379,8 +378,9 @@ class _Search:
         heads: dict[tuple[int, int], tuple[tuple, Frame]] = {}
         d = self.cluster.nvlink_domain_gpus
         for f in self.frames:
-            pl = comm.placement(f.gpus, f.pp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp,
-                                domain_block(f.domain_gpus_used, d))
+            # Cached: the placement reads only the degrees, and tens of thousands of shapes share a few thousand.
+            pl = placement_of(f.gpus, f.pp, f.cp, f.ep, f.expert_fsdp, f.dense_fsdp,
+                              domain_block(f.domain_gpus_used, d))
             # Of the placements of one shape, the most local first (an EP group inside a rack, then the shard
             # groups, then the PP hops): the walks then start from a layout whose traffic stays on NVLink.
             key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp, -pl.ep_local, -pl.dense_fsdp_local,
@@ -822,7 +822,8 @@ class _Search:
         res, item = solve_frame(self.job, f, self.model, self.cluster,
                                 min(remaining, self.base_slice * 2 ** e.attempt), self.workers,
                                 recompute=rc, lifecycle=lc, relative_gap=self.gap,
-                                hint=(hint or mine).layout if (hint or mine) is not None else None)
+                                hint=(hint or mine).layout if (hint or mine) is not None else None,
+                                deadline=self.deadline)
         self.solved += 1
         self.dive = None
         if item is not None and res.shape is not None:

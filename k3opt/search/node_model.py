@@ -45,6 +45,7 @@ from k3opt.search.result import PlanItem
 
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
+MIN_SOLVE_S = 0.05       # the least time a solve is given (enough to check a hint once the deadline has passed)
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -653,7 +654,7 @@ class FrameModel:
         """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
         CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(time_limit, 0.05)
+        solver.parameters.max_time_in_seconds = max(time_limit, MIN_SOLVE_S)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 7
         solver.parameters.relative_gap_limit = relative_gap
@@ -698,9 +699,11 @@ def _tq(seconds: float) -> int:
 def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time_limit: float,
                 workers: int = 2, presolve: bool = True,
                 recompute: Recompute | None = None, lifecycle: FsdpLifecycle | None = None,
-                hint: Layout | None = None, relative_gap: float = 0.0) -> tuple[FrameResult, PlanItem | None]:
+                hint: Layout | None = None, relative_gap: float = 0.0, deadline: float = math.inf
+                ) -> tuple[FrameResult, PlanItem | None]:
     """Solve one frame (optionally one recompute mode and lifecycle of it) to optimality, to `relative_gap`, or
-    to the time limit. `hint`: a fitting layout of the frame, handed to CP-SAT as its first solution."""
+    to the time limit. `hint`: a fitting layout of the frame, handed to CP-SAT as its first solution. The solves
+    also stop by the monotonic `deadline` (the search's end), however long the model took to build."""
     modes = [md for md in act_modes(job) if recompute is None or md.recompute == recompute]
     lcs = [lifecycle] if lifecycle is not None else lifecycles(job)
     modes = undominated_modes(job, f, modes, lcs, model, cluster)
@@ -714,6 +717,8 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
         fm.add_step_bound(LP_BOUNDS.get(key, 0.0))
     if hint is not None:
         fm.add_layout_hint(hint)
+    # Building a node's model (its bounds, thousands of replay rows) can take seconds: they count against the end.
+    time_limit = max(min(time_limit, deadline - time.monotonic()), MIN_SOLVE_S)
     if f.vp == 1:
         res = fm.solve(time_limit, workers, presolve, relative_gap)
         return res, plan_item(job, f, fm, res, model, cluster)
@@ -754,7 +759,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     bound = 0
     timed_out = False
     while True:
-        res = fm.solve(max(deadline - time.monotonic(), 0.05), workers, presolve, relative_gap)
+        res = fm.solve(max(deadline - time.monotonic(), MIN_SOLVE_S), workers, presolve, relative_gap)
         last_status = res.status
         item = plan_item(job, f, fm, res, model, cluster)
         bound = max(bound, res.bound or 0)

@@ -47,3 +47,35 @@ def test_the_first_pass_has_its_share_however_long_the_set_up_took():
     s.deadline = time.monotonic() + 60.0
     s.first_pass()
     assert s.best_of
+
+
+def test_a_node_solve_stops_at_the_search_deadline_however_long_its_model_took(monkeypatch):
+    """A node's slice was handed to CP-SAT whole after its model was built: on K3 over 1,024 B200 GPUs a PP32 VP2
+    node's model (7,072 variables) took seconds to build, and a 60-s plan ended at 68 s. Past the deadline a solve
+    gets only the least time (enough to check a hint); before it, its slice, cut to what is left."""
+    from k3opt.search import node_model
+
+    job = k3opt.load_job("k3-512-4k")
+    model, cluster = k3opt.load_model("kimi-k3-4layer-proxy"), k3opt.load_cluster(job.cluster)
+    job = job.model_copy(update={"gpus": 8, "tokens_per_update": 8 * 4096 * 4, "model": "kimi-k3-4layer-proxy",
+                                 "domain_gpus_used": None})
+    from k3opt.search import enumerate_frames
+
+    f = next(f for f in enumerate_frames(job, model, 8, cluster) if f.vp == 1)
+    limits: list[float] = []
+    real = node_model.FrameModel.solve
+
+    def solve(self, time_limit, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        limits.append(time_limit)
+        return real(self, time_limit, *args, **kwargs)
+
+    monkeypatch.setattr(node_model.FrameModel, "solve", solve)
+    node_model.solve_frame(job, f, model, cluster, 30.0, recompute=k3opt.inputs.specs.Recompute.FULL,
+                           lifecycle=k3opt.inputs.specs.FsdpLifecycle.PER_MICROBATCH,
+                           deadline=time.monotonic() - 1.0)
+    assert limits == [node_model.MIN_SOLVE_S]
+    limits.clear()
+    node_model.solve_frame(job, f, model, cluster, 30.0, recompute=k3opt.inputs.specs.Recompute.FULL,
+                           lifecycle=k3opt.inputs.specs.FsdpLifecycle.PER_MICROBATCH,
+                           deadline=time.monotonic() + 5.0)
+    assert len(limits) == 1 and node_model.MIN_SOLVE_S < limits[0] <= 5.0
