@@ -446,18 +446,18 @@ def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLi
 
 
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
-                     cluster: ClusterSpec, stop_at: float = math.inf) -> float:
+                     cluster: ClusterSpec, stop_at: float = math.inf, deadline: float = math.inf) -> float:
     """The node's step-time bound, computed when a node is about to be solved. v = 1: the dynamic program run per
     undominated activation mode (its own work and memory), the least over modes; a mode whose mean-load floor
     (`_mean_stage`) is already at or above the least so far is not run. v > 1: the linear relaxation of
     `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows, with the
     replay paths its solutions violate added), kept for the node's CP-SAT model as a cut on its objective; with
     `stop_at` (the search's pruning line) it stops once the node is proven at or above that line (the bound is then
-    at least min(exact, stop_at))."""
+    at least min(exact, stop_at)); past the monotonic `deadline` its programs stop and bound less."""
     if job.search.split is not None:
         return 0.0
     if f.vp != 1:
-        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at, separate=True)
+        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at, separate=True, deadline=deadline)
         _keep(LP_BOUNDS, node_key(job, f, rc, lc, model, cluster), lp)
         return lp
     allowed = allowed_on(job)

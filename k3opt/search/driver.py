@@ -596,7 +596,7 @@ class _Search:
         """The seeding's second part, unless the queue's bounds already close the search, then the sibling
         pricing."""
         if self.seed_left > 0 and not self._proven(self._ranked()):
-            self._seed_frames(None, self._proven, self.top)
+            self._seed_frames(POLICY.second_patience_s, self._proven, self.top)
         # The fastest layouts' configurations and splits priced on the shapes that differ from theirs in the FSDP
         # degrees and sharding policies only: their own seeding rarely reaches a split climbed on a sibling. Run
         # even when the bounds close the search: a sibling as fast and leaner ranks first (on the default job the
@@ -778,7 +778,8 @@ class _Search:
         if (f, rc, lc) not in self.tightened:
             self.tightened.add((f, rc, lc))
             # Past the pruning line the exact value is not needed: the node only has to be shown above it.
-            tight = tight_node_bound(self.job, f, rc, lc, self.model, self.cluster, stop_at=line.stop)
+            tight = tight_node_bound(self.job, f, rc, lc, self.model, self.cluster, stop_at=line.stop,
+                                     deadline=self.deadline)
             if tight > t_lb + 1e-12:
                 if not (diving and math.isfinite(tight) and not line.closed(tight, e.peak)):
                     return self._requeue(e, tight)

@@ -400,7 +400,7 @@ class _VariantSearch:
             lo = self.whole_layers(min(m.floor for m in every), merged_all, c0, (off, bal))
             return lo if self.over(lo) else max(
                 lo, _solve(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, paths, exact_balance=True,
-                           stop=self.target(), rounds=self.rounds))
+                           stop=self.target(), rounds=self.rounds, deadline=self.deadline))
         return -math.inf
 
     def solve_key(self, key: tuple, off: bool, bal: bool, paths: np.ndarray) -> None:
@@ -412,7 +412,8 @@ class _VariantSearch:
             merged = _merge([m.arrays for m in members])
             if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths,
-                                        exact_balance=True, stop=self.target(), rounds=self.rounds))):
+                                        exact_balance=True, stop=self.target(), rounds=self.rounds,
+                                        deadline=self.deadline))):
                 return
         for floor, _, _md, _tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
@@ -421,7 +422,8 @@ class _VariantSearch:
             if self.over(floor * (1 - 1e-9)):
                 continue
             self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths,
-                                                         exact_balance=True, stop=self.target(), rounds=self.rounds)))
+                                                         exact_balance=True, stop=self.target(), rounds=self.rounds,
+                                                         deadline=self.deadline)))
 
     def whole_layer_bound(self) -> float:
         """The least found (or the line's cap), raised by whole layers over the least of every variant's arrays,
@@ -832,12 +834,14 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
 
 
 def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-           paths: np.ndarray, exact_balance: bool = False, stop: float = math.inf, rounds: int = 0) -> float:
+           paths: np.ndarray, exact_balance: bool = False, stop: float = math.inf, rounds: int = 0,
+           deadline: float = math.inf) -> float:
     """The linear program of the module docstring over one node's arrays `a` (c0: the schedule's terms) under one
     offload and balancing setting: its optimum, shaved by FEAS_TOL; inf when infeasible. Up to `rounds`
     times, the replay path longest at the solution's chunk times joins the path rows and the
     program is solved again (`_violated_path`), until no path is violated, a path leaves the value where it was, or
-    the value reaches `stop`."""
+    the value reaches `stop`. A solve the monotonic `deadline` cuts bounds nothing: the value stays the last
+    solve's (each path row only raises the optimum)."""
     lp = _program(f, a, c0)
     _work_rows(lp, a, c0, bal)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose,
@@ -856,7 +860,8 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     a_ub = np.vstack([np.array(lp.rows), chunk_rows, order_rows])
     b_ub = np.concatenate([lp.rhs, chunk_rhs, order_rhs])
     upper = np.concatenate([np.tile(lp.counts.astype(float), lp.p * lp.v), np.full(lp.ncol - lp.n, np.inf)])
-    value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True)
+    value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True,
+                     deadline=deadline)
     beta = replay_bound.betas([c0.shape.recompute == Recompute.FULL])
     for _ in range(rounds):
         if value * (1 - FEAS_TOL) >= stop:
@@ -866,7 +871,11 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
             break
         a_ub, b_ub = np.vstack([a_ub, cut]), np.append(b_ub, 0.0)
         before = value
-        value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True)
+        value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True,
+                         deadline=deadline)
+        if z is None and math.isfinite(value):
+            value = before  # cut by the deadline: no certificate, the last optimum stands
+            break
         if value <= before * (1 + FEAS_TOL):
             break  # the program had another optimum the path does not touch: more paths rarely move it
     # GLOP's optimum is accurate to its tolerances; shave a relative 1e-6 so the bound stays below the exact one.
@@ -1449,11 +1458,13 @@ _undominated_cached = Memo(_build_undominated_cached, maxsize=4096)
 
 
 def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray, b_eq: np.ndarray,
-          upper: np.ndarray, solution: bool = False):  # noqa: ANN201 - float, or (float, array | None)
+          upper: np.ndarray, solution: bool = False, deadline: float = math.inf
+          ):  # noqa: ANN201 - float, or (float, array | None)
     """min cost.z, a_ub z <= b_ub, a_eq z = b_eq, 0 <= z <= upper, by GLOP: the optimum, inf if infeasible,
-    0 when GLOP ends without a certificate (no bound rather than a wrong one); with `solution`, (optimum, z), z None
-    where there is no optimum. The model is handed over as one MPModelProto (rows filled from numpy slices) rather
-    than coefficient by coefficient: the same model, built in a fraction of the time."""
+    0 when GLOP ends without a certificate (no bound rather than a wrong one), as when it reaches the monotonic
+    `deadline`; with `solution`, (optimum, z), z None where there is no optimum. The model is handed over as one
+    MPModelProto (rows filled from numpy slices) rather than coefficient by coefficient: the same model, built in a
+    fraction of the time."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
         raise RuntimeError("OR-tools' GLOP linear solver is unavailable")
@@ -1477,6 +1488,12 @@ def _glop(cost: np.ndarray, a_ub: np.ndarray, b_ub: np.ndarray, a_eq: np.ndarray
     error = solver.LoadModelFromProto(proto)
     if error:
         raise RuntimeError(f"GLOP rejected the relaxation: {error}")
+    if math.isfinite(deadline):
+        # One program can take seconds (K3 FP8 on GB300: 3-8 s): past the search's end it would run the plan over.
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return (0.0, None) if solution else 0.0
+        solver.SetTimeLimit(max(1, int(left * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.INFEASIBLE:
         return (math.inf, None) if solution else math.inf

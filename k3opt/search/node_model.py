@@ -45,7 +45,6 @@ from k3opt.search.result import PlanItem
 
 TIME_UNIT = 1e-7         # seconds
 PEAK_TIE_UNIT = MIB      # bytes, tie-break resolution
-MIN_SOLVE_S = 0.05       # the least time a solve is given (enough to check a hint once the deadline has passed)
 
 
 # ------------------------------------------------------------------------------------- frame model
@@ -654,7 +653,7 @@ class FrameModel:
         """Solve to the time limit or to `relative_gap` (CP-SAT then says OPTIMAL; the bound stays valid).
         CP-SAT does not catch Ctrl-C: the driver's handler does, and stops after this slice."""
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(time_limit, MIN_SOLVE_S)
+        solver.parameters.max_time_in_seconds = max(time_limit, POLICY.min_solve_s)
         solver.parameters.num_workers = workers
         solver.parameters.random_seed = 7
         solver.parameters.relative_gap_limit = relative_gap
@@ -718,7 +717,7 @@ def solve_frame(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, time
     if hint is not None:
         fm.add_layout_hint(hint)
     # Building a node's model (its bounds, thousands of replay rows) can take seconds: they count against the end.
-    time_limit = max(min(time_limit, deadline - time.monotonic()), MIN_SOLVE_S)
+    time_limit = max(min(time_limit, deadline - time.monotonic()), POLICY.min_solve_s)
     if f.vp == 1:
         res = fm.solve(time_limit, workers, presolve, relative_gap)
         return res, plan_item(job, f, fm, res, model, cluster)
@@ -759,7 +758,7 @@ def _solve_with_replay_cuts(job: Job, f: Frame, fm: FrameModel, model: ModelSpec
     bound = 0
     timed_out = False
     while True:
-        res = fm.solve(max(deadline - time.monotonic(), MIN_SOLVE_S), workers, presolve, relative_gap)
+        res = fm.solve(max(deadline - time.monotonic(), POLICY.min_solve_s), workers, presolve, relative_gap)
         last_status = res.status
         item = plan_item(job, f, fm, res, model, cluster)
         bound = max(bound, res.bound or 0)

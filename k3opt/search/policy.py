@@ -42,6 +42,12 @@ class SearchPolicy:
     have met the shapes that lead and the pass's line is already close; the stall rule still extends the part while
     it gains."""
 
+    second_patience_s: float = 2.0
+    """The stall stop's minimum for the second seeding's part after the bounding pass. It visits only the frames
+    whose tightened bounds are under the line, so a stall that long leaves the rest to the queue, whose bounds are
+    what the proof waits on. At the 20-s minimum of the first part, it took its whole share of a 60-s limit without
+    a gain (K3 on 4,096 GPUs at 16K context: 10 s; the 32,768-GPU job proves in 61 s instead of 83 s)."""
+
     bound_share: float = 0.25
     """Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
     bounded (no CP-SAT solve) against the pruning line of the layouts found so far, so that the seeding can stop as
@@ -162,6 +168,10 @@ class SearchPolicy:
     """Interleaved nodes with at most this many pipeline operations (2 p v M) also get the replay itself over the
     per-chunk bounds. The start-time variables grow with the operations; on K3 PP8 VP4 M64 (4,096 operations) they
     slow a fixed-split solve tenfold without raising the node's bound, so there the path cuts alone are used."""
+
+    min_solve_s: float = 0.05
+    """Seconds a node's CP-SAT solve gets at least, even past the search's end: enough to check its hint, so a node
+    whose model took the last seconds to build still returns its layout."""
 
     min_cut_slice_s: float = 0.5
     """Least time left for another solve after adding a replay path; with less the node returns FEASIBLE."""

@@ -902,7 +902,7 @@ def test_a_node_bound_stopped_at_the_line_closes_it(tiny, slow, monkeypatch):
     such a stop here, so the search ends on the incumbents without a solve."""
     import k3opt.search.driver as driver
 
-    def at_line(job, f, rc, lc, model, cluster, stop_at=math.inf):
+    def at_line(job, f, rc, lc, model, cluster, stop_at=math.inf, deadline=math.inf):  # noqa: ARG001
         return stop_at * (1 - 1e-9) if math.isfinite(stop_at) else 0.0
 
     monkeypatch.setattr(driver, "tight_node_bound", at_line)

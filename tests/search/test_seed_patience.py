@@ -133,3 +133,22 @@ def test_a_gain_of_one_mark_leaves_the_others_reference(clock):
     assert not p.out(_items(19.978, 22.5))  # 9.9 s since the gain at 10 s (6.1 s past the 4-s one's mark)
     clock.now = 120.1
     assert p.out(_items(19.978, 22.5))
+
+
+def test_the_seeding_after_the_bounding_pass_has_its_own_short_minimum(monkeypatch, use_policy):
+    """The part after the pass visits only shapes whose tightened bounds are under the line: its stall stop's
+    minimum is POLICY.second_patience_s, not the first part's patience_min_s (which took a whole 10-s share of a
+    60-s plan without a gain at 4,096 GPUs and 16K context)."""
+    import k3opt
+    from k3opt.search.driver import _Search  # noqa: PLC2701
+
+    use_policy(second_patience_s=3.25, patience_min_s=17.0)
+    s = _Search(k3opt.load_job("k3-512-4k"), None, None, top=1, time_limit=60.0, workers=1, pareto=False,
+                pareto_step_gib=1.0, progress=None, gap=0.01)
+    calls: list[float | None] = []
+    monkeypatch.setattr(s, "_seed_frames", lambda patience_min, done, top: calls.append(patience_min))
+    monkeypatch.setattr(s, "_proven", lambda fastest: False)
+    monkeypatch.setattr(s, "_spread", lambda: None)
+    s.seed_left = 5.0
+    s._second_seeding()
+    assert calls == [3.25]

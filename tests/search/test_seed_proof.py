@@ -93,7 +93,8 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
 
     def seed_spy(*a, **k):
         done = k.get("done")
-        if done is not None and "patience_min" in k and k["patience_min"] is None:
+        # The call after the pass is the one with the driver's proof as its stop (the seeding's `done` wraps it).
+        if done is not None and done.args[0] is not None:
             events.append(("done", done([_k(1e-9)]), done([]), done([_k(1e9)])))
             # The seeding's lower bound of a frame: after the pass, its least bound in the queue (tightened).
             lowers.extend((k["lower"](f), frame_lower_bound(pp2_job, f, tiny, slow)[0]) for f in a[1])
@@ -117,7 +118,7 @@ def test_the_driver_bounds_before_the_rest_of_the_seeding(tiny, slow, pp2_job, m
     third = names.index("done")
     # A layout of 1e-9 s is under every bound (closed); no layout: not closed; one of 1e9 s is above the queue's.
     assert events[third] == ("done", True, False, False)
-    assert events[third + 1] == ("seed", None)
+    assert events[third + 1] == ("seed", POLICY.second_patience_s)
     assert "solve" not in names[:third]
     assert lowers and all(lo >= fl for lo, fl in lowers) and any(lo > fl + 1e-6 for lo, fl in lowers)
 

@@ -73,9 +73,9 @@ def test_a_node_solve_stops_at_the_search_deadline_however_long_its_model_took(m
     node_model.solve_frame(job, f, model, cluster, 30.0, recompute=k3opt.inputs.specs.Recompute.FULL,
                            lifecycle=k3opt.inputs.specs.FsdpLifecycle.PER_MICROBATCH,
                            deadline=time.monotonic() - 1.0)
-    assert limits == [node_model.MIN_SOLVE_S]
+    assert limits == [node_model.POLICY.min_solve_s]
     limits.clear()
     node_model.solve_frame(job, f, model, cluster, 30.0, recompute=k3opt.inputs.specs.Recompute.FULL,
                            lifecycle=k3opt.inputs.specs.FsdpLifecycle.PER_MICROBATCH,
                            deadline=time.monotonic() + 5.0)
-    assert len(limits) == 1 and node_model.MIN_SOLVE_S < limits[0] <= 5.0
+    assert len(limits) == 1 and node_model.POLICY.min_solve_s < limits[0] <= 5.0
