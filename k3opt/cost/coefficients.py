@@ -707,7 +707,7 @@ def _build_placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain
     return comm.placement(gpus, p, c, e, fe, fd, domain)
 
 
-placement_of = Memo(_build_placement, maxsize=4096)
+placement_of = Memo(_build_placement, maxsize=65536)
 
 
 def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: ClusterSpec, on_nvlink: bool,

@@ -61,7 +61,7 @@ def _count_members_at_offset(stage: int, c: int, e: int, f_e: int, f_d: int, dom
             _min_members_per_domain(exp_groups, domain))
 
 
-members_at_offset = Memo(_count_members_at_offset, maxsize=16384)
+members_at_offset = Memo(_count_members_at_offset, maxsize=131072)
 
 
 def placement(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, domain: int) -> Placement:

@@ -50,7 +50,7 @@ def _count_stage_members(gpus: int, p: int, c: int, e: int, f_e: int, f_d: int, 
     return comm.members_at_offset(stage, c, e, f_e, f_d, domain, (s * stage) % domain)
 
 
-_stage_members = Memo(_count_stage_members, maxsize=4096)
+_stage_members = Memo(_count_stage_members, maxsize=65536)
 
 
 def _rank_placement(shape: Shape, cluster: ClusterSpec, rank: int) -> comm.Placement:
