@@ -718,27 +718,29 @@ def _context_parallel(model: ModelSpec, shape: Shape, tokens: int, cluster: Clus
     layer's attention: the stall is what the attention time does not cover. KDA: FLA KCP's synchronous state
     all-gather (`comm.cp_kda_allgather_bytes`; full recompute replays the forward one), all of it a stall. The
     ring runs at the slowest hop: NVLink when every CP group sits in one domain, else the NIC."""
-    n = model.num_layers + 2
+    n, L = model.num_layers + 2, model.num_layers
     c = shape.cp
     link, ws, stall = np.zeros(n), np.zeros(n), np.zeros(n)
     rate = (cluster.nvlink_gbps if on_nvlink else cluster.nic_gbps) * 1e9
-    mla_layers = set(model.full_attention_layers)
-    for i in range(model.num_layers):
-        if i in mla_layers and model.mla is not None:
-            m = model.mla
-            kv = comm.cp_mla_kv_bytes_per_token(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim,
-                                                m.v_head_dim)
-            sent = comm.cp_mla_ring_bytes(c, tokens, kv) * (4 / 3 if full else 1.0)
-            link[i] = sent
-            ws[i] = comm.cp_mla_ring_buffer_bytes(c, tokens, kv)
-            stall[i] = max(0.0, sent / rate - attn_flops[i] / (cluster.bf16_tflops * 1e12))
-        elif model.kda is not None:
-            k = model.kda
-            state = comm.cp_kda_state_bytes(k.num_heads, k.head_dim, k.head_dim)
-            got = comm.cp_kda_allgather_bytes(c, state) * (3 / 2 if full else 1.0)
-            link[i] = got
-            ws[i] = c * state  # the gather buffer: every rank's state tensor
-            stall[i] = got / rate
+    # Every MLA layer moves the same ring and every KDA layer the same gather: one value per kind, set by mask.
+    mla = np.zeros(n, dtype=bool)
+    if model.mla is not None:
+        mla[[i for i in set(model.full_attention_layers) if 0 <= i < L]] = True
+        m = model.mla
+        kv = comm.cp_mla_kv_bytes_per_token(m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+        sent = comm.cp_mla_ring_bytes(c, tokens, kv) * (4 / 3 if full else 1.0)
+        link[mla] = sent
+        ws[mla] = comm.cp_mla_ring_buffer_bytes(c, tokens, kv)
+        stall[mla] = np.maximum(0.0, sent / rate - attn_flops[mla] / (cluster.bf16_tflops * 1e12))
+    if model.kda is not None:
+        kda = ~mla
+        kda[L:] = False
+        k = model.kda
+        state = comm.cp_kda_state_bytes(k.num_heads, k.head_dim, k.head_dim)
+        got = comm.cp_kda_allgather_bytes(c, state) * (3 / 2 if full else 1.0)
+        link[kda] = got
+        ws[kda] = c * state  # the gather buffer: every rank's state tensor
+        stall[kda] = got / rate
     zero = np.zeros(n)
     return (link, zero, stall, ws) if on_nvlink else (zero, link, stall, ws)
 
