@@ -121,3 +121,32 @@ def test_a_rank_s_chunk_times_add_up_to_its_stage(k3_node, monkeypatch):
             chunks = sum(z[lp.CL0 + k * lp.p + r] for k in range(lp.v))
             assert chunks >= z[lp.T0 + r] * (1 - 1e-6) - 1e-9
             assert z[lp.T0 + r] > 0
+
+
+def test_a_separation_round_cut_by_the_deadline_keeps_the_last_optimum(k3_node, monkeypatch):
+    """A GLOP program the search's end cuts returns no certificate. In a separation round that must leave the
+    program at its last certified optimum (each path row only raises it), not at 0: with every round's solve cut,
+    the node's bound is its bound without separation."""
+    job, f, model, cluster = k3_node
+    monkeypatch.setattr(lp_bound, "POLICY", dataclasses.replace(POLICY, lp_path_rounds=0))
+    without = tight_node_bound(job, f, Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH, model, cluster)
+    monkeypatch.setattr(lp_bound, "POLICY", POLICY)
+    real_glop, real_violated = lp_bound._glop, lp_bound._violated_path
+    cut = SimpleNamespace(next=False, rounds=0)
+
+    def violated(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        row = real_violated(*args, **kwargs)
+        cut.next = row is not None
+        return row
+
+    def glop(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if cut.next:  # the round's solve, cut by the deadline: no certificate
+            cut.next, cut.rounds = False, cut.rounds + 1
+            return (0.0, None) if kwargs.get("solution") else 0.0
+        return real_glop(*args, **kwargs)
+
+    monkeypatch.setattr(lp_bound, "_violated_path", violated)
+    monkeypatch.setattr(lp_bound, "_glop", glop)
+    cut_rounds = tight_node_bound(job, f, Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH, model, cluster)
+    assert cut.rounds > 0
+    assert cut_rounds == pytest.approx(without, rel=1e-12)
