@@ -874,7 +874,7 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
         value, z = _glop(_objective(lp), a_ub, b_ub, a_eq, lp.counts.astype(float), upper, solution=True,
                          deadline=deadline)
         if z is None and math.isfinite(value):
-            value = before  # cut by the deadline: no certificate, the last optimum stands
+            value = before  # no certificate (the deadline cut it): the last optimum stands, a path row only raises it
             break
         if value <= before * (1 + FEAS_TOL):
             break  # the program had another optimum the path does not touch: more paths rarely move it

@@ -45,8 +45,8 @@ class SearchPolicy:
     second_patience_s: float = 2.0
     """The stall stop's minimum for the second seeding's part after the bounding pass. It visits only the frames
     whose tightened bounds are under the line, so a stall that long leaves the rest to the queue, whose bounds are
-    what the proof waits on. At the 20-s minimum of the first part, it took its whole share of a 60-s limit without
-    a gain (K3 on 4,096 GPUs at 16K context: 10 s; the 32,768-GPU job proves in 61 s instead of 83 s)."""
+    what the proof waits on. At the seeding's general minimum (patience_min_s, 20 s) it took its whole share of a
+    60-s limit without a gain (K3 on 4,096 GPUs at 16K context: 10 s; the 32,768-GPU job proves in 61 s, not 83 s)."""
 
     bound_share: float = 0.25
     """Share of the time limit the bounding pass may take before the second seeding: the queue's frames and nodes
