@@ -11,7 +11,7 @@ import pytest
 
 import k3opt
 from k3opt.inputs import memo
-from k3opt.search import driver, front, incumbents, lp_bound, node_model, policy, progress, replay_bound
+from k3opt.search import driver, front, incumbents, isolated, lp_bound, node_model, policy, progress, replay_bound
 
 
 def _mutmut_phase() -> str:
@@ -218,7 +218,7 @@ def use_policy(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
 
     def set_fields(**changes: float) -> None:
         new = replace(policy.POLICY, **changes)
-        for module in (policy, driver, front, incumbents, lp_bound, node_model, progress, replay_bound):
+        for module in (policy, driver, front, incumbents, isolated, lp_bound, node_model, progress, replay_bound):
             monkeypatch.setattr(module, "POLICY", new)
 
     return set_fields

@@ -21,7 +21,7 @@ from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, sche
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.memo import register
 from k3opt.inputs.specs import MIB, ClusterSpec, FsdpLifecycle, Job, Layout, ModelSpec, Recompute
-from k3opt.search import replay_bound
+from k3opt.search import isolated, replay_bound
 from k3opt.search.bounds import DP_HINTS, LP_BOUNDS, node_key, node_lower_bound
 from k3opt.search.frames import (
     ACT_TOGGLES,
@@ -665,28 +665,28 @@ class FrameModel:
             solver.parameters.cp_model_probing_level = 0
         if not presolve:
             solver.parameters.cp_model_presolve = False
-        st = solver.solve(self.m)
+        got = isolated.solve(solver, self.m)
+        st = got.status
         if st == cp_model.MODEL_INVALID:
             raise RuntimeError(f"CP-SAT model of {self.f} is invalid: {self.m.validate()[:300]}")
         proto = self.m.proto
-        res = FrameResult(self.f, solver.status_name(st), variables=len(proto.variables),
-                          constraints=len(proto.constraints))
+        res = FrameResult(self.f, got.name, variables=len(proto.variables), constraints=len(proto.constraints))
         if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            split = self._read_split(solver)
-            md = next(md for md, v in self.mv.items() if solver.value(v))
-            lc = next(lc for lc, v in self.lv.items() if solver.value(v))
-            tg = {t: bool(solver.value(v)) for t, v in self.tv.items()}
+            split = self._read_split(got)
+            md = next(md for md, v in self.mv.items() if got.value(v))
+            lc = next(lc for lc, v in self.lv.items() if got.value(v))
+            tg = {t: bool(got.value(v)) for t, v in self.tv.items()}
             res.split, res.shape = split, frame_shape(self.job, self.f, md, lc, **tg)
-            res.objective = int(solver.objective_value)
+            res.objective = int(got.objective_value)
         if st in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN):
-            res.bound = max(int(solver.best_objective_bound), 0)
+            res.bound = max(int(got.best_objective_bound), 0)
             res.bound_step_s = (res.bound // self.obj_scale) * TIME_UNIT / self.f.vp
         return res
 
-    def _read_split(self, solver: cp_model.CpSolver) -> list[int]:
+    def _read_split(self, got: isolated.Solved) -> list[int]:
         counts = [0] * self.K
         for i in range(self.L):
-            j = sum(int(solver.value(self.z[i][jj])) for jj in range(1, self.K))
+            j = sum(int(got.value(self.z[i][jj])) for jj in range(1, self.K))
             counts[j] += 1
         return counts
 

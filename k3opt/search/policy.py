@@ -173,6 +173,10 @@ class SearchPolicy:
     """Seconds a node's CP-SAT solve gets at least, even past the search's end: enough to check its hint, so a node
     whose model took the last seconds to build still returns its layout."""
 
+    child_grace_s: float = 30.0
+    """Seconds past its own limit the search waits for a solve's child (k3opt.search.isolated) before it stops it
+    as hung: CP-SAT overruns its limit by well under a second, and building a large model's presolve by a few."""
+
     min_cut_slice_s: float = 0.5
     """Least time left for another solve after adding a replay path; with less the node returns FEASIBLE."""
 

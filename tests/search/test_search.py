@@ -26,7 +26,7 @@ import k3opt
 from k3opt.cli import main
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
-from k3opt.search import Frame, enumerate_frames, solve_frame
+from k3opt.search import Frame, enumerate_frames, isolated, solve_frame
 
 DATA = Path(__file__).parents[1] / "data"
 GIB, MIB = 2**30, 2**20
@@ -120,6 +120,31 @@ def test_node_cuts_belong_to_the_specs_they_were_priced_with(job, tiny, slow, en
     assert res.status == "OPTIMAL"
     assert res.bound_step_s <= node_best + TOL_S
     assert item is not None and item.rank_time_s == pytest.approx(node_best, abs=TOL_S)
+
+
+@pytest.mark.skipif(not isolated.isolation_available(), reason="solves run in process here")
+def test_a_node_solve_survives_cpsat_aborting_on_its_hint(job, tiny, slow, enumerated, monkeypatch):
+    """OR-tools 9.15's presolve can abort the process on a hinted model (google/or-tools#5288). With every hinted
+    solve aborting, the enumerated best node still returns its best layout (solved again without the hint, read
+    back from the child: split, mode, lifecycle and toggles), and this test's process lives on."""
+    import os
+
+    from ortools.sat.python import cp_model
+
+    solve = cp_model.CpSolver.solve
+
+    def aborting(self, model, *a, **k):
+        if model.proto.has_solution_hint():
+            os.abort()
+        return solve(self, model, *a, **k)
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", aborting)
+    # A pipelined frame: its model carries the even split as a hint (a PP1 VP1 model has none).
+    f, (t_best, _, lay) = next((g, v) for g, v in _best_per_frame(enumerated) if g.pp * g.vp > 1)
+    with pytest.warns(RuntimeWarning, match="without its hint"):
+        res, item = solve_frame(job, f, tiny, slow, 60, recompute=lay.recompute, lifecycle=lay.fsdp_lifecycle)
+    assert res.status == "OPTIMAL"
+    assert item is not None and item.rank_time_s == pytest.approx(t_best, abs=TOL_S) and item.evaluation.fits
 
 
 def test_top_k_equals_enumerated_top_k(job, tiny, slow, enumerated):
