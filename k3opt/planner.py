@@ -13,6 +13,7 @@ from k3opt.inputs.placement import resolve_placement
 from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
 from k3opt.inputs.specs import GIB, ClusterSpec, Job, Layout, ModelSpec, trained_model
+from k3opt.inputs.toggles import inapplicable
 from k3opt.launch import FORMATS, apply_target_limits, launch_refusals, limit_text, refusals
 from k3opt.search import plan as search_plan
 from k3opt.search.driver import DEFAULT_GAP
@@ -114,15 +115,17 @@ def limit_prices(job: Job, best_s: float, binding: list[str], model: ModelSpec |
     return sorted(out, key=lambda p: -(p.saves_s or 0.0))
 
 
-def _muon_toggles(job: Job, model: ModelSpec) -> Job:
-    """P2P Muon changes only how Muon's matrices meet at the step: on a model that trains every tensor with AdamW
-    it is no decision, so the search leaves it off (a job that requires it is told so)."""
-    if model.optimizer.name != "adamw" or "p2p_muon" in job.search.forbid_toggles:
+def _model_toggles(job: Job, model: ModelSpec) -> Job:
+    """Toggles that act on what `model` lacks (k3opt.inputs.toggles.Needs: MoE layers, a SiTU-GLU FFN, Muon
+    matrices) price nothing there, so they are no decision: the search leaves them off, which keeps them out of the
+    plan's toggles and its launch refusals. A job that requires one is told so."""
+    lacking = [(name, why) for name, why in inapplicable(model) if name not in job.search.forbid_toggles]
+    for name, why in lacking:
+        if name in job.search.require_toggles:
+            raise SpecError(f"[search] require_toggles lists {name}, but {why}: remove it")
+    if not lacking:
         return job
-    if "p2p_muon" in job.search.require_toggles:
-        raise SpecError(f"[search] require_toggles lists p2p_muon, but {model.name} trains every tensor with AdamW "
-                        "(no Muon matrices to pull): remove it")
-    search = job.search.model_copy(update={"forbid_toggles": [*job.search.forbid_toggles, "p2p_muon"]})
+    search = job.search.model_copy(update={"forbid_toggles": [*job.search.forbid_toggles, *(n for n, _ in lacking)]})
     return job.model_copy(update={"search": search})
 
 
@@ -141,7 +144,7 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     if job.reserve_gib * GIB >= c.hbm_bytes:
         raise SpecError(f"reserve_gib = {job.reserve_gib:g} leaves nothing of {c.name}'s {c.hbm_bytes / GIB:.2f} GiB "
                         "of HBM per GPU: lower it")
-    job = _muon_toggles(resolve_placement(resolve_job_runtime(job, c), m, c), m)
+    job = _model_toggles(resolve_placement(resolve_job_runtime(job, c), m, c), m)
     target = getattr(job, "target", None)
     if target is None:
         return _with_targets(search_plan(job, model=m, cluster=c, top=top, **kwargs), m)

@@ -56,6 +56,28 @@ class BuiltIn:
         return model is not None and model.moe is not None and model.ffn_activation in self.ffn_activations
 
 
+class Needs(StrEnum):
+    """What a model must have for a toggle to change anything: without it the toggle prices nothing on that model
+    (tests/inputs/test_toggle_registry.py checks every coefficient of every preset), so it is no decision there."""
+
+    MOE = "moe"
+    """MoE layers (the routed experts' saved set, the dispatch, MoonEP's slots)."""
+    SITU_GLU = "situ_glu"
+    """A SiTU-GLU FFN activation (the streaming kernel it fuses)."""
+    MUON = "muon"
+    """Muon matrices (the optimizer step's pull of their shards)."""
+
+    def lacking(self, model: ModelSpec) -> str | None:
+        """Why `model` lacks it, or None when it has it."""
+        if self is Needs.MOE:
+            return None if model.moe is not None else f"{model.name} has no MoE layers"
+        if self is Needs.SITU_GLU:
+            return None if model.ffn_activation == "situ_glu" else \
+                f"{model.name}'s FFN activation is {model.ffn_activation}, not SiTU-GLU"
+        return None if model.optimizer.name == "muon" else \
+            f"{model.name} trains every tensor with AdamW (no Muon matrices to pull)"
+
+
 @dataclass(frozen=True)
 class ToggleInfo:
     name: str
@@ -73,6 +95,8 @@ class ToggleInfo:
     """Without offload, its only effect on a time array is the memory-bound kernels' traffic."""
     switches: dict[str, Switch | NoSwitch | BuiltIn] = field(default_factory=dict)
     """Per launch target (megatron-lm, megatron-bridge, torchtitan)."""
+    needs: Needs | None = None
+    """What a model must have for the toggle to act (None: every model)."""
 
     def switch(self, target: str, model: ModelSpec | None = None) -> Switch | NoSwitch | BuiltIn:
         """The target's switch for this toggle and model: a BuiltIn resolves to its `otherwise` where it does not
@@ -103,7 +127,7 @@ REGISTRY: tuple[ToggleInfo, ...] = (
                   **_tt(Switch("[model] converters = quantize.linear.mx, quantize.grouped_mm.mx (MXFP8)"))}),
     ToggleInfo(
         "fused_situ", ToggleKind.ACTIVATION, ("activations", "recompute_working_set", "time.hbm"),
-        vector_only=True,
+        vector_only=True, needs=Needs.SITU_GLU,
         switches={**_megatron(NoSwitch(
             "plan without it, or replace the GLU activation with a streaming SiTU-GLU kernel; no recompute or "
             "activation option names it",
@@ -112,7 +136,7 @@ REGISTRY: tuple[ToggleInfo, ...] = (
                                  f"{_TT_NO_TOML} {TT}"))}),
     ToggleInfo(
         "moe_backward_rewrite", ToggleKind.ACTIVATION, ("activations", "time.hbm (expert outputs re-read)"),
-        vector_only=True,
+        vector_only=True, needs=Needs.MOE,
         # Megatron applies the routing probabilities inside the expert activation, so dL/dp reads the activation,
         # not the expert outputs: for SwiGLU the fused weighted SwiGLU saves only its input and the probabilities.
         switches={**_megatron(BuiltIn(
@@ -129,6 +153,7 @@ REGISTRY: tuple[ToggleInfo, ...] = (
                   **_tt(NoSwitch("plan without it, or patch the MoE module's backward", f"{_TT_NO_TOML} {TT}"))}),
     ToggleInfo(
         "dispatch_recompute", ToggleKind.ACTIVATION, ("activations", "time.nvlink", "time.nic (dispatch replayed)"),
+        needs=Needs.MOE,
         switches={**_megatron(NoSwitch(
             "plan without it; the nearest switch, 'moe' in --recompute-modules, re-runs the whole MoE forward "
             "(route, dispatch, experts, combine), not the dispatch alone",
@@ -166,6 +191,7 @@ REGISTRY: tuple[ToggleInfo, ...] = (
                                  f"{_TT_NO_TOML} (Training) {TT}"))}),
     ToggleInfo(
         "p2p_muon", ToggleKind.RANK, ("optimizer_transient", "update.nvlink", "update.nic"), memory_only=True,
+        needs=Needs.MUON,
         switches={**_megatron(NoSwitch(
             "plan without it: --optimizer muon with --use-distributed-optimizer is the layer-wise distributed "
             "optimizer, whose parameter sync is an all-gather",
@@ -186,6 +212,7 @@ REGISTRY: tuple[ToggleInfo, ...] = (
         # MoonEP only adds memory here: its benefit, expert-load balance, is outside the forced-balanced routing
         # model, so the search takes it only when a job requires it.
         "moonep", ToggleKind.RANK, ("moonep_slots", "moonep_buffers", "ep_buffers"), searched=False,
+        needs=Needs.MOE,
         switches={**_megatron(NoSwitch(
             "plan without it; the nearest dispatcher is --moe-token-dispatcher-type flex "
             "--moe-flex-dispatcher-backend hybridep, which has no redundant expert slots",
@@ -216,6 +243,11 @@ RANK_TOGGLES = names(ToggleKind.RANK)
 FIXED_TOGGLES = names(ToggleKind.FIXED)
 NEVER_CHOSEN = names(ToggleKind.RANK, searched=False)
 """Rank toggles the search takes only when a job requires them."""
+
+
+def inapplicable(model: ModelSpec) -> tuple[tuple[str, str], ...]:
+    """(toggle, why) for every toggle that changes nothing on `model` (its `needs` lacking), in registry order."""
+    return tuple((t.name, why) for t in REGISTRY if t.needs is not None and (why := t.needs.lacking(model)))
 
 
 def no_switch(target: str, model: ModelSpec | None = None) -> tuple[tuple[str, NoSwitch], ...]:

@@ -111,3 +111,65 @@ def test_a_megatron_target_plans_deepseek_with_the_built_in_rewrite_and_refuses_
     lay = k3opt.load_layout("k3-gb200-512-reference").model_copy(update={"model": "deepseek-v3"})
     notes = to_launch(lay, "megatron-lm", deepseek).notes
     assert any(n.startswith("toggle moe_backward_rewrite: built in") and "over-counted" in n for n in notes)
+
+
+def _incumbent(model_name: str):  # noqa: ANN202 - (job, model, cluster, a layout)
+    """A layout of the model on 512 GB200 GPUs: its first PP4 frame, selective recompute, no toggle, layers split
+    evenly over the chunks (whether it fits does not matter here: both sides are priced alike)."""
+    from k3opt.inputs.specs import FsdpLifecycle, Recompute
+    from k3opt.search.driver import _frames
+    from k3opt.search.frames import ActMode, frame_shape, layout_of
+
+    model, cluster = k3opt.load_model(model_name), k3opt.load_cluster("gb200-nvl72")
+    job = k3opt.Job.model_validate({"model": model_name, "cluster": "gb200-nvl72", "gpus": 512, "context": 4096,
+                                    "tokens_per_update": 512 * 4096 * 8, "reserve_gib": 4.0})
+    f = next(g for g in _frames(job, model, cluster) if g.pp == 4)
+    shape = frame_shape(job, f, ActMode(Recompute.SELECTIVE, False, False, False, False), FsdpLifecycle.ACCUMULATE)
+    k, n = f.pp * f.vp, model.num_layers
+    split = [n // k + (1 if j < n % k else 0) for j in range(k)]
+    return job, model, cluster, layout_of(job, f, shape, split)
+
+
+@pytest.mark.parametrize("model_name", k3opt.inputs.presets.preset_names("model"))
+def test_a_toggle_whose_needs_a_model_lacks_changes_nothing_there(model_name: str) -> None:
+    """A toggle declared to need what the model lacks (Needs) prices nothing on it: evaluate() of a fitting layout
+    gives the same step times and every rank's same ledger with the toggle on; and a toggle the model has what it
+    needs for changes something on some preset (the declaration is not vacuous: below)."""
+    from k3opt.cost.evaluate import evaluate
+
+    job, model, cluster, lay = _incumbent(model_name)
+    base = evaluate(lay, model, cluster)
+    for name, _ in T.inapplicable(model):
+        on = lay.model_copy(update={"toggles": lay.toggles.model_copy(update={name: True})})
+        ev = evaluate(on, model, cluster)
+        assert (ev.step.step_time_s, ev.step.rank_time_s) == (base.step.step_time_s, base.step.rank_time_s), name
+        assert [(r.ledger, r.peak_bytes, r.host_bytes, r.time_s, r.update_s) for r in ev.ranks] == \
+            [(r.ledger, r.peak_bytes, r.host_bytes, r.time_s, r.update_s) for r in base.ranks], name
+
+
+@pytest.mark.parametrize(("model_name", "name"), [("kimi-k3", "fused_situ"), ("deepseek-v3", "moe_backward_rewrite"),
+                                                  ("deepseek-v3", "dispatch_recompute"), ("kimi-k3", "p2p_muon")])
+def test_a_toggle_acts_where_the_model_has_what_it_needs(model_name: str, name: str) -> None:
+    from k3opt.cost.evaluate import evaluate
+
+    job, model, cluster, lay = _incumbent(model_name)
+    assert name not in [n for n, _ in T.inapplicable(model)]
+    flipped = lay.model_copy(update={"toggles": lay.toggles.model_copy(
+        update={name: not getattr(lay.toggles, name)})})
+    a, b = evaluate(lay, model, cluster), evaluate(flipped, model, cluster)
+    assert (a.step.rank_time_s, [r.ledger for r in a.ranks]) != (b.step.rank_time_s, [r.ledger for r in b.ranks])
+
+
+def test_a_plan_leaves_a_toggle_the_model_lacks_off_and_a_job_requiring_one_is_told() -> None:
+    """Qwen3-30B-A3B has no SiTU-GLU FFN: its plans never list fused_situ (which no launch target can switch on,
+    so listing it would refuse every target), and a job requiring it gets one line naming why."""
+    from k3opt.inputs.errors import SpecError
+
+    job = k3opt.Job.model_validate({"model": "qwen3-30b-a3b", "cluster": "gb200-nvl72", "gpus": 8, "context": 4096,
+                                    "tokens_per_update": 8 * 4096 * 32, "reserve_gib": 4.0})
+    plan = k3opt.plan(job, top=3, time_limit=20)
+    assert plan.layouts and not any(it.layout.toggles.fused_situ for it in plan.layouts)
+    requiring = job.model_copy(update={"search": job.search.model_copy(update={"require_toggles": ["fused_situ"]})})
+    with pytest.raises(SpecError, match="require_toggles lists fused_situ, but qwen3-30b-a3b's FFN activation is "
+                                        "swiglu, not SiTU-GLU: remove it"):
+        k3opt.plan(requiring, time_limit=5)
