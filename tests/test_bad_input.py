@@ -178,6 +178,10 @@ JOB_CASES = {
     "p2p_muon_required_without_muon": (
         'model = "qwen3-30b-a3b"\ncluster = "b200"\ngpus = 64\n[search]\nrequire_toggles = ["p2p_muon"]\n',
         "require_toggles lists p2p_muon, but qwen3-30b-a3b trains every tensor with AdamW"),
+    # Llama 3 70B has no MoE layers (constraints/models/llama3-70b.toml has no [moe]).
+    "moe_toggle_required_on_a_dense_model": (
+        'model = "llama3-70b"\ncluster = "b200"\ngpus = 64\n[search]\nrequire_toggles = ["dispatch_recompute"]\n',
+        "require_toggles lists dispatch_recompute, but llama3-70b has no MoE layers: remove it"),
 }
 
 
