@@ -274,7 +274,7 @@ class _Search:
         self.frame_tightened: set[Frame] = set()
         self.tightened: set[tuple[Frame, Recompute, FsdpLifecycle]] = set()
         self.contiguity_checked: set[tuple[Frame, Recompute, FsdpLifecycle]] = set()
-        """Interleaved nodes whose contiguous whole-layer fit was tested (lp_bound.contiguous_fits)."""
+        """Interleaved nodes whose contiguous whole-layer fit was decided (lp_bound.contiguous_fits)."""
         self.ready: list[_Entry] = []
         """Nodes the bounding pass left for CP-SAT, with their tightened bounds (back in the queue after it)."""
         self.solved = 0
@@ -839,7 +839,8 @@ class _Search:
 
     def _after_slice(self, e: _Entry, node_bound: float, status: str, item: PlanItem | None) -> _Outcome:
         """What a slice's status does to the node of bound `node_bound`: Ctrl-C stops the search; a slice that found
-        nothing has the node's contiguous whole-layer fit tested once; a cut node goes back for a doubled slice."""
+        nothing has the node's contiguous whole-layer fit tested (until the test decides); a cut node goes back for a
+        doubled slice."""
         f, rc, lc = e.frame, e.recompute, e.lifecycle
         if self.ctrl_c.flag:
             self.interrupted = True
@@ -848,11 +849,14 @@ class _Search:
         if status == "UNKNOWN" and f.vp > 1 and (f, rc, lc) not in self.contiguity_checked:
             # No layout found in its slice: whole layers in contiguous chunks may not fit at all, which the
             # relaxation (fractional, not contiguous) cannot see and CP-SAT's bound can take minutes to show
-            # (lp_bound.contiguous_fits). Once per node, for at most its next slice.
-            self.contiguity_checked.add((f, rc, lc))
+            # (lp_bound.contiguous_fits), for at most its next slice. A check its time cut (undecided) is made
+            # again after the node's next empty slice, with that slice's doubled time, as the slices are.
             left = self.time_limit - (_time.monotonic() - self.t0)
-            if left > 0 and contiguous_fits(self.job, f, rc, lc, self.model, self.cluster,
-                                            min(left, self.base_slice * 2 ** (e.attempt + 1))) is False:
+            fits = contiguous_fits(self.job, f, rc, lc, self.model, self.cluster,
+                                   min(left, self.base_slice * 2 ** (e.attempt + 1))) if left > 0 else None
+            if fits is not None:
+                self.contiguity_checked.add((f, rc, lc))
+            if fits is False:
                 self.current = math.inf
                 return _Outcome.INFEASIBLE
         if status in ("FEASIBLE", "UNKNOWN"):

@@ -736,6 +736,42 @@ def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, sl
     assert plan.layouts
 
 
+def test_an_undecided_contiguity_test_is_made_again_with_the_next_slice(tiny, slow, monkeypatch):
+    """A contiguous whole-layer test cut by its time (None) is made again after the node's next empty slice, with
+    that slice's doubled time; decided (False) the second time, the node leaves the queue. Faked as above: every
+    interleaved slice finds nothing, each node's first test is undecided and its second says no split fits; then
+    every interleaved node is solved exactly twice and tested twice, the second time with twice the time."""
+    from k3opt.search import driver
+    from k3opt.search.node_model import FrameResult
+
+    solves: list[tuple] = []
+    tested: dict[tuple, list[float]] = {}
+    real = driver.solve_frame
+
+    def stalled(job, f, model, cluster, time_limit, *a, **k):
+        solves.append((f, k.get("recompute"), k.get("lifecycle")))
+        if f.vp > 1:
+            return FrameResult(f, "UNKNOWN", bound_step_s=0.0), None
+        return real(job, f, model, cluster, time_limit, *a, **k)
+
+    def undecided_then_no(job, f, rc, lc, model, cluster, time_limit):
+        times = tested.setdefault((f, rc, lc), [])
+        times.append(time_limit)
+        return None if len(times) == 1 else False
+
+    monkeypatch.setattr(driver, "solve_frame", stalled)
+    monkeypatch.setattr(driver, "contiguous_fits", undecided_then_no)
+    job = interleaved_small_job()
+    job = job.model_copy(update={"search": job.search.model_copy(update={"vp": [1, 2]})})
+    plan = driver.plan(job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0.0)
+    interleaved = [s for s in solves if s[0].vp > 1]
+    assert interleaved, "the test needs interleaved nodes to reach CP-SAT"
+    assert all(interleaved.count(s) == 2 for s in interleaved)
+    assert set(tested) == set(interleaved)
+    assert all(len(t) == 2 and t[1] == pytest.approx(2 * t[0]) for t in tested.values())
+    assert plan.layouts
+
+
 @pytest.mark.parametrize("reserve", [2.2, 2.55])
 def test_interleaved_lp_bound_below_every_layout_and_sees_memory(tiny, slow, reserve):
     """v = 2 on p = 2 with offload, balancing, host gradients, P2P Muon and the chunked cross-entropy searchable,
