@@ -113,7 +113,7 @@ def _in_child(solver: cp_model.CpSolver, model: cp_model.CpModel, limit: float, 
     chunks: list[bytes] = []
     # A solve without a limit is waited for as long as it takes.
     deadline = time.monotonic() + limit + POLICY.child_grace_s if math.isfinite(limit) else math.inf
-    timed_out = False
+    timed_out = ended = False
     try:
         while True:
             left = deadline - time.monotonic()
@@ -125,11 +125,12 @@ def _in_child(solver: cp_model.CpSolver, model: cp_model.CpModel, limit: float, 
                 continue
             chunk = os.read(r, 1 << 20)
             if not chunk:
+                ended = True
                 break
             chunks.append(chunk)
     finally:
         os.close(r)
-        if timed_out:
+        if not ended:  # past the grace, or the parent interrupted: the child must not outlive the wait
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     if timed_out:

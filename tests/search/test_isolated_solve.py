@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -106,3 +107,33 @@ def test_a_solve_without_a_limit_is_not_cut_by_the_grace(monkeypatch: pytest.Mon
     s.parameters.num_workers = 1
     got = isolated.solve(s, m, isolate=True)
     assert got.name == "OPTIMAL" and got.objective_value == 11
+
+
+def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the parent while it waits (a KeyboardInterrupt off the main thread) kills the child
+    rather than waiting for it to finish its solve (30 s here): the exception propagates and the child reaped was
+    ended by SIGKILL."""
+    solve = cp_model.CpSolver.solve
+
+    def hanging(self: cp_model.CpSolver, model: cp_model.CpModel, *a: object, **k: object) -> object:
+        time.sleep(30)
+        return solve(self, model, *a, **k)
+
+    def interrupted(*a: object, **k: object) -> object:
+        raise KeyboardInterrupt
+
+    reaped: list[int] = []
+    waitpid = os.waitpid
+
+    def spy(pid: int, options: int) -> tuple[int, int]:
+        got = waitpid(pid, options)
+        reaped.append(got[1])
+        return got
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", hanging)
+    monkeypatch.setattr(isolated.select, "select", interrupted)
+    monkeypatch.setattr(isolated.os, "waitpid", spy)
+    m, _, _ = _model()
+    with pytest.raises(KeyboardInterrupt):
+        isolated.solve(_solver(limit=10.0), m, isolate=True)
+    assert len(reaped) == 1 and os.WIFSIGNALED(reaped[0]) and os.WTERMSIG(reaped[0]) == signal.SIGKILL
