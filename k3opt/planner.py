@@ -14,9 +14,10 @@ from k3opt.inputs.presets import load_cluster, load_model
 from k3opt.inputs.runtime import resolve_job_runtime
 from k3opt.inputs.specs import GIB, ClusterSpec, Job, Layout, ModelSpec, trained_model
 from k3opt.inputs.toggles import inapplicable
-from k3opt.launch import FORMATS, apply_target_limits, launch_refusals, limit_text, refusals
+from k3opt.launch import FORMATS, apply_target_limits, degree_refusals, launch_refusals, limit_text, refusals
 from k3opt.search import plan as search_plan
 from k3opt.search.driver import DEFAULT_GAP
+from k3opt.search.frames import Frame
 from k3opt.search.progress import ProgressFn
 from k3opt.search.result import Plan, PlanItem
 
@@ -134,11 +135,13 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     """The search of `job` after it takes its cluster's default runtime when it names none
     (k3opt.inputs.runtime.resolve_job_runtime).
 
-    With a launch target the job is narrowed by apply_target_limits, and frames that break a coupled rule the
-    [search] lists cannot express (the derived expert sharding degree) are dropped from the ranking. The ranked
-    search keeps one layout per frame, and whether a frame is runnable depends only on its degrees once the toggles
-    are narrowed, so asking for more frames and filtering keeps the optimum among runnable layouts; the request
-    grows until `top` runnable ones are found or the search runs out of frames."""
+    With a launch target the job is narrowed by apply_target_limits, the frames that break a rule of the degrees
+    alone that the [search] lists cannot express (the derived expert sharding degree; k3opt.launch.degree_refusals)
+    are left out of the search, and ranked layouts that break a rule of the degrees and the node (the AdamW gather
+    under Megatron-FSDP) are dropped from the ranking. The ranked search keeps one layout per frame, and whether a
+    frame is runnable depends only on its degrees once the toggles are narrowed, so asking for more frames and
+    filtering keeps the optimum among runnable layouts; the request grows until `top` runnable ones are found or
+    the search runs out of frames."""
     m = trained_model(job, model if isinstance(model, ModelSpec) else load_model(model or job.model))
     c = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
     if job.reserve_gib * GIB >= c.hbm_bytes:
@@ -149,11 +152,15 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     if target is None:
         return _with_targets(search_plan(job, model=m, cluster=c, top=top, **kwargs), m)
     narrowed = apply_target_limits(job, m, lifted)
+
+    def refuse(f: Frame) -> list[str]:
+        return [why for _, why in degree_refusals(f, target, m, lifted)]
+
     ask = top
     # The wider requests share the one time limit: each gets what the ones before it left.
     deadline = _time.monotonic() + kwargs["time_limit"]
     while True:
-        res = search_plan(narrowed, model=m, cluster=c, top=ask,
+        res = search_plan(narrowed, model=m, cluster=c, top=ask, refuse=refuse,
                           **{**kwargs, "time_limit": max(deadline - _time.monotonic(), MIN_TIME_LIMIT_S)})
         ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m, lifted)]
         exhausted = len(res.layouts) < ask

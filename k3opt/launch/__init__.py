@@ -12,7 +12,15 @@ from k3opt.inputs.presets import load_model
 from k3opt.inputs.specs import Layout, ModelSpec, trained_model
 from k3opt.launch import megatron_bridge, megatron_lm, torchtitan
 from k3opt.launch.common import FORMATS, SOURCES, Launch, Missing, check_format
-from k3opt.launch.limits import LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, limit_text, refusals
+from k3opt.launch.limits import (
+    LIMITS,
+    NO_SWITCH,
+    apply_target_limits,
+    degree_refusals,
+    launch_refusals,
+    limit_text,
+    refusals,
+)
 
 _EXPORTERS = {"megatron-bridge": megatron_bridge.export, "megatron-lm": megatron_lm.export,
               "torchtitan": torchtitan.export}
@@ -27,4 +35,4 @@ def to_launch(layout: Layout, fmt: str, model: ModelSpec | str | None = None) ->
 
 
 __all__ = ["FORMATS", "LIMITS", "NO_SWITCH", "SOURCES", "Launch", "Missing", "apply_target_limits",
-           "check_format", "launch_refusals", "limit_text", "refusals", "to_launch"]
+           "check_format", "degree_refusals", "launch_refusals", "limit_text", "refusals", "to_launch"]

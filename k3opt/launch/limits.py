@@ -8,6 +8,7 @@ the exports' "NO SWITCH" lists, so what the search forbids and what an export sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
@@ -115,22 +116,43 @@ def _gather_refusal(layout: Layout, model: ModelSpec | None) -> str:
     return ""
 
 
+class Degrees(Protocol):
+    """The parallel degrees a target's degree rules read: a Layout's or a search Frame's."""
+
+    vp: int
+    cp: int
+    ep: int
+    expert_fsdp: int
+    dense_fsdp: int
+
+
+def degree_refusals(d: Degrees, target: str, model: ModelSpec | None = None,
+                    lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The limits of `refusals` that read the parallel degrees alone (a frame breaks them or not whatever its
+    split, modes and toggles): Bridge's VP and, with KDA layers, CP; the derived expert sharding degree
+    (dense_fsdp = ep x expert_fsdp, on a model with routed experts); torchtitan's CP dividing the dense FSDP group."""
+    check_format(target)
+    out: list[tuple[str, str]] = []
+    if target == "megatron-bridge" and d.vp > 1:
+        out.append(("vp", f"vp = {d.vp} > 1 [{_source(target, 'vp')}]"))
+    if target == "megatron-bridge" and d.cp > 1 and (model is None or _has_kda(model)):
+        out.append(("cp", f"cp = {d.cp} > 1 with KDA layers [{_source(target, 'cp')}]"))
+    # A model without routed experts has no expert group, and nothing derives its degree.
+    if d.dense_fsdp != d.ep * d.expert_fsdp and (model is None or model.moe is not None):
+        src = _source(target, "expert_fsdp")
+        out.append(("expert_fsdp", f"dense_fsdp {d.dense_fsdp} != ep x expert_fsdp = {d.ep} x "
+                                   f"{d.expert_fsdp}: the expert sharding degree is derived [{src}]"))
+    if target == "torchtitan" and d.dense_fsdp % d.cp:
+        out.append(("cp", f"cp {d.cp} does not divide dense_fsdp {d.dense_fsdp} [{_source(target, 'cp')}]"))
+    return [(k, why) for k, why in out if k not in lifted]
+
+
 def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
     Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle) and `toggle:NAME` for a toggle with no
     switch."""
-    check_format(target)
-    out: list[tuple[str, str]] = []
-    if target == "megatron-bridge" and layout.vp > 1:
-        out.append(("vp", f"vp = {layout.vp} > 1 [{_source(target, 'vp')}]"))
-    if target == "megatron-bridge" and layout.cp > 1 and (model is None or _has_kda(model)):
-        out.append(("cp", f"cp = {layout.cp} > 1 with KDA layers [{_source(target, 'cp')}]"))
-    # A model without routed experts has no expert group, and nothing derives its degree.
-    if layout.dense_fsdp != layout.ep * layout.expert_fsdp and (model is None or model.moe is not None):
-        src = _source(target, "expert_fsdp")
-        out.append(("expert_fsdp", f"dense_fsdp {layout.dense_fsdp} != ep x expert_fsdp = {layout.ep} x "
-                                   f"{layout.expert_fsdp}: the expert sharding degree is derived [{src}]"))
+    out = degree_refusals(layout, target, model, frozenset())
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
             and _muon(model):
         out.append(("fsdp_lifecycle", f"fsdp_lifecycle {layout.fsdp_lifecycle.value}: with Muon only the "
@@ -139,8 +161,6 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
         why = _gather_refusal(layout, model)
         if why:
             out.append(("param_gather", f"{why} [{_source(target, 'param_gather')}]"))
-    if target == "torchtitan" and layout.dense_fsdp % layout.cp:
-        out.append(("cp", f"cp {layout.cp} does not divide dense_fsdp {layout.dense_fsdp} [{_source(target, 'cp')}]"))
     for ns in no_switch_for(target, model):
         if getattr(layout.toggles, ns.toggle):
             out.append((f"toggle:{ns.toggle}", f"toggle {ns.toggle} has no switch [{ns.source}]"))

@@ -114,7 +114,8 @@ DEFAULT_GAP = 0.01
 
 def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | str | None = None, top: int = 5,
          time_limit: float = 60.0, workers: int = 2, pareto: bool = False, pareto_step_gib: float = 1.0,
-         progress: ProgressFn | None = None, gap: float = DEFAULT_GAP) -> Plan:
+         progress: ProgressFn | None = None, gap: float = DEFAULT_GAP,
+         refuse: Callable[[Frame], list[str]] | None = None) -> Plan:
     """Ranked layouts (best first, one per frame) and the Pareto front over (step time, worst-rank peak).
 
     Anytime best-first branch and bound. First, heuristic layouts of the frames with the lowest bounds, priced by
@@ -128,9 +129,10 @@ def plan(job: Job, model: ModelSpec | str | None = None, cluster: ClusterSpec | 
     (search/prefetch.py; Linux only), and stop when the solves start. The search stops when every node left has a
     bound within `gap` (relative) of the K-th best, and is then OPTIMAL; FEASIBLE when the time limit or Ctrl-C
     stopped it first. `Plan.gap` is always the proven gap of the best layout. Raises InfeasibleJobError with the
-    smallest reachable peak when nothing fits."""
+    smallest reachable peak when nothing fits. `refuse(frame)`: why a frame is left out (empty: it is searched),
+    e.g. a launch target's degree rules (k3opt.launch.degree_refusals), so that only shapes it can run are ranked."""
     search = _Search(job, model, cluster, top=top, time_limit=time_limit, workers=workers, pareto=pareto,
-                     pareto_step_gib=pareto_step_gib, progress=progress, gap=gap)
+                     pareto_step_gib=pareto_step_gib, progress=progress, gap=gap, refuse=refuse)
     search.execute()
     return search.finish()
 
@@ -193,7 +195,8 @@ class _Search:
 
     def __init__(self, job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | None, *, top: int,
                  time_limit: float, workers: int, pareto: bool, pareto_step_gib: float,
-                 progress: ProgressFn | None, gap: float) -> None:
+                 progress: ProgressFn | None, gap: float, refuse: Callable[[Frame], list[str]] | None = None
+                 ) -> None:
         self.t0 = _time.monotonic()
         self.job, self.top, self.workers, self.gap = job, top, workers, gap
         self.pareto, self.pareto_step_gib = pareto, pareto_step_gib
@@ -205,7 +208,15 @@ class _Search:
         self.deadline = self.t0 + self.time_limit
         self.model = trained_model(job, model if isinstance(model, ModelSpec) else load_model(model or job.model))
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
-        self.frames = _frames(job, self.model, self.cluster)
+        self.refuse = refuse
+        every = _frames(job, self.model, self.cluster)
+        self.frames = every if refuse is None else [f for f in every if not refuse(f)]
+        self.refused = set(every).difference(self.frames)
+        """Frames `refuse` left out (the front leaves them out too)."""
+        if refuse is not None and not self.frames:
+            raise InfeasibleJobError(f"every parallel shape of the job is refused, e.g. {_frame_text(every[0])}: "
+                                     f"{refuse(every[0])[0]}; widen [search] (ep, expert_fsdp, dense_fsdp, vp, cp) "
+                                     "or drop the target")
         self.caps = _Caps(job, self.model, self.cluster)
         self.hbm_line = budget_line(job, self.cluster)
         """No allocated budget exceeds HBM minus the reserve (or the job's peak cap): a frame whose peak bound is
@@ -933,7 +944,8 @@ class _Search:
             self._tick("front")
             return build_front(self.job, self.model, self.cluster, self.best_of, ranked, self.pareto_step_gib,
                                self.t0, self.total_limit, self.workers, lower_bounds=self.lbs,
-                               over_line=self.over_line, estimates=self.estimates, on_progress=self._front_tick,
+                               over_line=self.over_line | self.refused, estimates=self.estimates,
+                               on_progress=self._front_tick,
                                regions=self._region, ranked_bound=bound, gap=self.gap)
         return (ranked[:1] if self.interrupted else [], False)
 
@@ -963,7 +975,7 @@ class _Search:
         left = min(self.t0 + self.total_limit - _time.monotonic(), self.time_limit)
         sub = _Search(job, self.model, self.cluster, top=1, time_limit=left, workers=self.workers, pareto=False,
                       pareto_step_gib=self.pareto_step_gib, progress=forward if self.ticker.fn else None,
-                      gap=self.gap)
+                      gap=self.gap, refuse=self.refuse)
         # The front's points under the cap are its first incumbents, and points over it brought under it (the
         # region's fastest layout is often a faster point with a layer moved or a toggle flipped): the seeding need
         # not find them again. The leanest over the cap has the fewest bytes to shed; the fastest is the other start

@@ -20,6 +20,7 @@ from k3opt.inputs.errors import SpecError, UnknownTargetError
 from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
 from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
+from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
@@ -320,6 +321,46 @@ def test_target_job_never_returns_a_refused_layout():
     # OPTIMAL within the default 1% gap among runnable layouts: the bound never above the best returned.
     assert bound.bound <= bound.layouts[0].rank_time_s
     assert bound.status != "OPTIMAL" or bound.gap <= 0.01 + 1e-12
+
+
+def test_a_target_search_ranks_only_the_shapes_the_target_can_run():
+    """The degree rules (k3opt.launch.degree_refusals: the derived expert sharding degree dense_fsdp = ep x
+    expert_fsdp here, on the tiny MoE model) are applied to the shapes before the search, not to its ranked
+    layouts after: the plan counts only the shapes that keep them, and with a top large enough to rank every
+    shape, each kept shape's layout comes back (none is lost to a filter after the search)."""
+    from k3opt.search.frames import enumerate_frames
+
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    spec = {
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "rows": 1, "tokens_per_update": 32768, "reserve_gib": 1.5, "target": "torchtitan",
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2, 4], "expert_fsdp": [1, 2], "dense_fsdp": [1, 2, 4],
+                   "recompute": ["full"], "dense_sharding": ["optim"], "expert_sharding": ["optim"],
+                   "forbid_toggles": list(TOGGLE_NAMES)},
+    }
+    job = k3opt.Job.model_validate(spec)
+    every = enumerate_frames(job, tiny, 8, slow)
+    # By hand: at PP2 on 8 GPUs the data-parallel group is 4; dense_fsdp = ep x expert_fsdp keeps (ep 2, efsdp 1,
+    # dfsdp 2), (ep 2, efsdp 2, dfsdp 4) and (ep 4, efsdp 1, dfsdp 4) of the degree combinations.
+    kept = [f for f in every if (f.ep, f.expert_fsdp, f.dense_fsdp) in {(2, 1, 2), (2, 2, 4), (4, 1, 4)}]
+    assert len(kept) == 3 < len(every)
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=len(every), gap=0)
+    assert plan.frames_total == len(kept)
+    assert {frame_of(it.layout) for it in plan.layouts} <= set(kept)
+    assert all(launch_refusals(it.layout, "torchtitan", tiny) == [] for it in plan.layouts)
+
+
+def test_a_target_job_whose_every_shape_is_refused_gets_one_line():
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5, "target": "torchtitan",
+        "search": {"pp": [2], "ep": [4], "expert_fsdp": [1], "dense_fsdp": [1]}})
+    with pytest.raises(k3opt.InfeasibleJobError, match=r"every parallel shape of the job is refused, e\.g\. PP2 .*"
+                                                        r"dense_fsdp 1 != ep x expert_fsdp = 4 x 1"):
+        k3opt.plan(job, model=tiny, cluster=slow, top=1)
 
 
 def test_cli_plan_with_target_exports_and_shows_the_cost(tmp_path):
