@@ -60,7 +60,10 @@ def solve(solver: cp_model.CpSolver, model: cp_model.CpModel, isolate: bool | No
     if not (isolation_available() if isolate is None else isolate):
         return _read(solver, solver.solve(model))
     limit = float(solver.parameters.max_time_in_seconds)
-    got = _in_child(solver, model, limit, drop_hint=False)
+    try:
+        got = _in_child(solver, model, limit, drop_hint=False)
+    except OSError:  # no fork or pipe here (a memory or descriptor limit): the solve runs in process
+        return _read(solver, solver.solve(model))
     if got is not None:
         return got
     again = _in_child(solver, model, limit, drop_hint=True)
@@ -90,7 +93,12 @@ def _in_child(solver: cp_model.CpSolver, model: cp_model.CpModel, limit: float, 
     with warnings.catch_warnings():
         # Python 3.12+ warns on fork beside other threads (a live display's): the child touches none of their locks.
         warnings.filterwarnings("ignore", message=".*use of fork.*", category=DeprecationWarning)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            raise
     if pid == 0:  # the child: solve, send, leave without running the parent's exit handlers
         code = 1
         try:

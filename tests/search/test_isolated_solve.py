@@ -137,3 +137,14 @@ def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(KeyboardInterrupt):
         isolated.solve(_solver(limit=10.0), m, isolate=True)
     assert len(reaped) == 1 and os.WIFSIGNALED(reaped[0]) and os.WTERMSIG(reaped[0]) == signal.SIGKILL
+
+
+def test_a_refused_fork_solves_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fork is refused (ENOMEM under a memory limit), the node is solved in the planner's process."""
+    def refused() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(isolated.os, "fork", refused)
+    m, x, y = _model()
+    got = isolated.solve(_solver(), m, isolate=True)
+    assert got.name == "OPTIMAL" and (got.value(x), got.value(y)) == (3, 1)
