@@ -122,14 +122,15 @@ def _in_child(solver: cp_model.CpSolver, model: cp_model.CpModel, limit: float, 
     # A solve without a limit is waited for as long as it takes.
     deadline = time.monotonic() + limit + POLICY.child_grace_s if math.isfinite(limit) else math.inf
     timed_out = ended = False
+    poller = select.poll()  # not select(): a process holding over 1,024 descriptors (a server) gets higher ones
+    poller.register(r, select.POLLIN | select.POLLHUP)
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            ready, _, _ = select.select([r], [], [], left if math.isfinite(left) else None)
-            if not ready:
+            if not poller.poll(math.ceil(left * 1000) if math.isfinite(left) else None):
                 continue
             chunk = os.read(r, 1 << 20)
             if not chunk:
@@ -147,5 +148,5 @@ def _in_child(solver: cp_model.CpSolver, model: cp_model.CpModel, limit: float, 
         return None
     try:
         return pickle.loads(b"".join(chunks))
-    except (pickle.UnpicklingError, EOFError):
+    except (pickle.UnpicklingError, EOFError, ValueError):  # cut short by the child's death
         return None

@@ -119,8 +119,12 @@ def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) ->
         time.sleep(30)
         return solve(self, model, *a, **k)
 
-    def interrupted(*a: object, **k: object) -> object:
-        raise KeyboardInterrupt
+    class Interrupted:
+        def register(self, *a: object) -> None:
+            pass
+
+        def poll(self, *a: object) -> list:
+            raise KeyboardInterrupt
 
     reaped: list[int] = []
     waitpid = os.waitpid
@@ -131,7 +135,7 @@ def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) ->
         return got
 
     monkeypatch.setattr(cp_model.CpSolver, "solve", hanging)
-    monkeypatch.setattr(isolated.select, "select", interrupted)
+    monkeypatch.setattr(isolated.select, "poll", Interrupted)
     monkeypatch.setattr(isolated.os, "waitpid", spy)
     m, _, _ = _model()
     with pytest.raises(KeyboardInterrupt):
