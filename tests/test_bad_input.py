@@ -185,6 +185,15 @@ JOB_CASES = {
 }
 
 
+def test_a_job_without_tokens_per_update_names_what_to_give(tmp_path):
+    """A rule over the whole job file (no field to blame) reads as the file's own line, with no location."""
+    path = _write(tmp_path, "gpus = 512\n", "job.toml")
+    result = CliRunner().invoke(main, ["plan", str(path), "--time-limit", "5"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert lines == ["k3opt: error: job job.toml: give tokens_per_update or a [search] microbatches list"], lines
+
+
 @pytest.mark.parametrize("case", sorted(JOB_CASES))
 def test_job_placement_errors_exit_2_with_one_line(tmp_path, case):
     text, fragment = JOB_CASES[case]

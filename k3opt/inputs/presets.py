@@ -23,14 +23,15 @@ DEFAULT_RUNTIME = "megatron-te-hybridep-gb200"
 def format_validation_error(err: ValidationError, what: str) -> str:
     first = err.errors()[0]
     # Union members and validator chains appear in the location as "function-after[...]"; keep field names.
-    loc = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()) or "(file)"
+    # A rule over the whole file (a model validator) has no field to name.
+    loc = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"
     elif first["type"] == "missing":
         msg = "required field is missing"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{what}: {loc}: {msg}{extra}"
+    return f"{what}: {loc}: {msg}{extra}" if loc else f"{what}: {msg}{extra}"
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
