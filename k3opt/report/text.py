@@ -147,11 +147,12 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
 
 
 def _achievable_lines(ev) -> list[str]:  # noqa: ANN001 - Evaluation
-    """The achievable-rate step time (empirical roofline) beside the peak-ceiling bound above."""
+    """The achievable-rate step time (empirical roofline) beside the peak-ceiling bound above, and the time plans
+    rank the layout by where its replayed schedule is the longer (`_ranked_line`)."""
     s = ev.step
     if s.achievable_step_time_s is None:
         return ["", f"achievable step time: no rates file for {ev.cluster.name} (constraints/rates); only the "
-                    "peak roofline above"]
+                    "peak roofline above", *_ranked_line(s)]
     return [
         "",
         f"achievable step {s.achievable_step_time_s:.3f} s at the measured rates of '{s.rates}' "
@@ -162,7 +163,19 @@ def _achievable_lines(ev) -> list[str]:  # noqa: ANN001 - Evaluation
            "all-to-all per step" if s.achievable_unpaired_ep_s else ""),
         f"precision {ev.layout.precision.value}: linear GEMMs at {ev.cluster.dense_tflops(ev.layout.precision):g} "
         f"TFLOP/s dense peak; attention core, router, embedding and head at BF16",
+        *_ranked_line(s),
     ]
+
+
+def _ranked_line(s) -> list[str]:  # noqa: ANN001 - StepTime
+    """The step time a plan ranks this layout by, where its replayed pipeline schedule is longer than the step
+    formula by more than SCHEDULE_GAP_SHOWN (uneven interleaved chunks): the plan's status line and table show it."""
+    formula, replay = s.formula_time_s, s.ranked_schedule_time_s
+    if replay <= formula * (1 + SCHEDULE_GAP_SHOWN):
+        return []
+    return [f"ranked step {replay:.3f} s (what plans rank this layout by): its pipeline schedule replayed at the same "
+            f"rates, {100 * (replay / formula - 1):.0f}% above the step formula's {formula:.3f} s; its uneven chunks "
+            "hold the warm-up and cool-down longer than (M + (p - 1) / v) x the slowest rank prices"]
 
 
 def mib(x: float) -> str:
