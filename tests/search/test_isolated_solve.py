@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 
 import pytest
 from ortools.sat.python import cp_model
@@ -152,3 +153,22 @@ def test_a_refused_fork_solves_in_process(monkeypatch: pytest.MonkeyPatch) -> No
     m, x, y = _model()
     got = isolated.solve(_solver(), m, isolate=True)
     assert got.name == "OPTIMAL" and (got.value(x), got.value(y)) == (3, 1)
+
+
+def test_a_solve_started_off_the_main_thread_runs_in_its_child() -> None:
+    """The browser lab plans on worker threads: the child, forked from one, still sets its signal handling (the
+    forking thread is its main thread) and returns the optimum without dying."""
+    import threading
+
+    out: list = []
+
+    def run() -> None:
+        m, x, y = _model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a child that died would warn
+            out.append(isolated.solve(_solver(), m, isolate=True))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert len(out) == 1 and out[0].name == "OPTIMAL" and out[0].objective_value == 11 and out[0].aborted == 0
