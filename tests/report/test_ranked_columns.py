@@ -39,8 +39,8 @@ def test_explain_names_the_ranked_step_where_the_replay_is_longer() -> None:
     tiny, slow = k3opt.load_model(data / "tiny-moe.toml"), k3opt.load_cluster(data / "slow-cluster.toml")
 
     def lay(split: list[int], m: int) -> k3opt.Layout:
-        return make_layout(gpus=8, pp=2, vp=len(split) // 2, ep=2, expert_fsdp=1, dense_fsdp=2, microbatches=m, context=2048,
-                           split=split, recompute="full", fsdp_lifecycle="per_microbatch", toggles={},
+        return make_layout(gpus=8, pp=2, vp=len(split) // 2, ep=2, expert_fsdp=1, dense_fsdp=2, microbatches=m,
+                           context=2048, split=split, recompute="full", fsdp_lifecycle="per_microbatch", toggles={},
                            reserve_gib=0.0, dense_sharding="optim_grads_params", expert_sharding="optim_grads_params")
 
     uneven = evaluate(lay([4, 0, 0, 2], 2), tiny, slow)
