@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,13 @@ def main() -> None:
     # The command's start: a process's first command also counts the interpreter's start-up before it; a later one
     # (several commands in one process, as a test runner or a notebook invokes them) counts from its own start.
     _STARTED[:] = [time.monotonic(), _process_seconds() if not _STARTED else 0.0]
+    warnings.formatwarning = _warning_line
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  line: str | None = None) -> str:
+    """A warning on the command line as one line, like the errors (not Python's file, line and source)."""
+    return f"k3opt: warning: {message}\n"
 
 
 @main.command()

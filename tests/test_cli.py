@@ -60,3 +60,16 @@ def test_a_commands_time_limit_counts_from_its_own_start(monkeypatch):
     assert cli._command_seconds() >= 1000.0  # the first command: the start-up counts
     CliRunner().invoke(cli.main, ["export", "nowhere.toml", "--format", "nemo"])
     assert cli._command_seconds() < 60.0
+
+
+def test_a_warning_on_the_command_line_is_one_line(monkeypatch):
+    """A warning a command raises (a CP-SAT child that died and was solved again) prints as one 'k3opt: warning:'
+    line, like the errors, not with Python's file, line number and source line."""
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    result = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference"])
+    assert result.exit_code == 0, result.output
+    text = warnings.formatwarning(RuntimeWarning("CP-SAT aborted in presolve"), RuntimeWarning,
+                                  "/x/k3opt/search/isolated.py", 75)
+    assert text == "k3opt: warning: CP-SAT aborted in presolve\n"
