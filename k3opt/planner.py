@@ -159,14 +159,23 @@ def _run(job: Job, model: ModelSpec | str | None, cluster: ClusterSpec | str | N
     ask = top
     # The wider requests share the one time limit: each gets what the ones before it left.
     deadline = _time.monotonic() + kwargs["time_limit"]
+    kept: tuple[Plan, list[PlanItem]] | None = None
     while True:
         res = search_plan(narrowed, model=m, cluster=c, top=ask, refuse=refuse,
                           **{**kwargs, "time_limit": max(deadline - _time.monotonic(), MIN_TIME_LIMIT_S)})
         ok = [it for it in res.layouts if not launch_refusals(it.layout, target, m, lifted)]
+        # A wider request starts again with what time is left: where it returns fewer runnable layouts, or a
+        # slower best, the earlier answer stands.
+        if kept is not None and (len(ok) < len(kept[1]) or (ok and kept[1]
+                                                            and ok[0].rank_time_s > kept[1][0].rank_time_s)):
+            res, ok = kept
+            break
+        kept = (res, ok)
         exhausted = len(res.layouts) < ask
-        # Past OPTIMAL a wider request costs another search; it is made only while nothing runnable is found.
+        # Past OPTIMAL a wider request costs another search; it is made only while nothing runnable is found. The
+        # front is the answer of a pareto request, and a wider one would start it again: it is made once.
         if len(ok) >= top or exhausted or (res.status != "OPTIMAL" and ok) or ask >= 64 \
-                or _time.monotonic() >= deadline:
+                or _time.monotonic() >= deadline or kwargs.get("pareto"):
             break
         ask *= 4
     if not ok:

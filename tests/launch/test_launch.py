@@ -380,3 +380,66 @@ def test_cli_plan_with_target_exports_and_shows_the_cost(tmp_path):
     assert "NO SWITCH" in res.stderr  # K3-style KDA layers have no Megatron-LM switch
     res = CliRunner().invoke(main, ["plan", str(job), "--export", "nemo"])
     assert res.exit_code == 2 and "unknown launch format" in res.stderr
+
+
+def _tiny_target_job(target: str = "torchtitan") -> k3opt.Job:
+    return k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5, "target": target,
+        "search": {"pp": [2], "vp": [1], "ep": [2, 4], "expert_fsdp": [1, 2], "dense_fsdp": [2, 4],
+                   "recompute": ["full"], "forbid_toggles": list(TOGGLE_NAMES)}})
+
+
+def test_a_pareto_request_with_a_target_searches_once(monkeypatch):
+    """The front is a pareto request's answer, and a wider ranked request would start it again with the time that
+    is left (DeepSeek-V3 for Megatron-Bridge, 30 s: a front of 1 point from a 0.2-s search): one search."""
+    from k3opt import planner
+
+    calls: list[int] = []
+    real = planner.search_plan
+
+    def counted(*a, **k):
+        calls.append(k["top"])
+        return real(*a, **k)
+
+    runnable: list = []
+
+    def one_runnable(lay, *a, **k):  # the first layout asked about runs, no other: a wider request is wanted
+        runnable[:] = runnable or [lay]
+        return [] if lay == runnable[0] else ["breaks"]
+
+    monkeypatch.setattr(planner, "search_plan", counted)
+    monkeypatch.setattr(planner, "launch_refusals", one_runnable)
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    res = k3opt.pareto(_tiny_target_job(), model=tiny, cluster=slow, top=2, time_limit=20, gap=0.0)
+    assert res.status == "OPTIMAL" and calls == [2] and res.pareto
+
+
+def test_a_wider_request_that_does_worse_keeps_the_earlier_answer(monkeypatch):
+    """Faked: the first search (OPTIMAL) ranks one runnable layout of the six asked; the wider request, with the
+    time left, comes back with none runnable. The plan returns the first search's layout instead of an error."""
+    from dataclasses import replace as dc_replace
+
+    from k3opt import planner
+
+    tiny = k3opt.load_model(DATA / "tiny-moe.toml")
+    slow = k3opt.load_cluster(DATA / "slow-cluster.toml")
+    real = planner.search_plan
+    first = real(planner.apply_target_limits(_tiny_target_job(), tiny), model=tiny, cluster=slow, top=1)
+    good = first.layouts[0]
+    bad_layout = good.layout.model_copy(update={"dense_fsdp": good.layout.ep * good.layout.expert_fsdp * 2})
+    calls: list[int] = []
+
+    def fake(*a, **k):
+        calls.append(k["top"])
+        bad = dc_replace(good, layout=bad_layout)
+        if len(calls) == 1:  # all six asked (not exhausted), one runnable
+            return dc_replace(first, status="OPTIMAL", layouts=[good] + [bad] * 5)
+        return dc_replace(first, status="FEASIBLE", layouts=[bad] * 20)
+
+    monkeypatch.setattr(planner, "search_plan", fake)
+    monkeypatch.setattr(planner, "launch_refusals", lambda lay, *a, **k: ["breaks"] if lay is bad_layout else [])
+    res = k3opt.plan(_tiny_target_job(), model=tiny, cluster=slow, top=6, time_limit=20)
+    assert calls == [6, 24]
+    assert res.layouts and res.layouts[0].layout == good.layout
