@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
@@ -70,8 +70,7 @@ def solve(solver: cp_model.CpSolver, model: cp_model.CpModel, isolate: bool | No
     if again is not None:
         warnings.warn("CP-SAT aborted in presolve (google/or-tools#5288); the node was solved again without its "
                       "hint", RuntimeWarning, stacklevel=2)
-        return Solved(again.status, again.name, again.objective_value, again.best_objective_bound,
-                      again.solution, retried_without_hint=True, aborted=1)
+        return replace(again, retried_without_hint=True, aborted=1)
     warnings.warn("CP-SAT aborted twice on one node (google/or-tools#5288); the node is left unknown",
                   RuntimeWarning, stacklevel=2)
     return Solved(cp_model.UNKNOWN, "UNKNOWN", aborted=2)

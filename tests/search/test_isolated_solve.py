@@ -76,17 +76,22 @@ def test_two_aborts_leave_the_node_unknown(monkeypatch: pytest.MonkeyPatch) -> N
     assert (got.status, got.name, got.aborted, got.solution) == (cp_model.UNKNOWN, "UNKNOWN", 2, ())
 
 
+def _solve_after(seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CP-SAT's solve sleeps `seconds` before it solves (a slow or hung child)."""
+    solve = cp_model.CpSolver.solve
+
+    def sleeping(self: cp_model.CpSolver, model: cp_model.CpModel, *a: object, **k: object) -> object:
+        time.sleep(seconds)
+        return solve(self, model, *a, **k)
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", sleeping)
+
+
 def test_a_hung_child_is_stopped_past_its_limit_and_grace(monkeypatch: pytest.MonkeyPatch, use_policy) -> None:
     """A child that outlives its limit plus POLICY.child_grace_s is killed; the solve reports UNKNOWN (a child
     left to finish would return the optimum after its 30-s sleep)."""
     use_policy(child_grace_s=0.2)
-    solve = cp_model.CpSolver.solve
-
-    def hanging(self: cp_model.CpSolver, model: cp_model.CpModel, *a: object, **k: object) -> object:
-        time.sleep(30)
-        return solve(self, model, *a, **k)
-
-    monkeypatch.setattr(cp_model.CpSolver, "solve", hanging)
+    _solve_after(30, monkeypatch)
     m, _, _ = _model()
     got = isolated.solve(_solver(limit=0.1), m, isolate=True)
     assert got.name == "UNKNOWN" and "outlived its limit" in got.note
@@ -96,13 +101,7 @@ def test_a_solve_without_a_limit_is_not_cut_by_the_grace(monkeypatch: pytest.Mon
     """CP-SAT's default limit is infinite: the parent then waits for the child however long it takes (here 0.5 s
     against a 0.1-s grace), and gets its optimum."""
     use_policy(child_grace_s=0.1)
-    solve = cp_model.CpSolver.solve
-
-    def slow(self: cp_model.CpSolver, model: cp_model.CpModel, *a: object, **k: object) -> object:
-        time.sleep(0.5)
-        return solve(self, model, *a, **k)
-
-    monkeypatch.setattr(cp_model.CpSolver, "solve", slow)
+    _solve_after(0.5, monkeypatch)
     m, _, _ = _model()
     s = cp_model.CpSolver()
     s.parameters.num_workers = 1
@@ -114,12 +113,6 @@ def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) ->
     """An exception in the parent while it waits (a KeyboardInterrupt off the main thread) kills the child
     rather than waiting for it to finish its solve (30 s here): the exception propagates and the child reaped was
     ended by SIGKILL."""
-    solve = cp_model.CpSolver.solve
-
-    def hanging(self: cp_model.CpSolver, model: cp_model.CpModel, *a: object, **k: object) -> object:
-        time.sleep(30)
-        return solve(self, model, *a, **k)
-
     class Interrupted:
         def register(self, *a: object) -> None:
             pass
@@ -135,7 +128,7 @@ def test_an_interrupted_wait_stops_the_child(monkeypatch: pytest.MonkeyPatch) ->
         reaped.append(got[1])
         return got
 
-    monkeypatch.setattr(cp_model.CpSolver, "solve", hanging)
+    _solve_after(30, monkeypatch)
     monkeypatch.setattr(isolated.select, "poll", Interrupted)
     monkeypatch.setattr(isolated.os, "waitpid", spy)
     m, _, _ = _model()

@@ -702,16 +702,14 @@ def test_the_contiguous_fit_says_no_only_where_no_layout_fits(tiny, slow, reserv
         assert sharper >= 2
 
 
-def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, slow, monkeypatch):
-    """A node whose CP-SAT slice found no layout (status UNKNOWN) has its contiguous whole-layer fit tested once
-    (`lp_bound.contiguous_fits`); proven impossible, the node leaves the queue instead of returning for a doubled
-    slice. Faked here: every interleaved node's slice finds nothing, and no contiguous split fits; then no node is
-    solved twice, and the plan (gap 0, so that nodes reach CP-SAT) keeps its v = 1 layouts."""
+def _stalled_interleaved_plan(tiny, slow, monkeypatch, contiguous):
+    """The small interleaved job planned (gap 0, so that nodes reach CP-SAT) with every interleaved node's CP-SAT
+    slice finding nothing and `contiguous` in place of lp_bound.contiguous_fits; returns the plan and the
+    interleaved (frame, recompute, lifecycle) solves in order."""
     from k3opt.search import driver
     from k3opt.search.node_model import FrameResult
 
     solves: list[tuple] = []
-    tested: list[tuple] = []
     real = driver.solve_frame
 
     def stalled(job, f, model, cluster, time_limit, *a, **k):
@@ -720,17 +718,28 @@ def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, sl
             return FrameResult(f, "UNKNOWN", bound_step_s=0.0), None
         return real(job, f, model, cluster, time_limit, *a, **k)
 
-    def never(job, f, rc, lc, model, cluster, time_limit):
-        tested.append((f, rc, lc))
-        return False
-
     monkeypatch.setattr(driver, "solve_frame", stalled)
-    monkeypatch.setattr(driver, "contiguous_fits", never)
+    monkeypatch.setattr(driver, "contiguous_fits", contiguous)
     job = interleaved_small_job()
     job = job.model_copy(update={"search": job.search.model_copy(update={"vp": [1, 2]})})
     plan = driver.plan(job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0.0)
     interleaved = [s for s in solves if s[0].vp > 1]
     assert interleaved, "the test needs interleaved nodes to reach CP-SAT"
+    return plan, interleaved
+
+
+def test_an_interleaved_node_with_no_contiguous_fit_is_not_solved_again(tiny, slow, monkeypatch):
+    """A node whose CP-SAT slice found no layout (status UNKNOWN) has its contiguous whole-layer fit tested once
+    (`lp_bound.contiguous_fits`); proven impossible, the node leaves the queue instead of returning for a doubled
+    slice. Faked here: every interleaved node's slice finds nothing, and no contiguous split fits; then no node is
+    solved twice, and the plan (gap 0, so that nodes reach CP-SAT) keeps its v = 1 layouts."""
+    tested: list[tuple] = []
+
+    def never(job, f, rc, lc, model, cluster, time_limit):
+        tested.append((f, rc, lc))
+        return False
+
+    plan, interleaved = _stalled_interleaved_plan(tiny, slow, monkeypatch, never)
     assert len(interleaved) == len(set(interleaved))
     assert set(tested) == set(interleaved)
     assert plan.layouts
@@ -741,31 +750,14 @@ def test_an_undecided_contiguity_test_is_made_again_with_the_next_slice(tiny, sl
     that slice's doubled time; decided (False) the second time, the node leaves the queue. Faked as above: every
     interleaved slice finds nothing, each node's first test is undecided and its second says no split fits; then
     every interleaved node is solved exactly twice and tested twice, the second time with twice the time."""
-    from k3opt.search import driver
-    from k3opt.search.node_model import FrameResult
-
-    solves: list[tuple] = []
     tested: dict[tuple, list[float]] = {}
-    real = driver.solve_frame
-
-    def stalled(job, f, model, cluster, time_limit, *a, **k):
-        solves.append((f, k.get("recompute"), k.get("lifecycle")))
-        if f.vp > 1:
-            return FrameResult(f, "UNKNOWN", bound_step_s=0.0), None
-        return real(job, f, model, cluster, time_limit, *a, **k)
 
     def undecided_then_no(job, f, rc, lc, model, cluster, time_limit):
         times = tested.setdefault((f, rc, lc), [])
         times.append(time_limit)
         return None if len(times) == 1 else False
 
-    monkeypatch.setattr(driver, "solve_frame", stalled)
-    monkeypatch.setattr(driver, "contiguous_fits", undecided_then_no)
-    job = interleaved_small_job()
-    job = job.model_copy(update={"search": job.search.model_copy(update={"vp": [1, 2]})})
-    plan = driver.plan(job, tiny, slow, top=1, time_limit=60, pareto=False, gap=0.0)
-    interleaved = [s for s in solves if s[0].vp > 1]
-    assert interleaved, "the test needs interleaved nodes to reach CP-SAT"
+    plan, interleaved = _stalled_interleaved_plan(tiny, slow, monkeypatch, undecided_then_no)
     assert all(interleaved.count(s) == 2 for s in interleaved)
     assert set(tested) == set(interleaved)
     assert all(len(t) == 2 and t[1] == pytest.approx(2 * t[0]) for t in tested.values())
