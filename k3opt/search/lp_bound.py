@@ -124,6 +124,11 @@ class _Arrays:
     policy, `Coefficients.step_gather_with_ns`); else the larger of the two (ledger.optimizer_transient_bytes)."""
     least: tuple[int, ...] = ()
     """The least decoder layers of each chunk, in chunk order (`frames.chunk_least`; empty: one each)."""
+    pair: np.ndarray | None = None
+    """Per layer (L + 2), bytes a rank holds for each layer of its largest chunk (pipeline ZeRO-2's two FP32 chunk
+    buffers, 2 x `chunk_grad_buffer`; ledger Aggregate.CHUNK_PAIR). `persistent` holds their average, pair / v per
+    layer; the memory rows take the exact max over chunks, one row per chunk it might be (`_memory_rows`). None:
+    no such bytes."""
     updates: tuple[tuple[float, float, float], ...] = ()
     """Per node these arrays stand for (a group's members, each variant), its (stage, update compute, update
     communication) at least their means over the ranks (`ranking.update_means`): one node's triple bounds its
@@ -139,7 +144,7 @@ another)."""
 
 def _zero2_grads(c: Coefficients, v: int) -> np.ndarray:
     """ZeRO-2 host gradients keep two FP32 buffers of the largest chunk's gradient: per layer, at least 2 / v of
-    the rank's chunk gradients."""
+    the rank's chunk gradients (the average chunk; `_Arrays.pair` keeps the max)."""
     return 2 * c.chunk_grad_buffer / v
 
 
@@ -151,7 +156,8 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
     buffers."""
     allowed = allowed_on(job)
     c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
-    grads = _zero2_grads(c0, f.vp) if toggles.get("pipeline_zero2_host_grads") else c0.grads
+    zero2 = bool(toggles.get("pipeline_zero2_host_grads"))
+    grads = _zero2_grads(c0, f.vp) if zero2 else c0.grads
     persistent = bound_persistent_bytes(c0, grads)
     opt = step_gather_bytes(c0, bool(toggles.get("p2p_muon")))
     L = c0.n_layers
@@ -164,7 +170,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
                      hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
                      hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
                      updates=(node_terms(c0, f.pp),), with_ns=c0.step_gather_with_ns,
-                     least=chunk_least(job, f))
+                     least=chunk_least(job, f), pair=2 * c0.chunk_grad_buffer if zero2 else None)
     return arrays, c0
 
 
@@ -309,7 +315,7 @@ class _VariantSearch:
             built.append(_relaxed(self.job, g, md, self.lc, tg, self.model, self.cluster))
         if len({schedule_terms(c) for _, c in built}) > 1:
             raise _NoBound
-        a = _merge([b[0] for b in built]) if len(built) > 1 else built[0][0]
+        a = _merge([b[0] for b in built], self.f.vp) if len(built) > 1 else built[0][0]
         c0 = built[0][1]
         stage = max(float(t.sum()) for t in a.time.values()) / self.f.pp
         return _Variant(_floor(c0.slots, stage, a, self.f.pp), next(self.count), md, tg, a, c0)
@@ -392,7 +398,7 @@ class _VariantSearch:
         are not built)."""
         every = [v for k2 in self.keys if (k2[1], k2[2]) == (off, bal) and not self.settled_by_base(k2)
                  for v in self.expand(k2)]
-        merged_all = _merge([m.arrays for m in every]) if len(every) > 1 else every[0].arrays
+        merged_all = _merge([m.arrays for m in every], self.f.vp) if len(every) > 1 else every[0].arrays
         c0 = every[0].coefs
         if not _fits(self.f, merged_all, c0, self.cap, self.host_cap, off, bal, exact_balance=True):
             return math.inf
@@ -409,7 +415,7 @@ class _VariantSearch:
         members = self.expand(key)
         c0 = members[0].coefs
         if len(members) > 1:
-            merged = _merge([m.arrays for m in members])
+            merged = _merge([m.arrays for m in members], self.f.vp)
             if (self.over(self.whole_layers(members[0].floor, merged, c0, (off, bal)))
                     or self.over(_solve(self.f, merged, c0, self.cap, self.host_cap, off, bal, paths,
                                         exact_balance=True, stop=self.target(), rounds=self.rounds,
@@ -432,7 +438,7 @@ class _VariantSearch:
         variants = [v for key in self.keys for v in self.full.get(key, [self.base[key]])]
         best = min(self.best, self.capped)
         if math.isfinite(best) and best < self.stop_at * (1 - STOP_ROUNDING):
-            merged = _merge([v.arrays for v in variants])
+            merged = _merge([v.arrays for v in variants], self.f.vp)
             update = _mean_update(merged, self.f.pp)
             slots = variants[0].coefs.slots
             stage = granular_stage(merged.time, variants[0].coefs.n_layers, self.f.pp, self.f.vp,
@@ -674,10 +680,10 @@ def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: 
     layers. Where the in-flight counts crowd the early ranks' chunks, their capacity is what pushes the layers
     onto the late ranks (K3 PP16 VP3 at 8K context: about 5 layers on the first ranks under offload)."""
     L, p, v = c0.n_layers, f.pp, f.vp
-    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L]], axis=1), axis=0,
+    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L], _pair(a, L)], axis=1), axis=0,
                               return_counts=True)
     nk = len(kinds)
-    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2],
+    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2], kinds[:, 3],
                              exact_balance=exact_balance)
     least = least_or_one(a.least, p * v)
     most = [L] * p
@@ -722,16 +728,22 @@ def loosest_capacity(job: Job, f: Frame, lean: Coefficients, cap: float, host_ca
     return tuple(max(c[r] for c in per) for r in range(f.pp))
 
 
-def _merge(arrays: list[_Arrays]) -> _Arrays:
-    """The least of every array and figure over `arrays` (a relaxation of each)."""
+def _merge(arrays: list[_Arrays], v: int) -> _Arrays:
+    """The least of every array and figure over `arrays` (a relaxation of each). The chunk-pair bytes: the least
+    pair (none where some member has none) beside the least of the rest of the persistent bytes, so that every
+    row of the merged arrays is at or below the same row of each member."""
     first = arrays[0]
+    pairs = [a.pair if a.pair is not None else np.zeros_like(a.persistent) for a in arrays]
+    pair = np.min(pairs, axis=0)
+    base = np.min([a.persistent - pr / v for a, pr in zip(arrays, pairs, strict=True)], axis=0)
     return _Arrays(
+        persistent=base + pair / v, pair=pair if pair.any() else None,
         time={res: np.min([a.time[res] for a in arrays], axis=0) for res in first.time},
         update={res: np.min([a.update[res] for a in arrays], axis=0) for res in first.update},
         hidden={res: np.min([a.hidden[res] for a in arrays], axis=0) for res in first.hidden},
         hidden_stages=max(a.hidden_stages for a in arrays),  # the step only falls as it grows
         updates=tuple(dict.fromkeys(u for a in arrays for u in a.updates)),
-        **{k: np.min([getattr(a, k) for a in arrays], axis=0) for k in ("persistent", "opt", "act")},
+        **{k: np.min([getattr(a, k) for a in arrays], axis=0) for k in ("opt", "act")},
         **{k: min(getattr(a, k) for a in arrays) for k in ("ws_min", "nsws_min", "logits", "ep_min")},
         hi=np.max([a.hi for a in arrays], axis=0),
         with_ns=all(a.with_ns for a in arrays),  # the max form is at or below the sum: valid for every member
@@ -767,6 +779,8 @@ class _Program:
     """Per kind, the AttnRes blocks it closes (the bank's rows)."""
     kmax: np.ndarray
     """Per kind, its busiest-resource work (`_Arrays.hi`)."""
+    kpair: np.ndarray
+    """Per kind, its chunk-pair bytes (`_Arrays.pair`; zeros without)."""
     kp: np.ndarray
     kopt: np.ndarray
     kact: np.ndarray
@@ -824,13 +838,15 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
     res_names = list(a.time)
     cols = [a.time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
     cols += [a.hidden[r][:L] for r in a.hidden]
-    cols += [np.asarray(c0.closes[:L], dtype=float), a.hi[:L], a.persistent[:L], a.opt[:L], a.act[:L]]
+    pair = a.pair[:L] if a.pair is not None else np.zeros(L)
+    cols += [np.asarray(c0.closes[:L], dtype=float), a.hi[:L], pair, a.persistent[:L], a.opt[:L], a.act[:L]]
     kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
     n_res, n_up = len(res_names), len(a.update)
     return _Program(
         L=L, p=f.pp, v=f.vp, m=f.microbatches, res_names=res_names, counts=counts, kt=kinds[:, :n_res],
         ku=kinds[:, n_res:n_res + n_up], kh=kinds[:, n_res + n_up:n_res + n_up + len(a.hidden)],
-        kclose=kinds[:, -5], kmax=kinds[:, -4], kp=kinds[:, -3], kopt=kinds[:, -2], kact=kinds[:, -1])
+        kclose=kinds[:, -6], kmax=kinds[:, -5], kpair=kinds[:, -4], kp=kinds[:, -3], kopt=kinds[:, -2],
+        kact=kinds[:, -1])
 
 
 def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
@@ -844,8 +860,8 @@ def _solve(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, 
     solve's (each path row only raises the optimum)."""
     lp = _program(f, a, c0)
     _work_rows(lp, a, c0, bal)
-    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kclose,
-                                     exact_balance=exact_balance)
+    mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, lp.kp, lp.kopt, lp.kact, lp.kpair,
+                                     lp.kclose, exact_balance=exact_balance)
     for row_x, b in zip(mem_rows, mem_rhs, strict=True):
         row = np.zeros(lp.ncol)
         row[:lp.n] = row_x
@@ -1117,14 +1133,19 @@ def _hull(ns: np.ndarray, c: np.ndarray) -> list[tuple[int, float]]:
     return out
 
 
+def _pair(a: _Arrays, L: int) -> np.ndarray:
+    """The decoder layers' chunk-pair bytes (`_Arrays.pair`), zeros without."""
+    return a.pair[:L] if a.pair is not None else np.zeros(L)
+
+
 def _edge(arr: np.ndarray, r: int, p: int, L: int) -> float:
     """Rank r's edge entries of a per-layer array: the first edge on rank 0, the last on rank p - 1."""
     return float(arr[L] if r == 0 else 0.0) + float(arr[L + 1] if r == p - 1 else 0.0)
 
 
 def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,
-                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray, kclose: np.ndarray | None = None,
-                 exact_balance: bool = False) -> tuple[np.ndarray, list[float]]:
+                 kp: np.ndarray, kopt: np.ndarray, kact: np.ndarray, kpair: np.ndarray,
+                 kclose: np.ndarray | None = None, exact_balance: bool = False) -> tuple[np.ndarray, list[float]]:
     """Every rank's memory rows over x[r, k, t] (layers of kind t in rank r's k-th chunk, column (r v + k) nk + t;
     kp, kopt, kact: each kind's persistent, optimizer-phase and saved bytes): the activation phase for every
     undominated in-flight composition (with offload: the GPU's persistent bytes and the host's saved bytes) and the
@@ -1133,7 +1154,11 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
     AttnRes bank of its composition (`_bank_row`), on the GPU under offload too (the ledger's attnres_bank), which
     reads the layers of every earlier chunk, other ranks' among them. None: the bank is left out (a looser row).
     `exact_balance`: `bal` is the setting of every layout the rows stand for, so the in-flight counts are balancing's
-    average on every rank; False: rows over both settings, each rank at the lesser of its count and the average."""
+    average on every rank; False: rows over both settings, each rank at the lesser of its count and the average.
+    `kpair`: each kind's chunk-pair bytes (`_Arrays.pair`, whose average kp holds; `_pair`); where `a` has them,
+    every row that holds the persistent bytes is written once per chunk of the rank with that chunk's pair bytes in
+    full (2 x the largest chunk is at least 2 x each chunk): exact where the average lets uneven chunks look as lean
+    as even ones."""
     L, p, v, nk = c0.n_layers, f.pp, f.vp, len(kp)
     rows: list[np.ndarray] = []
     rhs: list[float] = []
@@ -1151,7 +1176,7 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
     room = cap * (1 + FEAS_TOL)
     for r in range(p):
         n_peak = peak_inflight(c0.compositions[r])
-        fixed = _edge(a.persistent, r, p, L)
+        persist = _persistent_forms(a, kp, kpair, r, p, v, L)
         act_fixed = _least_act_fixed(a.ws_min, packets, a.ep_min, c0.routing_map, must_moe,
                                      a.logits if r == p - 1 else 0.0)
         ratio = balanced_scale(c0.balanced_inflight, n_peak) if bal else 1.0
@@ -1168,21 +1193,42 @@ def _memory_rows(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: f
             # (per composition; without the bank rows, one row).
             gpu_act = c0.shape.offload_resident_layers * float(a.act[:L].min())
             for bank in banks if banks[0] is not None else [None]:
-                le([kp] * v, r, room - fixed - act_fixed - gpu_act, bank=bank)
+                for kps, fixed in persist:
+                    le(kps, r, room - fixed - act_fixed - gpu_act, bank=bank)
             for comp in comps:
                 le([comp[k] * kact for k in range(v)], r, host_cap * (1 + FEAS_TOL) - _edge_act(a, comp, r, p, L))
         else:
             for comp, bank in zip(comps, banks, strict=True):
-                le([kp + comp[k] * kact for k in range(v)], r, room - fixed - act_fixed - _edge_act(a, comp, r, p, L),
-                   bank=bank)
+                for kps, fixed in persist:
+                    le([kps[k] + comp[k] * kact for k in range(v)], r,
+                       room - fixed - act_fixed - _edge_act(a, comp, r, p, L), bank=bank)
         # The optimizer phase (ledger.optimizer_transient_bytes): gather + NS under the default policy, else
         # max(gather, NS), which is at least each of them.
-        if a.with_ns:
-            le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L) - a.nsws_min)
-        else:
-            le([kp + kopt] * v, r, room - fixed - _edge(a.opt, r, p, L))
-            le([kp] * v, r, room - fixed - a.nsws_min)
+        for kps, fixed in persist:
+            if a.with_ns:
+                le([kps[k] + kopt for k in range(v)], r, room - fixed - _edge(a.opt, r, p, L) - a.nsws_min)
+            else:
+                le([kps[k] + kopt for k in range(v)], r, room - fixed - _edge(a.opt, r, p, L))
+                le(kps, r, room - fixed - a.nsws_min)
     return np.array(rows), rhs
+
+
+def _persistent_forms(a: _Arrays, kp: np.ndarray, kpair: np.ndarray, r: int, p: int, v: int, L: int
+                      ) -> list[tuple[list[np.ndarray], float]]:
+    """Rank r's persistent bytes as (per-chunk coefficients over the kinds, the edges' bytes): one form, kp in
+    every chunk, without chunk-pair bytes; else one form per chunk kk of the rank, the pair's
+    average taken out of kp and its whole put on chunk kk, and on the edge that chunk kk holds (the first edge in
+    global chunk 0, the last in chunk p v - 1)."""
+    fixed = _edge(a.persistent, r, p, L)
+    if a.pair is None:
+        return [([kp] * v, fixed)]
+    base, base_fixed = kp - kpair / v, fixed - _edge(a.pair, r, p, L) / v
+    out = []
+    for kk in range(v):
+        g = kk * p + r
+        edge = (float(a.pair[L]) if g == 0 else 0.0) + (float(a.pair[L + 1]) if g == p * v - 1 else 0.0)
+        out.append(([base + kpair if k == kk else base for k in range(v)], base_fixed + edge))
+    return out
 
 
 def _least_act_fixed(ws_min: float, packets: float, ep_min: float, routing_map: float, must_moe: bool,
@@ -1276,7 +1322,7 @@ def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: fl
     of `contiguous_fits` SCIP needs 13 s over the same rows, and finds no answer in 60 s over suffix binaries.)"""
     L, p, v = c0.n_layers, f.pp, f.vp
     G = p * v
-    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, a.persistent[:L], a.opt[:L], a.act[:L],
+    rows, rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, a.persistent[:L], a.opt[:L], a.act[:L], _pair(a, L),
                              np.asarray(c0.closes[:L], dtype=float))
     m = cp_model.CpModel()
     x = [m.new_bool_var(f"x{j}") for j in range(G * L)]
@@ -1349,7 +1395,7 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
             lean, time=dict(cf.time), update=dict(cf.update), hidden=dict(cf.update_hidden),
             hidden_stages=cf.update_hidden_stages, hi=np.max([np.asarray(t) for t in cf.time.values()], axis=0),
             updates=(node_terms(cf, f.pp),)))
-    merged = _merge(arrays) if len(arrays) > 1 else arrays[0]
+    merged = _merge(arrays, f.vp) if len(arrays) > 1 else arrays[0]
     c0 = views[0]
     no_paths = np.zeros((0, f.pp * f.vp))
     # (Balancing without a balanced count, which `_memory_rows` then leaves at the full count, still bounds.)
@@ -1365,11 +1411,11 @@ def _fits(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, o
     fractional program: a much smaller program that settles a node that cannot fit before its time rows are
     built."""
     L, p, v = c0.n_layers, f.pp, f.vp
-    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L], c0.closes[:L]], axis=1), axis=0,
-                              return_counts=True)
+    kinds, counts = np.unique(np.stack([a.persistent[:L], a.opt[:L], a.act[:L], c0.closes[:L], _pair(a, L)], axis=1),
+                              axis=0, return_counts=True)
     nk = len(counts)
     mem_rows, mem_rhs = _memory_rows(f, a, c0, cap, host_cap, off, bal, kinds[:, 0], kinds[:, 1], kinds[:, 2],
-                                     kinds[:, 3], exact_balance=exact_balance)
+                                     kinds[:, 4], kinds[:, 3], exact_balance=exact_balance)
     n = p * v * nk
     chunk_rows, chunk_rhs, a_eq = _placement_rows(p, v, nk, n, a.least)
     order_rows, order_rhs = _order_rows(p, v, np.asarray(c0.closes[:L], dtype=float), kinds[:, 3], n, a.least)
