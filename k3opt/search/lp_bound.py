@@ -729,15 +729,17 @@ def loosest_capacity(job: Job, f: Frame, lean: Coefficients, cap: float, host_ca
 
 
 def _merge(arrays: list[_Arrays], v: int) -> _Arrays:
-    """The least of every array and figure over `arrays` (a relaxation of each). The chunk-pair bytes: the least
-    pair (none where some member has none) beside the least of the rest of the persistent bytes, so that every
-    row of the merged arrays is at or below the same row of each member."""
+    """The least of every array and figure over `arrays` (a relaxation of each). The chunk-pair bytes, where every
+    member has them: the least pair beside the least of the rest of the persistent bytes, so that each of the
+    merged rows is at or below the same row of each member; where some member has none, none, and the persistent
+    bytes at the least of the members' (the pair's members at its average, which each of their rows is above)."""
     first = arrays[0]
-    pairs = [a.pair if a.pair is not None else np.zeros_like(a.persistent) for a in arrays]
-    pair = np.min(pairs, axis=0)
-    base = np.min([a.persistent - pr / v for a, pr in zip(arrays, pairs, strict=True)], axis=0)
+    persistent, pair = np.min([a.persistent for a in arrays], axis=0), None
+    if all(a.pair is not None for a in arrays):
+        pair = np.min([a.pair for a in arrays], axis=0)
+        persistent = np.min([a.persistent - a.pair / v for a in arrays], axis=0) + pair / v
     return _Arrays(
-        persistent=base + pair / v, pair=pair if pair.any() else None,
+        persistent=persistent, pair=pair,
         time={res: np.min([a.time[res] for a in arrays], axis=0) for res in first.time},
         update={res: np.min([a.update[res] for a in arrays], axis=0) for res in first.update},
         hidden={res: np.min([a.hidden[res] for a in arrays], axis=0) for res in first.hidden},

@@ -69,6 +69,11 @@ def test_merged_rows_stay_under_each_member(split):
     merged = _merge(members, V)
     for r in range(P):
         assert _held(merged, r, split) <= min(_held(m, r, split) for m in members) + 1e-9
+    # Where some member keeps no buffers, the merged arrays are the least of the members' average forms: per layer
+    # 10 + 6 / 2 = 13 (the first member; the second holds 10 + 12, the third 9 + 12 / 2), edges 0 (the second's),
+    # so 4 x 13 for four layers, not the 4 x 9 of the least base with no buffers at all.
+    assert merged.pair is None
+    assert _held(merged, 0, [2, 2]) == pytest.approx(4 * (BASE + PAIR / 2))
     # Members that all keep the buffers keep the max form when merged: 3 PAIR, not 2, at the uneven split.
     both = _merge([_arrays(BASE, PAIR, 0.0, 0.0), _arrays(BASE + 1.0, PAIR + 1.0, 0.0, 0.0)], V)
     assert both.pair is not None
