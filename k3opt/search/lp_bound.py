@@ -840,8 +840,7 @@ def _program(f: Frame, a: _Arrays, c0: Coefficients) -> _Program:
     res_names = list(a.time)
     cols = [a.time[r][:L] for r in res_names] + [a.update[r][:L] for r in a.update]
     cols += [a.hidden[r][:L] for r in a.hidden]
-    pair = a.pair[:L] if a.pair is not None else np.zeros(L)
-    cols += [np.asarray(c0.closes[:L], dtype=float), a.hi[:L], pair, a.persistent[:L], a.opt[:L], a.act[:L]]
+    cols += [np.asarray(c0.closes[:L], dtype=float), a.hi[:L], _pair(a, L), a.persistent[:L], a.opt[:L], a.act[:L]]
     kinds, counts = np.unique(np.stack(cols, axis=1), axis=0, return_counts=True)
     n_res, n_up = len(res_names), len(a.update)
     return _Program(
