@@ -170,9 +170,9 @@ def _achievable_lines(ev) -> list[str]:  # noqa: ANN001 - Evaluation
 def _ranked_line(s) -> list[str]:  # noqa: ANN001 - StepTime
     """The step time a plan ranks this layout by, where its replayed pipeline schedule is longer than the step
     formula by more than SCHEDULE_GAP_SHOWN (uneven interleaved chunks): the plan's status line and table show it."""
-    formula, replay = s.formula_time_s, s.ranked_schedule_time_s
-    if replay <= formula * (1 + SCHEDULE_GAP_SHOWN):
+    if not replay_shown(s):
         return []
+    formula, replay = s.formula_time_s, s.ranked_schedule_time_s
     return [f"ranked step {replay:.3f} s (what plans rank this layout by): its pipeline schedule replayed at the same "
             f"rates, {100 * (replay / formula - 1):.0f}% above the step formula's {formula:.3f} s; its uneven chunks "
             "hold the warm-up and cool-down longer than (M + (p - 1) / v) x the slowest rank prices"]
@@ -187,6 +187,12 @@ SCHEDULE_GAP_SHOWN = 0.02
 replay: a display threshold only; a row with a smaller excess ranks by its replay too, without the line."""
 
 
+def replay_shown(s) -> bool:  # noqa: ANN001 - StepTime
+    """Whether the replayed schedule exceeds the step formula by more than SCHEDULE_GAP_SHOWN (the plan and explain
+    then say the layout ranks by its replay)."""
+    return s.ranked_schedule_time_s > s.formula_time_s * (1 + SCHEDULE_GAP_SHOWN)
+
+
 def schedule_gap_lines(items: list) -> list[str]:
     """A line per row ranked by its replayed pipeline schedule (StepTime.ranked_schedule_time_s) because the replay
     exceeds the step formula, (M + (p - 1) / v) x slowest rank + update, by more than SCHEDULE_GAP_SHOWN: the
@@ -195,7 +201,7 @@ def schedule_gap_lines(items: list) -> list[str]:
     for i, it in enumerate(items, 1):
         st = it.evaluation.step
         formula, replay = st.formula_time_s, st.ranked_schedule_time_s
-        if replay > formula * (1 + SCHEDULE_GAP_SHOWN):
+        if replay_shown(st):
             out.append(f"row {i} is ranked by its replayed pipeline schedule, {replay:.2f} s, "
                        f"{100 * (replay / formula - 1):.0f}% above the step formula's {formula:.2f} s that the "
                        "search minimizes: its uneven chunks hold the warm-up and cool-down longer than "
@@ -253,7 +259,7 @@ def ranked_columns(df: pd.DataFrame) -> pd.DataFrame:
         has = out["achievable_step_time_s"].notna()
         out.loc[has, "achievable_step_time_s"] = out.loc[has, "ranked_step_time_s"]
         if "achievable_tokens_per_s_per_gpu" in out:
-            out.loc[has, "achievable_tokens_per_s_per_gpu"] = out.loc[has, "ranked_tokens_per_s"] / out.loc[has, "gpus"]
+            out.loc[has, "achievable_tokens_per_s_per_gpu"] = out.loc[has, "ranked_tokens_per_s_per_gpu"]
     return out
 
 

@@ -173,6 +173,7 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             "achievable_binding_resource": s.achievable_binding,
             "ranked_step_time_s": s.rank_time_s,
             "ranked_tokens_per_s": s.tokens_per_update / s.rank_time_s,
+            "ranked_tokens_per_s_per_gpu": s.rank_tokens_per_s_per_gpu,
             "ranked_mfu_pct": 100 * s.mfu * s.step_time_s / s.rank_time_s,  # MFU scales as 1 / step time
             "bubble_overhead_pct": 100 * s.bubble_overhead, "binding_resource": s.binding,
             "slowest_rank": s.slowest_rank, "worst_rank": ev.worst_rank,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+import pytest
 
 from k3opt.report.text import ranked_columns
 
@@ -14,7 +15,8 @@ def test_the_tables_show_the_ranked_time_where_rates_exist_and_leave_the_frame_a
     time and 1,000 tokens/s / 10 GPUs = 100 per GPU, as its status line would; a row without rates keeps None; the
     frame passed in (the CSV's) keeps the formula."""
     df = pd.DataFrame({"gpus": [10, 10], "achievable_step_time_s": [10.0, None], "ranked_step_time_s": [11.0, 5.0],
-                       "achievable_tokens_per_s_per_gpu": [110.0, None], "ranked_tokens_per_s": [1000.0, 2000.0]})
+                       "achievable_tokens_per_s_per_gpu": [110.0, None], "ranked_tokens_per_s": [1000.0, 2000.0],
+                       "ranked_tokens_per_s_per_gpu": [100.0, 200.0]})
     shown = ranked_columns(df)
     assert shown["achievable_step_time_s"].iloc[0] == 11.0
     assert shown["achievable_tokens_per_s_per_gpu"].iloc[0] == 100.0
@@ -49,3 +51,6 @@ def test_explain_names_the_ranked_step_where_the_replay_is_longer() -> None:
     even = evaluate(lay([3, 3], 8), tiny, slow)
     assert even.step.ranked_schedule_time_s <= 1.02 * even.step.formula_time_s
     assert "ranked step" not in explain_text(even)
+    # The ranked tokens/s per GPU the tables show: the update's tokens over the ranked step, over the 8 GPUs.
+    st = uneven.step
+    assert st.rank_tokens_per_s_per_gpu == pytest.approx(st.tokens_per_update / st.rank_time_s / 8)
