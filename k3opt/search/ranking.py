@@ -93,8 +93,11 @@ def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute
     shapes = [replace(shape, recompute=rc, fsdp_lifecycle=lc, toggles=off) for rc in recs for lc in lcs]
     raws = [cm.coefficients(sh) for sh in shapes]
     # An EP overlap schedule exposes max(0, exchange - paired compute): not monotone in the per-resource parts
-    # the fast path takes minima of, so such a shape takes the elementwise least of every mode's view.
-    if not raws[0].achievable or shape.ep_overlap or any(getattr(shape.toggles, t) for t in ACT_TRAFFIC):
+    # the fast paths take minima of, so such a shape takes the elementwise least of every mode's view.
+    moved = any(getattr(shape.toggles, t) for t in ACT_TRAFFIC)
+    if not raws[0].achievable and not shape.ep_overlap and not moved:
+        return _peak_floor(view, off, shapes, free, cm)
+    if not raws[0].achievable or shape.ep_overlap or moved:
         parts = [_least_arrays(sh, free, cm) for sh in shapes]
         time = {res: np.minimum.reduce([t[res] for t, _ in parts]) for res in parts[0][0]}
         update = {res: np.minimum.reduce([u[res] for _, u in parts]) for res in parts[0][1]}
@@ -123,6 +126,33 @@ def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute
 
 
 _work_floor = Memo(_build_work_floor, maxsize=4096)
+
+
+def _peak_floor(view: Coefficients, off: object, shapes: list[Shape], free: tuple[str, ...], cm: CostModel
+                ) -> Coefficients:
+    """work_floor at the peak roofline (no rates file), no saved set over a link, no EP overlap schedule: per
+    setting of the free toggles that reach more than HBM (the dispatch recompute), each mode's arrays with the HBM
+    time lowered by the least the HBM-only toggles take off it (`_least_hbm_cut`, shared by every shape of the
+    same tokens), least over the settings, recompute modes and lifecycles. Two builds per mode where the
+    elementwise least over every combination takes 2^len(free); tests/search/test_peak_floor.py checks it equals
+    that least."""
+    vector_only = tuple(t for t in free if t in VECTOR_ONLY)
+    others = tuple(t for t in free if t not in VECTOR_ONLY)
+    time: dict[str, np.ndarray] = {}
+    update: dict[str, np.ndarray] = {}
+    for flags in itertools.product((False, True), repeat=len(others)):
+        set_ = off.model_copy(update=dict(zip(others, flags, strict=True)))  # type: ignore[attr-defined]
+        for sh in shapes:
+            mode = replace(sh, toggles=set_)
+            raw = cm.coefficients(mode)
+            t = dict(raw.time)
+            # (1 - VECTOR_MARGIN): the cut is measured on another shape, whose HBM sums round differently.
+            t["hbm"] = np.maximum(t["hbm"] - _least_hbm_cut(_vector_shape(mode), vector_only, cm), 0.0) \
+                * (1 - VECTOR_MARGIN)
+            for dst, src in ((time, t), (update, raw.update)):
+                for res, arr in src.items():
+                    dst[res] = np.minimum(dst[res], arr) if res in dst else arr
+    return with_fields(view, time=time, update=update, update_hidden=_least_hidden(shapes, cm))
 
 
 def _least_hidden(shapes: list[Shape], cm: CostModel
@@ -165,6 +195,23 @@ def _build_least_vector(shape: Shape, free: tuple[str, ...], cm: CostModel) -> n
 
 
 _least_vector = Memo(_build_least_vector, maxsize=1024)
+
+
+def _build_least_hbm_cut(key: Shape, free: tuple[str, ...], cm: CostModel) -> np.ndarray:
+    """Per layer, the most peak-roofline HBM time any combination of the `free` toggles takes off the `_vector_shape`
+    key's (>= 0): the toggles change only the saved set, the FP8 (de)quantize traffic and the MoE rewrite's
+    re-read (coefficients._hbm_bytes), which read the local tokens, the activation toggles, the recompute mode and
+    the precision, never the parallel degrees or the weights, so the cut carries to every shape of the key."""
+    base = cm.coefficients(key).time["hbm"]
+    cuts = [base - cm.coefficients(replace(key, toggles=key.toggles.model_copy(
+        update=dict(zip(free, flags, strict=True))))).time["hbm"]
+        for flags in itertools.product((False, True), repeat=len(free))]
+    out = np.maximum.reduce(cuts)  # the all-off combination is among them: the cut is at least 0
+    out.setflags(write=False)
+    return out
+
+
+_least_hbm_cut = Memo(_build_least_hbm_cut, maxsize=1024)
 
 
 def _build_least_vector_any_recompute(key: Shape, free: tuple[str, ...], cm: CostModel) -> np.ndarray:
