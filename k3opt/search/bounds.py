@@ -53,6 +53,7 @@ from k3opt.search.lp_bound import (
     needs_offload,
     no_offload_bound,
     node_terms,
+    required_toggle_bound,
     schedule_terms,
 )
 from k3opt.search.policy import POLICY
@@ -451,13 +452,17 @@ def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
     undominated activation mode (its own work and memory), the least over modes; a mode whose mean-load floor
     (`_mean_stage`) is already at or above the least so far is not run. v > 1: the linear relaxation of
     `lp_bound.interleaved_lp_bound` (fractional layers per chunk under every rank's time and memory rows, with the
-    replay paths its solutions violate added), kept for the node's CP-SAT model as a cut on its objective; with
+    replay paths its solutions violate added; raised by the toggles no contiguous whole-layer split fits without,
+    `lp_bound.required_toggle_bound`), kept for the node's CP-SAT model as a cut on its objective; with
     `stop_at` (the search's pruning line) it stops once the node is proven at or above that line (the bound is then
     at least min(exact, stop_at)); past the monotonic `deadline` its programs stop and bound less."""
     if job.search.split is not None:
         return 0.0
     if f.vp != 1:
-        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at, separate=True, deadline=deadline)
+        setting: dict[str, bool] = {}
+        lp = interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at, separate=True, deadline=deadline,
+                                  setting_out=setting)
+        lp = required_toggle_bound(job, f, rc, lc, model, cluster, lp, setting, stop_at, deadline)
         _keep(LP_BOUNDS, node_key(job, f, rc, lc, model, cluster), lp)
         return lp
     allowed = allowed_on(job)
@@ -520,8 +525,12 @@ def group_node_bound(job: Job, members: tuple[Frame, ...], rc: Recompute, lc: Fs
                 kept.append(g)
         if not kept:
             return low
+    setting: dict[str, bool] = {}
     value = interleaved_lp_bound(job, kept[0], rc, lc, model, cluster, stop_at=stop_at, members=tuple(kept),
-                                 deadline=deadline)
+                                 deadline=deadline, setting_out=setting)
+    if value > 0.0:
+        value = required_toggle_bound(job, kept[0], rc, lc, model, cluster, value, setting, stop_at, deadline,
+                                      members=tuple(kept))
     return min(value, low) if value > 0.0 else value
 
 

@@ -62,6 +62,7 @@ from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp
 from k3opt.cost.schedule import critical_path, schedule_slots
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, Job, ModelSpec, Recompute
+from k3opt.inputs.toggles import REGISTRY as TOGGLE_REGISTRY
 from k3opt.inputs.toggles import ToggleKind
 from k3opt.inputs.toggles import names as toggle_names
 from k3opt.search import replay_bound
@@ -177,7 +178,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
 def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
                          cluster: ClusterSpec, stop_at: float = math.inf,
                          members: tuple[Frame, ...] | None = None, deadline: float = math.inf,
-                         separate: bool = False) -> float:
+                         separate: bool = False, setting_out: dict[str, bool] | None = None) -> float:
     """Lower bound (s) on the step time of every layout of node (f, rc, lc) with f.vp > 1; inf when no
     relaxed layout fits the memory. See the module docstring for what is relaxed. The least over the node's
     undominated activation modes and the settings of the rank toggles (VARIANT_TOGGLES), each with its own work
@@ -197,7 +198,10 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
     `separate`: add the replay paths violated at each program's solution (`_violated_path`, up to
     SearchPolicy.lp_path_rounds solves more per program). Taken for a node about to be solved (`tight_node_bound`),
     not for the many group and shape programs of the bounding pass, where the extra solves cost more proofs than
-    they make."""
+    they make.
+
+    `setting_out`: filled with the rank toggles' setting of the variant whose program gave the bound (left empty
+    when a floor or the line gave it)."""
     fitting = _fitting_members(job, list(members or (f,)), rc, lc, model, cluster, deadline)
     if not isinstance(fitting, tuple):
         return fitting
@@ -211,6 +215,8 @@ def interleaved_lp_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, m
         search.solve_keys(_paths(f, next(iter(search.base.values())).coefs, rc == Recompute.FULL))
     except _NoBound:
         return 0.0
+    if setting_out is not None:
+        setting_out.update(search.winner)
     return search.whole_layer_bound()
 
 
@@ -302,6 +308,8 @@ class _VariantSearch:
         self.settled: dict[tuple[bool, bool], float] = {}
         """Per (offload, balancing) setting, the bound of its merged program (`setting_bound`)."""
         self.best = math.inf
+        self.winner: dict[str, bool] = {}
+        """The rank toggles' setting of the variant whose program set `best` (empty while none has)."""
         self.capped = math.inf
         """The least value at which some variant was left unsolved only because it reached `stop_at` (not the least
         so far, not memory): a lower bound of those variants."""
@@ -421,15 +429,16 @@ class _VariantSearch:
                                         exact_balance=True, stop=self.target(), rounds=self.rounds,
                                         deadline=self.deadline))):
                 return
-        for floor, _, _md, _tg, a, c in members:
+        for floor, _, _md, tg, a, c in members:
             if self.over(floor * (1 - 1e-9)):
                 break
             floor = self.whole_layers(floor, a, c, (off, bal))
             if self.over(floor * (1 - 1e-9)):
                 continue
-            self.best = min(self.best, max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths,
-                                                         exact_balance=True, stop=self.target(), rounds=self.rounds,
-                                                         deadline=self.deadline)))
+            value = max(floor, _solve(self.f, a, c, self.cap, self.host_cap, off, bal, paths, exact_balance=True,
+                                      stop=self.target(), rounds=self.rounds, deadline=self.deadline))
+            if value < self.best:
+                self.best, self.winner = value, tg
 
     def whole_layer_bound(self) -> float:
         """The least found (or the line's cap), raised by whole layers over the least of every variant's arrays,
@@ -1289,16 +1298,21 @@ def _lean_balance(job: Job, lean: Coefficients) -> bool:
 
 
 def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
-                    time_limit: float) -> bool | None:
+                    time_limit: float, members: tuple[Frame, ...] | None = None) -> bool | None:
     """Whether a layout of node (f, rc, lc) with f.vp > 1 might fit, with whole layers in contiguous chunks: the
     memory rows of `lean_fits` (the leanest bytes of every variant, each allowed offload setting) over one Boolean
     per layer and chunk (`_contiguous`). None when CP-SAT neither finds a split nor proves there is none within
     `time_limit` seconds. The linear relaxation drops contiguity, and a node it says fits can have no contiguous
     split, which the node model's bound can take minutes to prove and this program seconds. Its optimizer-phase rows
-    are the lean view's (`lean_arrays`: no Newton-Schulz working set), so where that phase binds it says yes."""
-    lean = memory_view(job, f, lean_mode(job, rc), lc, model, cluster)
-    a = lean_arrays(job, f, lean)
-    cap = float(allocated_capacity_bytes(job, f, model, cluster))
+    are the lean view's (`lean_arrays`: no Newton-Schulz working set), so where that phase binds it says yes.
+    `members`: frames of f's sharding group (f among them) tested at once, over the least of their lean arrays
+    (`_merge`) under the largest of their budgets: False only when no member's layout fits."""
+    group = members or (f,)
+    leans = [memory_view(job, g, lean_mode(job, rc), lc, model, cluster) for g in group]
+    lean = leans[0]
+    arrays = [lean_arrays(job, g, vw) for g, vw in zip(group, leans, strict=True)]
+    a = _merge(arrays, f.vp) if len(arrays) > 1 else arrays[0]
+    cap = max(float(allocated_capacity_bytes(job, g, model, cluster)) for g in group)
     bal = _lean_balance(job, lean)
     deadline = time.monotonic() + time_limit
     undecided = False
@@ -1311,6 +1325,52 @@ def contiguous_fits(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model:
             return True
         undecided = undecided or fits is None
     return None if undecided else False
+
+
+HOST_LINK_TOGGLES = tuple(t.name for t in TOGGLE_REGISTRY if t.kind is ToggleKind.RANK and t.searched
+                          and t.memory_only and "time.host_link" in t.changes)
+"""Rank toggles that buy memory with host-link traffic (activation offload, pipeline ZeRO-2): a node whose layouts
+cannot fit without one holds only layouts that pay it. The host link is the slowest resource, so requiring one can
+move a bound by its whole stage (the others add a pass of the LM head or update traffic, a few percent, which is
+not worth a whole-layer test per node)."""
+
+
+def with_toggles(job: Job, forbid: Iterable[str] = (), require: Iterable[str] = ()) -> Job:
+    """`job` with toggles added to its [search] forbid_toggles and require_toggles."""
+    s = job.search
+    return job.model_copy(update={"search": s.model_copy(update={
+        "forbid_toggles": [*s.forbid_toggles, *forbid], "require_toggles": [*s.require_toggles, *require]})})
+
+
+def required_toggle_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,
+                          cluster: ClusterSpec, bound: float, setting: dict[str, bool], stop_at: float,
+                          deadline: float, members: tuple[Frame, ...] | None = None) -> float:
+    """`bound` (interleaved_lp_bound of node (f, rc, lc), whose least variant had the rank toggles `setting`)
+    raised by the toggles the node cannot do without: while the bound is under `stop_at`, each host-link toggle
+    (HOST_LINK_TOGGLES) off in the least variant is tested with `contiguous_fits` on the job that forbids it (for
+    at most SearchPolicy.required_check_s); where no contiguous whole-layer split fits without it, every layout of
+    the node has it on, and the bound is the relaxation over the variants with it on (and those required before).
+    The relaxation's fractional layers fit without the toggle where whole ones do not: DeepSeek-V3 PP8 VP4 EP16
+    dFSDP4 on 1,024 H100 (61 layers in 32 chunks), full recompute: 4.10 s with offload alone, 7.13 s once
+    pipeline ZeRO-2 is required (its layouts replay at 8.4 s). `members`: as in interleaved_lp_bound, the group
+    node of f's sharding group (a toggle is then required when no member fits without it)."""
+    tried: set[str] = set()
+    allowed = allowed_on(job)
+    while bound < stop_at * (1 - STOP_ROUNDING) and time.monotonic() < deadline:
+        off = [t for t in HOST_LINK_TOGGLES if t in allowed and setting.get(t) is False and t not in tried
+               and t not in job.search.require_toggles]
+        if not off:
+            break
+        t = off[0]
+        tried.add(t)
+        if contiguous_fits(with_toggles(job, forbid=[t]), f, rc, lc, model, cluster, POLICY.required_check_s,
+                           members=members) is not False:
+            continue
+        job, setting = with_toggles(job, require=[t]), {}
+        bound = max(bound, interleaved_lp_bound(job, f, rc, lc, model, cluster, stop_at=stop_at,
+                                                separate=members is None, members=members, deadline=deadline,
+                                                setting_out=setting))
+    return bound
 
 
 def _contiguous(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,

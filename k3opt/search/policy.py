@@ -169,6 +169,10 @@ class SearchPolicy:
     per-chunk bounds. The start-time variables grow with the operations; on K3 PP8 VP4 M64 (4,096 operations) they
     slow a fixed-split solve tenfold without raising the node's bound, so there the path cuts alone are used."""
 
+    required_check_s: float = 1.0
+    """Seconds each test of a toggle a node cannot do without (lp_bound.required_toggle_bound) may take: the
+    contiguous whole-layer program decides a 61-layer, 32-chunk node in under a second."""
+
     min_solve_s: float = 0.05
     """Seconds a node's CP-SAT solve gets at least, even past the search's end: enough to check its hint, so a node
     whose model took the last seconds to build still returns its layout."""
