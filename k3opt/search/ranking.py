@@ -18,7 +18,7 @@ import numpy as np
 from k3opt.cost.achievable import ranking_view, with_fields
 from k3opt.cost.coefficients import Coefficients, CostModel, LayerShape, Shape, cost_model
 from k3opt.inputs.memo import Memo, register
-from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute
+from k3opt.inputs.specs import ClusterSpec, FsdpLifecycle, ModelSpec, Recompute, Toggles
 from k3opt.inputs.toggles import ToggleKind
 from k3opt.inputs.toggles import names as toggle_names
 
@@ -128,7 +128,7 @@ def _build_work_floor(shape: Shape, free: tuple[str, ...], recs: tuple[Recompute
 _work_floor = Memo(_build_work_floor, maxsize=4096)
 
 
-def _peak_floor(view: Coefficients, off: object, shapes: list[Shape], free: tuple[str, ...], cm: CostModel
+def _peak_floor(view: Coefficients, off: Toggles, shapes: list[Shape], free: tuple[str, ...], cm: CostModel
                 ) -> Coefficients:
     """work_floor at the peak roofline (no rates file), no saved set over a link, no EP overlap schedule: per
     setting of the free toggles that reach more than HBM (the dispatch recompute), each mode's arrays with the HBM
@@ -141,7 +141,7 @@ def _peak_floor(view: Coefficients, off: object, shapes: list[Shape], free: tupl
     time: dict[str, np.ndarray] = {}
     update: dict[str, np.ndarray] = {}
     for flags in itertools.product((False, True), repeat=len(others)):
-        set_ = off.model_copy(update=dict(zip(others, flags, strict=True)))  # type: ignore[attr-defined]
+        set_ = off.model_copy(update=dict(zip(others, flags, strict=True)))
         for sh in shapes:
             mode = replace(sh, toggles=set_)
             raw = cm.coefficients(mode)
