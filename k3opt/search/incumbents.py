@@ -142,6 +142,12 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, least=least)
     if new(s):
         yield s
+    # Interleaved: the step prices each rank's sum of its chunks, which a chunk-by-chunk balance leaves uneven where
+    # chunks hold one or two layers (Kimi K2 PP16 VP3, 61 layers in 48 chunks: the chunk balance gives the last rank
+    # four layers beside the head, 3.36 s once climbed; balanced per rank, 3.08 s). Second: priced first, it fits
+    # on K3 PP8 VP4 and stands for its candidate there, where the chunk balance replays faster.
+    if cf.shape.vp > 1 and new(rank_balanced_split(work, p, cf.shape.vp, least)):
+        yield seen[-1]
     persistent = layer_bytes(cf, ("master", "optimizer", "bf16_view", "grads", "grad_accum"))
     held = np.zeros(K)
     for j in range(K):
@@ -162,6 +168,32 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     s = [L // K + (1 if j < L % K else 0) for j in range(K)]
     if new(s):
         yield s
+
+
+def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...] = ()) -> list[int] | None:
+    """An interleaved split balanced per rank: each rank's layer count water-filled at the mean layer work `work`
+    (per layer, the edges last: the embedding on rank 0, the head on rank p - 1), a tie going to the later rank
+    (the earlier ranks hold more microbatches in flight); within a rank, its layers spread over its v chunks, the
+    remainder on the latest ones (the fewest in flight). Each chunk holds at least least[j] layers (one when
+    empty); None when the chunks' least exceeds the layers."""
+    L, K = len(work) - 2, p * v
+    need = least_or_one(least, K)
+    n = [sum(need[k * p + r] for k in range(v)) for r in range(p)]
+    left = L - sum(n)
+    if left < 0:
+        return None
+    w = float(np.mean(work[:L])) if L else 0.0
+    edge = [float(work[L]) if r == 0 else 0.0 for r in range(p)]
+    edge[p - 1] += float(work[L + 1])
+    for _ in range(left):
+        r = min(range(p), key=lambda q: ((n[q] + 1) * w + edge[q], -q))
+        n[r] += 1
+    split = list(need)
+    for r in range(p):
+        extra = n[r] - sum(need[k * p + r] for k in range(v))
+        for i in range(extra):
+            split[(v - 1 - i % v) * p + r] += 1
+    return split
 
 
 def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
