@@ -142,12 +142,6 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     s = minmax_split(np.broadcast_to(work[:L], (K, L)), edge_work, least=least)
     if new(s):
         yield s
-    # Interleaved: the step prices each rank's sum of its chunks, which a chunk-by-chunk balance leaves uneven where
-    # chunks hold one or two layers (Kimi K2 PP16 VP3, 61 layers in 48 chunks: the chunk balance gives the last rank
-    # four layers beside the head, 3.36 s once climbed; balanced per rank, 3.08 s). Second: priced first, it fits
-    # on K3 PP8 VP4 and stands for its candidate there, where the chunk balance replays faster.
-    if cf.shape.vp > 1 and new(rank_balanced_split(work, p, cf.shape.vp, least)):
-        yield seen[-1]
     persistent = layer_bytes(cf, ("master", "optimizer", "bf16_view", "grads", "grad_accum"))
     held = np.zeros(K)
     for j in range(K):
@@ -168,6 +162,14 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     s = [L // K + (1 if j < L % K else 0) for j in range(K)]
     if new(s):
         yield s
+
+
+def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> list[int] | None:
+    """`rank_balanced_split` of an interleaved shape at its per-layer busiest-resource work (None for v = 1)."""
+    if cf.shape.vp == 1:
+        return None
+    work = np.max([cf.time[res] for res in cf.time], axis=0)
+    return rank_balanced_split(work, cf.shape.pp, cf.shape.vp, least)
 
 
 def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...] = ()) -> list[int] | None:
@@ -244,31 +246,50 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
     sets = toggle_sets(job)
     order = sorted(recs, key=lambda rc: {Recompute.FULL: 0, Recompute.SELECTIVE: 1, Recompute.NONE: 2}[rc])
     best: PlanItem | None = None
+    best_main = math.inf  # the least step of the others (not the per-rank split): the repairs' line
     cap = allocated_capacity_bytes(job, f, model, cluster)
+
+    def keep(ev: Evaluation, extra: bool = False) -> None:
+        nonlocal best, best_main
+        key = (ev.step.rank_time_s, ev.peak_bytes)
+        if key[0] < better_than and (best is None or key < (best.rank_time_s, best.peak_bytes)):
+            best = PlanItem(ev.layout, ev)
+        if not extra:
+            best_main = min(best_main, key[0])
 
     def price(rc: Recompute, lc: FsdpLifecycle, act: dict[str, bool], rank: dict[str, bool],
               splits: list[list[int]] | None) -> bool:
-        nonlocal best
         mode = ActMode(rc, *(act[t] for t in ACT_TOGGLES))
         shape = frame_shape(job, f, mode, lc, **rank)
-        cand = splits if splits is not None else iter_candidate_splits(coefficients(shape, model, cluster), cap,
-                                                                        chunk_least(job, f))
+        cf = coefficients(shape, model, cluster) if splits is None else None
+        cand = splits if cf is None else iter_candidate_splits(cf, cap, chunk_least(job, f))
+        # Interleaved: the step prices each rank's sum of its chunks, which the chunk-by-chunk balances leave uneven
+        # where chunks hold one or two layers (Kimi K2 PP16 VP3, 61 layers in 48 chunks: four layers beside the LM
+        # head on the last rank, 3.476 s; balanced per rank, 3.083 s). Priced beside them, not in their place: on
+        # K3 PP8 VP4 the chunk balance replays faster, and under memory the capped balances fit faster.
+        extra = rank_balanced_candidate(cf, chunk_least(job, f)) if cf is not None else None
         fitted = False
         quick: Evaluation | None = None
         for split in cand:
             if _time.monotonic() > deadline:
                 break
             ev = evaluate(layout_of(job, f, shape, split), model=model, cluster=cluster)
+            if split == extra:
+                extra = None
             if not fits(job, ev):
                 quick = ev if quick is None or ev.step.rank_time_s < quick.step.rank_time_s else quick
                 continue
             fitted = True
-            key = (ev.step.rank_time_s, ev.peak_bytes)
-            if key[0] < better_than and (best is None or key < (best.rank_time_s, best.peak_bytes)):
-                best = PlanItem(ev.layout, ev)
+            keep(ev)
             break  # the splits come most work-balanced first: the first that fits stands for this candidate
+        # A misfit of the others is repaired (below) even where this split fits: it may fit faster once moved.
         if not fitted and quick is not None and repairs:
             unfit.append(quick)
+        if extra is not None and _time.monotonic() <= deadline:
+            ev = evaluate(layout_of(job, f, shape, extra), model=model, cluster=cluster)
+            if fits(job, ev):
+                fitted = True
+                keep(ev, extra=True)
         return fitted
 
     fixed = [list(job.search.split)] if job.search.split is not None else None
@@ -289,15 +310,19 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
                     price(rc, lc, act, rank, fixed)
     # A faster candidate whose splits all miss the memory line may fit once layers move off its fullest rank
     # (Llama 3 70B PP8 VP4 on 64 B200 without offload: 16.78 s, where the candidates fit only with it, 34.8 s).
+    # The misfits to repair are those under the others' best, not under the per-rank split's: a repair can end
+    # faster than the misfit it starts from (the six-layer model's PP2 VP2 node: 5.050 s, unfit, to 4.912 s,
+    # where the per-rank split gives 4.946 s).
     for ev in sorted(unfit, key=lambda e: e.step.rank_time_s):
-        line = min(repair_below if repair_below is not None else math.inf, better_than,
-                   best.rank_time_s if best is not None else math.inf)
+        line = min(repair_below if repair_below is not None else math.inf, better_than, best_main)
         if ev.step.rank_time_s >= line or _time.monotonic() > deadline:
             break
         fixed_item = fit_repair(job, PlanItem(ev.layout, ev), model, cluster,
                                 min(deadline, _time.monotonic() + POLICY.fit_repair_s))
         if fixed_item is not None and fixed_item.rank_time_s < line:
-            best = fixed_item
+            best_main = fixed_item.rank_time_s
+            if best is None or fixed_item.rank_time_s < best.rank_time_s:
+                best = fixed_item
     return best
 
 

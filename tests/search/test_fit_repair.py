@@ -92,16 +92,17 @@ def test_the_enumerated_fits_are_what_the_docstring_says(tiny, slow):
 
 def test_the_node_hint_repairs_a_faster_candidate(tiny, slow):
     """frame_incumbent with `repair_below` (what the driver passes on a node's first slice): at a 2.2-GiB reserve
-    the no-recompute node's heuristic candidates give 5.147 s; with their misfits repaired, 4.912 s. Neither is
-    under the node's enumerated optimum over every split and setting of its toggles (4.362 s: [1, 1, 3, 1] with
-    offload)."""
+    the no-recompute node's heuristic candidates give 4.946 s (the split balanced per rank; the others 5.147 s);
+    with their misfits repaired, 4.912 s ([1, 1, 3, 1], from a 5.050-s misfit: a repair can end faster than where
+    it starts). Neither is under the node's enumerated optimum over every split and setting of its toggles
+    (4.362 s: [1, 1, 3, 1] with offload)."""
     job = pp2_vp2_memory_job(2.2)
     (f,) = enumerate_frames(job, tiny, 8)
     plain = frame_incumbent(job, f, tiny, slow, recompute=Recompute.NONE, lifecycle=FsdpLifecycle.PER_MICROBATCH)
     fixed = frame_incumbent(job, f, tiny, slow, recompute=Recompute.NONE, lifecycle=FsdpLifecycle.PER_MICROBATCH,
                             repair_below=math.inf)
     assert plain is not None and fixed is not None and fixed.evaluation.fits
-    assert fixed.rank_time_s < plain.rank_time_s - 0.1
+    assert fixed.rank_time_s < plain.rank_time_s - 0.03
     best = math.inf
     for flags in itertools.product([False, True], repeat=len(PP2_VP2_TOGGLES)):
         toggles = dict(zip(PP2_VP2_TOGGLES, flags, strict=True))

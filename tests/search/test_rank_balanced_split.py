@@ -52,9 +52,9 @@ def test_least_layers_per_chunk():
 @pytest.mark.parametrize("seconds", [3.2])
 def test_kimi_k2_pp16_vp3_heuristic_layout(seconds):
     """The chunk-by-chunk balance put the 13 two-layer chunks in the middle virtual stage, four layers on the last
-    rank beside the LM head (vocab 163,840): its heuristic layout took 3.476 s. Balanced per rank, the last rank
-    holds three single-layer chunks and the two-layer chunks come last; evaluate() ranks the layout under 3.2 s
-    (the plan's best layout of any shape had been 3.299 s, PP16 VP2)."""
+    rank beside the LM head (vocab 163,840): its heuristic layout took 3.476 s. The split balanced per rank, priced
+    beside it, gives the last rank three single-layer chunks and puts the two-layer chunks last; evaluate() ranks
+    the layout under 3.2 s (the plan's best layout of any shape had been 3.299 s, PP16 VP2)."""
     job = k3opt.Job.model_validate({"model": "kimi-k2", "cluster": "b200", "gpus": 1024,
                                     "tokens_per_update": 8388608, "reserve_gib": 4.0})
     model, cluster = k3opt.load_model("kimi-k2"), k3opt.load_cluster("b200")
