@@ -127,7 +127,7 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     share of `cap`, per chunk of a rank) leave room for the rest. `least`: each chunk's least layers
     (`frames.chunk_least`; empty: one)."""
     L, K, p = cf.n_layers, cf.shape.chunks, cf.shape.pp
-    work = np.max([cf.time[res] for res in cf.time], axis=0)
+    work = layer_work(cf)
     edge_work = np.zeros(K)
     edge_work[0] += work[L]
     edge_work[K - 1] += work[L + 1]
@@ -164,11 +164,16 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
         yield s
 
 
+def layer_work(cf: Coefficients) -> np.ndarray:
+    """Per layer (the edges last), its busiest resource's seconds in `cf`: what the candidate splits balance."""
+    return np.max([cf.time[res] for res in cf.time], axis=0)
+
+
 def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> list[int] | None:
     """`rank_balanced_split` of an interleaved shape at its per-layer busiest-resource work (None for v = 1)."""
     if cf.shape.vp == 1:
         return None
-    work = np.max([cf.time[res] for res in cf.time], axis=0)
+    work = layer_work(cf)
     return rank_balanced_split(work, cf.shape.pp, cf.shape.vp, least)
 
 
@@ -248,6 +253,7 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
     best: PlanItem | None = None
     best_main = math.inf  # the least step of the others (not the per-rank split): the repairs' line
     cap = allocated_capacity_bytes(job, f, model, cluster)
+    least = chunk_least(job, f)
 
     def keep(ev: Evaluation, extra: bool = False) -> None:
         nonlocal best, best_main
@@ -262,12 +268,12 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
         mode = ActMode(rc, *(act[t] for t in ACT_TOGGLES))
         shape = frame_shape(job, f, mode, lc, **rank)
         cf = coefficients(shape, model, cluster) if splits is None else None
-        cand = splits if cf is None else iter_candidate_splits(cf, cap, chunk_least(job, f))
+        cand = splits if cf is None else iter_candidate_splits(cf, cap, least)
         # Interleaved: the step prices each rank's sum of its chunks, which the chunk-by-chunk balances leave uneven
         # where chunks hold one or two layers (Kimi K2 PP16 VP3, 61 layers in 48 chunks: four layers beside the LM
         # head on the last rank, 3.476 s; balanced per rank, 3.083 s). Priced beside them, not in their place: on
         # K3 PP8 VP4 the chunk balance replays faster, and under memory the capped balances fit faster.
-        extra = rank_balanced_candidate(cf, chunk_least(job, f)) if cf is not None else None
+        extra = rank_balanced_candidate(cf, least) if cf is not None else None
         fitted = False
         quick: Evaluation | None = None
         for split in cand:

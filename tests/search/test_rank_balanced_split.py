@@ -49,8 +49,7 @@ def test_least_layers_per_chunk():
     assert rank_balanced_split(np.array([1.0] * 3 + [0.0, 0.0]), 2, 2) is None
 
 
-@pytest.mark.parametrize("seconds", [3.2])
-def test_kimi_k2_pp16_vp3_heuristic_layout(seconds):
+def test_kimi_k2_pp16_vp3_heuristic_layout():
     """The chunk-by-chunk balance put the 13 two-layer chunks in the middle virtual stage, four layers on the last
     rank beside the LM head (vocab 163,840): its heuristic layout took 3.476 s. The split balanced per rank, priced
     beside it, gives the last rank three single-layer chunks and puts the two-layer chunks last; evaluate() ranks
@@ -64,5 +63,5 @@ def test_kimi_k2_pp16_vp3_heuristic_layout(seconds):
     assert it is not None and it.evaluation.fits
     ev = k3opt.evaluate(it.layout, model=model, cluster=cluster)
     assert ev.step.rank_time_s == pytest.approx(it.rank_time_s)
-    assert ev.step.rank_time_s < seconds
+    assert ev.step.rank_time_s < 3.2
     assert _ranks(it.layout.split, 16)[15] == [1, 1, 1]
