@@ -392,6 +392,12 @@ def balance_moved_bytes(saved_bytes, held: float, balanced: float):  # noqa: ANN
     return 2 * saved_bytes * max(0.0, 1 - balanced / held)
 
 
+def busiest_layer_seconds(cf: Coefficients) -> np.ndarray:
+    """Per layer (the two edges last), the seconds per microbatch of its busiest resource, max over `cf.time`: the
+    work the heuristic splits balance, the replay's per-layer maxima and its seed paths' weights."""
+    return np.max([np.asarray(t, dtype=float) for t in cf.time.values()], axis=0)
+
+
 def step_gather_bytes(cf: Coefficients, p2p_muon: bool) -> np.ndarray:
     """Per-layer bytes the optimizer step adds beside the Newton-Schulz working set (evaluate.rank_ledger): under
     P2P Muon the pulled resident Muon matrices, 2 x resident Muon parameters, beside the AdamW parameters' policy

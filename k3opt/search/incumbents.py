@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from k3opt.cost.achievable import rank_sums
-from k3opt.cost.coefficients import Coefficients, Shape
+from k3opt.cost.coefficients import Coefficients, Shape, busiest_layer_seconds
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.inputs.errors import K3optError
@@ -133,7 +133,7 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
     share of `cap`, per chunk of a rank) leave room for the rest. `least`: each chunk's least layers
     (`frames.chunk_least`; empty: one)."""
     L, K, p = cf.n_layers, cf.shape.chunks, cf.shape.pp
-    work = layer_work(cf)
+    work = busiest_layer_seconds(cf)
     edge_work = np.zeros(K)
     edge_work[0] += work[L]
     edge_work[K - 1] += work[L + 1]
@@ -170,16 +170,11 @@ def iter_candidate_splits(cf: Coefficients, cap: float, least: tuple[int, ...] =
         yield s
 
 
-def layer_work(cf: Coefficients) -> np.ndarray:
-    """Per layer (the edges last), its busiest resource's seconds in `cf`: what the candidate splits balance."""
-    return np.max([cf.time[res] for res in cf.time], axis=0)
-
-
 def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> list[int] | None:
     """`rank_balanced_split` of an interleaved shape at its per-layer busiest-resource work (None for v = 1)."""
     if cf.shape.vp == 1:
         return None
-    work = layer_work(cf)
+    work = busiest_layer_seconds(cf)
     return rank_balanced_split(work, cf.shape.pp, cf.shape.vp, least)
 
 

@@ -57,7 +57,7 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
 from k3opt.cost.achievable import rank_packets
-from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, step_gather_bytes
+from k3opt.cost.coefficients import Coefficients, balance_moved_bytes, busiest_layer_seconds, step_gather_bytes
 from k3opt.cost.ledger import balanced_scale, least_transient, peak_inflight, pp_packet_bytes, pp_packet_terms
 from k3opt.cost.schedule import critical_path, schedule_slots
 from k3opt.inputs.memo import Memo, register
@@ -168,7 +168,7 @@ def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[s
     arrays = _Arrays(time=dict(c0.time), update=dict(c0.update), persistent=persistent, opt=opt, act=c0.act,
                      ws_min=float(c0.working_set[:L].min()), nsws_min=float(c0.ns_working_set[:L].min()),
                      logits=float(c0.logits), ep_min=float(ep),
-                     hi=np.max([np.asarray(t) for t in c0.time.values()], axis=0),
+                     hi=busiest_layer_seconds(c0),
                      hidden=dict(c0.update_hidden), hidden_stages=c0.update_hidden_stages,
                      updates=(node_terms(c0, f.pp),), with_ns=c0.step_gather_with_ns,
                      least=chunk_least(job, f), pair=2 * c0.chunk_grad_buffer if zero2 else None)
@@ -1454,7 +1454,7 @@ def no_offload_bound(job: Job, f: Frame, floors: list[Coefficients], views: list
         lean = lean_arrays(job, f, vw)
         arrays.append(dataclasses.replace(
             lean, time=dict(cf.time), update=dict(cf.update), hidden=dict(cf.update_hidden),
-            hidden_stages=cf.update_hidden_stages, hi=np.max([np.asarray(t) for t in cf.time.values()], axis=0),
+            hidden_stages=cf.update_hidden_stages, hi=busiest_layer_seconds(cf),
             updates=(node_terms(cf, f.pp),)))
     merged = _merge(arrays, f.vp) if len(arrays) > 1 else arrays[0]
     c0 = views[0]

@@ -14,7 +14,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from k3opt.cost.achievable import rank_packets
-from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes
+from k3opt.cost.coefficients import Coefficients, Shape, balance_moved_bytes, busiest_layer_seconds
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import peak_inflight, pp_packet_bytes, pp_packet_terms
 from k3opt.cost.schedule import chunk_times, critical_path, pipeline_order, schedule_slot_units
@@ -422,7 +422,7 @@ class FrameModel:
         self._replay_chunk_bounds(groups, keep)
         full = [md.recompute == Recompute.FULL for md in self.modes]
         self.betas = replay_bound.betas(full)
-        layer_work = np.max([np.asarray(self.c0.time[res][:L]) for res in self.c0.time], axis=0)
+        layer_work = busiest_layer_seconds(self.c0)[:L]
         self.layer_work = layer_work
         if 2 * p * self.f.vp * self.f.microbatches <= POLICY.max_dag_ops:
             self._replay_dag()
