@@ -5,9 +5,11 @@ caps per rank).
 
 Anytime, within the time limit (plan() gives the ranked search POLICY.front_ranked_share of it first):
 
-1. Seed (POLICY.front_seed_share of the front's time): frames are visited round-robin over (PP, VP) groups, each
-   group by the driver's estimate (`_Visits`), the ranked search's frames first and the frames next to one that
-   adds to the front queued too (`Neighbours`); frames whose bounds a point found dominates are skipped. Each is
+1. Seed (POLICY.front_seed_share of the front's time at most; it stops once it has gone as long without changing
+   the front as its last change took, POLICY.front_patience_s at least): frames are visited round-robin over
+   (PP, VP) groups, each group by the driver's estimate (`_Visits`), the ranked search's frames first and the
+   frames next to one that adds to the front queued too (`Neighbours`); frames whose bounds a point found
+   dominates are skipped. Each is
    priced by `evaluate()` under the configurations (recompute mode, FSDP lifecycle, toggles) of the front so far
    on every heuristic split of search/incumbents.py (`price_configs`; the first frame under every heuristic
    family of search/incumbents.toggle_sets too). A frame that adds to the front is walked through its own
@@ -26,7 +28,9 @@ Anytime, within the time limit (plan() gives the ranked search POLICY.front_rank
    max_peak_gib`, started from the points under it and from the next faster point brought under the cap
    (search/incumbents.cap_descent): its best layout joins the front and its bound covers every layout under the
    cap. Its relaxations, node models and seeding are the ranked search's, so a region is proven the way a plan is.
-   When every region is proven the front is complete (`Plan.pareto_complete`).
+   The ranked search itself was the first region's search (of the GPU count of its fastest layout): like any
+   region's search that its share of the time cut short, it is not repeated. When every region is proven the front
+   is complete (`Plan.pareto_complete`).
 
 The points are the non-dominated layouts found, kept at least one epsilon step apart in peak (fastest first).
 Each returned point carries `front_bound_s`: a proven lower bound on the ranked step time of every layout of its
@@ -132,7 +136,12 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
     for g in job.gpu_counts:
         search.facts.add_region(g, math.inf, ranked_bound)
     search.seed()
-    complete = search.bound_rest() and regions is not None and search.prove(regions)
+    # The ranked search was the first region's search of the GPU count of its fastest layout (its bound is that
+    # region's): like any region's search cut by its share of the time, it is not repeated. Searched again from
+    # scratch with what the regions before left, it proved nothing the first did not (the default job at 60 s: the
+    # ranked search cut at 1.39% by its share, searched again in the last 5 s).
+    searched = {(ranked[0].layout.gpus, math.inf)} if ranked else set()
+    complete = search.bound_rest() and regions is not None and search.prove(regions, searched)
     return search.finish(), complete
 
 
@@ -208,8 +217,15 @@ class _FrontSearch:
     def seed(self) -> None:
         """Until POLICY.front_seed_share of the time: visit the ranked search's frames, then take turns between the
         gap filling (POLICY.front_fill_share of the time since) and the queued frames; once no frame is left to
-        visit, fill only, until nothing is left to fill either."""
-        while _time.monotonic() < self.seed_end:
+        visit, fill only, until nothing is left to fill either. It stops sooner once it has gone as long without
+        changing the front (thinned to the step) as it took to make its last change, and at least
+        POLICY.front_patience_s: the regions' searches have the rest."""
+        marks, last = self._marks(), self.started
+        while (now := _time.monotonic()) < self.seed_end:
+            if (m := self._marks()) != marks:
+                marks, last = m, now
+            elif now - self.started >= POLICY.front_patience_s and now - last > last - self.started:
+                break
             f: Frame | None
             if self.first:
                 f = self.first.pop(0)
@@ -232,6 +248,12 @@ class _FrontSearch:
                     or (f in self.facts.frame and self.dominated(f, *self.facts.frame[f]))):
                 continue
             self.visit(f)
+
+    def _marks(self) -> frozenset[tuple[int, float, int]]:
+        """The front so far as the seeding's stall stop sees it: (GPUs, step time, peak) of its points thinned to
+        the step."""
+        return frozenset((p.layout.gpus, p.rank_time_s, p.peak_bytes)
+                         for p in _thin(_non_dominated(self.points), self.step))
 
     def fill_gap(self) -> bool:
         """One step of the gap filling (`_Fill.step`); False, with the front recorded as `idle`, when every
@@ -292,13 +314,14 @@ class _FrontSearch:
 
     # -- 3. prove: a ranked search under each region's cap, fastest region first
 
-    def prove(self, regions: RegionSearch) -> bool:
+    def prove(self, regions: RegionSearch, searched: set[tuple[int, float]] | None = None) -> bool:
         """Until every region is proven or searched (`_open_region`): the ranked search under the first open
         region's cap, started from the points under it; the layouts it finds join the front, its bound covers the
         region. A region its search leaves unproven (its share of the time spent) stays so, and the next is
-        searched. Whether every region was proven before the deadline."""
-        tried: set[tuple[int, float]] = set()
-        complete = True
+        searched; `searched`: regions (GPU count, cap) searched before (the ranked search's), not searched again.
+        Whether every region was proven before the deadline."""
+        tried: set[tuple[int, float]] = set(searched or ())
+        complete = all(self._closed(g, cap) for g, cap in tried)
         while (region := self._open_region(tried)) is not None:
             g, cap = region
             if self.deadline - _time.monotonic() < POLICY.front_region_min_s:
@@ -327,6 +350,11 @@ class _FrontSearch:
             if (g, cap) not in tried and math.isfinite(self.bound_at(g, cap)):
                 return g, cap
         return None
+
+    def _closed(self, g: int, cap: float) -> bool:
+        """Whether region (g, cap) holds no point, or its bound closes its fastest point to the gap."""
+        inside = [p.rank_time_s for p in self.points if p.layout.gpus == g and p.peak_bytes <= cap]
+        return not inside or within_gap(min(inside), self.bound_at(g, cap), self.gap)
 
     def bound_at(self, g: int, cap: float) -> float:
         """The least ranked step time of a layout of g GPUs with peak <= cap: the best region bound that covers

@@ -20,7 +20,7 @@ GIB = 2**30
 @pytest.fixture(scope="module")
 def k3_plan():
     job = k3opt.load_job("k3-512-4k")
-    # The ranked search gets a quarter of the limit (POLICY.front_ranked_share): 4 s holds its first pass and every
+    # The ranked search gets half of the limit (POLICY.front_ranked_share): 8 s holds its first pass and every
     # shape's first bounds on 2 cores (2 s did not always: a plan with shapes left unbounded has bound 0).
     return job, k3opt.pareto(job, top=1, time_limit=16.0)
 
