@@ -321,7 +321,7 @@ class _FrontSearch:
         searched; `searched`: regions (GPU count, cap) searched before (the ranked search's), not searched again.
         Whether every region was proven before the deadline."""
         tried: set[tuple[int, float]] = set(searched or ())
-        complete = all(self._closed(g, cap) for g, cap in tried)
+        complete = True
         while (region := self._open_region(tried)) is not None:
             g, cap = region
             if self.deadline - _time.monotonic() < POLICY.front_region_min_s:
@@ -334,7 +334,9 @@ class _FrontSearch:
             self.points = _non_dominated(self.points + items)
             self.facts.add_region(g, cap, bound, None if exact else holding)
             complete = complete and exact
-        return complete
+        # A region searched before is proven if its bound closes its fastest point, which a later region's search
+        # may have found (a faster layout under a lower cap is in every region above it too).
+        return complete and all(self._closed(g, cap) for g, cap in searched or ())
 
     def _open_region(self, tried: set[tuple[int, float]]) -> tuple[int, float] | None:
         """The first region (GPU count, cap), fastest point first, whose bound does not close its point to the gap,
