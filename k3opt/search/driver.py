@@ -970,9 +970,9 @@ class _Search:
                 self.ticker.send(lambda elapsed: replace(p, phase="front", elapsed_s=elapsed, front_points=points,
                                                          front_region=region))
 
-        # Each region has at most the ranked search's share of the limit, so that one hard region leaves time to the
-        # others; its budgets (seeding, slices) scale with it as a plan's do.
-        left = min(self.t0 + self.total_limit - _time.monotonic(), self.time_limit)
+        # Each region has at most its share of the limit, so that one hard region leaves time to the others; its
+        # budgets (seeding, slices) scale with it as a plan's do.
+        left = min(self.t0 + self.total_limit - _time.monotonic(), POLICY.front_region_share * self.total_limit)
         sub = _Search(job, self.model, self.cluster, top=1, time_limit=left, workers=self.workers, pareto=False,
                       pareto_step_gib=self.pareto_step_gib, progress=forward if self.ticker.fn else None,
                       gap=self.gap, refuse=self.refuse)
