@@ -137,9 +137,8 @@ def build_front(job: Job, model: ModelSpec, cluster: ClusterSpec, best_of: dict[
         search.facts.add_region(g, math.inf, ranked_bound)
     search.seed()
     # The ranked search was the first region's search of the GPU count of its fastest layout (its bound is that
-    # region's): like any region's search cut by its share of the time, it is not repeated. Searched again from
-    # scratch with what the regions before left, it proved nothing the first did not (the default job at 60 s: the
-    # ranked search cut at 1.39% by its share, searched again in the last 5 s).
+    # region's): like any region's search cut by its share of the time, it is not repeated. A second search would
+    # start from scratch with less time than the first had.
     searched = {(ranked[0].layout.gpus, math.inf)} if ranked else set()
     complete = search.bound_rest() and regions is not None and search.prove(regions, searched)
     return search.finish(), complete
@@ -346,7 +345,7 @@ class _FrontSearch:
         for g in self.job.gpu_counts:
             cap = math.inf
             for it in _thin(_non_dominated(p for p in self.points if p.layout.gpus == g), self.step):
-                if (g, cap) not in tried and not within_gap(it.rank_time_s, self.bound_at(g, cap), self.gap):
+                if (g, cap) not in tried and not self._closed(g, cap):
                     return g, cap
                 cap = _cap_below(it, self.step)
             if (g, cap) not in tried and math.isfinite(self.bound_at(g, cap)):
@@ -354,7 +353,8 @@ class _FrontSearch:
         return None
 
     def _closed(self, g: int, cap: float) -> bool:
-        """Whether region (g, cap) holds no point, or its bound closes its fastest point to the gap."""
+        """Whether region (g, cap) holds no point, or its bound closes its fastest point to the gap (the points are
+        non-dominated, so the fastest under the cap is the thinned point the region stands for)."""
         inside = [p.rank_time_s for p in self.points if p.layout.gpus == g and p.peak_bytes <= cap]
         return not inside or within_gap(min(inside), self.bound_at(g, cap), self.gap)
 

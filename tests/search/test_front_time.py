@@ -4,6 +4,7 @@ search and is not searched again, and the front's seeding stops once it stalls, 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,7 +40,6 @@ def _build(small, ranked_bound: float):
         return [], 0.0, True, None  # every other region: searched and proven (nothing faster under its cap)
 
     best_of = {frame_of(it.layout): it for it in plan.layouts}
-    import time
     points, complete = front.build_front(job, model, cluster, best_of, list(plan.layouts), 1.0, time.monotonic(),
                                          60.0, 1, regions=regions, ranked_bound=ranked_bound, gap=0.01)
     return asked, points, complete
