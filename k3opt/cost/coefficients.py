@@ -25,7 +25,16 @@ from k3opt.cost.schedule import (
     schedule_slots,
 )
 from k3opt.cost.sharding import count_owned_per_rank, count_whole_params
-from k3opt.cost.structure import Block, Saved, Structure, Tensor, module_recompute, replays, structure_of
+from k3opt.cost.structure import (
+    Block,
+    Saved,
+    Structure,
+    Tensor,
+    module_offload,
+    module_recompute,
+    replays,
+    structure_of,
+)
 from k3opt.inputs.memo import Memo, register
 from k3opt.inputs.placement import domain_block
 from k3opt.inputs.rates import TE_CROSS_ENTROPY_BYTES_PER_LOGIT, RatesSpec, rates_for
@@ -74,6 +83,8 @@ class Shape:
     ce_chunk_tokens: int = 1024
     offload_resident_layers: int = 2
     activation_offload_layers: int = 0
+    offload_modules: tuple[str, ...] = ()
+    """Megatron's fine-grained activation offload modules (Layout.offload_modules)."""
     domain_gpus_used: int | None = None
     dense_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
     expert_sharding: ShardingPolicy = ShardingPolicy.OPTIM_GRADS_PARAMS
@@ -104,6 +115,7 @@ class Shape:
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
             precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
             recompute_modules=tuple(m.value for m in layout.recompute_modules),
+            offload_modules=tuple(m.value for m in layout.offload_modules),
         )
 
     @property
@@ -143,6 +155,8 @@ class LayerShape:
     recompute: Recompute
     recompute_modules: tuple[str, ...]
     activation_offload_layers: int
+    offload_modules: tuple[str, ...]
+    offload_resident_layers: int
     fsdp_lifecycle: FsdpLifecycle
     toggles: Toggles
     fp8_block_size: int
@@ -171,6 +185,8 @@ class LayerShape:
             tokens=shape.tokens, context=shape.context, document_length=shape.document_length, cp=shape.cp,
             ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
             recompute_modules=shape.recompute_modules, activation_offload_layers=shape.activation_offload_layers,
+            offload_modules=shape.offload_modules,
+            offload_resident_layers=shape.offload_resident_layers if shape.offload_modules else 0,
             fsdp_lifecycle=shape.fsdp_lifecycle, toggles=tg, fp8_block_size=shape.fp8_block_size,
             ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,
             expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
@@ -211,11 +227,14 @@ class Coefficients:
     act: np.ndarray = field(repr=False)
     """Saved bytes per in-flight microbatch kept on the GPU (before the activation_offload toggle)."""
     offloaded_act: np.ndarray = field(repr=False)
-    """Saved bytes per in-flight microbatch the layout's activation_offload_layers keep in host memory."""
+    """Saved bytes per in-flight microbatch the layout's activation_offload_layers or offload_modules keep in host
+    memory."""
     working_set: np.ndarray = field(repr=False)
-    """Bytes live only while this layer runs backward: its recomputed saved set (selective/full recompute),
-    its unsharded gradient before the reduce-scatter, the two BF16 gradient streams."""
+    """Bytes live only while this layer runs backward: its recomputed saved set (selective/full recompute) or its
+    reloaded one (offload_modules), its unsharded gradient before the reduce-scatter, the two BF16 gradient
+    streams."""
     recompute_ws: np.ndarray = field(repr=False)
+    """Saved bytes brought back for the layer's backward: recomputed, or reloaded from the host (offload_modules)."""
     grad_transient: np.ndarray = field(repr=False)
     closes: np.ndarray = field(repr=False)
     """AttnRes residual blocks closed by each layer; R(b) = cumulative sum up to boundary b."""
@@ -470,6 +489,7 @@ class CostModel:
         """The Coefficients fields of a LayerShape (shared by the shapes that differ only in their schedule)."""
         self.saved = own(_build_saved, 512)
         self.module_recompute = own(_build_module_recompute, 64)
+        self.module_offload = own(_build_module_offload, 64)
         self.achievable_tensor = own(_build_achievable_tensor, 1024)
         self.expert_compute = own(_build_expert_compute, 1024)
         self.owned_per_rank = Memo(partial(count_owned_per_rank, model), maxsize=1024, registered=False)
@@ -709,6 +729,26 @@ def _build_module_recompute(cm: CostModel, tokens: int, toggles: Toggles, fp8_bl
     return dropped, replayed
 
 
+def _build_module_offload(cm: CostModel, tokens: int, toggles: Toggles, fp8_block: int, precision: Precision,
+                          recompute: Recompute, recompute_modules: tuple[str, ...], modules: tuple[str, ...]
+                          ) -> np.ndarray:
+    """Saved bytes per microbatch of each decoder layer (0 on the edges) that Megatron's offload `modules` send to
+    the host (structure.MEGATRON_OFFLOAD): the modules' saved tensors the recompute mode keeps (selective drops
+    its recomputable ones, or what Megatron's recompute_modules drop)."""
+    st = cm.structure
+    out = np.zeros(len(st.layers) + 2)
+    for i, bl in enumerate(st.layers):
+        for b in bl:
+            names = module_offload(b, modules)
+            if recompute == Recompute.SELECTIVE and recompute_modules:
+                names = names - module_recompute(b, recompute_modules)[0]
+            elif recompute == Recompute.SELECTIVE:
+                names = names - {s.name for s in b.saved if s.recomputable}
+            if names:
+                out[i] += saved_per_token(b, toggles, fp8_block, precision, only=frozenset(names))[0] * tokens
+    return out
+
+
 def _build_placement(gpus: int, p: int, c: int, e: int, fe: int, fd: int, domain: int) -> comm.Placement:
     return comm.placement(gpus, p, c, e, fe, fd, domain)
 
@@ -822,7 +862,7 @@ def _build_layer_terms(cm: CostModel, shape: LayerShape) -> dict[str, object]:
         n_layers=b.model.num_layers, tokens=shape.tokens, hidden=b.model.hidden_size,
         **_persistent_bytes(b), **ns, **_logits(b),
         act=acts.act - acts.offloaded, offloaded_act=acts.offloaded, working_set=working_set,
-        recompute_ws=acts.recompute_ws, grad_transient=acts.grad_transient,
+        recompute_ws=acts.recompute_ws + acts.reloaded, grad_transient=acts.grad_transient,
         closes=b.sa.closes, moe=b.sa.moe, routing_map_allgathers_per_layer=ep.allgathers,
         time=time, update=_peak_update_seconds(b, ns["ns_flops"], up), offload_stall=stall,
         tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
@@ -1040,7 +1080,11 @@ class _Activations:
     working_set: np.ndarray
     """Without CP's buffers (_microbatch_traffic adds them)."""
     offloaded: np.ndarray
-    """Of `act`, the part activation_offload_layers sends to host memory: the first N decoder layers'."""
+    """Of `act`, the part that waits in host memory: the first N decoder layers' (activation_offload_layers), or
+    each decoder layer's offload modules' (offload_modules)."""
+    reloaded: np.ndarray
+    """Under offload_modules, the offloaded part back on the GPU while the layer runs backward: its own, reloaded,
+    and the next layer's, prefetched (offload_resident_layers copies of the layer's)."""
 
 
 def _saved_activations(b: _LayerBuild) -> _Activations:
@@ -1069,9 +1113,15 @@ def _saved_activations(b: _LayerBuild) -> _Activations:
         grad_transient = grad_transient + _unit_transient(b)
     grad_streams = np.where(b.layer, 2 * b.stream, 0.0)
     offloaded = np.where(np.arange(n) < sh.activation_offload_layers, act, 0.0)
+    reloaded = np.zeros(n)
+    if sh.offload_modules:
+        moved = b.cm.module_offload(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size, sh.precision,
+                                    sh.recompute, sh.recompute_modules, sh.offload_modules)
+        offloaded, reloaded = offloaded + moved, sh.offload_resident_layers * moved
     return _Activations(saved=saved, fp8_values=fp8_values, act=act, recompute_ws=recompute_ws,
-                        grad_transient=grad_transient, working_set=recompute_ws + grad_transient + grad_streams,
-                        offloaded=offloaded)
+                        grad_transient=grad_transient,
+                        working_set=recompute_ws + reloaded + grad_transient + grad_streams,
+                        offloaded=offloaded, reloaded=reloaded)
 
 
 def _unit_transient(b: _LayerBuild) -> np.ndarray:

@@ -34,7 +34,7 @@ from k3opt.cost.ledger import (
 )
 from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
-from k3opt.cost.structure import ParamCounts
+from k3opt.cost.structure import ParamCounts, check_offload_modules
 from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.placement import domain_block, domains_held
 from k3opt.inputs.presets import load_cluster, load_model, load_runtime
@@ -608,6 +608,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
                if not isinstance(cluster, ClusterSpec) else cluster)
     model = trained_model(layout, model)
     check_layout(layout, model, cluster)
+    check_offload_modules(layout, model)
     if layout.optimizer_state_dtype is None:
         layout = layout.model_copy(update={"optimizer_state_dtype": model.optimizer.state_of(None)})
     rt_name = runtime if runtime is not None else layout.runtime

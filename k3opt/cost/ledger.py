@@ -106,13 +106,16 @@ LEDGER: tuple[TermDecl, ...] = (
              "derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the local "
              "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16, and for layers gathered per layer)"),
     TermDecl("activations", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "act", "recompute mode, activation toggles, "
-             "activation_offload, balance_activations", "derived",
+             "activation_offload, offload_modules, balance_activations", "derived",
              "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 [T, d] layer input per "
-             "layer; activation_offload_layers: the first N layers' in host memory)"),
+             "layer; activation_offload_layers: the first N layers' in host memory; offload_modules: those "
+             "modules' tensors in host memory)"),
     TermDecl("attnres_bank", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "closes", "balance_activations", "derived",
              "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per in-flight microbatch"),
-    TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws", "recompute mode",
-             "derived", "saved set of the one layer being recomputed in backward", moment=Moment.LAYER),
+    TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws",
+             "recompute mode, offload_modules", "derived", "saved set of the one layer being recomputed in backward, "
+             "or reloaded from the host (offload_modules: its own and the prefetched next layer's)",
+             moment=Moment.LAYER),
     TermDecl("grad_transient", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "working_set", "CP",
              "derived", "that layer's unsharded BF16 weight gradient before its reduce-scatter, plus two BF16 "
              "[T, d] gradient streams (with CP: plus the KV ring or state-gather buffers; param_gather = layer: two "

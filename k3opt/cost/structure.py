@@ -13,8 +13,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
+from k3opt.inputs.errors import LayoutError
 from k3opt.inputs.memo import register
-from k3opt.inputs.specs import BF16, FP32, INT64, ModelSpec
+from k3opt.inputs.specs import BF16, FP32, INT64, Layout, ModelSpec, OffloadModule, Precision
 
 
 @dataclass(frozen=True)
@@ -502,6 +503,65 @@ MEGATRON_RECOMPUTE: dict[str, ModuleRecompute] = {
         "at its input, the residual stream)"),
 }
 """Megatron's recompute modules k3opt prices, at megatron/core @ d98e8a64 (k3opt.inputs.frameworks)."""
+
+
+_MLA_QKV = ("attn_norm_input", "attn_norm_rstd", "attn_norm_output", "mla_q_a_output", "mla_q_a_norm_output",
+            "mla_kv_a_output", "mla_kv_a_norm_output")
+_GQA_QKV = ("attn_norm_input", "attn_norm_rstd", "attn_norm_output", "gqa_q_pre_norm", "gqa_k_pre_norm")
+
+MEGATRON_OFFLOAD: dict[str, dict[str, tuple[str, ...]]] = {
+    # Megatron's TE layer specs fuse the input norm into the QKV (MLA: down-) projection
+    # (megatron/core/models/gpt/gpt_layer_specs.py L258-266), so input_layernorm is an IdentityOp and attn_norm
+    # offloads nothing (transformer_layer.py L1547-1549); the norm's tensors go with qkv_linear. KDA layers have no
+    # Megatron offload hooks: their attention part stays on the GPU under every module.
+    "attn_norm": {},
+    "qkv_linear": {"mla": _MLA_QKV, "gqa": _GQA_QKV},
+    "core_attn": {"mla": ("mla_q", "mla_k", "mla_v", "mla_attn_output", "mla_softmax_lse"),
+                  "gqa": ("gqa_q", "gqa_k", "gqa_v", "gqa_attn_output", "gqa_softmax_lse")},
+    "attn_proj": {"mla": ("mla_o_proj_input_copy", "mla_gated_output"), "gqa": ("gqa_o_proj_input_copy",)},
+    # pre_mlp_layernorm is a norm of its own in MoE layers and fused into fc1 in dense ones (gpt_layer_specs.py
+    # L157, L282); its output is saved by its readers (router, latent or shared projections), outside the scope.
+    "mlp_norm": {"moe": ("mlp_norm_input", "mlp_norm_rstd")},
+    "expert_fc1": {"moe": ("moe_dispatched_inputs",)},
+    # The scope wraps the activation function only (moe/experts.py L941-1037): fc2 keeps its own input outside it.
+    "moe_act": {"moe": ("moe_expert_swiglu_input", "moe_expert_situ_fp32_copies", "moe_expert_situ_input")},
+}
+"""Per Megatron offload module and block kind, the saved tensors autograd keeps inside the module's scope, which
+fine-grained activation offloading sends to the host (megatron/core/pipeline_parallel/
+fine_grained_activation_offload.py on_save_for_backward; scopes: transformer/multi_latent_attention.py L343-465,
+attention.py L1386-1630, transformer_layer.py L819, moe/experts.py L929-1037 @ d98e8a64)."""
+
+
+def module_offload(block: Block, modules: tuple[str, ...]) -> frozenset[str]:
+    """The saved names of `block` that Megatron's offload `modules` send to the host (MEGATRON_OFFLOAD)."""
+    return frozenset(n for m in modules for n in MEGATRON_OFFLOAD[m].get(block.kind, ()))
+
+
+def check_offload_modules(layout: Layout, model: ModelSpec) -> None:
+    """Each of the layout's offload modules must hold saved tensors in some decoder layer of the model; expert_fc1
+    under per-tensor FP8 keeps fc1's BF16 input (Megatron set_save_original_input, moe/experts.py L281-284), which
+    k3opt does not price. LayoutError, one line, otherwise."""
+    if not layout.offload_modules:
+        return
+    blocks = [b for layer in structure_of(model).layers for b in layer]
+    for m in layout.offload_modules:
+        if not any(module_offload(b, (m.value,)) for b in blocks):
+            raise LayoutError(f"offload_modules '{m.value}' offloads nothing in {model.name}: "
+                              f"{_OFFLOAD_NOTHING.get(m.value, 'it has no such module')}; drop it")
+    if OffloadModule.EXPERT_FC1 in layout.offload_modules and layout.precision == Precision.FP8:
+        raise LayoutError("offload_modules 'expert_fc1' with precision = \"fp8\": Megatron then offloads fc1's BF16 "
+                          "input rather than its FP8 copy (moe/experts.py L281-284), which k3opt does not price; use "
+                          "mxfp8 or drop expert_fc1")
+
+
+_OFFLOAD_NOTHING = {
+    "attn_norm": "Megatron's TE layer specs fuse the input norm into the QKV projection (an IdentityOp norm, "
+                 "gpt_layer_specs.py L258-266), and KDA layers have no offload hooks",
+    "mlp_norm": "only MoE layers have a pre-MLP norm of their own (gpt_layer_specs.py L157)",
+    "expert_fc1": "it has no routed experts",
+    "moe_act": "it has no routed experts",
+}
+"""Why a module offloads nothing, where the reason is not just a missing part."""
 
 
 def replays(block_kind: str, tensor: str, modules: tuple[str, ...]) -> bool:

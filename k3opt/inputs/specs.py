@@ -401,6 +401,31 @@ class CudaGraphModule(StrEnum):
     """MoELayer.preprocess(), with moe_router only."""
 
 
+class OffloadModule(StrEnum):
+    """Megatron's --offload-modules under --fine-grained-activation-offloading: each offloads what autograd saves
+    inside its scope (megatron/core/transformer/transformer_config.py L1328-1342 @ d98e8a64; which k3opt saved
+    tensors each holds: k3opt.cost.structure.MEGATRON_OFFLOAD)."""
+
+    ATTN_NORM = "attn_norm"
+    """The input norm of the attention part (nothing where TE fuses it into the QKV linear, as for MLA and GQA)."""
+    QKV_LINEAR = "qkv_linear"
+    """The Q/K/V projections (with the fused input norm): what they save up to q, k and v."""
+    CORE_ATTN = "core_attn"
+    """The attention core: q, k, v, its output and the softmax statistics."""
+    ATTN_PROJ = "attn_proj"
+    """The output projection's input (needs core_attn: that input is the core's output)."""
+    MLP_NORM = "mlp_norm"
+    """The pre-MLP norm of an MoE layer (fused into fc1 in a dense MLP)."""
+    EXPERT_FC1 = "expert_fc1"
+    """The routed experts' fc1 input: the dispatched tokens."""
+    MOE_ACT = "moe_act"
+    """The routed experts' activation input: the fc1 output."""
+
+
+EXPERT_OFFLOAD_MODULES = frozenset({OffloadModule.EXPERT_FC1, OffloadModule.MOE_ACT})
+"""The modules Megatron offloads beside cuda_graph_impl = "local" (transformer_config.py L2931-2938)."""
+
+
 class ParamGather(StrEnum):
     """When a fully sharded group's (optim_grads_params) parameters are gathered for compute."""
 
@@ -547,6 +572,48 @@ def _check_cuda_graphs(lay: Layout) -> None:
                          "L2854-2858); use selective recompute or cuda_graph_impl = \"full_iteration\"")
 
 
+def _check_offload_modules(lay: Layout) -> None:
+    """Megatron's rules on --offload-modules (transformer_config.py L2127-2190, L2929-2975 @ d98e8a64) and
+    k3opt's: one offload mechanism at a time, and saved tensors to offload."""
+    mods = lay.offload_modules
+    if not mods:
+        return
+    names = [m.value for m in mods]
+    if len(set(mods)) != len(mods):
+        raise ValueError("offload_modules lists a module twice; name each once")
+    if lay.toggles.activation_offload:
+        raise ValueError(f"offload_modules {names} with the activation_offload toggle: the toggle offloads the "
+                         "whole saved set; keep one of them")
+    if lay.activation_offload_layers:
+        raise ValueError(f"offload_modules {names} with activation_offload_layers = "
+                         f"{lay.activation_offload_layers}: Megatron refuses fine-grained offloading beside "
+                         "cpu_offloading (transformer_config.py L2128-2130); keep one of them")
+    if lay.recompute == Recompute.FULL:
+        raise ValueError(f"offload_modules {names} with recompute = \"full\": full recompute keeps only each "
+                         "layer's input, which no module offloads; use selective or no recompute, or the "
+                         "activation_offload toggle")
+    if OffloadModule.ATTN_PROJ in mods and OffloadModule.CORE_ATTN not in mods:
+        raise ValueError("offload_modules 'attn_proj' needs 'core_attn' beside it: its input is the core's output, "
+                         "which the core's backward needs (transformer_config.py L2148-2153); add core_attn")
+    impl = lay.cuda_graph_impl
+    if impl == CudaGraphImpl.LOCAL and not set(mods) <= EXPERT_OFFLOAD_MODULES:
+        raise ValueError(f"offload_modules {names} with cuda_graph_impl = \"local\": Megatron offloads only "
+                         "expert_fc1 and moe_act beside local graphs (transformer_config.py L2931-2938); use "
+                         "transformer_engine graphs or drop the others")
+    if impl == CudaGraphImpl.FULL_ITERATION:
+        raise ValueError("offload_modules with cuda_graph_impl = \"full_iteration\": Megatron then needs an "
+                         "in-flight offload count (transformer_config.py L2966-2975) k3opt does not price; use "
+                         "transformer_engine graphs or none")
+    if OffloadModule.ATTN_NORM in mods and impl in PER_LAYER_GRAPHS and (
+            not lay.cuda_graph_modules or CudaGraphModule.ATTN in lay.cuda_graph_modules):
+        raise ValueError("offload_modules 'attn_norm' under an attention CUDA graph: Megatron turns that offload "
+                         "off (transformer_layer.py L1563-1570); drop it")
+    if OffloadModule.MLP_NORM in mods and impl in PER_LAYER_GRAPHS and {
+            CudaGraphModule.ATTN, CudaGraphModule.MOE_ROUTER} & set(lay.cuda_graph_modules):
+        raise ValueError("offload_modules 'mlp_norm' under attn or moe_router CUDA graphs: Megatron turns that "
+                         "offload off in MoE layers (transformer_layer.py L1571-1577); drop it")
+
+
 class Layout(StrictModel):
     """One parallel layout of a training job. `split` lists layers per chunk, p*v entries in order;
     chunk j runs on PP rank j mod p."""
@@ -587,6 +654,11 @@ class Layout(StrictModel):
     """Megatron's cpu_offloading_num_layers: the saved activations of the first N decoder layers go to host memory in
     forward and come back in backward (TransformerEngine's CPU offload); the others stay. Priced for one chunk
     (pp = vp = 1), where Megatron's per-chunk count is the model's first N layers."""
+    offload_modules: list[OffloadModule] = Field(default_factory=list)
+    """Megatron's fine-grained activation offloading of these modules in every decoder layer: the tensors they
+    save go to host memory in forward and come back in backward; the rest of the saved set stays on the GPU, with
+    `offload_resident_layers` layers' offloaded part. Empty: none (the activation_offload toggle offloads the
+    whole saved set instead)."""
     domain_gpus_used: PosInt | None = None
     """GPUs the job occupies in each NVLink domain (default: all of it). 512 GPUs as 8 racks x 64 is 64:
     ranks then fill domains in blocks of 64, so an EP64 group never straddles two domains."""
@@ -696,6 +768,7 @@ class Layout(StrictModel):
         if self.activation_offload_layers and (self.pp * self.vp > 1 or self.toggles.activation_offload):
             raise ValueError(f"activation_offload_layers = {self.activation_offload_layers} is priced for one chunk "
                              "without the activation_offload toggle; use it with pp = vp = 1, or the toggle instead")
+        _check_offload_modules(self)
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise ValueError("recompute_modules lists a module twice; name each once")
         _check_cuda_graphs(self)

@@ -162,8 +162,9 @@ def _precision(out: _Decisions, lay: Layout) -> None:
 
 
 def _activation_offload(out: _Decisions, lay: Layout) -> None:
-    """Module-level activation offload of every module holding saved activations (only the layer input under
-    full recompute); the layout's first-N-layers offload as --cpu-offloading-num-layers."""
+    """The layout's offload_modules, or under the activation_offload toggle every module holding saved activations
+    (only the layer input under full recompute), as fine-grained offloading; the layout's first-N-layers offload
+    as --cpu-offloading-num-layers."""
     if lay.activation_offload_layers:
         # cpu_offloading is set from the count (arguments.py L1950-1951); Megatron refuses it with recompute
         # (transformer_config.py L1896-1899).
@@ -174,6 +175,11 @@ def _activation_offload(out: _Decisions, lay: Layout) -> None:
                 f"activation_offload_layers = {lay.activation_offload_layers} with recompute = "
                 f"{lay.recompute.value}", "Megatron's CPU offloading refuses activation recompute "
                 "(transformer_config.py L1896-1899): re-plan with recompute = none"))
+    if lay.offload_modules:
+        out.settings += [
+            Setting("--fine-grained-activation-offloading", "model.fine_grained_activation_offloading", True),
+            Setting("--offload-modules", "model.offload_modules", [m.value for m in lay.offload_modules])]
+        return
     if not lay.toggles.activation_offload:
         return
     mods = OFFLOAD_MODULES_FULL if lay.recompute == Recompute.FULL else OFFLOAD_MODULES_SAVED

@@ -127,6 +127,10 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     else:
         ac.append(("mode", "none"))
 
+    if lay.offload_modules:
+        miss.append(Missing(f"offload_modules {[m.value for m in lay.offload_modules]}",
+                            "no key: core torchtitan has no activation offload ([training] enable_cpu_offload moves "
+                            "parameters, gradients and optimizer state); re-plan without offload_modules"))
     miss.append(Missing(f"fsdp_lifecycle = {lay.fsdp_lifecycle.value}",
                         "no key: FSDP2's gradient reduce-scatter timing under a PP schedule is decided by "
                         "PyTorch's pipelining stage, not by the config; check it matches what k3opt priced"))

@@ -71,7 +71,9 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"{' (allocated at the first step)' if lay.lazy_optimizer_state else ''}"
         + ("; params gathered per layer (Megatron-FSDP)" if lay.param_gather.value == "layer" else "")
         + (f"; the first {lay.activation_offload_layers} layers' activations offloaded to the host"
-           if lay.activation_offload_layers else "") + "; "
+           if lay.activation_offload_layers else "")
+        + (f"; offloaded to the host in every decoder layer: {', '.join(m.value for m in lay.offload_modules)} "
+           "(Megatron fine-grained activation offloading)" if lay.offload_modules else "") + "; "
         f"runtime {ev.runtime.name if ev.runtime is not None else 'none (live tensors only)'}"
         + (f"; a plan on {cl.name} uses {cl.default_runtime} (--runtime {cl.default_runtime})"
            if ev.runtime is None and cl.default_runtime else ""),
