@@ -160,9 +160,10 @@ PP2_VP2_TOGGLES = ("fp8_activations", "activation_offload", "balance_activations
 """The toggles the PP2 VP2 memory tests search: offload, balancing and every rank toggle that trades work for bytes."""
 
 
-def pp2_vp2_memory_job(reserve: float) -> k3opt.Job:
+def pp2_vp2_memory_job(reserve: float, offload_sets: list[list[str]] | None = ()) -> k3opt.Job:
     """PP2 VP2 EP2 dense FSDP 2 (optim_grads_params) on 8 slow-cluster GPUs with PP2_VP2_TOGGLES searchable: the
-    job of the linear relaxation's memory and early-exit tests."""
+    job of the linear relaxation's memory and early-exit tests. `offload_sets`: its [search] offload_modules (no
+    module by default; None: the search's default sets)."""
     from pathlib import Path
 
     data = Path(__file__).parent / "data"
@@ -171,7 +172,8 @@ def pp2_vp2_memory_job(reserve: float) -> k3opt.Job:
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "dense_sharding": ["optim_grads_params"],
-                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES]},
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in PP2_VP2_TOGGLES],
+                   **({"offload_modules": list(offload_sets)} if offload_sets is not None else {})},
     })
 
 
@@ -186,7 +188,7 @@ def interleaved_small_job() -> k3opt.Job:
         "model": str(data / "tiny-moe.toml"), "cluster": str(data / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
-                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"], "offload_modules": [],
                    "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]},
     })
 

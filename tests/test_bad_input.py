@@ -209,6 +209,17 @@ JOB_CASES = {
     "moe_toggle_required_on_a_dense_model": (
         'model = "llama3-70b"\ncluster = "b200"\ngpus = 64\n[search]\nrequire_toggles = ["dispatch_recompute"]\n',
         "require_toggles lists dispatch_recompute, but llama3-70b has no MoE layers: remove it"),
+    # [search] offload_modules: sets of Megatron's offload modules, each non-empty, each offloading something.
+    "offload_set_empty": ("gpus = 512\n[search]\noffload_modules = [[]]\n", "an offload_modules set is empty"),
+    "offload_set_unknown_module": ('gpus = 512\n[search]\noffload_modules = [["router"]]\n', "offload_modules"),
+    "offload_set_attn_proj_alone": ('gpus = 512\n[search]\noffload_modules = [["attn_proj"]]\n',
+                                    "'attn_proj' needs 'core_attn'"),
+    "offload_set_a_dense_model_lacks": (
+        'model = "llama3-70b"\ncluster = "b200"\ngpus = 64\n[search]\noffload_modules = [["moe_act"]]\n',
+        "offload_modules 'moe_act' offloads nothing in llama3-70b: it has no routed experts"),
+    "offload_set_fc1_with_fp8": (
+        'gpus = 512\nprecisions = ["bf16", "fp8"]\n[search]\noffload_modules = [["expert_fc1"]]\n',
+        "with precision fp8 in precisions"),
 }
 
 

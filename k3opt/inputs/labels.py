@@ -19,7 +19,10 @@ def split_text(split: list[int] | tuple[int, ...]) -> str:
 
 
 def toggles_text(layout: Layout) -> str:
+    """The toggles switched on, then the offload modules: 'fp8_activations,fused_situ,offload(moe_act)'."""
     on = [t for t in TOGGLE_NAMES if getattr(layout.toggles, t)]
+    if layout.offload_modules:
+        on.append(f"offload({','.join(m.value for m in layout.offload_modules)})")
     return ",".join(on) if on else "none"
 
 

@@ -572,6 +572,16 @@ def _check_cuda_graphs(lay: Layout) -> None:
                          "L2854-2858); use selective recompute or cuda_graph_impl = \"full_iteration\"")
 
 
+def offload_set_rules(mods: list[OffloadModule]) -> None:
+    """The rules on one set of offload modules alone: each named once, attn_proj beside core_attn
+    (transformer_config.py L2148-2153 @ d98e8a64). ValueError otherwise."""
+    if len(set(mods)) != len(mods):
+        raise ValueError("offload_modules lists a module twice; name each once")
+    if OffloadModule.ATTN_PROJ in mods and OffloadModule.CORE_ATTN not in mods:
+        raise ValueError("offload_modules 'attn_proj' needs 'core_attn' beside it: its input is the core's output, "
+                         "which the core's backward needs (transformer_config.py L2148-2153); add core_attn")
+
+
 def _check_offload_modules(lay: Layout) -> None:
     """Megatron's rules on --offload-modules (transformer_config.py L2127-2190, L2929-2975 @ d98e8a64) and
     k3opt's: one offload mechanism at a time, and saved tensors to offload."""
@@ -579,8 +589,7 @@ def _check_offload_modules(lay: Layout) -> None:
     if not mods:
         return
     names = [m.value for m in mods]
-    if len(set(mods)) != len(mods):
-        raise ValueError("offload_modules lists a module twice; name each once")
+    offload_set_rules(mods)
     if lay.toggles.activation_offload:
         raise ValueError(f"offload_modules {names} with the activation_offload toggle: the toggle offloads the "
                          "whole saved set; keep one of them")
@@ -592,9 +601,6 @@ def _check_offload_modules(lay: Layout) -> None:
         raise ValueError(f"offload_modules {names} with recompute = \"full\": full recompute keeps only each "
                          "layer's input, which no module offloads; use selective or no recompute, or the "
                          "activation_offload toggle")
-    if OffloadModule.ATTN_PROJ in mods and OffloadModule.CORE_ATTN not in mods:
-        raise ValueError("offload_modules 'attn_proj' needs 'core_attn' beside it: its input is the core's output, "
-                         "which the core's backward needs (transformer_config.py L2148-2153); add core_attn")
     impl = lay.cuda_graph_impl
     if impl == CudaGraphImpl.LOCAL and not set(mods) <= EXPERT_OFFLOAD_MODULES:
         raise ValueError(f"offload_modules {names} with cuda_graph_impl = \"local\": Megatron offloads only "
@@ -843,6 +849,11 @@ class SearchSpace(StrictModel):
     param_gather: list[ParamGather] | None = None
     """How an optim_grads_params group may gather its parameters (Layout.param_gather): "update" keeps the BF16
     view for the update, "layer" gathers each layer just in time (Megatron-FSDP). Absent: "update" only."""
+    offload_modules: list[list[OffloadModule]] | None = None
+    """Module sets the planner may offload with Megatron's fine-grained activation offloading
+    (Layout.offload_modules), each a choice beside offloading none under selective or no recompute, e.g.
+    [["moe_act"]] (the routed experts' activation input, the largest tensor an MoE layer saves). Absent or empty:
+    none (k3opt.search.frames.DEFAULT_OFFLOAD_SETS says why)."""
     forbid_toggles: list[str] = Field(default_factory=list)
     """Toggles the planner may not switch on."""
     require_toggles: list[str] = Field(default_factory=list)
@@ -859,6 +870,15 @@ class SearchSpace(StrictModel):
     """Let the first and the last chunk hold no decoder layer: an embedding-only first stage, a last stage of
     only the MTP layers and the loss (Megatron's layout strings 'E|t*4|...' and '...|mL'). Off: every chunk holds
     at least one layer."""
+
+    @field_validator("offload_modules")
+    @classmethod
+    def _offload_sets(cls, v: list[list[OffloadModule]] | None) -> list[list[OffloadModule]] | None:
+        for mods in v or []:
+            if not mods:
+                raise ValueError("an offload_modules set is empty; leave it out (offloading none is always a choice)")
+            offload_set_rules(mods)
+        return v
 
     @model_validator(mode="after")
     def _empty_chunks_on_the_edges(self) -> SearchSpace:

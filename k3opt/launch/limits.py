@@ -79,6 +79,9 @@ LIMITS: tuple[Limit, ...] = (
           f"torchtitan/config/job_config.py (expert_parallel_degree) {TT}"),
     Limit("torchtitan", "cp", "cp divides dense_fsdp: the FSDP mesh is dp_shard x cp",
           f"torchtitan/config/job_config.py (data_parallel_shard_degree) {TT}"),
+    Limit("torchtitan", "offload_modules", "no offload modules: core torchtitan offloads no activations "
+          "([training] enable_cpu_offload moves parameters, gradients and optimizer state)",
+          f"torchtitan/config/job_config.py (Training.enable_cpu_offload) {TT}"),
 )
 
 
@@ -150,8 +153,8 @@ def degree_refusals(d: Degrees, target: str, model: ModelSpec | None = None,
 def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
-    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle) and `toggle:NAME` for a toggle with no
-    switch."""
+    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules) and
+    `toggle:NAME` for a toggle with no switch."""
     out = degree_refusals(layout, target, model, frozenset())
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
             and _muon(model):
@@ -164,6 +167,9 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
     for ns in no_switch_for(target, model):
         if getattr(layout.toggles, ns.toggle):
             out.append((f"toggle:{ns.toggle}", f"toggle {ns.toggle} has no switch [{ns.source}]"))
+    if target == "torchtitan" and layout.offload_modules:
+        out.append(("offload_modules", f"offload_modules {[m.value for m in layout.offload_modules]} has no key "
+                                       f"[{_source(target, 'offload_modules')}]"))
     return [(k, why) for k, why in out if k not in lifted]
 
 
@@ -217,6 +223,8 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         # AdamW: a dense optim_grads_params group runs as Megatron-FSDP, which gathers per layer; a job that names
         # no gather searches that one too, as it would have to list it to plan what Megatron runs.
         upd["param_gather"] = [ParamGather.UPDATE, ParamGather.LAYER]
+    if target == "torchtitan" and "offload_modules" not in lifted:
+        upd["offload_modules"] = []
     forbid = list(s.forbid_toggles)
     for ns in no_switch_for(target, model):
         if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:

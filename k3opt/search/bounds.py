@@ -40,6 +40,7 @@ from k3opt.search.frames import (
     least_step_gather,
     lifecycles,
     memory_view,
+    offload_sets,
     rank_least,
     undominated_modes,
 )
@@ -175,9 +176,20 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
         # matter when that traffic exceeds the mean load.
         offs = _offload_traffic(job, [f], lean, [lc], model, cluster)
         means = [float(arrs[0].sum()) / p for arrs in offs.values()]
-        if max(means) > stage and (_peak_lower_bound(job, f, lcf, cluster, allowed - {"activation_offload"}) > cap
-                                   or (f.vp > 1 and needs_offload(job, f, lcf, cap))):
+
+        def nothing_fits(view: Coefficients) -> bool:
+            return (_peak_lower_bound(job, f, view, cluster, allowed - {"activation_offload"}) > cap
+                    or (f.vp > 1 and needs_offload(job, f, view, cap)))
+
+        if max(means) > stage and nothing_fits(lcf):
             stage = max(stage, min(means), _offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf))
+        elif max(means) > stage and offload_sets(job) and rc != Recompute.FULL and nothing_fits(
+                memory_view(job, f, lean, lc, model, cluster, merge_offload=False)):
+            # Every layout offloads, the whole saved set or by module: the lesser of the two traffics' floors.
+            mods = _module_traffic(job, [f], lean, [lc], model, cluster)
+            stage = min(max(stage, min(means), _offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf)),
+                        max(stage, min(min(float(a.sum()) for a in arrs) for arrs in mods.values()) / p,
+                            _offload_stage(job, [f], rc, [lc], model, cluster, mods, math.inf)))
     return step_floor(cf.slots, stage, update, hidden, hs), peak
 
 
@@ -407,16 +419,41 @@ def _offload_node_bound(node: _GroupNode, views: list[Coefficients], merged: Coe
     host = min(means.values())
     if max(means.values()) > mean_stage:
         if needs_offload(job, f, merged, node.cap):
+            # (`merged` is at or below every offload set's bytes: nothing fits by module either.)
             stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
         else:
             # A layout without offload holds its saved bytes, which the memory rows of `no_offload_bound`
-            # spread over the ranks; one with offload pays the offload's traffic.
-            without = max(node.floor(stage), no_offload_bound(job, f, node.cheap, views, node.cap, cluster))
+            # spread over the ranks (its own bytes: the views without the offload sets' variants); one with the
+            # offload toggle pays the whole set's traffic, one that offloads by module its modules'.
+            plain = views if not offload_sets(job) else [
+                memory_view(job, g, lean_mode(job, rc), node.lc, model, cluster, merge_offload=False) for g in group]
+            without = max(node.floor(stage), no_offload_bound(job, f, node.cheap, plain, node.cap, cluster))
             if without > node.floor(stage):
                 offload = node.floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
                                                                      stop)))
-                return min(offload, without)
+                return min(offload, without, _module_floor(node, stage, stop))
     return node.floor(stage)
+
+
+def _module_floor(node: _GroupNode, stage: float, stop: float) -> float:
+    """The floor of the node's layouts that offload by module (inf when the job searches no offload set): the
+    least traffic of any set on the host link beside the work floor, with whole layers per rank."""
+    job, group, rc, model, cluster = node.job, node.group, node.rc, node.model, node.cluster
+    if not offload_sets(job):
+        return math.inf
+    mods = _module_traffic(job, group, lean_mode(job, rc), [node.lc], model, cluster)
+    host = min(min(float(a.sum()) for a in arrs) for arrs in mods.values()) / node.f.pp
+    return node.floor(max(stage, host, _offload_stage(job, group, rc, [node.lc], model, cluster, mods, stop)))
+
+
+def _module_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[FsdpLifecycle], model: ModelSpec,
+                    cluster: ClusterSpec) -> dict[bool, list[np.ndarray]]:
+    """As `_offload_traffic`, for the layouts that offload by module: per allowed setting of the dispatch
+    recompute, the per-layer host-link time of `lean` with each offload set the job searches, for every member of
+    `group` and lifecycle of `lcs` (the leanest mode moves the fewest of the modules' bytes)."""
+    return {dr: [coefficients(frame_shape(job, g, replace(lean, dispatch_recompute=dr, offload=o), lc), model,
+                              cluster).time["host_link"] for g in group for lc in lcs for o in offload_sets(job)]
+            for dr in choices(job, "dispatch_recompute")}
 
 
 def _offload_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[FsdpLifecycle], model: ModelSpec,

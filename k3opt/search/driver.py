@@ -54,6 +54,7 @@ from k3opt.search.frames import (
     lifecycles,
     peak_cap_bytes,
     policy_group,
+    resolve_offload_sets,
     sharding_group,
 )
 from k3opt.search.front import Region, build_front, ranked_time_limit
@@ -207,6 +208,7 @@ class _Search:
         """The ranked search's share of the limit: with the front, the front has the rest (search/front.py)."""
         self.deadline = self.t0 + self.time_limit
         self.model = trained_model(job, model if isinstance(model, ModelSpec) else load_model(model or job.model))
+        self.job = job = resolve_offload_sets(job, self.model)
         self.cluster = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or job.cluster)
         self.refuse = refuse
         every = _frames(job, self.model, self.cluster)

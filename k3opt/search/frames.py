@@ -13,6 +13,7 @@ from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
 from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
+from k3opt.cost.structure import check_offload_modules
 from k3opt.inputs import toggles as toggle_registry
 from k3opt.inputs.errors import LayoutError, SpecError
 from k3opt.inputs.memo import Memo, register
@@ -26,6 +27,7 @@ from k3opt.inputs.specs import (
     Job,
     Layout,
     ModelSpec,
+    OffloadModule,
     ParamGather,
     Precision,
     Recompute,
@@ -260,9 +262,44 @@ class ActMode:
     fused_situ: bool
     moe_backward_rewrite: bool
     dispatch_recompute: bool
+    offload: tuple[str, ...] = ()
+    """Megatron offload modules (Layout.offload_modules): what of the saved set waits in host memory."""
 
     def toggles(self) -> dict[str, bool]:
         return {t: getattr(self, t) for t in ACT_TOGGLES}
+
+
+DEFAULT_OFFLOAD_SETS: tuple[tuple[str, ...], ...] = ()
+"""The module sets a job that names none searches: none. Each set is a mode of its own beside every activation mode
+under selective and no recompute, and its lower in-flight bytes weaken the bounds that infer an offload is required
+(the memory view is the least over the variants): with [["moe_act"]] searched by default, K3 on 2,048 to 32,768
+GB200 ended FEASIBLE at 2.2-3.0% after 60-120 s where it ends OPTIMAL (bench/results.md). A job asks for them with
+[search] offload_modules; [["moe_act"]], the routed experts' activation input, is the largest tensor an MoE layer
+saves (fused SiTU-GLU: 2 x top-k x FFN width BF16 a token)."""
+
+
+def offload_sets(job: Job) -> list[tuple[str, ...]]:
+    """The module sets the search offloads with beside none (after `resolve_offload_sets`)."""
+    sets = job.search.offload_modules
+    return [tuple(str(m) for m in s) for s in sets] if sets is not None else list(DEFAULT_OFFLOAD_SETS)
+
+
+def resolve_offload_sets(job: Job, model: ModelSpec) -> Job:
+    """The job with its offload sets written out; a set that offloads nothing in `model`, or names expert_fc1 beside
+    per-tensor FP8 precision, is a SpecError (k3opt.cost.structure.check_offload_modules says why)."""
+    keep = []
+    for mods in offload_sets(job):
+        probe = Layout(gpus=1, split=[model.num_layers], recompute=Recompute.SELECTIVE, offload_modules=list(mods),
+                       precision=Precision.BF16)
+        try:
+            check_offload_modules(probe, model)
+        except LayoutError as e:
+            raise SpecError(f"[search] offload_modules {list(mods)}: {e}") from None
+        if "expert_fc1" in mods and Precision.FP8 in job.precisions:
+            raise SpecError(f"[search] offload_modules {list(mods)} with precision fp8 in precisions: Megatron then "
+                            "offloads fc1's BF16 input, which k3opt does not price; drop expert_fc1 or fp8")
+        keep.append([OffloadModule(m) for m in mods])
+    return job.model_copy(update={"search": job.search.model_copy(update={"offload_modules": keep})})
 
 
 def choices(job: Job, name: str) -> list[bool]:
@@ -276,8 +313,14 @@ def choices(job: Job, name: str) -> list[bool]:
 
 
 def act_modes(job: Job) -> list[ActMode]:
+    """Every recompute mode with every setting of the activation toggles the job leaves free, and under selective
+    or no recompute each with every offload set (full recompute keeps only the layer inputs, which no module
+    offloads)."""
     recs = job.search.recompute or list(Recompute)
-    return [ActMode(r, *flags) for r in recs for flags in itertools.product(*(choices(job, t) for t in ACT_TOGGLES))]
+    sets = [(), *offload_sets(job)]
+    return [ActMode(r, *flags, offload=o) for r in recs
+            for flags in itertools.product(*(choices(job, t) for t in ACT_TOGGLES))
+            for o in (sets if r != Recompute.FULL else [()])]
 
 
 def lean_mode(job: Job, rc: Recompute) -> ActMode:
@@ -291,15 +334,19 @@ def lifecycles(job: Job) -> list[FsdpLifecycle]:
 
 
 def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **rank_toggles: bool) -> Shape:
+    """The cost model's shape of frame f under activation mode `mode`, lifecycle and rank toggles. The
+    activation_offload toggle moves the whole saved set and full recompute keeps only the layer inputs, so under
+    either the mode's offload modules are dropped."""
     fixed = {t: t in job.search.require_toggles for t in FIXED_TOGGLES}
     tg = Toggles(**mode.toggles(), **fixed, **rank_toggles)
+    offload = () if rank_toggles.get("activation_offload") or mode.recompute == Recompute.FULL else mode.offload
     return Shape(
         gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
         microbatches=f.microbatches, rows=job.rows, context=job.context,
         document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
-        param_gather=f.param_gather,
+        param_gather=f.param_gather, offload_modules=offload,
     )
 
 
@@ -410,13 +457,27 @@ def least_step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:
 
 
 def memory_view(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, model: ModelSpec, cluster: ClusterSpec,
-                 balance: bool | None = None) -> Coefficients:
+                 balance: bool | None = None, merge_offload: bool = True) -> Coefficients:
     """Coefficients for the memory side of a bound: the chunked cross-entropy on when allowed (smaller logits),
-    and balancing on when allowed (so the balanced in-flight count is known; it changes no other array)."""
+    and balancing on when allowed (so the balanced in-flight count is known; it changes no other array). Under
+    selective or no recompute with offload sets searched, the in-flight bytes and the backward transient are the
+    least over `md` and its offload variants; `merge_offload` False: `md`'s own (the layouts that offload
+    nothing by module)."""
     allowed = allowed_on(job)
     bal = ("balance_activations" in allowed) if balance is None else balance
-    return coefficients(frame_shape(job, f, md, lc, fused_cross_entropy="fused_cross_entropy" in allowed,
-                                    balance_activations=bal), model, cluster)
+
+    def view(mode: ActMode) -> Coefficients:
+        return coefficients(frame_shape(job, f, mode, lc, fused_cross_entropy="fused_cross_entropy" in allowed,
+                                        balance_activations=bal), model, cluster)
+
+    base = view(md)
+    if not merge_offload or md.offload or md.recompute == Recompute.FULL or not offload_sets(job):
+        return base
+    # An offload set lowers the in-flight bytes and raises the backward transient: the view takes the least of
+    # each over the mode and its offload variants, at or below every one of them.
+    views = [base] + [view(dataclasses.replace(md, offload=o)) for o in offload_sets(job)]
+    return dataclasses.replace(base, **{k: np.min([getattr(v, k) for v in views], axis=0)
+                                        for k in ("act", "working_set", "recompute_ws")})
 
 
 def allocated_capacity_bytes(job: Job, frame: Frame, model: ModelSpec, cluster: ClusterSpec) -> int:

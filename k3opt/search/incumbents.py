@@ -41,6 +41,7 @@ from k3opt.search.frames import (
     layout_of,
     least_or_one,
     lifecycles,
+    offload_sets,
     peak_cap_bytes,
     sharding_group,
 )
@@ -373,10 +374,12 @@ class Config:
     lifecycle: FsdpLifecycle
     on: frozenset[str]
     """Toggles (activation and rank) switched on."""
+    offload: tuple[str, ...] = ()
+    """Offload modules (Layout.offload_modules)."""
 
     def shape(self, job: Job, f: Frame) -> Shape:
         """The cost model's shape of frame f under this configuration."""
-        mode = ActMode(self.recompute, *(t in self.on for t in ACT_TOGGLES))
+        mode = ActMode(self.recompute, *(t in self.on for t in ACT_TOGGLES), offload=self.offload)
         return frame_shape(job, f, mode, self.lifecycle, **{t: t in self.on for t in RANK_TOGGLES})
 
 
@@ -486,7 +489,14 @@ def _walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: 
             moves += [(("recompute", recs[i + 1], "off", x), dataclasses.replace(cur, recompute=recs[i + 1],
                                                                              on=cur.on - {x}))
                       for x in RANK_TOGGLES if x in offs]
+            # With an offload set at once (in place of the whole set's): the richer mode may fit only with part of
+            # its saved set on the host.
+            if not cur.offload and recs[i + 1] != Recompute.FULL:
+                moves += [(("recompute", recs[i + 1], "offload", o),
+                           dataclasses.replace(cur, recompute=recs[i + 1], on=cur.on - {"activation_offload"},
+                                               offload=o)) for o in offload_sets(job)]
         moves += [(("off", x), dataclasses.replace(cur, on=cur.on - {x})) for x in ACT_TOGGLES if x in offs]
+        moves += _offload_moves(job, cur, offs)
         moves += [(("lifecycle", lc), dataclasses.replace(cur, lifecycle=lc)) for lc in lcs if lc != cur.lifecycle]
         best = None
         for move, nb in moves:
@@ -512,9 +522,21 @@ def _walk(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, deadline: 
     return out
 
 
+def _offload_moves(job: Job, cur: Config, offs: frozenset[str]) -> list[tuple[tuple, Config]]:
+    """A walk's moves between offloads: from the whole saved set (the activation_offload toggle) to each module set
+    the job searches, less traffic for more GPU bytes; from a module set to none."""
+    if cur.offload:
+        return [(("offload", ()), dataclasses.replace(cur, offload=()))]
+    if "activation_offload" not in offs or cur.recompute == Recompute.FULL:
+        return []
+    return [(("offload", o), dataclasses.replace(cur, on=cur.on - {"activation_offload"}, offload=o))
+            for o in offload_sets(job)]
+
+
 def config_of(layout: Layout) -> Config:
     return Config(layout.recompute, layout.fsdp_lifecycle,
-                   frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)))
+                  frozenset(t for t in ACT_TOGGLES + RANK_TOGGLES if getattr(layout.toggles, t)),
+                  tuple(m.value for m in layout.offload_modules))
 
 
 def price_configs(job: Job, f: Frame, configs: list[Config], model: ModelSpec, cluster: ClusterSpec,

@@ -137,6 +137,10 @@ class FrameModel:
             if len(ch) == 1:
                 m.add(var == int(ch[0]))
             self.tv[t] = var
+        for md, v in self.mv.items():
+            if md.offload:
+                # The toggle moves the whole saved set: a layout offloads by module or by the toggle, not both.
+                m.add_implication(v, ~self.tv["activation_offload"])
         self._kinds()
         # Variable bounds keep the objective inside int64: every time term is at most the sum of all per-layer
         # work on every resource under the most expensive mode, plus the toggles' rank-level costs.
@@ -385,7 +389,7 @@ class FrameModel:
         # Lexicographic: step time, then the worst-rank peak (MiB), then fewer activation and rank toggles on,
         # so that equal layouts do not switch on toggles that buy nothing.
         toggles_on = sum(self.tv[t] for t in RANK_TOGGLES) + sum(
-            sum(getattr(md, t) for t in ACT_TOGGLES) * v for md, v in self.mv.items())
+            (sum(getattr(md, t) for t in ACT_TOGGLES) + bool(md.offload)) * v for md, v in self.mv.items())
         self.obj_scale = (self.tie_max + 1) * self.toggle_scale
         m.minimize(self.step_units * self.obj_scale + peak_tie * self.toggle_scale + toggles_on)
 
@@ -637,7 +641,8 @@ class FrameModel:
             for i in range(self.L):
                 self.m.add_hint(self.z[i][j], int(i >= bounds[j - 1]))
         tg = layout.toggles
-        mode = ActMode(layout.recompute, *(getattr(tg, t) for t in ACT_TOGGLES))
+        mode = ActMode(layout.recompute, *(getattr(tg, t) for t in ACT_TOGGLES),
+                       offload=tuple(m.value for m in layout.offload_modules))
         if mode in self.mv:
             for md, var in self.mv.items():
                 self.m.add_hint(var, int(md == mode))

@@ -199,7 +199,7 @@ class RankLedgerModel:
         """The saved activations and the AttnRes bank, together: at least every in-flight composition of the rank's
         chunks (one composition is the peak for both), scaled to balancing's average when on; under offload the
         saved bytes go to the host (`host_act`) and the GPU keeps the resident layers' worth of its largest saved
-        set and the bank."""
+        set and the bank; under offload modules their part goes to the host (the rest is the mode's `act`)."""
         fm, rk, m = self.fm, self.rk, self.m
         c0, K, L = fm.c0, fm.K, fm.L
         comps = c0.compositions[rk.r]
@@ -214,6 +214,8 @@ class RankLedgerModel:
         for md in fm.modes:
             a = fm.mem(fm.base[(md, fm.lcs[0])].act)
             chunk_act = [fm.chunk(a, j) for j in rk.mine]
+            o = fm.mem(fm.base[(md, fm.lcs[0])].offloaded_act)
+            chunk_off = [fm.chunk(o, j) for j in rk.mine]
             for comp in comps:
                 for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
                     tot = sum(c * (ca + bk) for c, ca, bk in zip(comp, chunk_act, bank, strict=True))
@@ -221,6 +223,10 @@ class RankLedgerModel:
                     m.add(den * acts >= num * tot).only_enforce_if([fm.mv[md], ~off, b_lit])
                     host = sum(c * ca for c, ca in zip(comp, chunk_act, strict=True))
                     m.add(den * host_act >= num * host).only_enforce_if([fm.mv[md], off, b_lit])
+                    if md.offload:
+                        # Offload modules: their part of each in-flight microbatch waits in host memory.
+                        moved = sum(c * co for c, co in zip(comp, chunk_off, strict=True))
+                        m.add(den * host_act >= num * moved).only_enforce_if([fm.mv[md], ~off, b_lit])
             # Offload: the resident layers' worth of the largest saved set, plus the bank, on the GPU.
             amax = fm.mem_var(rk, f"amax{fm.modes.index(md)}")
             for k, rep in enumerate(fm.kind_rep):

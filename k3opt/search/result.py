@@ -159,6 +159,7 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             "runs_on": "" if getattr(it, "runs_on", None) is None else " ".join(it.runs_on) or "none",
         }
         row.update({f"toggle_{t}": getattr(lay.toggles, t) for t in TOGGLE_NAMES})
+        row["offload_modules"] = " ".join(m.value for m in lay.offload_modules)
         s = ev.step
         row.update({
             "step_time_s": s.step_time_s, "serial_step_time_s": s.serial_step_time_s,

@@ -72,8 +72,9 @@ def test_the_ranked_region_closes_on_a_faster_layout_found_later(small, monkeypa
     job, model, cluster, plan = small
     fast, slow = plan.layouts[0], plan.layouts[-1]
     assert slow.rank_time_s > fast.rank_time_s * 1.01
+    # Started now on the real clock (bound_rest and prove read it), with time to spare.
     search = front._FrontSearch(job, model, cluster, {frame_of(slow.layout): slow}, [slow], 1.0,  # noqa: SLF001
-                                _Clock().t, 10_000.0, 1, None, None, None, 0.01)
+                                time.monotonic(), 10_000.0, 1, None, None, None, 0.01)
     search.facts.add_region(8, math.inf, plan.bound)
     assert search.bound_rest()
     asked = iter([(8, 0.5 * 2**30)])

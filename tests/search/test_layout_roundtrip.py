@@ -21,6 +21,7 @@ def _unusual_layout() -> k3opt.Layout:
         document_length=2048, split=[2, 1, 2, 1], recompute=Recompute.SELECTIVE, recompute_modules=["mla_up_proj"],
         fsdp_lifecycle=FsdpLifecycle.ACCUMULATE, toggles={"fp8_activations": True, "p2p_muon": True},
         reserve_gib=3.5, fp8_block_size=32, ce_chunk_tokens=512, offload_resident_layers=3, domain_gpus_used=64,
+        offload_modules=["core_attn", "moe_act"],
         model="kimi-k3-4layer-proxy", cluster="gb300-nvl72", name="unusual", dense_sharding=ShardingPolicy.OPTIM,
         expert_sharding=ShardingPolicy.OPTIM_GRADS, optimizer_shard_granularity=ShardGranularity.TENSOR,
         grad_dtype=Dtype.BF16, optimizer_state_dtype=Dtype.BF16, lazy_optimizer_state=True,

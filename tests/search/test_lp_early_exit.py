@@ -145,10 +145,12 @@ def _assert_lean_below_every_variant(job, f, model, cluster) -> int:
 
 
 def test_lean_arrays_are_below_every_variant(tiny, slow):
-    """On the small model with every rank toggle and FP8 activations free, every node, mode and setting."""
-    job = _job(1.5)
+    """On the small model with every rank toggle and FP8 activations free and moe_act offload searched, every node,
+    mode and setting: 2 lifecycles x (2 modes under full recompute, 2 x 2 with and without the
+    offload under none and under selective) x 2^5 settings."""
+    job = _job(1.5, [["moe_act"]])
     (f,) = enumerate_frames(job, tiny, 8)
-    assert _assert_lean_below_every_variant(job, f, tiny, slow) == 6 * 2 * 32  # 3 x 2 nodes, 2 modes, 2^5
+    assert _assert_lean_below_every_variant(job, f, tiny, slow) == 2 * (2 + 4 + 4) * 32
 
 
 def test_lean_arrays_are_below_every_k3_variant_at_32k():
@@ -185,9 +187,10 @@ def _assert_base_below_its_key(job, f, model, cluster) -> int:
 def test_the_memory_only_toggles_only_add_work(tiny, slow):
     """On the small model with every rank toggle free (three of them trade work for bytes only), every node and
     mode; and K3 at 4K (the default job's PP8 VP4 shape) and 32K context (PP4 VP4 CP4)."""
-    job = _job(1.5)
+    job = _job(1.5, [["moe_act"]])
     (f,) = enumerate_frames(job, tiny, 8)
-    assert _assert_base_below_its_key(job, f, tiny, slow) == 6 * 2 * 28  # 3 x 2 nodes, 2 modes, 2^5 - 2^2 settings
+    # 2 lifecycles x 10 modes (as above) x (2^5 - 2^2) settings
+    assert _assert_base_below_its_key(job, f, tiny, slow) == 2 * (2 + 4 + 4) * 28
     model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
     for name, shape in (("k3-512-4k", (8, 4, 1)), ("k3-512-32k", (4, 4, 4))):
         job = k3opt.load_job(name)
