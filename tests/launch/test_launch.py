@@ -19,7 +19,7 @@ from k3opt.cli import main
 from k3opt.inputs.errors import SpecError, UnknownTargetError
 from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
 from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
-from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, to_launch
+from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, refusals, to_launch
 from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
@@ -280,6 +280,20 @@ def test_apply_target_limits_narrows_the_search(model):
     assert not {"fp8_activations", "activation_offload", "ep_dedup"} & set(narrowed.forbid_toggles)
     untouched = k3opt.load_job("k3-512-4k")
     assert apply_target_limits(untouched, model) == untouched
+
+
+def test_torchtitan_runs_no_offload_modules(model):
+    """Core torchtitan offloads no activations: a job's offload sets are dropped for it (and kept for Megatron), and
+    a layout that offloads by module is refused, unless that limit is lifted to price it."""
+    job = k3opt.load_job("k3-512-4k").model_copy(update={"target": "torchtitan"})
+    job = job.model_copy(update={"search": job.search.model_copy(update={"offload_modules": [["moe_act"]]})})
+    assert apply_target_limits(job, model).search.offload_modules == []
+    assert apply_target_limits(job, model, frozenset({"offload_modules"})).search.offload_modules == [["moe_act"]]
+    bridge = job.model_copy(update={"target": "megatron-bridge"})
+    assert apply_target_limits(bridge, model).search.offload_modules == [["moe_act"]]
+    lay = _layout(fsdp_lifecycle="accumulate", recompute="selective", toggles={}, offload_modules=["moe_act"])
+    assert [k for k, _ in refusals(lay, "torchtitan", model)].count("offload_modules") == 1
+    assert "offload_modules" not in [k for k, _ in refusals(lay, "megatron-lm", model)]
 
 
 def test_launch_refusals(model):
