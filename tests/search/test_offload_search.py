@@ -100,6 +100,21 @@ def test_the_heuristic_walk_reaches_the_module_offload(tiny, narrow_host, rows):
     assert [m.value for m in fastest.layout.offload_modules] == ["moe_act"]
 
 
+def test_a_walk_from_the_whole_set_moves_to_the_module_set(tiny, narrow_host, rows):
+    """From the optimum frame's fitting layout that offloads the whole saved set under selective recompute, the walk
+    swaps the toggle for the module set (less traffic, more GPU bytes) and reaches the optimum."""
+    import time
+
+    from k3opt.search.incumbents import frame_walk
+
+    job = k3opt.search.frames.resolve_offload_sets(_job(), tiny)
+    f, _, _, t_best, _, _ = min(rows, key=lambda r: r[3])
+    start = min((r for r in rows if r[0] == f and r[1] == Recompute.SELECTIVE and r[5].toggles.activation_offload),
+                key=lambda r: r[3])[5]
+    walked = frame_walk(job, f, tiny, narrow_host, time.monotonic() + 60, start=start)
+    assert min(it.rank_time_s for it in walked) == pytest.approx(t_best, abs=TOL_S)
+
+
 def test_every_bound_is_below_the_layouts_it_stands_for(tiny, narrow_host, rows):
     """Frame and node bounds (time and peak) under the fastest and the leanest enumerated layout of each, with the
     offload variants among them: the memory views take the least of the in-flight bytes and of the backward
