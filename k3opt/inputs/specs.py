@@ -613,11 +613,11 @@ def _check_offload_modules(lay: Layout) -> None:
     if OffloadModule.ATTN_NORM in mods and impl in PER_LAYER_GRAPHS and (
             not lay.cuda_graph_modules or CudaGraphModule.ATTN in lay.cuda_graph_modules):
         raise ValueError("offload_modules 'attn_norm' under an attention CUDA graph: Megatron turns that offload "
-                         "off (transformer_layer.py L1563-1570); drop it")
+                         "off (transformer_layer.py L1565-1572); drop it")
     if OffloadModule.MLP_NORM in mods and impl in PER_LAYER_GRAPHS and {
             CudaGraphModule.ATTN, CudaGraphModule.MOE_ROUTER} & set(lay.cuda_graph_modules):
         raise ValueError("offload_modules 'mlp_norm' under attn or moe_router CUDA graphs: Megatron turns that "
-                         "offload off in MoE layers (transformer_layer.py L1571-1577); drop it")
+                         "offload off in MoE layers (transformer_layer.py L1573-1592); drop it")
 
 
 class Layout(StrictModel):
