@@ -186,6 +186,7 @@ class LayerShape:
             ep=shape.ep, expert_fsdp=shape.expert_fsdp, dense_fsdp=shape.dense_fsdp, recompute=shape.recompute,
             recompute_modules=shape.recompute_modules, activation_offload_layers=shape.activation_offload_layers,
             offload_modules=shape.offload_modules,
+            # Read only under offload modules: elsewhere one key for every count, so the builds are shared.
             offload_resident_layers=shape.offload_resident_layers if shape.offload_modules else 0,
             fsdp_lifecycle=shape.fsdp_lifecycle, toggles=tg, fp8_block_size=shape.fp8_block_size,
             ce_chunk_tokens=shape.ce_chunk_tokens, dense_sharding=shape.dense_sharding,

@@ -537,17 +537,24 @@ def module_offload(block: Block, modules: tuple[str, ...]) -> frozenset[str]:
     return frozenset(n for m in modules for n in MEGATRON_OFFLOAD[m].get(block.kind, ()))
 
 
+def offloads_nothing(modules: list[OffloadModule], model: ModelSpec) -> str | None:
+    """Why the first of `modules` that holds no saved tensor in any decoder layer of the model offloads nothing
+    (None when each holds some): one line, naming the module and what to do."""
+    blocks = [b for layer in structure_of(model).layers for b in layer]
+    for m in modules:
+        if not any(module_offload(b, (m.value,)) for b in blocks):
+            return (f"offload_modules '{m.value}' offloads nothing in {model.name}: "
+                    f"{_OFFLOAD_NOTHING.get(m.value, 'it has no such module')}; drop it")
+    return None
+
+
 def check_offload_modules(layout: Layout, model: ModelSpec) -> None:
     """Each of the layout's offload modules must hold saved tensors in some decoder layer of the model; expert_fc1
     under per-tensor FP8 keeps fc1's BF16 input (Megatron set_save_original_input, moe/experts.py L281-284), which
     k3opt does not price. LayoutError, one line, otherwise."""
-    if not layout.offload_modules:
-        return
-    blocks = [b for layer in structure_of(model).layers for b in layer]
-    for m in layout.offload_modules:
-        if not any(module_offload(b, (m.value,)) for b in blocks):
-            raise LayoutError(f"offload_modules '{m.value}' offloads nothing in {model.name}: "
-                              f"{_OFFLOAD_NOTHING.get(m.value, 'it has no such module')}; drop it")
+    why = offloads_nothing(layout.offload_modules, model)
+    if why:
+        raise LayoutError(why)
     if OffloadModule.EXPERT_FC1 in layout.offload_modules and layout.precision == Precision.FP8:
         raise LayoutError("offload_modules 'expert_fc1' with precision = \"fp8\": Megatron then offloads fc1's BF16 "
                           "input rather than its FP8 copy (moe/experts.py L281-284), which k3opt does not price; use "

@@ -182,14 +182,13 @@ def node_lower_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model
                     or (f.vp > 1 and needs_offload(job, f, view, cap)))
 
         if max(means) > stage and nothing_fits(lcf):
-            stage = max(stage, min(means), _offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf))
+            stage = max(stage, _offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf))
         elif max(means) > stage and offload_sets(job) and rc != Recompute.FULL and nothing_fits(
                 memory_view(job, f, lean, lc, model, cluster, merge_offload=False)):
             # Every layout offloads, the whole saved set or by module: the lesser of the two traffics' floors.
             mods = _module_traffic(job, [f], lean, [lc], model, cluster)
-            stage = min(max(stage, min(means), _offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf)),
-                        max(stage, min(min(float(a.sum()) for a in arrs) for arrs in mods.values()) / p,
-                            _offload_stage(job, [f], rc, [lc], model, cluster, mods, math.inf)))
+            stage = max(stage, min(_offload_stage(job, [f], rc, [lc], model, cluster, offs, math.inf),
+                                   _offload_stage(job, [f], rc, [lc], model, cluster, mods, math.inf)))
     return step_floor(cf.slots, stage, update, hidden, hs), peak
 
 
@@ -416,11 +415,10 @@ def _offload_node_bound(node: _GroupNode, views: list[Coefficients], merged: Coe
     lcs = [node.lc]
     offs = _offload_traffic(job, group, lean_mode(job, rc), lcs, model, cluster)
     means = {dr: min(float(o.sum()) for o in arrs) / f.pp for dr, arrs in offs.items()}
-    host = min(means.values())
     if max(means.values()) > mean_stage:
         if needs_offload(job, f, merged, node.cap):
             # (`merged` is at or below every offload set's bytes: nothing fits by module either.)
-            stage = max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
+            stage = max(stage, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop))
         else:
             # A layout without offload holds its saved bytes, which the memory rows of `no_offload_bound`
             # spread over the ranks (its own bytes: the views without the offload sets' variants); one with the
@@ -429,8 +427,7 @@ def _offload_node_bound(node: _GroupNode, views: list[Coefficients], merged: Coe
                 memory_view(job, g, lean_mode(job, rc), node.lc, model, cluster, merge_offload=False) for g in group]
             without = max(node.floor(stage), no_offload_bound(job, f, node.cheap, plain, node.cap, cluster))
             if without > node.floor(stage):
-                offload = node.floor(max(stage, host, _offload_stage(job, group, rc, lcs, model, cluster, offs,
-                                                                     stop)))
+                offload = node.floor(max(stage, _offload_stage(job, group, rc, lcs, model, cluster, offs, stop)))
                 return min(offload, without, _module_floor(node, stage, stop))
     return node.floor(stage)
 
@@ -442,8 +439,7 @@ def _module_floor(node: _GroupNode, stage: float, stop: float) -> float:
     if not offload_sets(job):
         return math.inf
     mods = _module_traffic(job, group, lean_mode(job, rc), [node.lc], model, cluster)
-    host = min(min(float(a.sum()) for a in arrs) for arrs in mods.values()) / node.f.pp
-    return node.floor(max(stage, host, _offload_stage(job, group, rc, [node.lc], model, cluster, mods, stop)))
+    return node.floor(max(stage, _offload_stage(job, group, rc, [node.lc], model, cluster, mods, stop)))
 
 
 def _module_traffic(job: Job, group: list[Frame], lean: ActMode, lcs: list[FsdpLifecycle], model: ModelSpec,
@@ -471,16 +467,18 @@ def _offload_stage(job: Job, group: list[Frame], rc: Recompute, lcs: list[FsdpLi
     """A stage bound of every layout of the frames in `group` under recompute rc when every rank offloads: per
     setting of the dispatch recompute, whole layers per rank (granular_stage) over the work floor of that setting
     with the host link at least `offs[setting]`, the offload's traffic under its leanest mode (per member and
-    lifecycle); the least over the settings. PP8 VP4 EP64 at 8,192 GPUs: 0.278 s, where one floor over both
-    settings gives 0.270 s."""
+    lifecycle); the least over the settings, and at least the least traffic's mean per rank. PP8 VP4 EP64 at 8,192
+    GPUs: 0.278 s, where one floor over both settings gives 0.270 s. `offs`: the whole set's (`_offload_traffic`)
+    or the offload modules' (`_module_traffic`)."""
     f = group[0]
+    host = min(min(float(a.sum()) for a in arrs) for arrs in offs.values()) / f.pp
     out = math.inf
     for dr, arrs in offs.items():
         cheap = [_floor(job, g, rc, lc, model, cluster, fixed={"dispatch_recompute": dr}) for g in group for lc in lcs]
         time = {res: np.min([c.time[res] for c in cheap], axis=0) for res in cheap[0].time}
         time["host_link"] = np.maximum(time["host_link"], np.min(arrs, axis=0))
         out = min(out, granular_stage(time, cheap[0].n_layers, f.pp, f.vp, stop=stop, least=chunk_least(job, f)))
-    return out
+    return max(host, out)
 
 
 def tight_node_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, model: ModelSpec,

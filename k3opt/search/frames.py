@@ -13,7 +13,7 @@ from k3opt.cost.coefficients import Coefficients, Shape, step_gather_bytes
 from k3opt.cost.evaluate import Evaluation
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
 from k3opt.cost.memory_outside import allocated_budget_bytes
-from k3opt.cost.structure import check_offload_modules
+from k3opt.cost.structure import offloads_nothing
 from k3opt.inputs import toggles as toggle_registry
 from k3opt.inputs.errors import LayoutError, SpecError
 from k3opt.inputs.memo import Memo, register
@@ -285,20 +285,18 @@ def offload_sets(job: Job) -> list[tuple[str, ...]]:
 
 
 def resolve_offload_sets(job: Job, model: ModelSpec) -> Job:
-    """The job with its offload sets written out; a set that offloads nothing in `model`, or names expert_fc1 beside
-    per-tensor FP8 precision, is a SpecError (k3opt.cost.structure.check_offload_modules says why)."""
+    """The job with its offload sets written out; a set that offloads nothing in `model`
+    (k3opt.cost.structure.offloads_nothing), or names expert_fc1 beside per-tensor FP8 precision, is a SpecError."""
     keep = []
     for mods in offload_sets(job):
-        probe = Layout(gpus=1, split=[model.num_layers], recompute=Recompute.SELECTIVE, offload_modules=list(mods),
-                       precision=Precision.BF16)
-        try:
-            check_offload_modules(probe, model)
-        except LayoutError as e:
-            raise SpecError(f"[search] offload_modules {list(mods)}: {e}") from None
-        if "expert_fc1" in mods and Precision.FP8 in job.precisions:
+        named = [OffloadModule(m) for m in mods]
+        why = offloads_nothing(named, model)
+        if why:
+            raise SpecError(f"[search] offload_modules {list(mods)}: {why}")
+        if OffloadModule.EXPERT_FC1 in named and Precision.FP8 in job.precisions:
             raise SpecError(f"[search] offload_modules {list(mods)} with precision fp8 in precisions: Megatron then "
                             "offloads fc1's BF16 input, which k3opt does not price; drop expert_fc1 or fp8")
-        keep.append([OffloadModule(m) for m in mods])
+        keep.append(named)
     return job.model_copy(update={"search": job.search.model_copy(update={"offload_modules": keep})})
 
 
