@@ -14,11 +14,14 @@ from k3opt.inputs.presets import format_validation_error, load_cluster, load_mod
 from k3opt.inputs.specs import (
     TOGGLE_NAMES,
     ClusterSpec,
+    CudaGraphImpl,
+    CudaGraphModule,
     Dtype,
     FsdpLifecycle,
     Job,
     Layout,
     ModelSpec,
+    OffloadModule,
     ParamGather,
     Precision,
     Recompute,
@@ -39,7 +42,7 @@ CHOICE_CONTROLS: dict[str, tuple[str, ...]] = {
     "recompute": tuple(Recompute), "fsdp_lifecycle": tuple(FsdpLifecycle),
     "dense_sharding": tuple(ShardingPolicy), "expert_sharding": tuple(ShardingPolicy),
     "grad_dtype": tuple(Dtype), "optimizer_state_dtype": ("model", *Dtype), "precision": tuple(Precision),
-    "param_gather": tuple(ParamGather),
+    "param_gather": tuple(ParamGather), "cuda_graph_impl": ("unstated", *CudaGraphImpl),
 }
 PRESET_CONTROLS = {"model": "model", "cluster": "cluster", "runtime": "runtime"}
 """Controls that name a shipped preset (never a path: the page cannot make the server read a file)."""
@@ -141,7 +144,8 @@ COUNT_CONTROLS = ("activation_offload_layers",)
 MODEL_COUNT_CONTROLS = ("mtp_layers",)
 """Whole numbers >= 0, empty meaning the model preset's own count."""
 LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *MODEL_COUNT_CONTROLS, *FLOAT_CONTROLS,
-                   "split", "pipeline_layout", "recompute_modules", *CHOICE_CONTROLS, "toggles")
+                   "split", "pipeline_layout", "recompute_modules", "offload_modules", "cuda_graph_modules",
+                   *CHOICE_CONTROLS, "toggles")
 
 
 def _count(form: dict[str, Any], name: str) -> int:
@@ -165,14 +169,23 @@ def _model_count(form: dict[str, Any], name: str) -> int | None:
                          name) from None
 
 
-def parse_modules(text: Any) -> list[str]:
-    """Megatron recompute modules as a comma- or space-separated list ('mla_up_proj, mlp'); empty: none."""
+MODULE_CONTROLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "recompute_modules": (tuple(RecomputeModule), "for k3opt's selective set"),
+    "offload_modules": (tuple(OffloadModule), "to offload no module"),
+    "cuda_graph_modules": (tuple(CudaGraphModule), "to graph the whole layer"),
+}
+"""Megatron module lists (--recompute-modules, --offload-modules, --cuda-graph-modules): the known names and what an
+empty control means."""
+
+
+def parse_modules(text: Any, control: str = "recompute_modules") -> list[str]:
+    """A Megatron module list as a comma- or space-separated list ('mla_up_proj, mlp'); empty: none."""
+    known, empty = MODULE_CONTROLS[control]
     names = [t for t in re.split(r"[,\s]+", str(text if text is not None else "").strip()) if t]
-    known = tuple(RecomputeModule)
     bad = next((n for n in names if n not in known), None)
     if bad is not None:
-        raise FieldError(f"recompute_modules: unknown module '{bad}'; known: {', '.join(known)} (or leave it empty "
-                         "for k3opt's selective set)", "recompute_modules")
+        raise FieldError(f"{control}: unknown module '{bad}'; known: {', '.join(known)} (or leave it empty {empty})",
+                         control)
     return names
 
 
@@ -189,6 +202,8 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
     fields.update({k: _choice(form, k, allowed) for k, allowed in CHOICE_CONTROLS.items()})
     if fields["optimizer_state_dtype"] == "model":  # the model's [optimizer] state_dtype
         fields["optimizer_state_dtype"] = None
+    if fields["cuda_graph_impl"] == "unstated":  # the exports then leave Megatron's default
+        fields["cuda_graph_impl"] = None
     text = str(form.get("pipeline_layout") or "").strip()
     if text:
         # Megatron's layout string sets the split (Layout reads it); the split control then only shows it.
@@ -198,7 +213,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
             fields["split"] = parse_split(form.get("split"), fields["pp"] * fields["vp"], model.num_layers)
         except FieldError as err:
             raise FieldError(str(err), _which(str(err), LAYOUT_CONTROLS, form.get("changed"))) from None
-    fields["recompute_modules"] = parse_modules(form.get("recompute_modules"))
+    fields.update({k: parse_modules(form.get(k), k) for k in MODULE_CONTROLS})
     toggles = form.get("toggles") or {}
     if not isinstance(toggles, dict) or any(k not in TOGGLE_NAMES or not isinstance(v, bool)
                                             for k, v in toggles.items()):

@@ -29,14 +29,16 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
     out = {k: data[k] for k in ("gpus", "pp", "vp", "cp", "ep", "expert_fsdp", "dense_fsdp", "microbatches", "rows",
                                 "context", "reserve_gib", "recompute", "fsdp_lifecycle", "dense_sharding",
                                 "expert_sharding", "grad_dtype", "optimizer_state_dtype", "precision",
-                                "param_gather")}
+                                "param_gather", "cuda_graph_impl")}
     out["activation_offload_layers"] = layout.activation_offload_layers or ""
     out["domain_gpus_used"] = layout.domain_gpus_used or ""
     out["mtp_layers"] = "" if layout.mtp_layers is None else layout.mtp_layers
     out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
+    out["cuda_graph_impl"] = out["cuda_graph_impl"] or "unstated"
     out["split"] = split_text(layout.split)
     out["pipeline_layout"] = layout.pipeline_layout or ""
-    out["recompute_modules"] = ", ".join(m.value for m in layout.recompute_modules)
+    for k in ("recompute_modules", "offload_modules", "cuda_graph_modules"):
+        out[k] = ", ".join(m.value for m in getattr(layout, k))
     out["toggles"] = {t: bool(getattr(layout.toggles, t)) for t in TOGGLE_NAMES}
     out.update(model=layout.model, cluster=layout.cluster, runtime=runtime or "none")
     return out

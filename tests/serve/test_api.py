@@ -109,6 +109,34 @@ def test_the_mtp_control_trains_the_run_without_its_mtp_module(client: TestClien
     assert ev.params.total > k3opt.evaluate(lay).params.total
 
 
+def test_offload_and_graph_controls_round_trip_and_price_as_evaluate(client: TestClient, default: dict) -> None:
+    """MB-13's recipe graphs attention, the router and the preprocessing with TransformerEngine: the explorer loads
+    them and prices the layout as evaluate() does. Offloading moe_act from the explorer (the reference under selective
+    recompute) moves the routed experts' fc1 output to host memory, as the layout field does: the worst rank holds
+    less and the host holds it."""
+    from k3opt.serve.views import form_of
+
+    lay = load_layout("mb-13-deepseek-v3-gb200")
+    form = form_of(lay, lay.runtime)
+    assert form["cuda_graph_impl"] == "transformer_engine"
+    assert form["cuda_graph_modules"] == "attn, moe_router, moe_preprocess"
+    assert form["offload_modules"] == ""
+    data = client.post("/api/evaluate", json=form).json()
+    assert data["form"]["cuda_graph_modules"] == form["cuda_graph_modules"]
+    assert data["view"]["summary"]["rank_time_s"] == pytest.approx(k3opt.evaluate(lay).step.rank_time_s, rel=1e-12)
+
+    selective = {**default, "recompute": "selective"}  # the reference recomputes whole layers: nothing to offload
+    plain = client.post("/api/evaluate", json=selective).json()
+    off = client.post("/api/evaluate", json={**selective, "offload_modules": "moe_act"}).json()
+    assert off["form"]["offload_modules"] == "moe_act"
+    ref = load_layout("k3-gb200-512-reference")  # the explorer's default form
+    ev = k3opt.evaluate(type(ref).model_validate({**ref.model_dump(), "recompute": "selective",
+                                                  "offload_modules": ["moe_act"]}))
+    assert off["view"]["summary"]["rank_time_s"] == pytest.approx(ev.step.rank_time_s, rel=1e-12)
+    assert max(r.host_bytes for r in ev.ranks) > 0
+    assert off["view"]["summary"]["peak_gib"] < plain["view"]["summary"]["peak_gib"]
+
+
 def test_a_megatron_layout_string_sets_the_split(client: TestClient) -> None:
     """MB-12's release layout string (the embedding and four layers, 14 stages of four, then one layer, the MTP
     layer and the loss) round-trips through the explorer: the form shows it and its split, and the evaluation is
@@ -252,6 +280,12 @@ BAD_LAYOUT = [
     ("split", "twelve", "is not LAYERS or LAYERSxCHUNKS"),
     ("recompute", "sometimes", "unknown value 'sometimes'"),
     ("recompute_modules", "core_attention", "unknown module 'core_attention'"),
+    ("offload_modules", "fc2", "unknown module 'fc2'"),
+    ("offload_modules", "attn_proj", "needs 'core_attn' beside it"),
+    ("offload_modules", "moe_act moe_act", "lists a module twice"),
+    ("cuda_graph_impl", "sometimes", "unknown value 'sometimes'"),
+    ("cuda_graph_modules", "everything", "unknown module 'everything'"),
+    ("cuda_graph_modules", "attn", "need cuda_graph_impl"),
     ("pipeline_layout", "Et*4|(t*4|)*14tmX", "pipeline_layout"),
     ("pipeline_layout", "Et*20|t*20|t*20|t*32L", "pipeline_layout"),
     ("param_gather", "sometimes", "unknown value 'sometimes'"),
