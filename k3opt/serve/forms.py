@@ -139,13 +139,21 @@ def _which(message: str, names: tuple[str, ...], changed: Any = None) -> str | N
     return words[0] if words else None
 
 
+MODULE_CONTROLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "recompute_modules": (tuple(RecomputeModule), "for k3opt's selective set"),
+    "offload_modules": (tuple(OffloadModule), "to offload no module"),
+    "cuda_graph_modules": (tuple(CudaGraphModule), "to graph the whole layer"),
+}
+"""Megatron module lists (--recompute-modules, --offload-modules, --cuda-graph-modules): the known names and what an
+empty control means."""
+
+
 COUNT_CONTROLS = ("activation_offload_layers",)
 """Whole numbers >= 0, empty meaning 0."""
 MODEL_COUNT_CONTROLS = ("mtp_layers",)
 """Whole numbers >= 0, empty meaning the model preset's own count."""
 LAYOUT_CONTROLS = (*INT_CONTROLS, *OPTIONAL_INT_CONTROLS, *COUNT_CONTROLS, *MODEL_COUNT_CONTROLS, *FLOAT_CONTROLS,
-                   "split", "pipeline_layout", "recompute_modules", "offload_modules", "cuda_graph_modules",
-                   *CHOICE_CONTROLS, "toggles")
+                   "split", "pipeline_layout", *MODULE_CONTROLS, *CHOICE_CONTROLS, "toggles")
 
 
 def _count(form: dict[str, Any], name: str) -> int:
@@ -169,16 +177,7 @@ def _model_count(form: dict[str, Any], name: str) -> int | None:
                          name) from None
 
 
-MODULE_CONTROLS: dict[str, tuple[tuple[str, ...], str]] = {
-    "recompute_modules": (tuple(RecomputeModule), "for k3opt's selective set"),
-    "offload_modules": (tuple(OffloadModule), "to offload no module"),
-    "cuda_graph_modules": (tuple(CudaGraphModule), "to graph the whole layer"),
-}
-"""Megatron module lists (--recompute-modules, --offload-modules, --cuda-graph-modules): the known names and what an
-empty control means."""
-
-
-def parse_modules(text: Any, control: str = "recompute_modules") -> list[str]:
+def parse_modules(text: Any, control: str) -> list[str]:
     """A Megatron module list as a comma- or space-separated list ('mla_up_proj, mlp'); empty: none."""
     known, empty = MODULE_CONTROLS[control]
     names = [t for t in re.split(r"[,\s]+", str(text if text is not None else "").strip()) if t]

@@ -17,6 +17,7 @@ from k3opt.report.plots import pipeline_schedule
 from k3opt.report.text import ledger_frame, time_frame
 from k3opt.search.progress import Progress
 from k3opt.search.result import Plan, PlanItem, front_frame, plan_frame
+from k3opt.serve.forms import MODULE_CONTROLS
 
 TIMELINE_MAX_OPS = 20_000
 """Operations the page draws in one timeline (PP x VP x M x 2); beyond it the browser takes seconds to draw, and
@@ -37,7 +38,7 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
     out["cuda_graph_impl"] = out["cuda_graph_impl"] or "unstated"
     out["split"] = split_text(layout.split)
     out["pipeline_layout"] = layout.pipeline_layout or ""
-    for k in ("recompute_modules", "offload_modules", "cuda_graph_modules"):
+    for k in MODULE_CONTROLS:
         out[k] = ", ".join(m.value for m in getattr(layout, k))
     out["toggles"] = {t: bool(getattr(layout.toggles, t)) for t in TOGGLE_NAMES}
     out.update(model=layout.model, cluster=layout.cluster, runtime=runtime or "none")
