@@ -31,7 +31,7 @@ from k3opt.planner import MIN_TIME_LIMIT_S, LimitPrice, binding_limits, limit_pr
 from k3opt.planner import pareto as run_pareto
 from k3opt.planner import plan as run_plan
 from k3opt.report.live import LiveProgress, SweepLive
-from k3opt.report.text import explain_text, plan_text, ranked_columns, sweep_table
+from k3opt.report.text import explain_text, front_notes, plan_text, ranked_columns, sweep_table
 from k3opt.report.throughput import validate_throughput, validation_table
 from k3opt.report.validate import fit_rows, fit_text, rows_text, validation_rows
 from k3opt.search import Plan
@@ -379,9 +379,8 @@ def pareto(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, 
     if len(df):
         shown = ranked_columns(df)
         click.echo(shown[[c for c in cols if c in shown]].to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
-    for n, it in enumerate(result.pareto, start=1):
-        if it.front_holding and not it.proven:
-            click.echo(f"point {n} not proven: its region's search stopped at {it.front_holding}")
+    for line in front_notes(result.pareto):
+        click.echo(line)
     if csv_path:
         click.echo(f"wrote {len(df)} rows to {csv_path}")
 

@@ -252,6 +252,22 @@ def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     return lines
 
 
+def front_notes(points: list) -> list[str]:
+    """Why each unproven Pareto point is not proven: where its region's search stopped, or that no search ran under
+    its region's cap before the time limit (its bound is then a wider region's, or its shapes')."""
+    out = []
+    for n, it in enumerate(points, start=1):
+        if it.proven:
+            continue
+        if it.front_holding:
+            out.append(f"point {n} not proven: its region's search stopped at {it.front_holding}")
+        elif not it.front_searched:
+            out.append(f"point {n} not proven: its region (peak <= {it.front_cap_bytes / GIB:.2f} GiB) was not "
+                       f"searched before the time limit, so its bound {it.front_bound_s:.3f} s is a wider region's; "
+                       "a longer --time-limit searches it")
+    return out
+
+
 def ranked_columns(df: pd.DataFrame) -> pd.DataFrame:
     """plan_frame's rows as the tables show them: where a row has achievable rates, its achievable step time and
     tokens/s per GPU are the ranked ones (the larger of the step formula and the replayed schedule, what the plan

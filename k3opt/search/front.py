@@ -105,9 +105,14 @@ class _Facts:
         """Per region searched short of its gap, (GPU count, cap): where its proof stopped."""
 
     def add_region(self, gpus: int, cap_bytes: float, bound_s: float, holding: str | None = None) -> None:
+        """A ranked search under `cap_bytes` (inf: the ranked search itself) proved `bound_s` for its region."""
         self.region.setdefault(gpus, []).append((cap_bytes, bound_s))
         if holding is not None:
             self.holding[(gpus, cap_bytes)] = holding
+
+    def searched(self, gpus: int, cap_bytes: float) -> bool:
+        """Whether a ranked search ran under exactly this region's cap."""
+        return any(c == cap_bytes for c, _ in self.region.get(gpus, []))
 
     def region_bound(self, gpus: int, cap_bytes: float) -> float:
         """The best region bound that covers the cap: from a search under a cap at least as high."""
@@ -379,7 +384,8 @@ class _FrontSearch:
             cap = caps.get(g, math.inf)
             bound = min(self.bound_at(g, cap), it.rank_time_s)
             out.append(dataclasses.replace(it, front_bound_s=bound, front_gap_allowed=self.gap,
-                                           front_holding=self.facts.holding.get((g, cap))))
+                                           front_holding=self.facts.holding.get((g, cap)), front_cap_bytes=cap,
+                                           front_searched=self.facts.searched(g, cap)))
             caps[g] = _cap_below(it, self.step)
         return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -40,6 +41,12 @@ class PlanItem:
     front_holding: str | None = None
     """On a Pareto point whose region's search ended short of the gap: the bound that held it (its shape and kind,
     as Plan.holding); None where proven or not searched."""
+    front_cap_bytes: float | None = None
+    """On a Pareto point: the cap of the peak range it stands for (inf for the fastest point of its GPU count, else
+    the next faster point's peak, rounded down to the MiB, less the step); None elsewhere."""
+    front_searched: bool = False
+    """On a Pareto point: whether a ranked search ran under exactly its region's cap (the ranked search itself for
+    the fastest). Unsearched, its bound is a wider region's or its shapes' bounds."""
 
     @property
     def step_time_s(self) -> float:
@@ -201,4 +208,6 @@ def front_frame(points: list[PlanItem]) -> pd.DataFrame:
         df["front_gap_pct"] = [100 * (it.front_gap or 0.0) for it in points]
         df["proven"] = [it.proven for it in points]
         df["front_holding"] = [it.front_holding or "" for it in points]
+        df["front_cap_gib"] = [(it.front_cap_bytes or math.inf) / GIB for it in points]
+        df["front_searched"] = [it.front_searched for it in points]
     return df

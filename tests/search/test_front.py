@@ -5,6 +5,7 @@ against enumeration in tests/search/test_search.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,8 @@ def test_cli_pareto_says_exact_on_a_small_job(tmp_path):
     df = pd.read_csv(csv)
     assert len(df) >= 1 and (df["front_gap_pct"] == 0).all() and df["proven"].all()
     assert (df["front_bound_s"] <= df["ranked_step_time_s"] + 1e-9).all()
+    # the fastest point stands for every layout, and its region was the ranked search's own
+    assert df["front_cap_gib"].iloc[0] == float("inf") and bool(df["front_searched"].iloc[0])
 
 
 def test_ranked_layouts_include_the_fronts_faster_points(k3_plan):
@@ -149,3 +152,46 @@ def test_region_descents_start_from_the_leanest_and_the_fastest_over_the_cap():
     assert [(it.peak_bytes / GIB, it.rank_time_s) for it in descent_starts(pts, 2)] == [(109.0, 18.72), (110.0, 18.63)]
     assert [it.peak_bytes / GIB for it in descent_starts(pts, 1)] == [109.0]
     assert descent_starts(pts, 0) == [] and descent_starts([], 2) == []
+
+
+def test_each_point_carries_its_regions_cap(k3_plan):
+    """The fastest point stands for every layout (no cap) and its region is the ranked search's own; each next
+    point stands for the layouts at most the faster point's peak, rounded down to the MiB, less the 1-GiB step."""
+    _, plan = k3_plan
+    first, *rest = plan.pareto
+    assert first.front_cap_bytes == float("inf") and first.front_searched
+    mib = 2**20
+    for faster, it in zip(plan.pareto, rest, strict=False):
+        assert it.front_cap_bytes == (faster.peak_bytes // mib) * mib - GIB
+        assert it.peak_bytes <= it.front_cap_bytes
+
+
+def test_a_region_counts_as_searched_only_under_its_own_cap():
+    """A search under 10 GiB covers the region under 9 GiB (its bound holds there) but did not search it."""
+    from k3opt.search.front import _Facts  # noqa: PLC2701
+
+    facts = _Facts()
+    facts.add_region(8, 10 * GIB, 5.0)
+    assert facts.searched(8, 10 * GIB)
+    assert not facts.searched(8, 9 * GIB) and facts.region_bound(8, 9 * GIB) == 5.0
+    assert not facts.searched(16, 10 * GIB)
+
+
+def test_front_notes_say_why_a_point_is_not_proven(reference, reference_eval):
+    """An unproven point names where its region's search stopped, or that its region was not searched (with its
+    cap and the wider bound it has); a proven point has no note."""
+    from k3opt.report.text import front_notes
+    from k3opt.search.result import PlanItem
+
+    t = reference_eval.step.rank_time_s
+    base = PlanItem(reference, reference_eval, front_gap_allowed=0.01)
+    proven = dataclasses.replace(base, front_bound_s=t, front_cap_bytes=float("inf"), front_searched=True)
+    held = dataclasses.replace(base, front_bound_s=0.9 * t, front_cap_bytes=120 * GIB, front_searched=True,
+                               front_holding="the shape bound of PP8 VP4")
+    unsearched = dataclasses.replace(base, front_bound_s=0.8 * t, front_cap_bytes=100.5 * GIB)
+    notes = front_notes([proven, held, unsearched])
+    assert notes == [
+        "point 2 not proven: its region's search stopped at the shape bound of PP8 VP4",
+        f"point 3 not proven: its region (peak <= 100.50 GiB) was not searched before the time limit, so its bound "
+        f"{0.8 * t:.3f} s is a wider region's; a longer --time-limit searches it",
+    ]
