@@ -3,6 +3,7 @@ from the library, never a traceback."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,15 @@ JOB_CASES = {
     "offload_set_fc1_with_fp8": (
         'gpus = 512\nprecisions = ["bf16", "fp8"]\n[search]\noffload_modules = [["expert_fc1"]]\n',
         "with precision fp8 in precisions"),
+    # 3 divides no count of 512 GPUs: the one [search] list that leaves no shape is named with its rule.
+    "search_pp_divides_no_gpu_count": ('gpus = 512\n[search]\npp = [3]\n',
+                                       "[search] pp = [3] (PP divides the GPUs and is at most the layers) alone"),
+    # 16,777,216 tokens / (DP x 4,096) is a power of two for every shape: 7 microbatches is none of them.
+    "search_microbatches_off_the_batch": ('gpus = 512\n[search]\nmicrobatches = [7]\n',
+                                          "[search] microbatches = [7] (microbatches = tokens_per_update"),
+    # Two lists each exclude every shape: neither alone is to blame, so the line names the job's sizes.
+    "search_two_lists_leave_no_shape": ('gpus = 512\n[search]\npp = [3]\nep = [3]\n',
+                                        "no parallel shape satisfies the job's rules (gpus 512"),
 }
 
 
@@ -241,5 +251,5 @@ def test_job_placement_errors_exit_2_with_one_line(tmp_path, case):
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("k3opt: error:"), lines
     assert fragment in lines[0]
-    with pytest.raises(k3opt.K3optError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(k3opt.K3optError, match=re.escape(fragment)):
         k3opt.plan(k3opt.load_job(path), time_limit=5)
