@@ -543,8 +543,9 @@ def offloads_nothing(modules: list[OffloadModule], model: ModelSpec) -> str | No
     blocks = [b for layer in structure_of(model).layers for b in layer]
     for m in modules:
         if not any(module_offload(b, (m.value,)) for b in blocks):
-            return (f"offload_modules '{m.value}' offloads nothing in {model.name}: "
-                    f"{_OFFLOAD_NOTHING.get(m.value, 'it has no such module')}; drop it")
+            why = _OFFLOAD_NOTHING.get(m.value, "none of its decoder layers has that module with Megatron's offload "
+                                                "hooks (KDA layers have none)")
+            return f"offload_modules '{m.value}' offloads nothing in {model.name}: {why}; drop it"
     return None
 
 

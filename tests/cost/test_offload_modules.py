@@ -45,6 +45,7 @@ def _rank(**update) -> k3opt.RankEvaluation:
     (["qkv_linear"], "none", QKV_NONE),
     (["qkv_linear"], "selective", QKV_SELECTIVE),
     (["core_attn"], "selective", CORE_ATTN),             # k3opt's selective set keeps q, k, v and the output
+    (["core_attn", "moe_act"], "none", CORE_ATTN + 3 * MOE_ACT),  # layer 3 offloads from both of its blocks
 ])
 def test_the_modules_saved_tensors_go_to_the_host(modules: list[str], recompute: str, per_token: int):
     """PP1, M 1: one microbatch in flight. The offloaded bytes leave the GPU's activations and wait on the host."""
@@ -94,3 +95,42 @@ def test_a_module_the_model_lacks_is_refused():
 def test_the_exports_name_the_modules(fmt: str, line: str):
     text = k3opt.to_launch(_layout(offload_modules=["expert_fc1", "moe_act"]), fmt).text
     assert line in text and "fine" in text and "activation" in text and "offloading" in text
+
+
+# The dispatched inputs' 16 x 3,584 elements a token, in a quantized copy: one byte each plus the scales.
+DISPATCHED = 16 * 3584
+
+
+@pytest.mark.parametrize(("precision", "fp8_activations", "block", "per_token"), [
+    # MXFP8 (OCP MX v1.0): one E8M0 scale byte per 32 elements, whatever the FP8 block: 57,344 x 33/32 = 59,136 B.
+    ("mxfp8", False, 128, 3 * DISPATCHED * (1 + 1 / 32)),
+    # BF16 GEMMs with the saved set in FP8: one FP32 scale per fp8_block_size elements, 57,344 x (1 + 4/64).
+    ("bf16", True, 64, 3 * DISPATCHED * (1 + 4 / 64)),
+    ("bf16", False, 64, 3 * DISPATCHED * 2),            # BF16 saved set: two bytes an element
+])
+def test_expert_fc1_offloads_the_saved_copy_in_its_own_format(precision: str, fp8_activations: bool, block: int,
+                                                             per_token: float):
+    """expert_fc1 sends fc1's saved input to the host in the form the layer keeps it, in each of the three MoE
+    layers."""
+    common = dict(precision=precision, fp8_block_size=block,
+                  toggles={"fused_situ": True, "fp8_activations": fp8_activations})
+    kept, off = _rank(**common), _rank(offload_modules=["expert_fc1"], **common)
+    assert off.host_bytes - kept.host_bytes == pytest.approx(per_token * T, rel=1e-12)
+
+
+def test_expert_fc1_under_per_tensor_fp8_is_refused_with_its_fix():
+    with pytest.raises(LayoutError, match=r"offload_modules 'expert_fc1' with precision = \"fp8\": Megatron then "
+                                          r"offloads fc1's BF16 input rather than its FP8 copy \(moe/experts.py "
+                                          r"L281-284\), which k3opt does not price; use mxfp8 or drop expert_fc1"):
+        k3opt.evaluate(_layout(precision="fp8", offload_modules=["expert_fc1"]))
+
+
+def test_an_attention_module_on_a_model_without_megatron_attention_is_refused():
+    """The proxy with every layer KDA (no full-attention layer): KDA has no offload hooks, so core_attn offloads
+    nothing there."""
+    proxy = k3opt.load_model("kimi-k3-4layer-proxy")
+    kda_only = proxy.model_copy(update={"name": "kda-only", "full_attention_layers": []})
+    with pytest.raises(LayoutError, match="offload_modules 'core_attn' offloads nothing in kda-only: none of its "
+                                          r"decoder layers has that module with Megatron's offload hooks \(KDA "
+                                          r"layers have none\); drop it"):
+        k3opt.evaluate(_layout(offload_modules=["core_attn"]), model=kda_only)
