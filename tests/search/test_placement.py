@@ -37,6 +37,15 @@ def _job(**kw) -> Job:
     # 8 GPUs in one 72-GPU domain: 8 per domain prices as whole domains (every group inside one domain), and of
     # sizes that price alike the one with fewer racks, then the fuller, is kept.
     (8, 1, 1, 8, 1, 8, 72, (None,)),
+    # Stage 144 (over a domain): EP16 gives 72 // 16 x 16 = 64 (EP groups whole, dense 36s split), the expert
+    # shard group EP16 x 3 gives 48 (EP, its shard triples and the dense 36s' halves local), dense 36 gives 72.
+    # Whole racks split EP16 groups (64-79 across 72). Three placements, three prices.
+    (576, 4, 1, 16, 3, 36, 72, (None, 64, 48)),
+    # The dense shard group 48 alone gives 48: whole racks split it (48-95 across 72), 48 per rack does not.
+    (576, 4, 1, 8, 1, 48, 72, (None, 48)),
+    # 140 GPUs hold 2 racks at the fewest, evenly filled with 70 each: no block gives 70 (EP4 and dense 4 give 72),
+    # and 70 splits the EP4 group 68-71, so it prices apart from whole racks.
+    (140, 1, 1, 4, 1, 4, 72, (None, 70)),
 ])
 def test_domain_options_by_hand(gpus, p, c, e, fe, fd, domain, want) -> None:
     assert domain_options(_job(gpus=gpus), gpus, p, c, e, fe, fd, domain) == want
@@ -55,6 +64,15 @@ def test_a_2048_gpu_job_searches_both_placements() -> None:
     model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
     job = _job(gpus=2048, search={"pp": [8], "vp": [4], "ep": [64]})
     assert {f.domain_gpus_used for f in enumerate_frames(job, model, 2048, cluster)} == {None, 64}
+
+
+def test_a_placement_at_its_limit_is_accepted() -> None:
+    """The limits are inclusive: a whole 72-GPU domain pinned, 576 GPUs in 8 racks of 72, 512 GPUs at 64 per rack
+    in exactly 8 racks."""
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+    assert resolve_placement(_job(domain_gpus_used=72), model, cluster).domain_gpus_used == 72
+    assert resolve_placement(_job(gpus=576, racks=8), model, cluster).gpu_counts == [576]
+    assert resolve_placement(_job(racks=8, domain_gpus_used=64), model, cluster).gpu_counts == [512]
 
 
 def test_racks_alone_choose_the_gpu_count() -> None:
@@ -83,8 +101,8 @@ def test_placement_that_cannot_exist_is_one_clear_error(fields, message) -> None
 ALLOWED = ("fp8_activations",)
 
 
-@pytest.fixture(scope="module")
-def six(tmp_path_factory, slow):
+@pytest.fixture
+def six(slow):
     """The slow test cluster with 6-GPU NVLink domains (8 GPUs take 2 domains either as 6 + 2 or as 4 + 4) and a
     NIC 40x slower, so that traffic across domains is not hidden behind the tiny model's compute."""
     return slow.model_copy(update={"name": "slow-six", "nvlink_domain_gpus": 6, "nic_gbps": 0.05})
