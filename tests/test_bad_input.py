@@ -3,6 +3,7 @@ from the library, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -69,7 +70,11 @@ CASES = {
                                      "vp (2) needs pp > 1"),
     # CUDA graphs, Megatron's rules (megatron/core/transformer/transformer_config.py @ d98e8a64 __post_init__).
     "cuda_graph_modules_without_impl": (_with(recompute='"selective"', cuda_graph_modules='["attn"]'),
-                                        k3opt.SpecError, "need cuda_graph_impl"),
+                                        k3opt.SpecError, 'need cuda_graph_impl = "transformer_engine" or "local" '
+                                                         '(got none)'),
+    "cuda_graph_module_twice": (_with(recompute='"selective"', cuda_graph_impl='"transformer_engine"',
+                                      cuda_graph_modules='["attn", "attn"]'),
+                                k3opt.SpecError, "cuda_graph_modules lists a module twice; name each once"),
     "cuda_graph_unknown_impl": (_with(cuda_graph_impl='"cudnn"'), k3opt.SpecError, "cuda_graph_impl"),
     "cuda_graph_unknown_module": (_with(recompute='"selective"', cuda_graph_impl='"transformer_engine"',
                                         cuda_graph_modules='["mamba"]'), k3opt.SpecError, "cuda_graph_modules"),
@@ -104,6 +109,16 @@ CASES = {
     "offload_mlp_norm_under_router_graph": (_with(recompute='"selective"', cuda_graph_impl='"transformer_engine"',
                                                   cuda_graph_modules='["moe_router"]', offload_modules='["mlp_norm"]'),
                                             k3opt.SpecError, "turns that offload off in MoE layers"),
+    "offload_attn_norm_under_attention_graph": (
+        _with(recompute='"selective"', cuda_graph_impl='"transformer_engine"', cuda_graph_modules='["attn"]',
+              offload_modules='["attn_norm"]'), k3opt.SpecError,
+        "offload_modules 'attn_norm' under an attention CUDA graph: Megatron turns that offload off "
+        "(transformer_layer.py L1565-1572); drop it"),
+    "offload_beside_layer_offload": (
+        _with(gpus="64", pp="1", split="[93]", recompute='"selective"', activation_offload_layers="2",
+              offload_modules='["moe_act"]'), k3opt.SpecError,
+        "offload_modules ['moe_act'] with activation_offload_layers = 2: Megatron refuses fine-grained offloading "
+        "beside cpu_offloading (transformer_config.py L2128-2130); keep one of them"),
     "offload_attn_norm_offloads_nothing": (_with(recompute='"selective"', offload_modules='["attn_norm"]'),
                                            k3opt.LayoutError, "offloads nothing in kimi-k3"),
     "offload_expert_fc1_per_tensor_fp8": (_with(recompute='"selective"', precision='"fp8"',
@@ -140,6 +155,24 @@ def test_cli_exits_2_with_one_line(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("k3opt: error:")
     assert fragment in lines[0]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("fields", "what"), [
+    ({"cuda_graph_impl": '"local"', "offload_modules": '["expert_fc1", "moe_act"]'},
+     "local graphs beside exactly the two expert modules Megatron allows there"),
+    ({"cuda_graph_impl": '"transformer_engine"', "cuda_graph_modules": '["moe_router"]',
+      "offload_modules": '["attn_norm"]'}, "attn_norm under graphs that leave attention eager"),
+    ({"cuda_graph_impl": '"transformer_engine"', "cuda_graph_modules": '["mlp"]', "offload_modules": '["mlp_norm"]'},
+     "mlp_norm under graphs of the dense MLP only"),
+    ({"offload_modules": '["mlp_norm"]'}, "mlp_norm without graphs"),
+    ({"cuda_graph_impl": '"transformer_engine"', "cuda_graph_modules": '["moe_router"]',
+      "offload_modules": '["moe_act"]'}, "moe_act under router graphs"),
+])
+def test_the_offload_rules_accept_what_megatron_runs(tmp_path, fields, what):
+    """Megatron's rules refuse only the combinations named in the table above: each of these reads as a layout
+    (the model's own checks, such as a norm the TE layer fuses, come with evaluate())."""
+    lay = k3opt.load_layout(str(_write(tmp_path, _with(recompute='"selective"', **fields))))
+    assert [m.value for m in lay.offload_modules] == json.loads(fields["offload_modules"]), what
 
 
 def test_unknown_presets(tmp_path):
