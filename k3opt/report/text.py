@@ -263,8 +263,8 @@ def front_notes(points: list) -> list[str]:
             out.append(f"point {n} not proven: its region's search stopped at {it.front_holding}")
         elif not it.front_searched:
             out.append(f"point {n} not proven: its region (peak <= {it.front_cap_bytes / GIB:.2f} GiB) was not "
-                       f"searched before the time limit, so its bound {it.front_bound_s:.3f} s is a wider region's; "
-                       "a longer --time-limit searches it")
+                       f"searched before the time limit, so its bound {it.front_bound_s:.3f} s comes from a wider "
+                       "region or its shapes' bounds; a longer --time-limit searches it")
     return out
 
 

@@ -193,5 +193,5 @@ def test_front_notes_say_why_a_point_is_not_proven(reference, reference_eval):
     assert notes == [
         "point 2 not proven: its region's search stopped at the shape bound of PP8 VP4",
         f"point 3 not proven: its region (peak <= 100.50 GiB) was not searched before the time limit, so its bound "
-        f"{0.8 * t:.3f} s is a wider region's; a longer --time-limit searches it",
+        f"{0.8 * t:.3f} s comes from a wider region or its shapes' bounds; a longer --time-limit searches it",
     ]
