@@ -117,3 +117,78 @@ def test_throughput_rows_at_the_peak_and_at_the_achievable_rates():
     assert rows == [("step time", "s", lay.measured.step_time_s), ("tokens/s per GPU", "tokens/s", m),
                     ("tokens/s per GPU at achievable rates", "tokens/s", m)]
     assert ev.validation[2].modeled == ev.step.achievable_tokens_per_s_per_gpu
+
+
+def _layouts_by_name() -> dict[str, k3opt.Layout]:
+    return {load_layout(p).name: load_layout(p) for p in measured_layouts()}
+
+
+def test_rows_come_in_the_public_tables_order():
+    """By row number, not by file name (MB-2 before MB-12)."""
+    ids = [r.id for r in validate_throughput().rows]
+    assert ids == ["MB-1", "MB-2", "MB-12", "MB-13", "MB-14", "MB-17", "MB-18", "MB-20", "MB-21", "MB-22"]
+
+
+def test_each_row_reports_its_layout_and_the_stated_arithmetic(validation):
+    """Each row's fields from its layout and evaluate(): the roofline error as the achievable one, the stage in ms,
+    L / PP decoder layers a rank; the roofline MAE is the mean of the rows' absolute roofline errors."""
+    by_name = _layouts_by_name()
+    for r in validation.rows:
+        lay = by_name[r.id]
+        ev = k3opt.evaluate(lay)
+        roof = ev.step.tokens_per_s_per_gpu
+        assert (r.model, r.cluster, r.gpus, r.precision, r.source) == (lay.model, lay.cluster, lay.gpus,
+                                                                       lay.precision.value, lay.source)
+        assert r.binding == ev.step.achievable_binding
+        assert r.roofline_tps_per_gpu == roof
+        assert r.roofline_error_pct == pytest.approx(100 * (roof - PUBLIC_ROWS[r.id]) / PUBLIC_ROWS[r.id])
+        assert r.stage_ms == pytest.approx(1e3 * ev.step.achievable_stage_time_s)
+        assert r.layers_per_rank == pytest.approx(ev.model.num_layers / lay.pp)
+    assert validation.roofline_mean_abs_error_pct == pytest.approx(
+        sum(abs(r.roofline_error_pct) for r in validation.rows) / len(validation.rows))
+    shown = {r.id: r.cuda_graphs for r in validation.rows}
+    assert shown["MB-1"] == "none"
+    assert shown["MB-13"] == "transformer_engine[attn,moe_router,moe_preprocess]"
+    # DeepSeek-V3's 61 decoder layers over MB-14's 8 pipeline ranks
+    assert next(r for r in validation.rows if r.id == "MB-14").layers_per_rank == 61 / 8
+
+
+def test_the_stage_gap_leaves_out_the_unpaired_all_to_all(validation):
+    """MB-14 runs the EP overlap, whose first forward and last backward expose their all-to-all: the GAP per
+    stage-microbatch is (GBS x seq / (TPS x GPUs) - update - unpaired) / slots - stage."""
+    lay = _layouts_by_name()["MB-14"]
+    st = k3opt.evaluate(lay).step
+    assert st.achievable_unpaired_ep_s > 0
+    measured_step = lay.dp * lay.microbatches * lay.rows * lay.context / (PUBLIC_ROWS["MB-14"] * lay.gpus)
+    want = 1e3 * ((measured_step - st.achievable_update_time_s - st.achievable_unpaired_ep_s) / st.slots
+                  - st.achievable_stage_time_s)
+    assert next(r for r in validation.rows if r.id == "MB-14").stage_gap_ms == pytest.approx(want)
+
+
+def test_a_folder_of_ones_own_measured_layouts(tmp_path):
+    """`validate --folder DIR` reads that folder only; an empty one is one clear error."""
+    import shutil
+
+    src = next(p for p in measured_layouts() if load_layout(p).name == "MB-20")
+    shutil.copy(src, tmp_path / src.name)
+    assert [r.id for r in validate_throughput(tmp_path).rows] == ["MB-20"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(k3opt.K3optError, match="no measured layouts with tokens_per_s_per_gpu found"):
+        validate_throughput(empty)
+
+
+def test_docs_show_the_table_the_cli_prints():
+    """docs/validation.md carries `k3opt validate-throughput`'s rows, its mean absolute error and its GAP lines as
+    the command prints them: the formatting is the documented one, and the documentation is current."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "validation.md").read_text()
+    out = CliRunner().invoke(main, ["validate-throughput"]).output.splitlines()
+    shown = [ln for ln in out if ln.startswith(("| MB-", "Mean absolute error", "  MB-"))]
+    assert len(shown) == 2 * len(PUBLIC_ROWS) - 2 + 1  # ten rows, the MAE line, ten GAP lines
+    assert [ln for ln in shown if ln not in doc] == []
+    data = json.loads(CliRunner().invoke(main, ["validate-throughput", "--json"]).output)
+    assert set(data) == {"rows", "mean_abs_error_pct", "max_abs_error_pct", "roofline_mean_abs_error_pct",
+                         "not_expressible"}
+    assert data["not_expressible"] == NOT_EXPRESSIBLE and data["rows"][0]["id"] == "MB-1"
