@@ -41,9 +41,11 @@ from k3opt.search.bounds import (
     tight_node_bound,
 )
 from k3opt.search.frames import (
+    SHAPE_LIST_RULES,
     ActMode,
     Frame,
     allocated_capacity_bytes,
+    blocking_lists,
     budget_line,
     chunk_least,
     enumerate_frames,
@@ -1045,9 +1047,9 @@ def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:
                 "holds parameters (a dense model has no expert group); add optim_grads_params to [search] "
                 "dense_sharding or allow \"update\"")
     if not frames:
-        blocking = _blocking_lists(job, model, cluster)
+        blocking = blocking_lists(job, model, cluster)
         if blocking:
-            named = " or ".join(f"[search] {k} = {v} ({_SHAPE_LISTS[k]})" for k, v in blocking)
+            named = " or ".join(f"[search] {k} = {v} ({SHAPE_LIST_RULES[k]})" for k, v in blocking)
             raise InfeasibleJobError(
                 f"no parallel shape satisfies the job's rules on {job.gpus} GPUs: {named} alone excludes every "
                 "shape the other rules allow; widen or drop it")
@@ -1057,34 +1059,6 @@ def _frames(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[Frame]:
             "multiple of DP x rows x context for some PP, or give [search] microbatches"
         )
     return frames
-
-
-_SHAPE_LISTS = {
-    "pp": "PP divides the GPUs and is at most the layers",
-    "vp": "PP x VP chunks are at most the layers, and VP > 1 needs PP > 1 and microbatches in groups of PP",
-    "cp": "CP divides the GPUs of a stage and rows x context",
-    "ep": "EP divides the GPUs of a stage and the routed experts",
-    "expert_fsdp": "expert FSDP divides the GPUs of a stage over EP",
-    "dense_fsdp": "dense FSDP divides the data-parallel degree",
-    "microbatches": "microbatches = tokens_per_update / (DP x rows x context)",
-    "split": "a split has PP x VP entries",
-}
-"""The [search] lists that restrict the parallel shapes themselves (the others choose configurations of a shape),
-each with the rule a value must meet (`frames.enumerate_frames`)."""
-
-
-def _blocking_lists(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[tuple[str, object]]:
-    """The [search] shape lists each of which, dropped alone, lets some shape through: what an error should name
-    when the job's rules leave none."""
-    out = []
-    for key in _SHAPE_LISTS:
-        value = getattr(job.search, key)
-        if value is None:
-            continue
-        kept = job.model_copy(update={"search": job.search.model_copy(update={key: None})})
-        if any(enumerate_frames(kept, model, g, cluster) for g in job.gpu_counts):
-            out.append((key, value))
-    return out
 
 
 def _first_bounds(line: float, job: Job, model: ModelSpec, cluster: ClusterSpec, hbm_line: int,

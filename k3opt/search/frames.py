@@ -198,6 +198,34 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
     return frames
 
 
+SHAPE_LIST_RULES = {
+    "pp": "PP divides the GPUs and is at most the layers",
+    "vp": "PP x VP chunks are at most the layers, and VP > 1 needs PP > 1 and microbatches in groups of PP",
+    "cp": "CP divides the GPUs of a stage and rows x context",
+    "ep": "EP divides the GPUs of a stage and the routed experts",
+    "expert_fsdp": "expert FSDP divides the GPUs of a stage over EP",
+    "dense_fsdp": "dense FSDP divides the data-parallel degree",
+    "microbatches": "microbatches = tokens_per_update / (DP x rows x context)",
+    "split": "a split has PP x VP entries",
+}
+"""The [search] lists that restrict the parallel shapes themselves (the others choose configurations of a shape),
+each with the rule a value must meet (`enumerate_frames`)."""
+
+
+def blocking_lists(job: Job, model: ModelSpec, cluster: ClusterSpec) -> list[tuple[str, object]]:
+    """The [search] shape lists each of which, dropped alone, lets some shape through: what an error should name
+    when the job's rules leave none."""
+    out = []
+    for key in SHAPE_LIST_RULES:
+        value = getattr(job.search, key)
+        if value is None:
+            continue
+        kept = job.model_copy(update={"search": job.search.model_copy(update={key: None})})
+        if any(enumerate_frames(kept, model, g, cluster) for g in job.gpu_counts):
+            out.append((key, value))
+    return out
+
+
 def _check_precisions(precisions: list[Precision], cluster: ClusterSpec) -> None:
     """A job's accepted precision the cluster's tensor cores cannot run is bad input, named with its fix."""
     runs, cannot = [], []
