@@ -36,6 +36,7 @@ from k3opt.search.frames import (
     chunk_least,
     frame_shape,
     lean_mode,
+    least_grads,
     least_or_one,
     least_step_gather,
     lifecycles,
@@ -74,8 +75,8 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     its mean under the per-microbatch lifecycle (the accumulate lifecycle adds the FP32 buffer's reduce-scatter),
     of which one window of stage-microbatches hides (`ranking.step_floor`).
     Peak: the worst rank holds at least the mean of master + optimizer + BF16 view (`bound_persistent_bytes`: no
-    accumulator under the per-microbatch lifecycle; the gradients too unless pipeline ZeRO-2 may keep them on the
-    host), which no toggle removes."""
+    accumulator under the per-microbatch lifecycle), which no toggle removes, plus the gradients at their least
+    over the ZeRO-2 settings allowed (`least_grads`: the shard, or 2 / v of the chunk buffers)."""
     base = ActMode(Recompute.NONE, False, False, False, False)
     free = tuple(t for t in ACT_TOGGLES if True in choices(job, t))
     cf = coarse_work_floor(frame_shape(job, f, base, FsdpLifecycle.PER_MICROBATCH), model, cluster, free=free)
@@ -84,9 +85,7 @@ def frame_lower_bound(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec
     update = float(cf.update["tensor"].sum()) / p
     _, hidden = update_means({}, cf.update_hidden, p)
     t_lb = step_floor(schedule_slots(f.pp, f.vp, f.microbatches), stage, update, hidden, cf.update_hidden_stages)
-    persistent = float(bound_persistent_bytes(cf, None).sum())
-    if "pipeline_zero2_host_grads" not in allowed_on(job):
-        persistent += float(cf.grads.sum())
+    persistent = float(bound_persistent_bytes(cf, least_grads(cf, allowed_on(job), f.vp)).sum())
     return t_lb, persistent / p
 
 
@@ -887,7 +886,7 @@ def _peak_lower_bound(job: Job, f: Frame, cf: Coefficients, cluster: ClusterSpec
     The optimizer phase gives the mean of P_i + O_i."""
     L, p = cf.n_layers, f.pp
     least = chunk_least(job, f)
-    P = bound_persistent_bytes(cf, None if "pipeline_zero2_host_grads" in allowed else cf.grads)
+    P = bound_persistent_bytes(cf, least_grads(cf, allowed, f.vp))
     opt = least_step_gather(cf, allowed)
     counts = []
     for r in range(p):

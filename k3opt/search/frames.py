@@ -475,6 +475,16 @@ def bound_persistent_bytes(cf: Coefficients, grads: np.ndarray | None) -> np.nda
     return out if grads is None else out + grads
 
 
+def least_grads(cf: Coefficients, allowed: set[str], v: int) -> np.ndarray:
+    """Per-layer gradient bytes at or below every setting of pipeline ZeRO-2 host gradients the job allows: the
+    FP32 shard, or where allowed the lesser of it and 2 / v of the layer's FP32 chunk buffer. Under ZeRO-2 a rank
+    holds two buffers of its largest chunk (ledger `grads`, CHUNK_PAIR), and of v chunks the largest holds at least
+    their mean, so the rank holds at least 2 / v of its layers' buffers."""
+    if "pipeline_zero2_host_grads" not in allowed:
+        return cf.grads
+    return np.minimum(cf.grads, 2 * cf.chunk_grad_buffer / v)
+
+
 def least_step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:
     """Per-layer optimizer-step gather at or below every setting of P2P Muon the job allows: the lesser of
     `step_gather_bytes` without it and with it (where allowed)."""
