@@ -44,6 +44,7 @@ from k3opt.search.frames import (
     offload_sets,
     rank_least,
     undominated_modes,
+    zero2_grads,
 )
 from k3opt.search.lp_bound import (
     STOP_ROUNDING,
@@ -653,7 +654,7 @@ def _ranges(cf: Coefficients, lean: Coefficients, off: Coefficients | None, clus
     # Gradients: the FP32 shard, or (pipeline ZeRO-2) two FP32 buffers of the stage's chunk.
     grads = rng(lean.grads)
     if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, 2 * rng(lean.chunk_grad_buffer))
+        grads = np.minimum(grads, rng(zero2_grads(lean, 1)))  # a v = 1 stage is one chunk: its range whole
     Pr = Pr + grads
     P = bound_persistent_bytes(lean, lean.grads)
     # The optimizer phase per range (ledger.optimizer_transient_bytes, elementwise).

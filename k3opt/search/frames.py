@@ -475,14 +475,20 @@ def bound_persistent_bytes(cf: Coefficients, grads: np.ndarray | None) -> np.nda
     return out if grads is None else out + grads
 
 
+def zero2_grads(cf: Coefficients, v: int) -> np.ndarray:
+    """Per layer, at least what pipeline ZeRO-2 host gradients keep on the GPU: a rank holds two FP32 buffers of
+    its largest chunk (ledger `grads`, CHUNK_PAIR), and of v chunks the largest holds at least their mean, so at
+    least 2 / v of its layers' chunk buffers."""
+    return 2 * cf.chunk_grad_buffer / v
+
+
 def least_grads(cf: Coefficients, allowed: set[str], v: int) -> np.ndarray:
     """Per-layer gradient bytes at or below every setting of pipeline ZeRO-2 host gradients the job allows: the
-    FP32 shard, or where allowed the lesser of it and 2 / v of the layer's FP32 chunk buffer. Under ZeRO-2 a rank
-    holds two buffers of its largest chunk (ledger `grads`, CHUNK_PAIR), and of v chunks the largest holds at least
-    their mean, so the rank holds at least 2 / v of its layers' buffers."""
+    FP32 shard, or where ZeRO-2 is allowed the lesser of it and `zero2_grads` (a rank takes one setting, and the
+    sum of per-layer minima is at most the lesser of the two sums)."""
     if "pipeline_zero2_host_grads" not in allowed:
         return cf.grads
-    return np.minimum(cf.grads, 2 * cf.chunk_grad_buffer / v)
+    return np.minimum(cf.grads, zero2_grads(cf, v))
 
 
 def least_step_gather(cf: Coefficients, allowed: set[str]) -> np.ndarray:

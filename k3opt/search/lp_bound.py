@@ -77,11 +77,13 @@ from k3opt.search.frames import (
     chunk_least,
     frame_shape,
     lean_mode,
+    least_grads,
     least_or_one,
     least_step_gather,
     memory_view,
     rank_least,
     undominated_modes,
+    zero2_grads,
 )
 from k3opt.search.policy import POLICY
 from k3opt.search.ranking import ranked_coefficients as ranked  # the ranked view (search/ranking.py)
@@ -143,22 +145,16 @@ least over their settings, each with its own work and bytes (never the work of o
 another)."""
 
 
-def _zero2_grads(c: Coefficients, v: int) -> np.ndarray:
-    """ZeRO-2 host gradients keep two FP32 buffers of the largest chunk's gradient: per layer, at least 2 / v of
-    the rank's chunk gradients (the average chunk; `_Arrays.pair` keeps the max)."""
-    return 2 * c.chunk_grad_buffer / v
-
-
 def _relaxed(job: Job, f: Frame, md: ActMode, lc: FsdpLifecycle, toggles: dict[str, bool], model: ModelSpec,
              cluster: ClusterSpec) -> tuple[_Arrays, Coefficients]:
     """The arrays of one activation mode `md` (the node model picks one mode for every layer) under one setting
-    of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep `_zero2_grads`; P2P Muon
+    of the rank toggles: its own work and bytes per layer. ZeRO-2 host gradients keep `frames.zero2_grads`; P2P Muon
     gathers a resident matrix (2 x resident) rather than the BF16 view; MoonEP (searched only when required) its
     buffers."""
     allowed = allowed_on(job)
     c0 = ranked(frame_shape(job, f, md, lc, **toggles), model, cluster)
     zero2 = bool(toggles.get("pipeline_zero2_host_grads"))
-    grads = _zero2_grads(c0, f.vp) if zero2 else c0.grads
+    grads = zero2_grads(c0, f.vp) if zero2 else c0.grads
     persistent = bound_persistent_bytes(c0, grads)
     opt = step_gather_bytes(c0, bool(toggles.get("p2p_muon")))
     L = c0.n_layers
@@ -1425,9 +1421,7 @@ def lean_arrays(job: Job, f: Frame, lean: Coefficients) -> _Arrays:
     buffers where allowed, no Newton-Schulz working set. No work (the memory rows read none)."""
     allowed = allowed_on(job)
     L = lean.n_layers
-    grads = lean.grads
-    if "pipeline_zero2_host_grads" in allowed:
-        grads = np.minimum(grads, _zero2_grads(lean, f.vp))
+    grads = least_grads(lean, allowed, f.vp)
     ep = lean.ep_buffers
     if "moonep" in allowed:
         ep = min(ep, lean.moonep_buffers)
