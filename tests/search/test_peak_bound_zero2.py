@@ -1,7 +1,7 @@
 """The shape peak bound counts the gradients a rank holds under every setting of pipeline ZeRO-2 host gradients:
-the FP32 shard without it, two FP32 buffers of the rank's largest chunk with it. Leaving them out (the shape
-bound once did, where ZeRO-2 was allowed) let shapes whose every layout is over HBM into the queue: DeepSeek-V3
-on 1,024 H100 then spent its heuristic passes on shapes that fit nowhere."""
+the FP32 shard without it, two FP32 buffers of the rank's largest chunk with it. A bound that left them out
+where ZeRO-2 is allowed would let shapes whose every layout is over HBM into the queue (DeepSeek-V3 on 1,024 H100:
+the heuristic passes spent on shapes that fit nowhere)."""
 
 from __future__ import annotations
 
