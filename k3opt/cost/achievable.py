@@ -122,6 +122,13 @@ def chunk_rows(split: list[int] | tuple[int, ...], chunks: list[int], n_layers: 
     return rows
 
 
+def chunk_work(cf: Coefficients, arrays: dict[str, np.ndarray], split: list[int] | tuple[int, ...]) -> np.ndarray:
+    """Each chunk's busiest-resource seconds over `arrays` (per-layer seconds by resource, the edges on the first
+    and last chunk): the shares by which `schedule.chunk_times` divides its rank's stage for the replay."""
+    rows = chunk_rows(split, list(range(len(split))), cf.n_layers)
+    return np.max([rows @ arr for arr in arrays.values()], axis=0)
+
+
 def rank_achievable_time(cf: Coefficients, split: list[int] | tuple[int, ...], r: int) -> dict[str, float]:
     """Seconds per stage-microbatch of physical rank r on each resource at the achievable rates, EP apart."""
     return rank_sums(cf, cf.achievable, cf.pp_seconds_per_byte_achievable, split, r)
@@ -308,9 +315,8 @@ def achievable_step(cf: Coefficients, split: list[int] | tuple[int, ...], rates:
     comm_exposed = max(0.0, update_comm - hidden)
     update = update_compute + comm_exposed
     unpaired = unpaired_ep_s(cf, split, rates, cluster)
-    chunk_idx = [np.array(_chunk_indices(split, j, cf.n_layers, edges), dtype=np.intp) for j in range(sh.chunks)]
-    work = np.array([max(float(arr[ix].sum()) for arr in ra.time.values()) for ix in chunk_idx])
-    fwd, bwd = chunk_times(work, [st[0] for st in stages], sh.pp, sh.recompute == Recompute.FULL)
+    fwd, bwd = chunk_times(chunk_work(cf, ra.time, split), [st[0] for st in stages], sh.pp,
+                           sh.recompute == Recompute.FULL)
     replayed = replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd)
     return AchievableStep(
         step_time_s=cf.slots * stage + update + unpaired, stage_time_s=stage, slowest_rank=slowest,

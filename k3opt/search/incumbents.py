@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from k3opt.cost.achievable import rank_sums
+from k3opt.cost.achievable import chunk_work, rank_sums
 from k3opt.cost.coefficients import Coefficients, Shape, busiest_layer_seconds
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
+from k3opt.cost.schedule import chunk_times, replay_makespan
 from k3opt.inputs.errors import K3optError
 from k3opt.inputs.memo import Memo
 from k3opt.inputs.presets import load_runtime
@@ -182,9 +183,11 @@ def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> li
 def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...] = ()) -> list[int] | None:
     """An interleaved split balanced per rank: each rank's layer count water-filled at the mean layer work `work`
     (per layer, the edges last: the embedding on rank 0, the head on rank p - 1), a tie going to the later rank
-    (the earlier ranks hold more microbatches in flight); within a rank, its layers spread over its v chunks, the
-    remainder on the latest ones (the fewest in flight). Each chunk holds at least least[j] layers (one when
-    empty); None when the chunks' least exceeds the layers."""
+    (the earlier ranks hold more microbatches in flight); within a rank, each layer to the chunk whose work (its
+    layers and its edge) stays least, a tie going to the later chunk (the fewest in flight): the head's chunk then
+    holds fewer layers than the rank's others, which the replayed schedule rewards (DeepSeek-V3 PP8 VP4 on 512 B200
+    at 8K, LM head and MTP head on the last chunk: 5.005 s spread by count, 4.584 s by work). Each chunk holds at
+    least least[j] layers (one when empty); None when the chunks' least exceeds the layers."""
     L, K = len(work) - 2, p * v
     need = least_or_one(least, K)
     n = [sum(need[k * p + r] for k in range(v)) for r in range(p)]
@@ -198,10 +201,14 @@ def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...]
         r = min(range(p), key=lambda q: ((n[q] + 1) * w + edge[q], -q))
         n[r] += 1
     split = list(need)
+    chunk_edge = np.zeros(K)
+    chunk_edge[0] += float(work[L])
+    chunk_edge[K - 1] += float(work[L + 1])
     for r in range(p):
         extra = n[r] - sum(need[k * p + r] for k in range(v))
-        for i in range(extra):
-            split[(v - 1 - i % v) * p + r] += 1
+        for _ in range(extra):
+            j = min(range(r, K, p), key=lambda g: ((split[g] + 1) * w + chunk_edge[g], -g))
+            split[j] += 1
     return split
 
 
@@ -859,7 +866,8 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
     one layer), or of the same rank while the layout ranks by its replayed schedule. Candidates are screened by the
     ranked stage time their coefficients give (max over ranks and resources of achievable.rank_sums, what the
-    search's model sums) and priced by evaluate(), least stage first;
+    search's model sums) and priced by evaluate(), least stage first; where those stop on a layout ranked by its
+    replay, every move between two chunks is screened by the replay it gives and priced, least replay first;
     of the first that ranks faster and fits and the moves tied with it in the screen, the fastest is taken.
     Stops when no move improves, or a move gains less than `min_gain` (relative: the seeding passes its stall
     gain, a tenth of the search's gap), at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
@@ -876,18 +884,28 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     def loads(split: list[int]) -> list[float]:
         return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
 
+    def replayed(split: list[int], ld: list[float]) -> float:
+        """The ranked step less its split-independent terms: the step formula's slots x stage, or the schedule
+        replayed over each chunk's share of its rank's stage where that is longer (as evaluate() ranks)."""
+        fwd, bwd = chunk_times(chunk_work(cf, cf.time, split), ld, p, lay.recompute == Recompute.FULL)
+        return max(cf.slots * max(ld), replay_makespan(p, lay.vp, lay.microbatches, fwd, bwd))
+
     best, cur = item, list(lay.split)
     least = chunk_least(job, frame_of(lay))
     now = loads(cur)
+
     def over() -> bool:
         return _time.monotonic() >= deadline or (stop is not None and stop())
 
-    while not over():
-        # A layout ranked by its replayed schedule rather than its formula also moves layers between the chunks of
-        # one rank: the rank loads stay, the replay's warm-up and drain change (Kimi K2 PP2 VP4: chunk 0 to chunk 6,
-        # both rank 0's, 7.174 -> 7.163 s).
-        cands: list[tuple[tuple[float, ...], list[int]]] = []
-        for src in sorted(range(p), key=lambda r: -now[r])[:2]:
+    def moves(by_replay: bool) -> list[tuple[tuple[float, ...], list[int]]] | None:
+        """The screened moves (None past the deadline). Off the two slowest ranks' chunks, those that do not raise
+        the slowest stage, by rank loads; a layout ranked by its replayed schedule also moves layers between the
+        chunks of one rank (the rank loads stay, the replay's warm-up and drain change: Kimi K2 PP2 VP4, chunk 0 to
+        chunk 6, both rank 0's, 7.174 -> 7.163 s). `by_replay`: every move between two chunks that the replay
+        puts under the current one, by that replay (its chunks' places bind it, not its slowest rank)."""
+        line = replayed(cur, now) if by_replay else math.inf
+        out: list[tuple[tuple[float, ...], list[int]]] = []
+        for src in range(p) if by_replay else sorted(range(p), key=lambda r: -now[r])[:2]:
             for i in range(src, k, p):
                 if cur[i] <= least[i]:
                     continue
@@ -898,25 +916,43 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
                     s[i] -= 1
                     s[j] += 1
                     ld = loads(s)
-                    if max(ld) <= max(now) * (1 + 1e-12):
-                        cands.append((tuple(sorted(ld, reverse=True)), s))
+                    if by_replay:
+                        screen = replayed(s, ld)
+                        if screen < line * (1 - min_gain) - 1e-12 * line:
+                            out.append(((screen, *sorted(ld, reverse=True)), s))
+                    elif max(ld) <= max(now) * (1 + 1e-12):
+                        out.append((tuple(sorted(ld, reverse=True)), s))
             if over():
-                return best
+                return None
+        return out
+
+    def take(cands: list[tuple[tuple[float, ...], list[int]]] | None, most: int | None = None
+             ) -> tuple[float, ...] | None:
+        """Prices the moves in screen order (at most `most` of them); the first that ranks faster and fits, and
+        the moves tied with it in the screen, the fastest taken (they differ in the layers' kinds, their edges and
+        the replayed order: K3 PP8 VP4, 18.84 s or 18.63 s for one layer moved from rank 4 to rank 5, from chunk 4
+        or from chunk 28)."""
+        nonlocal best, cur
         taken: tuple[float, ...] | None = None
-        before = best.rank_time_s
-        for key, s in sorted(cands, key=lambda c: c[0]):
-            if over():
-                return best
-            if taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0):
+        for n, (key, s) in enumerate(sorted(cands or [], key=lambda c: c[0])):
+            if over() or (taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0)) or n == most:
                 break
             moved = lay.model_copy(update={"split": s})
             ev = evaluate(moved, model=model, cluster=cluster, runtime=runtime)
             if fits(job, ev) and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
-                # The other moves the screen cannot tell from this one (the same rank loads: another chunk of the
-                # same ranks) are priced too, and the fastest is taken: they differ in the layers' kinds, their
-                # edges and the replayed order (K3 PP8 VP4: 18.84 s or 18.63 s for one layer moved from rank 4 to
-                # rank 5, from chunk 4 or from chunk 28).
                 best, cur, taken = PlanItem(moved, ev), s, key
+        return taken
+
+    while not over():
+        before = best.rank_time_s
+        taken = take(moves(False))
+        if taken is None and best.rank_time_s > best.evaluation.step.formula_time_s * (1 + min_gain) and not over():
+            # Where the rank-load moves stop, a layout its replay holds above its formula by more than a step's
+            # gain tries every move by its replay (DeepSeek-V3 PP8 VP4 on 512 B200, 61 layers in 32 chunks: the
+            # rank-load moves stop at 4.979 s, then two replay moves reach 4.531 s). The screen is evaluate()'s
+            # replay but for split-independent terms, so its first moves fail on memory only: a few priced
+            # without a gain end the round (POLICY.replay_moves_priced).
+            taken = take(moves(True), POLICY.replay_moves_priced)
         if taken is None or best.rank_time_s > before * (1 - min_gain):
             return best
         now = list(loads(cur))

@@ -102,6 +102,11 @@ class SearchPolicy:
     """The seeding climbs the split (incumbents.split_climb) of a frame whose fastest layout is within this share
     of the fastest: a climb gains a few percent at most."""
 
+    replay_moves_priced: int = 8
+    """A split climb's replay round (a layout its replayed schedule holds above its formula) prices at most this
+    many of the moves its replay screen puts under the current replay, best first: the screen is evaluate()'s
+    replay but for split-independent terms, so the first moves miss only where they do not fit."""
+
     climb_configs: int = 3
     """The seeding climbs at most this many configurations of one frame (its fastest first)."""
 
