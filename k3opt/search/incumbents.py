@@ -901,8 +901,9 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
         return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
 
     def replayed(split: list[int], ld: list[float]) -> float:
-        """The ranked step less its split-independent terms: the step formula's slots x stage, or the schedule
-        replayed over each chunk's share of its rank's stage where that is longer (as evaluate() ranks)."""
+        """The ranked step's pipeline part at the coefficients' rates (the rank-load screen's): the step formula's
+        slots x stage, or the schedule replayed over each chunk's share of its rank's stage where that is longer,
+        as evaluate() ranks it at the cluster's achievable rates."""
         fwd, bwd = chunk_times(chunk_work(cf, cf.time, split), ld, p, lay.recompute == Recompute.FULL)
         return max(cf.slots * max(ld), replay_makespan(p, lay.vp, lay.microbatches, fwd, bwd))
 
@@ -966,8 +967,8 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
             # Where the rank-load moves stop, a layout its replay holds above its formula by more than a step's
             # gain tries every move by its replay (DeepSeek-V3 PP8 VP4 on 512 B200, 61 layers in 32 chunks: the
             # rank-load moves stop at 4.979 s, then two replay moves reach 4.531 s). The screen is evaluate()'s
-            # replay but for split-independent terms, so its first moves fail on memory only: a few priced
-            # without a gain end the round (POLICY.replay_moves_priced).
+            # pipeline term at the coefficients' rates, so its first moves fail mostly on memory or on the rates:
+            # a few priced without a gain end the round (POLICY.replay_moves_priced).
             taken = take(moves(True), POLICY.replay_moves_priced)
         if taken is None or best.rank_time_s > before * (1 - min_gain):
             return best

@@ -105,7 +105,7 @@ class SearchPolicy:
     replay_moves_priced: int = 8
     """A split climb's replay round (a layout its replayed schedule holds above its formula) prices at most this
     many of the moves its replay screen puts under the current replay, best first: the screen is evaluate()'s
-    replay but for split-independent terms, so the first moves miss only where they do not fit."""
+    pipeline term at the coefficients' rates, so the first moves miss mostly where they do not fit."""
 
     climb_configs: int = 3
     """The seeding climbs at most this many configurations of one frame (its fastest first)."""
