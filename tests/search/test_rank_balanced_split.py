@@ -53,25 +53,20 @@ def test_a_heavy_head_keeps_its_chunk_short():
     assert split == [2, 2, 3, 1]
 
 
-def test_deepseek_v3_heads_chunk_holds_one_layer():
+def test_deepseek_v3_heads_chunk_holds_one_layer(dsv3_b200_node):
     """DeepSeek-V3 PP8 VP4 EP8 dFSDP64 M8, full recompute, on 512 B200 at 8K (61 layers in 32 chunks): the last
     chunk carries the LM head and the MTP head. Spread by count, rank 7's chunks held 1, 1, 1, 2 layers, two of
     them beside the heads, and the layout replayed at 5.005 s against a 4.157-s step formula. Spread by chunk
     work, the heads' chunk holds one layer, and the heuristic layout ranks within 0.1% of the split this node's
     CP-SAT model found in 60 s (evaluated here: 4.584 s)."""
     from k3opt.inputs.specs import FsdpLifecycle, Recompute
-    from k3opt.search import enumerate_frames
 
-    job = k3opt.Job.model_validate({"model": "deepseek-v3", "cluster": "b200", "gpus": 512, "context": 8192,
-                                    "tokens_per_update": 4194304, "reserve_gib": 4.0})
-    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
-    f = next(g for g in enumerate_frames(job, model, 512, cluster)
-             if (g.pp, g.vp, g.ep, g.expert_fsdp, g.dense_fsdp) == (8, 4, 8, 1, 64) and g.dense_sharding == "optim")
+    n = dsv3_b200_node
+    job, model, cluster, f = n.job, n.model, n.cluster, n.frame
     it = frame_incumbent(job, f, model, cluster, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
     assert it is not None and it.evaluation.fits
     assert it.layout.split[-1] == 1
-    witness = [2, 2, 1] + [2] * 12 + [1] + [2] * 8 + [1, 2, 3, 2, 2, 2, 2, 1]
-    cpsat = k3opt.evaluate(it.layout.model_copy(update={"split": witness}), model=model, cluster=cluster)
+    cpsat = k3opt.evaluate(it.layout.model_copy(update={"split": n.witness}), model=model, cluster=cluster)
     assert cpsat.fits
     assert it.rank_time_s <= cpsat.step.rank_time_s * 1.001
 
@@ -101,7 +96,7 @@ def test_kimi_k2_pp16_vp3_heuristic_layout():
     assert _ranks(it.layout.split, 16)[15] == [1, 1, 1]
 
 
-def test_the_seedings_pricing_prices_the_per_rank_split():
+def test_the_seedings_pricing_prices_the_per_rank_split(dsv3_b200_node):
     """The seeding prices a configuration on a frame through `price_configs`, whose heuristic splits stop at the
     first that fits; the per-rank split is priced beside them, as frame_incumbent prices it. On the DeepSeek-V3
     PP8 VP4 node above, the first fitting chunk balance replays at 5.2 s; with the per-rank split the fastest
@@ -109,18 +104,13 @@ def test_the_seedings_pricing_prices_the_per_rank_split():
     import math
 
     from k3opt.inputs.specs import FsdpLifecycle, Recompute
-    from k3opt.search import enumerate_frames
     from k3opt.search.incumbents import config_of, price_configs
 
-    job = k3opt.Job.model_validate({"model": "deepseek-v3", "cluster": "b200", "gpus": 512, "context": 8192,
-                                    "tokens_per_update": 4194304, "reserve_gib": 4.0})
-    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
-    f = next(g for g in enumerate_frames(job, model, 512, cluster)
-             if (g.pp, g.vp, g.ep, g.expert_fsdp, g.dense_fsdp) == (8, 4, 8, 1, 64) and g.dense_sharding == "optim")
+    n = dsv3_b200_node
+    job, model, cluster, f = n.job, n.model, n.cluster, n.frame
     it = frame_incumbent(job, f, model, cluster, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
     assert it is not None
     got = price_configs(job, f, [config_of(it.layout)], model, cluster, math.inf, every_split=False)
     assert got and all(g.evaluation.fits for g in got)
-    witness = [2, 2, 1] + [2] * 12 + [1] + [2] * 8 + [1, 2, 3, 2, 2, 2, 2, 1]
-    cpsat = k3opt.evaluate(it.layout.model_copy(update={"split": witness}), model=model, cluster=cluster)
+    cpsat = k3opt.evaluate(it.layout.model_copy(update={"split": n.witness}), model=model, cluster=cluster)
     assert min(g.rank_time_s for g in got) <= cpsat.step.rank_time_s * 1.001

@@ -270,30 +270,24 @@ def test_a_replayed_layout_climbs_by_moves_within_a_rank_and_so_does_a_node_solu
     assert polished.rank_time_s <= want + 1e-9
 
 
-def test_a_replay_ranked_layout_climbs_past_where_the_rank_loads_stop():
+def test_a_replay_ranked_layout_climbs_past_where_the_rank_loads_stop(dsv3_b200_node):
     """DeepSeek-V3 PP8 VP4 EP8 eFSDP1 dFSDP64 M8, full recompute, on 512 B200 at 8K (61 layers in 32 chunks). The
     start: each rank's layers spread evenly over its chunks with the remainder on the latest, so the last chunk
     holds two layers beside the LM head and the MTP head; it ranks by its replayed schedule, 20% above its step
     formula. The moves the rank loads screen stop near it (4.98 s); every chunk-to-chunk move screened by the replay
     goes on past the split CP-SAT found for this node in 60 s (4.584 s by evaluate())."""
     from k3opt.inputs.specs import FsdpLifecycle, Recompute
-    from k3opt.search import enumerate_frames
     from k3opt.search.incumbents import frame_incumbent
 
-    job = k3opt.Job.model_validate({"model": "deepseek-v3", "cluster": "b200", "gpus": 512, "context": 8192,
-                                    "tokens_per_update": 4194304, "reserve_gib": 4.0})
-    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
-    f = next(g for g in enumerate_frames(job, model, 512, cluster)
-             if (g.pp, g.vp, g.ep, g.expert_fsdp, g.dense_fsdp) == (8, 4, 8, 1, 64) and g.dense_sharding == "optim")
+    n = dsv3_b200_node
+    job, model, cluster, f = n.job, n.model, n.cluster, n.frame
     found = frame_incumbent(job, f, model, cluster, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
     assert found is not None
     even = [2] * 7 + [1] + [2] * 7 + [1] + [2] * 7 + [1] + [2] * 8  # rank 7: 1, 1, 1, 2 (+ the heads)
     ev = k3opt.evaluate(found.layout.model_copy(update={"split": even}), model=model, cluster=cluster)
     start = PlanItem(ev.layout, ev)
     assert ev.fits and start.ranks_by_replay and ev.step.rank_time_s > 1.15 * ev.step.formula_time_s
-    witness = [2, 2, 1] + [2] * 12 + [1] + [2] * 8 + [1, 2, 3, 2, 2, 2, 2, 1]
-    assert sum(witness) == model.num_layers
-    cpsat = k3opt.evaluate(ev.layout.model_copy(update={"split": witness}), model=model, cluster=cluster)
+    cpsat = k3opt.evaluate(ev.layout.model_copy(update={"split": n.witness}), model=model, cluster=cluster)
     assert cpsat.fits and cpsat.step.rank_time_s < 0.95 * start.rank_time_s
     got = split_climb(job, start, model, cluster, math.inf)
     assert got.evaluation.fits and got.layout.split != start.layout.split
