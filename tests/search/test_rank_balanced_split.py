@@ -114,3 +114,69 @@ def test_the_seedings_pricing_prices_the_per_rank_split(dsv3_b200_node):
     assert got and all(g.evaluation.fits for g in got)
     cpsat = k3opt.evaluate(it.layout.model_copy(update={"split": n.witness}), model=model, cluster=cluster)
     assert min(g.rank_time_s for g in got) <= cpsat.step.rank_time_s * 1.001
+
+
+def _loads(split: list[int], work: np.ndarray, p: int) -> list[float]:
+    """Each rank's layer work and edges, summed by hand from the split (chunk g on rank g mod p)."""
+    L, out, i = len(work) - 2, [0.0] * p, 0
+    for g, n in enumerate(split):
+        out[g % p] += float(work[i:i + n].sum())
+        i += n
+    out[0] += float(work[L])
+    out[p - 1] += float(work[L + 1])
+    return out
+
+
+def test_layer_kinds_move_the_short_chunk():
+    """7 layers over PP2 VP2 with layers 1 and 2 twice as heavy (works 1, 2, 2, 1, 1, 1, 1, no edges). Counted at
+    the mean, the water-fill gives rank 1 four layers and rank 0 three, split 1, 2, 2, 2: rank 0 holds layers 0, 3,
+    4 (3) and rank 1 layers 1, 2, 5, 6 (6). With chunks of one or two layers and the last never grown, the one-layer
+    chunk can sit at chunk 1 (ranks 5 and 4), chunk 2 (4 and 5) or chunk 3 (5 and 4): the slowest rank is 5, not 6."""
+    work = np.array([1.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    split = rank_balanced_split(work, 2, 2)
+    assert split is not None and sum(split) == 7 and set(split) <= {1, 2}
+    assert max(_loads(split, work, 2)) == 5.0
+
+
+def test_k3_b200_pp16_short_chunks_by_layer_kind():
+    """K3 PP16 VP3 EP8 eFSDP8 dFSDP16 M64, full recompute, on 1,024 B200 (93 layers in 48 chunks: 45 of two layers
+    and three of one). Counted at the mean layer work, the one-layer chunks went to ranks 0, 1 and 15, and six ranks
+    held six of the heavier layers. The heuristic's slowest rank is here the least over every placement of the three
+    one-layer chunks (C(48, 3) = 17,296 splits, enumerated on the same per-layer work), and its step is lower."""
+    import itertools
+
+    from k3opt.cost.coefficients import busiest_layer_seconds
+    from k3opt.inputs.specs import FsdpLifecycle, Recompute
+    from k3opt.search import enumerate_frames
+    from k3opt.search.ranking import ranked_coefficients
+
+    job = k3opt.Job.model_validate({"model": "kimi-k3", "cluster": "b200", "gpus": 1024,
+                                    "tokens_per_update": 16777216, "reserve_gib": 4.0})
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("b200")
+    f = next(g for g in enumerate_frames(job, model, 1024, cluster)
+             if (g.pp, g.vp, g.ep, g.expert_fsdp, g.dense_fsdp, g.microbatches) == (16, 3, 8, 8, 16, 64)
+             and g.dense_sharding == ShardingPolicy.OPTIM)
+    it = frame_incumbent(job, f, model, cluster, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
+    assert it is not None and it.evaluation.fits
+    from k3opt.cost.coefficients import Shape
+
+    work = busiest_layer_seconds(ranked_coefficients(Shape.of(it.layout), model, cluster))
+    least = min(max(_loads([1 if g in ones else 2 for g in range(48)], work, 16))
+                for ones in itertools.combinations(range(48), 3))
+    got = max(_loads(list(it.layout.split), work, 16))
+    assert got <= least * (1 + 1e-9)
+    water = [1, 1] + [2] * 45 + [1]  # the mean-work water-fill's split: short chunks on ranks 0, 1 and 15
+    assert max(_loads(water, work, 16)) > least * (1 + 1e-4)
+    before = k3opt.evaluate(it.layout.model_copy(update={"split": water}), model=model, cluster=cluster)
+    assert it.rank_time_s < before.step.rank_time_s * (1 - 1e-3)
+
+
+def test_split_kept_when_the_slowest_rank_cannot_drop():
+    """8 layers over PP3 VP2 (works 1, 2, 1, 1, 1, 2, 1, 1), a head of 5 on rank 2. The water-fill gives ranks 0
+    and 1 one more layer each (ties to the later rank, then the later chunk): split 1, 1, 1, 2, 2, 1, rank loads 3
+    (layers 0, 3, 4), 5 (1, 5, 6) and 7 (2, 7 and the head). Rank 2 holds at least two layers of work 1 beside the
+    head, so no split is under 7; 2, 1, 1, 1, 2, 1 would even ranks 0 and 1 (4 and 4) under the same 7, a change the
+    replay reads and the step does not, so the water-fill's split stands."""
+    work = np.array([1.0, 2.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 0.0, 5.0])
+    assert rank_balanced_split(work, 3, 2) == [1, 1, 1, 2, 2, 1]
+    assert _loads([1, 1, 1, 2, 2, 1], work, 3) == [3.0, 5.0, 7.0]
