@@ -387,10 +387,13 @@ class _Search:
         """A first layout before bounding every shape (incumbents.incumbents): round-robin over the pipeline shapes
         (PP, VP), each by its most sharded shape first (the least memory per rank), so a fitting layout comes in
         seconds even when there are many shapes; the pipeline shapes by that shape's bounds: those that can fit,
-        by step-time bound."""
+        by step-time bound. A job listing several precisions or gradient dtypes has a head for each, and each
+        pipeline shape's frames follow its heads' bounds: the faster precision's shapes come first."""
         # Ordered by sharding alone, the default job's leading pipeline shape (PP8 VP4) comes 13th, and without its
         # walk the search misses its fastest layout. The pass has half the budget, at most POLICY.first_pass_s.
-        heads: dict[tuple[int, int], tuple[tuple, Frame]] = {}
+        # K3 on 512 GB300 with BF16, FP8 and MXFP8 listed: with one head per (PP, VP), every head and the pass's
+        # whole budget went to BF16 shapes (18.883 s), where FP8 PP8 VP1 prices 14.529 s.
+        heads: dict[tuple, tuple[tuple, Frame]] = {}
         d = self.cluster.nvlink_domain_gpus
         for f in self.frames:
             # Cached: the placement reads only the degrees, and tens of thousands of shapes share a few thousand.
@@ -400,12 +403,13 @@ class _Search:
             # groups, then the PP hops): the walks then start from a layout whose traffic stays on NVLink.
             key = (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp, -pl.ep_local, -pl.dense_fsdp_local,
                    -pl.expert_fsdp_local, -sum(pl.pp_hop_in_domain))
-            if (f.pp, f.vp) not in heads or key < heads[(f.pp, f.vp)][0]:
-                heads[(f.pp, f.vp)] = (key, f)
+            hk = _head_key(f)
+            if hk not in heads or key < heads[hk][0]:
+                heads[hk] = (key, f)
         for _, f in heads.values():
             self.lbs[f] = frame_lower_bound(self.job, f, self.model, self.cluster)
-        rank = {pv: (self.lbs[f][1] > self.hbm_line, self.lbs[f][0]) for pv, (_, f) in heads.items()}
-        quick = visiting_order([((rank[(f.pp, f.vp)], -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f)
+        rank = {hk: (self.lbs[f][1] > self.hbm_line, self.lbs[f][0]) for hk, (_, f) in heads.items()}
+        quick = visiting_order([((rank[_head_key(f)], -f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp), f)
                                 for f in self.frames])
         # Its time counts from its own start, within the limit: on tens of thousands of shapes (Kimi K2 on 16 racks:
         # 48,615) listing them and bounding the heads took the whole budget from the search's start, and the pass
@@ -1377,6 +1381,12 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
     if best.ranks_by_replay:
         best = split_climb(job, best, model, cluster, deadline)
     return best
+
+
+def _head_key(f: Frame) -> tuple:
+    """The first pass's head of f: its pipeline shape, precision and gradient dtype (the choices that set a shape's
+    speed beside its degrees)."""
+    return f.pp, f.vp, f.precision, f.grad_dtype
 
 
 def _most_sharded_first(frames: list[Frame]) -> list[Frame]:

@@ -225,6 +225,44 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
     assert len(seen) == len(frames)
 
 
+def test_the_first_pass_leads_with_the_faster_precision(model, cluster, monkeypatch):
+    """K3 on 512 GPUs with BF16 and FP8 listed: each (PP, VP) has a head per precision, and the pass's order
+    follows those heads' bounds, so its first shape is the FP8 head of the pipeline shape that bounds least (FP8's
+    GEMMs run at twice BF16's peak). With one head per (PP, VP), the BF16 shapes came first and K3 on 512 GB300
+    with BF16, FP8 and MXFP8 listed spent the whole pass on them."""
+    from k3opt.inputs.specs import GIB
+
+    job = k3opt.Job.model_validate({**k3opt.load_job("k3-512-4k").model_dump(), "precisions": ["bf16", "fp8"]})
+    seen: list = []
+
+    def spy(job_, ordered, *a, **k):
+        seen.extend(f for _, f in ordered)
+        raise _Captured
+
+    monkeypatch.setattr(driver, "incumbents", spy)
+    with pytest.raises(_Captured):
+        k3opt.plan(job, model=model, cluster=cluster, top=1, time_limit=60)
+    heads: dict = {}
+    for f in enumerate_frames(job, model, 512, cluster):
+        key = (f.pp, f.vp, f.precision)
+        mine = heads.get(key)
+        if mine is None or (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp) < (-mine.ep, -mine.dense_fsdp,
+                                                                          mine.expert_fsdp, mine.cp):
+            heads[key] = f
+    line = cluster.hbm_bytes - job.reserve_gib * GIB
+    bounds = {k: frame_lower_bound(job, f, model, cluster) for k, f in heads.items()}
+    first = min(heads, key=lambda k: (bounds[k][1] > line, bounds[k][0]))
+    assert str(first[2]) == "fp8"
+    assert (seen[0].pp, seen[0].vp, seen[0].precision) == first
+    # Every pipeline shape's first visit is at its faster-bounding precision.
+    firsts = {}
+    for f in seen:
+        firsts.setdefault((f.pp, f.vp), f.precision)
+    rank = {k: (b[1] > line, b[0]) for k, b in bounds.items()}
+    for (pp, vp), prec in firsts.items():
+        assert rank[(pp, vp, prec)] == min(r for k, r in rank.items() if k[:2] == (pp, vp))
+
+
 def _second_pass_calls(monkeypatch, use_policy, tiny, slow, pp2_job, above: float,
                        first: dict | None = None) -> list[str]:
     """The order of the driver's helper start, walk (first seed call) and heuristic passes on the PP2 job with
