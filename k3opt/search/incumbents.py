@@ -176,8 +176,18 @@ def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> li
     """`rank_balanced_split` of an interleaved shape at its per-layer busiest-resource work (None for v = 1)."""
     if cf.shape.vp == 1:
         return None
-    work = busiest_layer_seconds(cf)
-    return rank_balanced_split(work, cf.shape.pp, cf.shape.vp, least)
+    work = np.ascontiguousarray(busiest_layer_seconds(cf), dtype=float)
+    split = _rank_split(work.tobytes(), cf.shape.pp, cf.shape.vp, tuple(least))
+    return list(split) if split is not None else None
+
+
+def _build_rank_split(work: bytes, p: int, v: int, least: tuple[int, ...]) -> tuple[int, ...] | None:
+    split = rank_balanced_split(np.frombuffer(work, dtype=float), p, v, least)
+    return tuple(split) if split is not None else None
+
+
+# The seeding prices one shape under many configurations whose per-layer work repeats; a refinement is milliseconds.
+_rank_split = Memo(_build_rank_split, maxsize=4096)
 
 
 def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...] = ()) -> list[int] | None:
