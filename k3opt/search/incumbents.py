@@ -182,6 +182,7 @@ def rank_balanced_candidate(cf: Coefficients, least: tuple[int, ...] = ()) -> li
 
 
 def _build_rank_split(work: bytes, p: int, v: int, least: tuple[int, ...]) -> tuple[int, ...] | None:
+    """`rank_balanced_split` of the per-layer work given as its float64 bytes (the memo's key)."""
     split = rank_balanced_split(np.frombuffer(work, dtype=float), p, v, least)
     return tuple(split) if split is not None else None
 
