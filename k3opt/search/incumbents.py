@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from k3opt.cost.achievable import chunk_work, rank_sums
+from k3opt.cost.achievable import chunk_work, rank_indices, rank_sums
 from k3opt.cost.coefficients import Coefficients, Shape, busiest_layer_seconds
 from k3opt.cost.evaluate import Evaluation, evaluate
 from k3opt.cost.ledger import ALWAYS_HELD, layer_bytes
@@ -223,29 +223,29 @@ def rank_balanced_split(work: np.ndarray, p: int, v: int, least: tuple[int, ...]
     return refine_rank_loads(split, work, p, need)
 
 
+LOAD_TOL = 1e-9
+"""Relative difference under which two rank loads of the refinement count as equal: the rounding of sums of
+per-layer seconds, not a cost."""
+
+
 def _rank_loads(split: list[int], work: np.ndarray, p: int) -> np.ndarray:
-    """Each rank's sum of its layers' work and its edges (global chunk g on rank g mod p)."""
+    """Each rank's sum of `work` (per layer, then the two edges) over what it holds (`achievable.rank_indices`)."""
     L = len(work) - 2
-    rank_of = np.repeat(np.arange(len(split)) % p, split)
-    out = np.bincount(rank_of, weights=work[:L], minlength=p)
-    out[0] += work[L]
-    out[p - 1] += work[L + 1]
-    return out
+    return np.array([float(work[rank_indices(split, r, p, L)].sum()) for r in range(p)])
 
 
 def _load_keys(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row of rank loads: (slowest rank, ranks within a relative 1e-9 of it, sum of squares), what the
-    refinement lowers, in that order."""
+    """Per row of rank loads: (slowest rank, ranks within LOAD_TOL of it, sum of squares), what the refinement
+    lowers, in that order."""
     top = rows.max(axis=1)
-    return top, (rows >= top[:, None] * (1 - 1e-9)).sum(axis=1), (rows ** 2).sum(axis=1)
+    return top, (rows >= top[:, None] * (1 - LOAD_TOL)).sum(axis=1), (rows ** 2).sum(axis=1)
 
 
 def _better(top: np.ndarray, cnt: np.ndarray, sq: np.ndarray, cur: tuple[float, int, float]) -> np.ndarray:
-    """Which keys are below `cur` by more than a relative 1e-9 (the loads' rounding) in its order."""
-    tol = 1e-9
-    same_top = np.abs(top - cur[0]) <= tol * cur[0]
-    return ((top < cur[0] * (1 - tol)) | (same_top & (cnt < cur[1]))
-            | (same_top & (cnt == cur[1]) & (sq < cur[2] * (1 - tol))))
+    """Which keys are below `cur` in its order, by more than LOAD_TOL where a load is compared."""
+    same_top = np.abs(top - cur[0]) <= LOAD_TOL * cur[0]
+    return ((top < cur[0] * (1 - LOAD_TOL)) | (same_top & (cnt < cur[1]))
+            | (same_top & (cnt == cur[1]) & (sq < cur[2] * (1 - LOAD_TOL))))
 
 
 def refine_rank_loads(split: list[int], work: np.ndarray, p: int, least: list[int]) -> list[int]:
@@ -292,9 +292,7 @@ def refine_rank_loads(split: list[int], work: np.ndarray, p: int, least: list[in
                 froms.append(np.full(int(ok.sum()), a))
                 tos.append(bs[ok])
                 rows.append(moved[ok])
-        if not rows:
-            break
-        allrows = np.concatenate(rows)
+        allrows = np.concatenate(rows) if rows else np.zeros((0, p))
         if not len(allrows):
             break
         top, cnt, sq = _load_keys(allrows)
@@ -309,7 +307,7 @@ def refine_rank_loads(split: list[int], work: np.ndarray, p: int, least: list[in
         cur = tuple(float(x[0]) for x in _load_keys(loads[None, :]))
     # Moves that only even out the ranks under an unchanged slowest one change the warm-up the replay reads and buy
     # no step (Kimi K2 PP16 VP3 over 1,024 B200: formula 2.858 s either way, replayed 3.083 s before, 3.183 s after).
-    return s if cur[0] < first * (1 - 1e-9) else list(split)
+    return s if cur[0] < first * (1 - LOAD_TOL) else list(split)
 
 
 def toggle_sets(job: Job) -> list[tuple[dict[str, bool], dict[str, bool]]]:
