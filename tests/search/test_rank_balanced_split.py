@@ -145,7 +145,7 @@ def test_k3_b200_pp16_short_chunks_by_layer_kind():
     one-layer chunks (C(48, 3) = 17,296 splits, enumerated on the same per-layer work), and its step is lower."""
     import itertools
 
-    from k3opt.cost.coefficients import busiest_layer_seconds
+    from k3opt.cost.coefficients import Shape, busiest_layer_seconds
     from k3opt.inputs.specs import FsdpLifecycle, Recompute
     from k3opt.search import enumerate_frames
     from k3opt.search.ranking import ranked_coefficients
@@ -158,8 +158,6 @@ def test_k3_b200_pp16_short_chunks_by_layer_kind():
              and g.dense_sharding == ShardingPolicy.OPTIM)
     it = frame_incumbent(job, f, model, cluster, recompute=Recompute.FULL, lifecycle=FsdpLifecycle.PER_MICROBATCH)
     assert it is not None and it.evaluation.fits
-    from k3opt.cost.coefficients import Shape
-
     work = busiest_layer_seconds(ranked_coefficients(Shape.of(it.layout), model, cluster))
     least = min(max(_loads([1 if g in ones else 2 for g in range(48)], work, 16))
                 for ones in itertools.combinations(range(48), 3))

@@ -193,13 +193,8 @@ class _Captured(Exception):
     pass
 
 
-def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_first(model, cluster, monkeypatch):
-    """K3 on 512 GPUs (the default job): the first heuristic pass's first round takes each (PP, VP)'s most sharded
-    shape (most EP and dense FSDP, least expert FSDP and CP), those whose peak bound is under HBM less the reserve
-    first, by step-time bound; PP8 VP4 leads (it came 13th when the order was by sharding alone)."""
-    from k3opt.inputs.specs import GIB
-
-    job = k3opt.load_job("k3-512-4k")
+def _first_pass_visits(job, model, cluster, monkeypatch) -> list:
+    """The frames the plan hands its first heuristic pass, in its order (the pass itself is not run)."""
     seen: list = []
 
     def spy(job_, ordered, *a, **k):
@@ -209,13 +204,30 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
     monkeypatch.setattr(driver, "incumbents", spy)
     with pytest.raises(_Captured):
         k3opt.plan(job, model=model, cluster=cluster, top=1, time_limit=60)
-    frames = enumerate_frames(job, model, 512, cluster)
+    return seen
+
+
+def _most_sharded_heads(frames, key) -> dict:
+    """Per key(f), its most sharded frame: most EP and dense FSDP, then least expert FSDP and CP."""
     heads: dict = {}
     for f in frames:
-        mine = heads.get((f.pp, f.vp))
+        mine = heads.get(key(f))
         if mine is None or (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp) < (-mine.ep, -mine.dense_fsdp,
                                                                           mine.expert_fsdp, mine.cp):
-            heads[(f.pp, f.vp)] = f
+            heads[key(f)] = f
+    return heads
+
+
+def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_first(model, cluster, monkeypatch):
+    """K3 on 512 GPUs (the default job): the first heuristic pass's first round takes each (PP, VP)'s most sharded
+    shape (most EP and dense FSDP, least expert FSDP and CP), those whose peak bound is under HBM less the reserve
+    first, by step-time bound; PP8 VP4 leads (it came 13th when the order was by sharding alone)."""
+    from k3opt.inputs.specs import GIB
+
+    job = k3opt.load_job("k3-512-4k")
+    seen = _first_pass_visits(job, model, cluster, monkeypatch)
+    frames = enumerate_frames(job, model, 512, cluster)
+    heads = _most_sharded_heads(frames, lambda f: (f.pp, f.vp))
     line = cluster.hbm_bytes - job.reserve_gib * GIB
     bounds = {pv: frame_lower_bound(job, f, model, cluster) for pv, f in heads.items()}
     expected = sorted(heads, key=lambda pv: (bounds[pv][1] > line, bounds[pv][0]))
@@ -233,22 +245,8 @@ def test_the_first_pass_leads_with_the_faster_precision(model, cluster, monkeypa
     from k3opt.inputs.specs import GIB
 
     job = k3opt.Job.model_validate({**k3opt.load_job("k3-512-4k").model_dump(), "precisions": ["bf16", "fp8"]})
-    seen: list = []
-
-    def spy(job_, ordered, *a, **k):
-        seen.extend(f for _, f in ordered)
-        raise _Captured
-
-    monkeypatch.setattr(driver, "incumbents", spy)
-    with pytest.raises(_Captured):
-        k3opt.plan(job, model=model, cluster=cluster, top=1, time_limit=60)
-    heads: dict = {}
-    for f in enumerate_frames(job, model, 512, cluster):
-        key = (f.pp, f.vp, f.precision)
-        mine = heads.get(key)
-        if mine is None or (-f.ep, -f.dense_fsdp, f.expert_fsdp, f.cp) < (-mine.ep, -mine.dense_fsdp,
-                                                                          mine.expert_fsdp, mine.cp):
-            heads[key] = f
+    seen = _first_pass_visits(job, model, cluster, monkeypatch)
+    heads = _most_sharded_heads(enumerate_frames(job, model, 512, cluster), lambda f: (f.pp, f.vp, f.precision))
     line = cluster.hbm_bytes - job.reserve_gib * GIB
     bounds = {k: frame_lower_bound(job, f, model, cluster) for k, f in heads.items()}
     first = min(heads, key=lambda k: (bounds[k][1] > line, bounds[k][0]))
