@@ -631,9 +631,10 @@ def _window_counts(kind_of: np.ndarray, nkinds: int, chunk_least: tuple[int, ...
     key = (kind_of.tobytes(), nkinds, chunk_least, p, r)
     hit = _WINDOWS.get(key)
     if hit is None:
-        ind = [(kind_of == t).astype(float) for t in range(nkinds)]
-        lo = np.stack([window_extreme(w, chunk_least, p, r, low=True) for w in ind])
-        hi = np.stack([window_extreme(w, chunk_least, p, r, low=False) for w in ind])
+        ind = np.stack([(kind_of == t).astype(float) for t in range(nkinds)])
+        # Every kind's least and (negated) most in one program: the most is minus the least of the negation.
+        both = window_least(np.concatenate([ind, -ind]), chunk_least, p, r)
+        lo, hi = both[:nkinds], -both[nkinds:]
         L = len(kind_of)
         hit = (np.where(np.isfinite(lo), np.rint(lo), L + 1).astype(np.int64),
                np.where(np.isfinite(hi), np.rint(hi), -1).astype(np.int64))
@@ -651,29 +652,47 @@ def window_extreme(weight: np.ndarray, chunk_least: tuple[int, ...], p: int, r: 
     r's chunks can hold when they hold n layers in all: its chunks (global chunks k p + r, each of at least
     `chunk_least[k p + r]` layers) are windows of the layer order, in order, disjoint, with at least the other
     ranks' chunks' least layers between them and before and after them (`chunk_least` in global chunk order).
-    Exact over contiguous splits: every such placement completes to a split. A dynamic program over the position
-    after each window; inf (-inf) where no chunks add up to n."""
-    L = len(weight)
+    Exact over contiguous splits: every such placement completes to a split. -inf / inf where no chunks add up to
+    n. The most is the least of the negated weights (`window_least`)."""
+    w = np.asarray(weight, dtype=float)[None, :]
+    return window_least(w, chunk_least, p, r)[0] if low else -window_least(-w, chunk_least, p, r)[0]
+
+
+def window_least(weights: np.ndarray, chunk_least: tuple[int, ...], p: int, r: int) -> np.ndarray:
+    """`window_extreme`'s least sums for each row of `weights` (B, L) at once: (B, L + 1), inf where no chunks
+    add up to n. A dynamic program over the position after each of rank r's windows.
+
+    best[x, n]: the windows so far hold n layers, and the next may start at layer x or later. A window [s, y) of
+    m = y - s >= least layers, with `gap` layers of other ranks' chunks after it, leads to
+        step[y + gap, n + m] = min over s <= y - least of  best[s, n] + W[y] - W[s]      (W: prefix sums),
+    and with d = (n + m) - y = n - s fixed along a window's moves this is  W[y] + min_{s <= y - least} A[s, d],
+    A[s, d] = best[s, s + d] - W[s]: a running minimum over s of A per d, so each window costs a few array
+    operations over (L + 1) x (2 L + 1), not one per window length."""
+    weights = np.asarray(weights, dtype=float)
+    b, L = weights.shape
     mine = list(range(r, len(chunk_least), p))
     lead = sum(chunk_least[:mine[0]])
-    gaps = [sum(chunk_least[a + 1:b]) for a, b in itertools.pairwise(mine)] + [sum(chunk_least[mine[-1] + 1:])]
-    worst = math.inf if low else -math.inf
-    pick = np.minimum if low else np.maximum
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weight, dtype=float))])
-    # best[x, n]: the chunks so far hold n layers, and the next one may start at layer x or later.
+    gaps = [sum(chunk_least[a + 1:b_]) for a, b_ in itertools.pairwise(mine)] + [sum(chunk_least[mine[-1] + 1:])]
+    prefix = np.concatenate([np.zeros((b, 1)), np.cumsum(weights, axis=1)], axis=1)  # (B, L + 1)
     # The model's first chunk starts at layer 0 and its last ends at layer L: no chunk lies before or after them.
-    best = np.full((L + 1, L + 1), worst)
-    best[lead:lead + 1 if mine[0] == 0 else L + 1, 0] = 0.0
+    best = np.full((b, L + 1, L + 1), np.inf)
+    best[:, lead:lead + 1 if mine[0] == 0 else L + 1, 0] = 0.0
+    s_idx, n_idx = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+    diag = n_idx - s_idx + L  # column of d = n - s, shifted to 0..2L
+    counts = np.arange(L + 1)
     step = best
     for k, gap in zip(mine, gaps, strict=True):
-        step = np.full_like(best, worst)
-        for m in range(int(chunk_least[k]), L + 1 - gap):
-            starts = np.arange(0, L + 1 - m - gap)  # a chunk [s, s + m), the next free at s + m + gap <= L
-            held = best[starts, :L + 1 - m] + (prefix[starts + m] - prefix[starts])[:, None]
-            rows = starts + m + gap
-            step[rows, m:] = pick(step[rows, m:], held)
-        best = pick.accumulate(step, axis=0)
-    return step[L] if mine[-1] == len(chunk_least) - 1 else best[L]
+        least = int(chunk_least[k])
+        a = np.full((b, L + 1, 2 * L + 1), np.inf)
+        a[:, s_idx, diag] = best - prefix[:, :, None]
+        run = np.minimum.accumulate(a, axis=1)
+        step = np.full_like(best, np.inf)
+        ends = np.arange(least, L - gap + 1)  # y: where the window ends
+        if len(ends):
+            cols = counts[None, :] - ends[:, None] + L  # (ends, n'): d = n' - y
+            step[:, ends + gap, :] = prefix[:, ends, None] + run[:, (ends - least)[:, None], cols]
+        best = np.minimum.accumulate(step, axis=1)
+    return step[:, L] if mine[-1] == len(chunk_least) - 1 else best[:, L]
 
 
 def rank_capacity(f: Frame, a: _Arrays, c0: Coefficients, cap: float, host_cap: float, off: bool, bal: bool,

@@ -119,7 +119,7 @@ def test_a_rank_s_chunks_hold_the_model_s_kind_mix():
 def test_window_extreme_equals_every_split(seed: int):
     """The least and the most weight rank r's chunks hold at n layers, against every split of the layers (edge
     chunks that may be empty in some cases)."""
-    from k3opt.search.lp_bound import window_extreme
+    from k3opt.search.lp_bound import window_extreme, window_least
 
     rng = np.random.default_rng(seed)
     p, v = [(2, 2), (3, 2), (2, 3), (4, 1)][seed % 4]
@@ -136,6 +136,11 @@ def test_window_extreme_equals_every_split(seed: int):
             hi[len(idx)] = max(hi[len(idx)], w[idx].sum())
         np.testing.assert_allclose(window_extreme(w, least, p, r, low=True), lo)
         np.testing.assert_allclose(window_extreme(w, least, p, r, low=False), hi)
+        # The batched program (_window_counts runs every kind's least and most in one): the rows are independent.
+        both = window_least(np.stack([w, -w, np.zeros(L)]), least, p, r)
+        np.testing.assert_allclose(both[0], lo)
+        np.testing.assert_allclose(-both[1], hi)
+        np.testing.assert_allclose(both[2], np.where(np.isfinite(lo), 0.0, np.inf))
 
 
 def test_each_rank_holds_one_layer_per_chunk():
