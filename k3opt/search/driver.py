@@ -385,10 +385,10 @@ class _Search:
 
     def first_pass(self) -> None:
         """A first layout before bounding every shape (incumbents.incumbents): round-robin over the pipeline shapes
-        (PP, VP), each by its most sharded shape first (the least memory per rank), so a fitting layout comes in
-        seconds even when there are many shapes; the pipeline shapes by that shape's bounds: those that can fit,
-        by step-time bound. A job listing several precisions or gradient dtypes has a head for each, and each
-        pipeline shape's frames follow its heads' bounds: the faster precision's shapes come first."""
+        (PP, VP) and CP degrees, each by its most sharded shape first (the least memory per rank), so a fitting
+        layout comes in seconds even when there are many shapes; the pipeline shapes by that shape's bounds: those
+        that can fit, by step-time bound. A job listing several precisions or gradient dtypes has a head for each,
+        and each pipeline shape's frames follow its heads' bounds: the faster precision's shapes come first."""
         # Ordered by sharding alone, the default job's leading pipeline shape (PP8 VP4) comes 13th, and without its
         # walk the search misses its fastest layout. The pass has half the budget, at most POLICY.first_pass_s.
         # K3 on 512 GB300 with BF16, FP8 and MXFP8 listed: with one head per (PP, VP), every head and the pass's
@@ -1384,9 +1384,12 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
 
 
 def _head_key(f: Frame) -> tuple:
-    """The first pass's head of f: its pipeline shape, precision and gradient dtype (the choices that set a shape's
-    speed beside its degrees)."""
-    return f.pp, f.vp, f.precision, f.grad_dtype
+    """The first pass's head of f: its pipeline shape, context parallelism, precision and gradient dtype (the
+    choices that set a shape's speed beside its degrees). CP has heads of its own because a head's peak bound
+    counts no activations: at 32K context every CP1 head bounds under the HBM line and fits nothing, and with one
+    head per (PP, VP) the pass found no layout (K3 on 512 GPUs: the first at 14 s, from the round-robin pass; with
+    CP heads, 2.7 s)."""
+    return f.pp, f.vp, f.cp, f.precision, f.grad_dtype
 
 
 def _most_sharded_first(frames: list[Frame]) -> list[Frame]:
