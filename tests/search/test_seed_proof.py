@@ -208,7 +208,8 @@ def _first_pass_visits(job, model, cluster, monkeypatch) -> list:
 
 
 def _most_sharded_heads(frames, key) -> dict:
-    """Per key(f), its most sharded frame: most EP and dense FSDP, then least expert FSDP and CP."""
+    """Per key(f), its most sharded frame: most EP and dense FSDP, then least expert FSDP and CP (where the key
+    leaves CP open)."""
     heads: dict = {}
     for f in frames:
         mine = heads.get(key(f))
@@ -252,7 +253,7 @@ def test_the_first_pass_visits_the_pipeline_shapes_that_can_fit_fastest_bound_fi
 
 
 def test_the_first_pass_leads_with_the_faster_precision(model, cluster, monkeypatch):
-    """K3 on 512 GPUs with BF16 and FP8 listed: each (PP, VP) has a head per precision, and the pass's order
+    """K3 on 512 GPUs with BF16 and FP8 listed: each (PP, VP, CP) has a head per precision, and the pass's order
     follows those heads' bounds, so its first shape is the FP8 head of the pipeline shape that bounds least (FP8's
     GEMMs run at twice BF16's peak). With one head per (PP, VP), the BF16 shapes came first and K3 on 512 GB300
     with BF16, FP8 and MXFP8 listed spent the whole pass on them."""
