@@ -26,8 +26,11 @@ from k3opt.inputs.rates import load_rates
 # constraints/clusters/b200.toml (NVIDIA B200 datasheet): dense peaks and link rates per GPU.
 BF16_PEAK, MXFP8_PEAK = 2250e12, 4500e12
 HBM, NVLINK, NIC, HOST = 8000e9, 900e9, 50e9, 64e9
-# constraints/rates/b200.toml: measured fractions of those peaks and HybridEP's all-to-all bandwidths.
-DENSE_BF16, DENSE_MXFP8, GROUPED_BF16, GROUPED_MXFP8, ATTENTION = 0.716, 0.564, 0.679, 0.534, 0.391
+# constraints/rates/b200.toml: measured fractions of those peaks and HybridEP's all-to-all bandwidths. BF16 is the
+# FP8 fraction times one sm_100 device's BF16 / FP8 fraction ratio at 4096^3 (XLA's table: 1,416.9 TFLOP/s of 2.5 PF
+# against 2,765.0 of 5 PF), 0.564 x 0.56676 / 0.5530 = 0.578; grouped = dense x the MXFP8 grouped / dense ratio
+# 2,672 / 2,819.5: 0.578 x 0.9477 = 0.548.
+DENSE_BF16, DENSE_MXFP8, GROUPED_BF16, GROUPED_MXFP8, ATTENTION = 0.578, 0.564, 0.548, 0.534, 0.391
 ATTENTION_BACKWARD = 0.333  # attention_core_backward: 0.391 x 1,208.6 / 1,418.1 (backward / forward TFLOP/s)
 HBM_FRAC, NVLINK_FRAC, NIC_FRAC = 0.74, 0.65, 0.92
 A2A_NVLINK, A2A_NIC = 533.4e9, 43.74e9
@@ -74,7 +77,7 @@ def test_each_mtp_module_adds_one_more_loss():
 def test_routed_expert_compute_of_one_layer():
     """The routed experts of one Qwen3-30B-A3B layer in BF16 (the `mlp` node of Megatron's schedule): w1, w3
     [768, 2048] and w2 [2048, 768], 8 active per token: 6 x 4,096 x 3 x 768 x 2048 x 8 = 927,712,935,936 FLOPs at
-    2,250 TF x 0.679 (grouped BF16); each expert sees 4,096 x 8 x 8 / 128 = 2,048 tokens, cube edge
+    2,250 TF x 0.548 (grouped BF16); each expert sees 4,096 x 8 x 8 / 128 = 2,048 tokens, cube edge
     (2048 x 768 x 2048)^(1/3) = 1,477 on the size curve; plus their memory-bound kernels, 5 x the routed saved
     bytes per token (dispatched inputs 8 x 2048 x 2, SwiGLU inputs 2 x 8 x 768 x 2, activation outputs 8 x 768 x 2,
     expert outputs 8 x 2048 x 2 = 102,400 B) x 4,096 tokens at 8 TB/s x 0.74."""
@@ -247,7 +250,7 @@ def _size(m: float, out: int, inp: int) -> float:
 def test_mxfp8_moe_layer_tensor_time_gemm_by_gemm(qwen_b200):
     """One Qwen3-30B-A3B layer, T = 4,096 tokens per microbatch, 6 T out in FLOPs per GEMM:
     GQA q [4096, 2048], k and v [512, 2048], o [2048, 4096] in MXFP8 at 4,500 TF x 0.564 (dense);
-    the router [128, 2048] stays BF16 at 2,250 TF x 0.716; the experts w1, w3 [768, 2048] and w2 [2048, 768],
+    the router [128, 2048] stays BF16 at 2,250 TF x 0.578; the experts w1, w3 [768, 2048] and w2 [2048, 768],
     8 active per token, are grouped MXFP8 GEMMs at 4,500 TF x 0.534 whose M is the tokens one expert receives:
     T k e / E = 4096 x 8 x 16 / 128 = 4,096. Full recompute runs the forward again: x 4/3. The attention core,
     32 heads x (128 + 128) FLOPs per token per document token over 4,096 tokens per unit, runs its forward units (1,
@@ -265,7 +268,7 @@ def test_mxfp8_moe_layer_tensor_time_gemm_by_gemm(qwen_b200):
 
 
 def test_lm_head_tensor_time_with_fused_cross_entropy(qwen_b200):
-    """The last edge: the untied LM head [151936, 2048] stays BF16 (6 T V d at 2,250 TF x 0.716, no recompute),
+    """The last edge: the untied LM head [151936, 2048] stays BF16 (6 T V d at 2,250 TF x 0.578, no recompute),
     and the fused cross-entropy recomputes the logits in backward: 2 T V d more at the same rate."""
     cf, _, _ = qwen_b200
     T, V, d = 4096, 151936, 2048
@@ -291,7 +294,7 @@ def test_link_bytes_split_between_collectives_and_the_all_to_all(qwen_b200):
 
 def test_per_update_times_at_the_measured_fractions(qwen_b200):
     """Per update: optimizer HBM traffic at x 0.74, the view refresh all-gather at the collective fractions, and
-    under Muon the Newton-Schulz FLOPs at BF16 x 0.716; against the same work at the peaks. Qwen3 itself trains
+    under Muon the Newton-Schulz FLOPs at BF16 x 0.578; against the same work at the peaks. Qwen3 itself trains
     with AdamW (its recipe): an elementwise update, no tensor-core work."""
     cf, model, cluster = qwen_b200
     assert not cf.update["tensor"].any()

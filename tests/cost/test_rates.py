@@ -44,8 +44,19 @@ def test_gb300_gemm_fractions_are_its_own_microbenchmarks():
     assert r.gemm_grouped["nvfp4"].value == pytest.approx(8640.3 / 15000 * ratio, abs=1e-3)
     assert r.size_factor(np.array([2048.0]))[0] == pytest.approx(2288.9 / 3257.0, abs=1e-3)
     assert r.size_factor(np.array([1024.0]))[0] == pytest.approx(553.5 / 3257.0, abs=1e-3)
-    # BF16 has no GB300 measurement: GB200's fraction is carried over.
-    assert r.gemm_dense["bf16"].value == load_rates("gb200-nvl72").gemm_dense["bf16"].value
+    # BF16 has no GB300 measurement of its own: its FP8 rate times one sm_100 device's BF16 / FP8 rate ratio at
+    # 4096^3 (XLA's table, 1,416.9 / 2,765.0 TFLOP/s), over the 2.5 PF BF16 peak.
+    assert r.gemm_dense["bf16"].value == round(3308.5 * 1416.9 / 2765.0 / 2500, 3)
+    assert r.gemm_grouped["bf16"].value == pytest.approx(3308.5 * 1416.9 / 2765.0 / 2500 * ratio, abs=1e-3)
+
+
+def test_bf16_and_fp8_gemm_fractions_come_from_one_campaign():
+    """GB200 and B200: BF16 at the FP8 fraction (Azure GB200 cuBLASLt 2,819.5 of 5 PF) times the BF16 / FP8
+    fraction ratio of one device (XLA's sm_100 table at 4096^3: 1,416.9 of 2.5 PF against 2,765.0 of 5 PF)."""
+    for name in ("gb200-nvl72", "b200"):
+        r = load_rates(name)
+        assert r.gemm_dense["bf16"].value == round(0.564 * (1416.9 / 2500) / (2765.0 / 5000), 3) == 0.578
+        assert r.gemm_grouped["bf16"].value == pytest.approx(0.578 * 2672 / 2819.5, abs=1e-3)
 
 
 def test_rates_file_errors(tmp_path):
@@ -69,9 +80,11 @@ def test_achievable_tensor_time_of_one_llama_layer():
     T = 2 * 8192
     linear = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192     # q, o; k, v; gate, up, down
     attn = 3 * 64 * (128 + 128) * 8192                                  # causal score/value, per token
+    # GEMMs at 0.578 of 2.5 PF: GB200's cuBLASLt FP8 2,819.5 TFLOP/s x XLA's sm_100 BF16 / FP8 ratio at 4096^3,
+    # 1,416.9 / 2,765.0, = 1,444.8 TFLOP/s.
     # Attention: 1 of its 3 FLOP units is the forward (cuDNN 39.1% of the BF16 peak), 2 the backward
     # (0.391 x FA4's backward / forward rate 1,208.6 / 1,418.1 = 0.333).
-    expected = 6 * T * linear / (2.5e15 * 0.716) + T * attn / 3 / (2.5e15 * 0.391) + T * attn * 2 / 3 / (2.5e15 * 0.333)
+    expected = 6 * T * linear / (2.5e15 * 0.578) + T * attn / 3 / (2.5e15 * 0.391) + T * attn * 2 / 3 / (2.5e15 * 0.333)
     assert cf.achievable["tensor"][5] == pytest.approx(expected, rel=1e-12)
     # The peak roofline of the same layer is the same FLOPs at 100 % of 2.5 PF.
     assert cf.time["tensor"][5] == pytest.approx((6 * T * linear + T * attn) / 2.5e15, rel=1e-12)
@@ -242,7 +255,7 @@ def test_full_recompute_runs_the_attention_forward_twice_at_the_forward_rate():
     T = 2 * 8192
     linear = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
     attn = 3 * 64 * (128 + 128) * 8192
-    extra = 2 * T * linear / (2.5e15 * 0.716) + T * attn / 3 / (2.5e15 * 0.391)
+    extra = 2 * T * linear / (2.5e15 * 0.578) + T * attn / 3 / (2.5e15 * 0.391)
     assert full.achievable["tensor"][5] - sel.achievable["tensor"][5] == pytest.approx(extra, rel=1e-9)
 
 

@@ -80,9 +80,9 @@ def test_least_layers_per_chunk():
 
 def test_kimi_k2_pp16_vp3_heuristic_layout():
     """The chunk-by-chunk balance put the 13 two-layer chunks in the middle virtual stage, four layers on the last
-    rank beside the LM head (vocab 163,840): its heuristic layout took 3.476 s. The split balanced per rank, priced
-    beside it, gives the last rank three single-layer chunks and puts the two-layer chunks last; evaluate() ranks
-    the layout under 3.2 s (the plan's best layout of any shape had been 3.299 s, PP16 VP2)."""
+    rank beside the LM head (vocab 163,840): its heuristic layout took 8% longer than the split balanced per rank,
+    priced beside it, which gives the last rank three single-layer chunks and puts the two-layer chunks last;
+    evaluate() ranks that layout at 3.609 s (BF16 GEMMs at 0.578 of the peak)."""
     job = k3opt.Job.model_validate({"model": "kimi-k2", "cluster": "b200", "gpus": 1024,
                                     "tokens_per_update": 8388608, "reserve_gib": 4.0})
     model, cluster = k3opt.load_model("kimi-k2"), k3opt.load_cluster("b200")
@@ -92,7 +92,7 @@ def test_kimi_k2_pp16_vp3_heuristic_layout():
     assert it is not None and it.evaluation.fits
     ev = k3opt.evaluate(it.layout, model=model, cluster=cluster)
     assert ev.step.rank_time_s == pytest.approx(it.rank_time_s)
-    assert ev.step.rank_time_s < 3.2
+    assert ev.step.rank_time_s < 3.62
     assert _ranks(it.layout.split, 16)[15] == [1, 1, 1]
 
 

@@ -83,18 +83,36 @@ def k3_node():
     return job, f, k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
 
 
-def test_path_separation_raises_the_node_bound_and_stays_under_its_layouts(k3_node, monkeypatch):
-    """K3 PP4 VP4 M32 (selective, per_microbatch): its relaxation moves layers to thin early chunks and fat last ones,
-    where the step formula's packets are small and the replay (none of the seeded paths long there) is long. With
-    the longest path at the relaxation's own chunk times added, the bound rises by more than 1% and stays under
-    evaluate()'s ranked time of a fitting layout of the node and of the thin-early split itself."""
-    job, f, model, cluster = k3_node
+# K3 on 512 GB300 in FP8 (bench/jobs/k3-gb300-512-fp8.toml), PP8 VP2 EP64 eFSDP1 dFSDP64 M64, optim / optim,
+# selective / per_microbatch: the node's heuristic layout (`incumbents.frame_incumbent`) fits at FP8_FITS.
+FP8_NODE = {"pp": 8, "vp": 2, "cp": 1, "ep": 64, "expert_fsdp": 1, "dense_fsdp": 64, "microbatches": 64,
+            "dense_sharding": "optim", "expert_sharding": "optim", "precision": "fp8"}
+FP8_TOGGLES = {**TOGGLES, "balance_activations": True, "dispatch_recompute": True}
+FP8_FITS = [6] * 9 + [5] + [6] * 5 + [4]
+
+
+@pytest.fixture(scope="module")
+def fp8_node():
+    job = k3opt.Job.model_validate({"cluster": "gb300-nvl72", "gpus": 512, "tokens_per_update": 16777216,
+                                    "reserve_gib": 4.0, "domain_gpus_used": 64, "precisions": ["bf16", "fp8", "mxfp8"]})
+    f = Frame(gpus=512, domain_gpus_used=64, **FP8_NODE)
+    return job, f, k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb300-nvl72")
+
+
+def test_path_separation_raises_the_node_bound_and_stays_under_its_layouts(fp8_node, monkeypatch):
+    """K3 FP8 on GB300, PP8 VP2 M64 (selective, per_microbatch): its relaxation moves layers to thin early chunks and
+    fat last ones, where the step formula's packets are small and the replay (none of the seeded paths long there)
+    is long. With the longest path at the relaxation's own chunk times added, the bound rises by more than 1% and
+    stays under evaluate()'s ranked time of a fitting layout of the node and of a thin-early split."""
+    job, f, model, cluster = fp8_node
     with_paths = tight_node_bound(job, f, Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH, model, cluster)
     monkeypatch.setattr(lp_bound, "POLICY", dataclasses.replace(POLICY, lp_path_rounds=0))
     without = tight_node_bound(job, f, Recompute.SELECTIVE, FsdpLifecycle.PER_MICROBATCH, model, cluster)
     assert with_paths > without * 1.01
-    for split in (FITS, [3] * 12 + [15, 14, 14, 14]):
-        ev = k3opt.evaluate(_layout(split))
+    for split in (FP8_FITS, [3] * 12 + [15, 14, 14, 14]):
+        ev = k3opt.evaluate(k3opt.Layout(model="kimi-k3", cluster="gb300-nvl72", gpus=512, rows=1, context=4096,
+                                         split=split, recompute="selective", fsdp_lifecycle="per_microbatch",
+                                         toggles=FP8_TOGGLES, reserve_gib=4.0, domain_gpus_used=64, **FP8_NODE))
         assert ev.fits
         assert with_paths <= ev.step.rank_time_s
 
