@@ -80,7 +80,7 @@ def test_least_layers_per_chunk():
 
 def test_kimi_k2_pp16_vp3_heuristic_layout():
     """The chunk-by-chunk balance put the 13 two-layer chunks in the middle virtual stage, four layers on the last
-    rank beside the LM head (vocab 163,840): its heuristic layout took 8% longer than the split balanced per rank,
+    rank beside the LM head (vocab 163,840): its heuristic layout was slower than the split balanced per rank,
     priced beside it, which gives the last rank three single-layer chunks and puts the two-layer chunks last;
     evaluate() ranks that layout at 3.609 s (BF16 GEMMs at 0.578 of the peak)."""
     job = k3opt.Job.model_validate({"model": "kimi-k2", "cluster": "b200", "gpus": 1024,
