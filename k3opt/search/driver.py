@@ -834,8 +834,8 @@ class _Search:
         self.prefetch.close()
         k = self._kth()
         hint = frame_incumbent(self.job, f, self.model, self.cluster, recompute=rc, lifecycle=lc,
-                               deadline=self.deadline, repair_below=k.rank_time_s if k is not None else math.inf
-                               ) if e.attempt == 0 else None
+                               deadline=self.deadline, repair_below=k.rank_time_s if k is not None else math.inf,
+                               floor=t_lb) if e.attempt == 0 else None
         if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
             self.best_of[f] = mine = hint
         remaining = self.time_limit - (_time.monotonic() - self.t0)

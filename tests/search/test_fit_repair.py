@@ -115,3 +115,23 @@ def test_the_node_hint_repairs_a_faster_candidate(tiny, slow):
                 best = min(best, ev.step.rank_time_s)
     assert best == pytest.approx(4.3619, abs=1e-4)
     assert fixed.rank_time_s >= best - 1e-9
+
+
+def test_the_node_floor_lets_a_misfit_over_the_line_be_repaired(tiny, slow):
+    """A misfit's own time does not bound its repair's: on the node above, two misfits at 4.500 s find no fitting
+    split, and one at 5.050 s repairs to 4.912 s. Under a line of 5.0 s (the driver's top-th layout) that one is
+    repaired only when the node's proven floor is under the line: with the node's enumerated optimum, 4.362 s, as
+    the floor the hint is 4.912 s; with no floor, or a floor of 5.1 s over the line, it stays the per-rank split's
+    4.946 s."""
+    job = pp2_vp2_memory_job(2.2)
+    (f,) = enumerate_frames(job, tiny, 8)
+
+    def hint(floor: float) -> float:
+        it = frame_incumbent(job, f, tiny, slow, recompute=Recompute.NONE, lifecycle=FsdpLifecycle.PER_MICROBATCH,
+                             repair_below=5.0, floor=floor)
+        assert it is not None and it.evaluation.fits
+        return it.rank_time_s
+
+    assert hint(math.inf) == pytest.approx(4.946, abs=1e-3)
+    assert hint(5.1) == pytest.approx(4.946, abs=1e-3)
+    assert hint(4.362) == pytest.approx(4.912, abs=1e-3)
