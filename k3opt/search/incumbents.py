@@ -425,6 +425,15 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
             for act, rank in sets:
                 if (rc, lc, act, rank) not in priced:
                     price(rc, lc, act, rank, fixed)
+    line = min(repair_below if repair_below is not None else math.inf, better_than)
+    return _repair_misfits(job, unfit, model, cluster, best, best_main, line, floor, deadline)
+
+
+def _repair_misfits(job: Job, unfit: list[Evaluation], model: ModelSpec, cluster: ClusterSpec,
+                    best: PlanItem | None, best_main: float, line: float, floor: float, deadline: float
+                    ) -> PlanItem | None:
+    """`best` or a repaired misfit (`fit_repair`) faster than it, the misfits tried fastest first under
+    min(`line`, the fastest candidate or repair so far that is not the per-rank split, `best_main`)."""
     # A faster candidate whose splits all miss the memory line may fit once layers move off its fullest rank
     # (Llama 3 70B PP8 VP4 on 64 B200 without offload: 16.78 s, where the candidates fit only with it, 34.8 s).
     # The misfits to repair are those under the others' best, not under the per-rank split's: a repair can end
@@ -435,16 +444,16 @@ def frame_incumbent(job: Job, f: Frame, model: ModelSpec, cluster: ClusterSpec, 
     # the line, misfits over it are repaired too, in their order, for one repair's time (POLICY.fit_repair_s) in all.
     over_left = POLICY.fit_repair_s
     for ev in sorted(unfit, key=lambda e: e.step.rank_time_s):
-        line = min(repair_below if repair_below is not None else math.inf, better_than, best_main)
-        over = ev.step.rank_time_s >= line
-        if (over and not (floor < line and over_left > 0)) or _time.monotonic() > deadline:
+        cut = min(line, best_main)
+        over = ev.step.rank_time_s >= cut
+        if (over and not (floor < cut and over_left > 0)) or _time.monotonic() > deadline:
             break
         t_repair = _time.monotonic()
         fixed_item = fit_repair(job, PlanItem(ev.layout, ev), model, cluster,
                                 min(deadline, t_repair + (over_left if over else POLICY.fit_repair_s)))
         if over:
             over_left -= _time.monotonic() - t_repair
-        if fixed_item is not None and fixed_item.rank_time_s < line:
+        if fixed_item is not None and fixed_item.rank_time_s < cut:
             best_main = fixed_item.rank_time_s
             if best is None or fixed_item.rank_time_s < best.rank_time_s:
                 best = fixed_item
