@@ -1386,9 +1386,8 @@ def _rebalanced(job: Job, f: Frame, shape: Shape, item: PlanItem, model: ModelSp
 def _head_key(f: Frame) -> tuple:
     """The first pass's head of f: its pipeline shape, context parallelism, precision and gradient dtype (the
     choices that set a shape's speed beside its degrees). CP has heads of its own because a head's peak bound
-    counts no activations: at 32K context every CP1 head bounds under the HBM line and fits nothing, and with one
-    head per (PP, VP) the pass found no layout (K3 on 512 GPUs: the first at 14 s, from the round-robin pass; with
-    CP heads, 2.7 s)."""
+    counts no activations: at 32K context every CP1 head bounds under the HBM line and fits nothing, so with one
+    head per (PP, VP) the pass would find no layout there and the first would wait for the round-robin pass."""
     return f.pp, f.vp, f.cp, f.precision, f.grad_dtype
 
 
