@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import PP2_VP2_TOGGLES, contiguous_splits, pp2_vp2_memory_job
@@ -15,8 +16,9 @@ from conftest import PP2_VP2_TOGGLES, contiguous_splits, pp2_vp2_memory_job
 import k3opt
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
-from k3opt.search import enumerate_frames
+from k3opt.search import enumerate_frames, incumbents
 from k3opt.search.incumbents import fit_repair, frame_incumbent
+from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
 
 
@@ -135,3 +137,73 @@ def test_the_node_floor_lets_a_misfit_over_the_line_be_repaired(tiny, slow):
     assert hint(math.inf) == pytest.approx(4.946, abs=1e-3)
     assert hint(5.1) == pytest.approx(4.946, abs=1e-3)
     assert hint(4.362) == pytest.approx(4.912, abs=1e-3)
+
+
+class _Clock:
+    """A monotonic clock that moves only when a repair runs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _misfit(t: float) -> SimpleNamespace:
+    """What `_repair_misfits` reads of a misfit's Evaluation: its ranked time and its layout."""
+    return SimpleNamespace(step=SimpleNamespace(rank_time_s=t), layout=f"split at {t}")
+
+
+def _run_repairs(monkeypatch: pytest.MonkeyPatch, times: list[float], floor: float, line: float = 5.0,
+                 best_main: float = 5.2, use: float = 0.6, out: list | None = None) -> list[tuple[float, float]]:
+    """`_repair_misfits` over misfits ranked at `times` (in that order), each repair taking `use` x
+    POLICY.fit_repair_s of the clock and ending 0.5 s under its misfit; returns (misfit, seconds it was given) per
+    repair, in order (and appends what `_repair_misfits` returned to `out`)."""
+    clock = _Clock()
+    calls: list[tuple[float, float]] = []
+    share = POLICY.fit_repair_s
+
+    def repair(job, item, model, cluster, deadline):  # noqa: ANN001, ANN202 - fit_repair's signature
+        t = item.evaluation.step.rank_time_s
+        calls.append((t, deadline - clock.now))
+        clock.now += use * share
+        return SimpleNamespace(rank_time_s=t - 0.5)
+
+    monkeypatch.setattr(incumbents, "_time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(incumbents, "fit_repair", repair)
+    got = incumbents._repair_misfits(None, [_misfit(t) for t in times], None, None, None, best_main, line, floor,
+                                     clock.now + 100 * share)
+    if out is not None:
+        out.append(got)
+    return calls
+
+
+def test_misfits_are_repaired_fastest_first_under_a_cut_that_falls_with_each_repair(monkeypatch):
+    """Without a floor under the cut only misfits under it are repaired: cut = min(line 5.0, the others' best 5.2)
+    = 5.0; the 4.0-s misfit repairs to 3.5 s, which lowers the cut to 3.5, so the 4.5-s one is not tried. Given in
+    any order, the fastest goes first (4.5 first would repair to 4.0 and leave 4.0 over the cut)."""
+    assert [t for t, _ in _run_repairs(monkeypatch, [4.5, 7.0, 4.0, 6.0, 5.5], floor=math.inf)] == [4.0]
+    # A floor at the cut proves no layout under it: nothing over the cut is tried either.
+    assert [t for t, _ in _run_repairs(monkeypatch, [4.5, 7.0, 4.0, 6.0, 5.5], floor=3.5)] == [4.0]
+
+
+def test_repairs_over_the_cut_share_one_repairs_time(monkeypatch):
+    """With the node's floor under the cut, misfits over it are repaired too, in their order, while one repair's
+    time (POLICY.fit_repair_s, F) is left of their shared budget: 4.0 (under the cut, its own F), then 4.5 (over:
+    given F, uses 0.6 F) and 5.5 (given the 0.4 F left, uses 0.6 F); the budget is then spent, 6.0 and 7.0 are not
+    tried."""
+    calls = _run_repairs(monkeypatch, [4.5, 7.0, 4.0, 6.0, 5.5], floor=1.0)
+    share = POLICY.fit_repair_s
+    assert [t for t, _ in calls] == [4.0, 4.5, 5.5]
+    assert [s / share for _, s in calls] == pytest.approx([1.0, 1.0, 0.4])
+
+
+def test_the_cut_is_strict_on_both_sides(monkeypatch):
+    """A misfit ranked at the cut is over it (no floor: not tried), a repair that ends at the cut does not count (the
+    5.5-s misfit, tried under a floor of 1.0, repairs to 5.0 = the cut: no layout returned), and a budget spent to
+    exactly nothing ends the repairs over the cut (each taking half of F: 4.5 and 5.5 spend it, 6.0 is not tried)."""
+    assert _run_repairs(monkeypatch, [6.0, 5.0], floor=math.inf) == []
+    got: list = []
+    assert [t for t, _ in _run_repairs(monkeypatch, [5.5], floor=1.0, out=got)] == [5.5]
+    assert got == [None]
+    assert [t for t, _ in _run_repairs(monkeypatch, [4.5, 7.0, 4.0, 6.0, 5.5], floor=1.0, use=0.5)] == [4.0, 4.5, 5.5]
