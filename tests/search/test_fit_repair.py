@@ -16,7 +16,7 @@ from conftest import PP2_VP2_TOGGLES, contiguous_splits, pp2_vp2_memory_job
 import k3opt
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
-from k3opt.search import enumerate_frames, incumbents
+from k3opt.search import driver, enumerate_frames, incumbents
 from k3opt.search.incumbents import fit_repair, frame_incumbent
 from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
@@ -207,3 +207,21 @@ def test_the_cut_is_strict_on_both_sides(monkeypatch):
     assert [t for t, _ in _run_repairs(monkeypatch, [5.5], floor=1.0, out=got)] == [5.5]
     assert got == [None]
     assert [t for t, _ in _run_repairs(monkeypatch, [4.5, 7.0, 4.0, 6.0, 5.5], floor=1.0, use=0.5)] == [4.0, 4.5, 5.5]
+
+
+def test_the_driver_hints_each_node_with_its_proven_floor(monkeypatch):
+    """The driver passes a node's bound as the hint's floor (the repair rule above): on the 2.2-GiB job every node
+    hinted gets a finite, positive floor at or under the job's enumerated optimum, 4.3619 s (the docstring of
+    test_the_node_hint_repairs_a_faster_candidate), which the plan reaches."""
+    floors: list[float] = []
+    hint = driver.frame_incumbent
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - frame_incumbent's signature
+        floors.append(kwargs["floor"])
+        return hint(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "frame_incumbent", spy)
+    plan = k3opt.plan(pp2_vp2_memory_job(2.2), top=1, time_limit=30)
+    assert plan.layouts[0].rank_time_s == pytest.approx(4.3619, abs=1e-4)
+    assert floors
+    assert all(0 < fl <= 4.3619 for fl in floors)
