@@ -47,6 +47,14 @@ def test_equal_layers_deal_ceil_layers_to_the_slowest_rank():
     assert granular_stage(t, L, 8, 3) <= 12e-3
 
 
+def test_a_floor_under_a_percent_above_the_mean_is_still_the_least_stage():
+    # 1,001 equal layers of 1 ms over 10 ranks (2 chunks each): some rank holds 101 layers, 101 ms, 0.9% above the
+    # 100.1-ms mean load. The bisection must not stop at a bracket that is merely feasible above the mean.
+    L = 1001
+    t = {"tensor": np.concatenate([np.full(L, 1e-3), [0.0, 0.0]])}
+    assert granular_stage(t, L, 10, 2) == pytest.approx(101e-3, rel=1e-6)
+
+
 def _splits(L: int, chunks: int, least: tuple[int, ...]):
     """Every split of L layers into `chunks` contiguous chunks, chunk j holding at least least[j]."""
     for cuts in itertools.combinations_with_replacement(range(L + 1), chunks - 1):
