@@ -9,9 +9,11 @@ import pytest
 
 import k3opt
 from k3opt.cost.achievable import rank_sums
+from k3opt.cost.coefficients import Shape, coefficients
+from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute
 from k3opt.search.frames import ActMode, Frame, frame_shape
-from k3opt.search.lp_bound import _packet_floor
+from k3opt.search.lp_bound import _least_packets, _packet_floor
 from k3opt.search.ranking import ranked_coefficients
 
 
@@ -128,3 +130,15 @@ def test_packet_stream_rows_are_empty_without_attnres_or_a_pipeline(k3_pp4_vp4):
     cf = k3_pp4_vp4
     assert all(not d for d in _packet_stream_rows(cf, 4, 4, np.zeros(cf.n_layers)))
     assert all(not d for d in _packet_stream_rows(cf, 1, 4, np.asarray(cf.closes[:cf.n_layers], dtype=float)))
+
+
+def test_the_pp_buffers_every_rank_holds_are_the_ledgers_at_no_open_stream():
+    """`_least_packets`, the PP buffers the memory rows give every rank of an interleaved frame: a packet in and one
+    out, each double-buffered, at no AttnRes stream: 4 x BF16 [T, d] = 4 x 4,096 x 7,168 x 2 B = 234,881,024 B on
+    DeepSeek-V3 (no AttnRes), which is the ledger's pp_buffers on every rank of a PP8 VP4 layout."""
+    model, cluster = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("b200")
+    lay = make_layout(gpus=512, pp=8, vp=4, ep=8, dense_fsdp=64, microbatches=64, context=4096,
+                      split=[2] * 29 + [1] * 3, recompute="selective", model="deepseek-v3", cluster="b200")
+    expected = 4 * 4096 * 7168 * 2
+    assert _least_packets(coefficients(Shape.of(lay), model, cluster), 8) == expected
+    assert {r.ledger["pp_buffers"] for r in k3opt.evaluate(lay, model, cluster).ranks} == {expected}
