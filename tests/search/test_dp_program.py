@@ -91,3 +91,39 @@ def test_the_kept_node_cuts_are_bounded_and_cleared_with_the_caches():
     bounds._keep(bounds.LP_BOUNDS, ("probe",), 1.0)
     memo.clear_all()
     assert ("probe",) not in bounds.DP_HINTS and ("probe",) not in bounds.LP_BOUNDS
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_pinned_configuration_s_tables_are_its_ledger_and_its_rank_times(offload):
+    """With every toggle pinned (none, or the activation offload required), the v = 1 program's per-rank tables at
+    a split are what evaluate() gives that layout: each rank's peak bytes (the AttnRes bank of each in-flight
+    microbatch, 8-40 MiB on the six-layer model, among them) and its busiest resource's seconds per microbatch.
+    The brute-force test above compares the program with its own tables; this one checks the tables."""
+    tiny, slow = k3opt.load_model(DATA / "tiny-moe.toml"), k3opt.load_cluster(DATA / "slow-cluster.toml")
+    names = list(k3opt.inputs.specs.TOGGLE_NAMES)
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.5,
+        "search": {"pp": [2], "vp": [1], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim"],
+                   "require_toggles": ["activation_offload"] if offload else [],
+                   "forbid_toggles": [t for t in names if not (offload and t == "activation_offload")]},
+    })
+    (f,) = FR.enumerate_frames(job, tiny, 8)
+    md, lc = FR.ActMode(Recompute.NONE, False, False, False, False), FsdpLifecycle.PER_MICROBATCH
+    shape = FR.frame_shape(job, f, md, lc, activation_offload=offload)
+    cf = FR.coefficients(FR.frame_shape(job, f, md, lc), tiny, slow)
+    off = FR.coefficients(shape, tiny, slow) if offload else None
+    s = B._ranges(cf, FR.memory_view(job, f, md, lc, tiny, slow), off, slow, 2**40, FR.allowed_on(job), offload)
+    full = slice(0, cf.n_layers + 1)
+    tables = [B._rank_block(r, full, full, s) for r in range(f.pp)]
+    banks = set()
+    for split in contiguous_splits(cf.n_layers, f.pp):
+        edges = np.concatenate([[0], np.cumsum(split)])
+        ev = k3opt.evaluate(FR.layout_of(job, f, shape, list(split)), model=tiny, cluster=slow)
+        for r, rank in enumerate(ev.ranks):
+            a, b = edges[r], edges[r + 1]
+            assert tables[r][1][a, b] == pytest.approx(rank.peak_bytes, rel=1e-9)
+            assert tables[r][0][a, b] == pytest.approx(max(rank.time_s.values()), rel=1e-9)
+            banks.add(rank.ledger["attnres_bank"])
+    assert min(banks) > 0 and len(banks) > 1  # the bank is in the tables and varies with the split
