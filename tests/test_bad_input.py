@@ -56,7 +56,12 @@ CASES = {
     "negative_context": (_with(context="-4096"), k3opt.SpecError, "context"),
     "unknown_recompute": (_with(recompute='"some"'), k3opt.SpecError, "recompute"),
     "unknown_toggle": (REFERENCE + "[toggles]\nfp4_activations = true\n", k3opt.SpecError, "unknown key"),
-    "unknown_key": (_with(pipeline="8"), k3opt.SpecError, "pipeline: unknown key"),
+    "unknown_key": (_with(pipeline="8"), k3opt.SpecError, "pipeline: unknown key (remove it or check its spelling)"),
+    # A key one letter off a field names that field; a toggle one letter off names the toggle.
+    "misspelled_key": (_with(microbatch="64"), k3opt.SpecError,
+                       "microbatch: unknown key (did you mean 'microbatches'?)"),
+    "misspelled_toggle": (REFERENCE + "[toggles]\nfp8_activation = true\n", k3opt.SpecError,
+                          "toggles.fp8_activation: unknown key (did you mean 'fp8_activations'?)"),
     "missing_field": ("gpus = 512\n", k3opt.SpecError, "split: required field is missing"),
     # PP8: rank 1 holds chunk 1 only, with 0 layers: it would hold no layer and no edge.
     "pipeline_rank_without_a_layer": (_with(split="[12, 0, 13, 13, 13, 14, 14, 14]"), k3opt.SpecError,
@@ -260,6 +265,9 @@ JOB_CASES = {
     # 16,777,216 tokens / (DP x 4,096) is a power of two for every shape: 7 microbatches is none of them.
     "search_microbatches_off_the_batch": ('gpus = 512\n[search]\nmicrobatches = [7]\n',
                                           "[search] microbatches = [7] (microbatches = tokens_per_update"),
+    # A job lists the precisions it may choose among: the layout's field name, singular, is pointed to the list.
+    "job_precision_singular": ('gpus = 512\nprecision = "fp8"\n',
+                               "precision: unknown key (did you mean 'precisions'?)"),
     # Two lists each exclude every shape: neither alone is to blame, so the line names the job's sizes.
     "search_two_lists_leave_no_shape": ('gpus = 512\n[search]\npp = [3]\nep = [3]\n',
                                         "no parallel shape satisfies the job's rules (gpus 512"),

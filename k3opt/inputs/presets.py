@@ -5,6 +5,7 @@ A bad file is one clear line (SpecError, PresetNotFoundError); a cluster's or jo
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 from importlib import resources
@@ -20,18 +21,36 @@ DEFAULT_RUNTIME = "megatron-te-hybridep-gb200"
 """The shipped runtime preset (load_runtime's default); a job's default is its cluster's `default_runtime`."""
 
 
-def format_validation_error(err: ValidationError, what: str) -> str:
+def format_validation_error(err: ValidationError, what: str, spec: type[BaseModel] | None = None) -> str:
+    """One line for a validation error: `what`, the field's path and what is wrong; an unknown key of `spec` (the
+    model validated) names the field it most likely misspells."""
     first = err.errors()[0]
     # Union members and validator chains appear in the location as "function-after[...]"; keep field names.
     # A rule over the whole file (a model validator) has no field to name.
     loc = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown key (remove it or check its spelling)"
+        near = _nearest_field(spec, first["loc"])
+        msg = f"unknown key (did you mean '{near}'?)" if near else "unknown key (remove it or check its spelling)"
     elif first["type"] == "missing":
         msg = "required field is missing"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{what}: {loc}: {msg}{extra}" if loc else f"{what}: {msg}{extra}"
+
+
+def _nearest_field(spec: type[BaseModel] | None, loc: tuple) -> str | None:
+    """The field of the (nested) model at loc[:-1] whose name is closest to the unknown key loc[-1] (difflib's
+    ratio at least 0.75: `precision` for `precisions`, `gpu` for `gpus`), or None."""
+    model = spec
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        ann = field.annotation if field is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if model is None or not loc:
+        return None
+    names = list(model.model_fields) + [f.alias for f in model.model_fields.values() if f.alias]
+    near = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.75)
+    return near[0] if near else None
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -95,7 +114,7 @@ def _validated(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise SpecError(format_validation_error(err, what)) from None
+        raise SpecError(format_validation_error(err, what, cls)) from None
 
 
 def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
@@ -138,7 +157,7 @@ def make_layout(**fields: Any) -> Layout:
     try:
         return Layout.model_validate(fields)
     except ValidationError as err:
-        raise LayoutError(format_validation_error(err, "layout")) from None
+        raise LayoutError(format_validation_error(err, "layout", Layout)) from None
 
 
 def load_runtime(name_or_path: str | Path | RuntimeSpec = DEFAULT_RUNTIME) -> RuntimeSpec:

@@ -65,7 +65,7 @@ class Sweep:
             try:
                 out.append(SweepPoint(i, values, Job.model_validate(fields)))
             except ValidationError as err:
-                out.append(SweepPoint(i, values, None, format_validation_error(err, "job")))
+                out.append(SweepPoint(i, values, None, format_validation_error(err, "job", Job)))
         return out
 
 
@@ -128,7 +128,7 @@ def _check_values(base: dict[str, Any], axes: dict[str, list[Any]]) -> None:
     except ValidationError as err:
         bad = [e for e in err.errors() if not (e["loc"] and e["loc"][0] in axes)]
         if bad and bad[0]["loc"]:
-            raise SpecError(format_validation_error(err, "sweep: job")) from None
+            raise SpecError(format_validation_error(err, "sweep: job", Job)) from None
     for key in ("model", "cluster"):
         if key in base and key not in axes:
             try:

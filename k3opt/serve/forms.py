@@ -226,7 +226,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
     except ValidationError as err:
         first = err.errors()[0]
         loc = str(first["loc"][0]) if first["loc"] else None
-        line = format_validation_error(err, "layout")
+        line = format_validation_error(err, "layout", Layout)
         changed = form.get("changed")
         raise FieldError(line, loc if loc in LAYOUT_CONTROLS else _which(line, LAYOUT_CONTROLS, changed)) from None
     try:
@@ -265,7 +265,7 @@ def job_from_form(form: dict[str, Any]) -> tuple[Job, ModelSpec, ClusterSpec, in
     try:
         job = Job.model_validate(fields)
     except ValidationError as err:
-        line = format_validation_error(err, "job")
+        line = format_validation_error(err, "job", Job)
         loc = str(err.errors()[0]["loc"][0]) if err.errors()[0]["loc"] else None
         raise FieldError(line, loc if loc in JOB_CONTROLS else _which(line, JOB_CONTROLS, form.get("changed"))) \
             from None
