@@ -235,7 +235,8 @@ def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     d = ev.cluster.nvlink_domain_gpus
     used, held = ev.layout.gpus, ev.gpus_held
     per_used = ev.step.rank_tokens_per_s_per_gpu
-    lines = [f"placement: {ev.domains_held} racks x {ev.gpus_per_domain} of {d} GPUs ({used} GPUs used, {held} "
+    racks = "rack" if ev.domains_held == 1 else "racks"
+    lines = [f"placement: {ev.domains_held} {racks} x {ev.gpus_per_domain} of {d} GPUs ({used} GPUs used, {held} "
              f"held, {held - used} idle); tokens/s per GPU used {per_used:,.0f}, per GPU held "
              f"{ev.tokens_per_s_per_gpu_held:,.0f}"]
     mine = ev.layout.domain_gpus_used
@@ -248,7 +249,8 @@ def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     for o in others:
         why = (f"best found {o.best_s:.3f} s ({o.best_s / best - 1:+.1%})" if o.best_s is not None else
                "no layout fits" if o.bound_s == float("inf") else f"no layout found, bound {o.bound_s:.3f} s")
-        lines.append(f"  over {_per_domain(o.domain_gpus_used, d)}, {o.domains_held} racks: {why}")
+        racks = "rack" if o.domains_held == 1 else "racks"
+        lines.append(f"  over {_per_domain(o.domain_gpus_used, d)}, {o.domains_held} {racks}: {why}")
     return lines
 
 

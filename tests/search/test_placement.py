@@ -180,3 +180,26 @@ def test_cli_plan_prints_the_placement_and_why(tmp_path, placement_job):
     assert whole["best_s"] is None or res["placements"][0]["best_s"] < whole["best_s"]
     assert res["layouts"][0]["placement"] == {**res["layouts"][0]["placement"], "gpus_per_domain": 4,
                                               "domains_held": 2, "gpus_held": 12, "gpus_used": 8}
+
+
+def test_cli_plan_names_one_rack_in_the_singular(tmp_path, placement_job):
+    """Eight GPUs in one 8-GPU domain: the placement line reads "1 rack x 8 of 8 GPUs", not "1 racks"."""
+    import json
+
+    from click.testing import CliRunner
+
+    from k3opt.cli import main
+
+    cluster = tmp_path / "eight.toml"
+    cluster.write_text((DATA / "slow-cluster.toml").read_text().replace('name = "slow-test"', 'name = "slow-eight"')
+                       .replace("nvlink_domain_gpus = 4", "nvlink_domain_gpus = 8"))
+    job = tmp_path / "job.toml"
+    data = placement_job.model_dump(mode="json", exclude_none=True)
+    data["cluster"] = str(cluster)
+    search = data.pop("search")
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    lines += ["[search]"] + [f"{k} = {json.dumps(v)}" for k, v in search.items() if v not in (None, [])]
+    job.write_text("\n".join(lines) + "\n")
+    out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0"])
+    assert out.exit_code == 0, out.output
+    assert "placement: 1 rack x 8 of 8 GPUs (8 GPUs used, 8 held, 0 idle)" in out.output, out.output
