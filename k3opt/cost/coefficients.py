@@ -96,6 +96,8 @@ class Shape:
     lazy_optimizer_state: bool = False
     precision: Precision = Precision.BF16
     """Compute precision of the linear GEMMs; a search enumerates it from Job.precisions."""
+    fp8_param_gather: bool = False
+    """Layout.fp8_param_gather: those GEMMs' weights stored only in the compute precision."""
     ep_overlap: bool = False
     dispatcher: str | None = None
 
@@ -114,6 +116,7 @@ class Shape:
             grad_dtype=layout.grad_dtype,
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
             precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
+            fp8_param_gather=layout.fp8_param_gather,
             recompute_modules=tuple(m.value for m in layout.recompute_modules),
             offload_modules=tuple(m.value for m in layout.offload_modules),
         )
@@ -168,6 +171,7 @@ class LayerShape:
     grad_dtype: Dtype
     optimizer_state_dtype: Dtype | None
     precision: Precision
+    fp8_param_gather: bool
     dispatcher: str | None
     ep_local: int
     """Members per NVLink domain (comm.Placement) of the EP, dense FSDP and expert FSDP groups; the CP groups'."""
@@ -193,7 +197,8 @@ class LayerShape:
             expert_sharding=shape.expert_sharding, optimizer_shard_granularity=shape.optimizer_shard_granularity,
             param_gather=shape.param_gather, grad_dtype=shape.grad_dtype,
             optimizer_state_dtype=shape.optimizer_state_dtype,
-            precision=shape.precision, dispatcher=shape.dispatcher, ep_local=pl.ep_local,
+            precision=shape.precision, fp8_param_gather=shape.fp8_param_gather, dispatcher=shape.dispatcher,
+            ep_local=pl.ep_local,
             dense_fsdp_local=pl.dense_fsdp_local, expert_fsdp_local=pl.expert_fsdp_local,
             cp_in_domain=pl.cp_in_domain,
         )
@@ -940,6 +945,8 @@ class _LayerBuild:
     """Bytes per element in that precision, block scales included."""
     q_view: np.ndarray
     """Local parameters of the GEMMs that run in the compute precision."""
+    fp8_params: np.ndarray
+    """Of the view, the parameters stored only in the compute precision (fp8_param_gather: q_view; else 0)."""
 
     @classmethod
     def of(cls, shape: LayerShape, cm: CostModel) -> _LayerBuild:
@@ -979,6 +986,8 @@ class _LayerBuild:
             sd=model.optimizer.state_of(shape.optimizer_state_dtype).bytes,
             lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),
             q_view=sa.q_params_nonrouted + sa.q_params_routed / e,
+            fp8_params=(sa.q_params_nonrouted + sa.q_params_routed / e) if shape.fp8_param_gather
+            else np.zeros(n),
         )
 
 
@@ -998,13 +1007,13 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         master=4 * own,
         grads=np.zeros(n) if zero2 else b.gd * grad_elems,
         optimizer=b.sd * b.own_muon + 2 * b.sd * b.own_adam,          # Muon momentum; AdamW two moments
-        bf16_view=2 * (b.view - b.unit) + _unit_weight_bytes(b)[0],
+        bf16_view=2 * (b.view - b.unit - b.fp8_params) + _unit_weight_bytes(b)[0],
         moonep_slots=2 * p_routed / e if sh.toggles.moonep else np.zeros(n),
         grad_accum=grad_accum,
         chunk_grad_buffer=4 * b.view,
         host_grads=4 * b.resident if zero2 else np.zeros(n),
         view_params=b.view, resident_params=b.resident,
-        quantized_weights=2 * b.qb * (b.q_view - b.unit_q) if b.lowp else np.zeros(n),
+        quantized_weights=_quantized_weight_bytes(b),
         step_gather=_step_gather(b), p2p_step_gather=2 * b.res_muon + _step_gather(b, adamw_only=True),
         step_gather_with_ns=default_policy,
         # Megatron's optimizers keep FP32 main parameters; with a BF16 gradient buffer the step hands each owned
@@ -1013,6 +1022,19 @@ def _persistent_bytes(b: _LayerBuild) -> dict[str, object]:
         # an FP32 buffer's .float() is the buffer itself). They live until the next zero_grad, before any forward.
         step_grad_copy=4 * own if b.gd < 4 else np.zeros(n), state_bytes=b.sd,
     )
+
+
+def _quantized_weight_bytes(b: _LayerBuild) -> np.ndarray:
+    """Row- and column-wise copies of the local weights of the GEMMs in a low compute precision, 2 (b + 1/block)
+    per element, cached by TransformerEngine across the microbatches of an update; under fp8_param_gather the
+    weights themselves: MXFP8 keeps both copies (its tile scales differ per direction), per-tensor FP8 one buffer
+    that both usages read on Blackwell (TransformerEngine float8_tensor_storage.py L245-250 @ e7c550c5), the
+    DDP parameter buffer Megatron maps it into (param_and_grad_buffer.py L1263-1290 @ d98e8a64)."""
+    if not b.lowp:
+        return np.zeros(b.n)
+    if b.shape.precision == Precision.FP8 and b.shape.fp8_param_gather:
+        return b.qb * b.q_view
+    return 2 * b.qb * (b.q_view - b.unit_q)
 
 
 def _fsdp_weight_bytes(precision: Precision) -> float:
@@ -1371,8 +1393,13 @@ def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     # the whole model itself).
     # Groups gathered per layer (Megatron-FSDP) gather each microbatch instead (_microbatch_traffic); their edges,
     # kept gathered, are refreshed here.
-    up_nvl, up_nic = _hier(2 * pn * (1 - b.gather_d * b.layer), b.opt_fd, sh.dense_fsdp_local)
-    a, b_ = _hier(2 * p_routed / e * (not b.gather_e), b.opt_fe, sh.expert_fsdp_local)
+    # Per-tensor FP8 weights under fp8_param_gather are gathered in FP8; MXFP8's gather BF16 into the gradient
+    # buffer and cast there (param_and_grad_buffer.py _post_param_sync @ d98e8a64).
+    fp8 = sh.fp8_param_gather and sh.precision == Precision.FP8
+    dense_ag = 2 * pn - (2 - b.qb) * b.sa.q_params_nonrouted if fp8 else 2 * pn
+    routed_ag = (2 * p_routed - (2 - b.qb) * b.sa.q_params_routed) / e if fp8 else 2 * p_routed / e
+    up_nvl, up_nic = _hier(dense_ag * (1 - b.gather_d * b.layer), b.opt_fd, sh.dense_fsdp_local)
+    a, b_ = _hier(routed_ag * (not b.gather_e), b.opt_fe, sh.expert_fsdp_local)
     up_nvl, up_nic = up_nvl + a, up_nic + b_
     # Gradient reduction once per update, per group: the FP32 accumulation buffer reduce-scattered (accumulate
     # lifecycle, sharded gradients); a whole gradient buffer reduce-scattered (optim: Megatron's distributed

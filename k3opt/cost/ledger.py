@@ -93,7 +93,8 @@ LEDGER: tuple[TermDecl, ...] = (
              "derived", "Muon momentum 4 x resident Muon params + AdamW moments 8 x resident AdamW params"),
     TermDecl("bf16_view", Phase.PERSISTENT, Aggregate.LAYER_SUM, "bf16_view", "sharding policy", "derived",
              "BF16 gathered compute view: 2 x (D + E/e), kept for the whole update (param_gather = layer: the "
-             "layers' compute-weight shard, FP8 1 x or BF16 2 x (D/f_d + E/(e f_e)); the edges gathered whole)"),
+             "layers' compute-weight shard, FP8 1 x or BF16 2 x (D/f_d + E/(e f_e)); the edges gathered whole; "
+             "fp8_param_gather: none for the weights stored in the compute precision)"),
     TermDecl("moonep_slots", Phase.PERSISTENT, Aggregate.LAYER_SUM, "moonep_slots", "moonep", "derived",
              "MoonEP redundant slots: room for one more BF16 copy of the local experts"),
     TermDecl("grad_accum", Phase.PERSISTENT, Aggregate.LAYER_SUM, "grad_accum", "fsdp_lifecycle = accumulate",
@@ -104,7 +105,9 @@ LEDGER: tuple[TermDecl, ...] = (
              "routing, allocated for the whole run"),
     TermDecl("quantized_weights", Phase.PERSISTENT, Aggregate.LAYER_SUM, "quantized_weights", "precision",
              "derived", "FP8/FP4 compute precision: cached row- and column-wise quantized copies of the local "
-             "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16, and for layers gathered per layer)"),
+             "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16, and for layers gathered per layer; "
+             "fp8_param_gather: the weights themselves, MXFP8 both copies, per-tensor FP8 one shared buffer, "
+             "(b + 1/block) x params)"),
     TermDecl("activations", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "act", "recompute mode, activation toggles, "
              "activation_offload, offload_modules, balance_activations", "derived",
              "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 [T, d] layer input per "

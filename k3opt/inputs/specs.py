@@ -533,6 +533,22 @@ class Measured(StrictModel):
     note: str = ""
 
 
+def _check_fp8_param_gather(lay: Layout) -> None:
+    """fp8_param_gather as priced: FP8 or MXFP8 weights under Megatron's distributed optimizer, whose whole gradient
+    buffer the MXFP8 all-gather reuses (megatron/core/distributed/param_and_grad_buffer.py L1161-1178 @ d98e8a64)."""
+    if not lay.fp8_param_gather:
+        return
+    if lay.precision not in (Precision.FP8, Precision.MXFP8):
+        raise ValueError(f"fp8_param_gather stores the weights in the compute precision, but precision is "
+                         f"\"{lay.precision.value}\"; use precision \"fp8\" or \"mxfp8\", or drop fp8_param_gather")
+    if (lay.dense_sharding, lay.expert_sharding) != (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM) \
+            or lay.param_gather != ParamGather.UPDATE:
+        raise ValueError(f"fp8_param_gather is priced under Megatron's distributed optimizer (dense_sharding = "
+                         f"expert_sharding = \"optim\", param_gather = \"update\"), got {lay.dense_sharding.value} / "
+                         f"{lay.expert_sharding.value}, param_gather {lay.param_gather.value}; set those or drop "
+                         "fp8_param_gather")
+
+
 def _check_cuda_graphs(lay: Layout) -> None:
     """Megatron's own rules on CUDA graph settings, one line each (megatron/core/transformer/transformer_config.py
     @ d98e8a64, __post_init__); k3opt's MoE is dropless (token choice without a capacity factor)."""
@@ -694,6 +710,14 @@ class Layout(StrictModel):
     runtime it was planned with."""
     precision: Precision = Precision.BF16
     """Compute precision of the linear-layer GEMMs (attention core, router, embedding and head stay BF16)."""
+    fp8_param_gather: StrictBool = False
+    """Megatron's --fp8-param-gather under its distributed optimizer (sharding optim, param_gather update): the
+    weights of the GEMMs that run in the compute precision are stored only in it, with no BF16 copy. MXFP8 keeps
+    the row- and column-wise copies and all-gathers BF16 through the gradient buffer
+    (--reuse-grad-buf-for-mxfp8-param-ag, which Megatron then requires); per-tensor FP8 keeps one buffer and
+    all-gathers it in FP8. Megatron-Bridge's MXFP8 and FP8 current-scaling recipes set it with Adam; Muon's
+    layer-wise optimizer cannot. (Megatron-FSDP with per-tensor FP8, param_gather = layer, is priced with FP8
+    weights already.)"""
     ep_overlap: StrictBool = False
     """An EP communication overlap schedule is on (Megatron overlap_moe_expert_parallel_comm / DeepEP
     two-microbatch overlap): the all-to-all hides under compute. Off: it is exposed."""
@@ -771,6 +795,7 @@ class Layout(StrictModel):
             raise ValueError("param_gather = \"layer\" gathers what optim_grads_params shards, but neither "
                              f"dense_sharding ({self.dense_sharding.value}) nor expert_sharding "
                              f"({self.expert_sharding.value}) is optim_grads_params; set one or drop param_gather")
+        _check_fp8_param_gather(self)
         if self.activation_offload_layers and (self.pp * self.vp > 1 or self.toggles.activation_offload):
             raise ValueError(f"activation_offload_layers = {self.activation_offload_layers} is priced for one chunk "
                              "without the activation_offload toggle; use it with pp = vp = 1, or the toggle instead")
@@ -1012,6 +1037,12 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
         cluster.dense_tflops(layout.precision)  # raises LayoutError if the cluster lacks the precision
     if model.moe is None and layout.ep != 1:
         raise LayoutError(f"ep ({layout.ep}) must be 1: {model.name} has no MoE layers")
+    if layout.fp8_param_gather and model.optimizer.name == "muon":
+        # Megatron-Bridge turns both off for Muon + MXFP8: they need the DistributedOptimizer's buffers, which the
+        # layer-wise optimizer has not (scripts/performance/configs/kimi/kimi_llm_pretrain.py L35-44 @ v0.4.2).
+        raise LayoutError(f"fp8_param_gather needs Megatron's distributed optimizer, and {model.name} trains with "
+                          "Muon (its layer-wise optimizer keeps no shared gradient buffer to gather into); drop "
+                          "fp8_param_gather, or train with AdamW ([optimizer] name = \"adamw\" in the model file)")
     mods = set(layout.cuda_graph_modules)
     if model.moe is None and mods & {CudaGraphModule.MOE_ROUTER, CudaGraphModule.MOE_PREPROCESS}:
         raise LayoutError(f"cuda_graph_modules 'moe_router' / 'moe_preprocess': {model.name} has no MoE layers "

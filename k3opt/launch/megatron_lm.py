@@ -19,6 +19,7 @@ from k3opt.inputs.specs import (
     Layout,
     ModelSpec,
     ParamGather,
+    Precision,
     Recompute,
 )
 from k3opt.inputs.toggles import built_in
@@ -143,8 +144,27 @@ def _recompute(out: _Decisions, lay: Layout) -> None:
                          "KDA and MLA element-wise work (gates, norms inside attention) has no module name")
 
 
+_COMPUTE_RECIPES = {Precision.FP8: ("--fp8-format", "fp8", "e4m3", "--fp8-recipe", "fp8_recipe", "tensorwise"),
+                    Precision.MXFP8: ("--fp8-format", "fp8", "e4m3", "--fp8-recipe", "fp8_recipe", "mxfp8"),
+                    Precision.NVFP4: ("--fp4-format", "fp4", "e2m1", "--fp4-recipe", "fp4_recipe", "nvfp4")}
+"""Megatron's switches for each compute precision (TransformerConfig fp8 / fp8_recipe, fp4 / fp4_recipe,
+transformer_config.py L587-679 @ d98e8a64): per-tensor FP8 is the current-scaling 'tensorwise' recipe."""
+
+
 def _precision(out: _Decisions, lay: Layout) -> None:
-    """FP8 saved activations: the FP8 recipe whose scaling block is the layout's fp8_block_size."""
+    """The compute precision's format and recipe, its weights stored in it (fp8_param_gather: MXFP8 then gathers
+    through the gradient buffer, which Megatron requires beside it); under BF16 compute, FP8 saved activations: the
+    FP8 recipe whose scaling block is the layout's fp8_block_size."""
+    if lay.precision != Precision.BF16:
+        fmt, fmt_field, fmt_value, rec, rec_field, rec_value = _COMPUTE_RECIPES[lay.precision]
+        out.settings += [Setting(fmt, f"mixed_precision.{fmt_field}", fmt_value),
+                         Setting(rec, f"mixed_precision.{rec_field}", rec_value)]
+        if lay.fp8_param_gather:
+            out.settings.append(Setting("--fp8-param-gather", "mixed_precision.fp8_param_gather", True))
+            if lay.precision == Precision.MXFP8:
+                out.settings.append(Setting("--reuse-grad-buf-for-mxfp8-param-ag",
+                                            "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag", True))
+        return
     if not lay.toggles.fp8_activations:
         return
     recipe = {128: "blockwise", 32: "mxfp8"}.get(lay.fp8_block_size)

@@ -70,6 +70,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         f"optimizer state={lay.optimizer_state_dtype.value}"
         f"{' (allocated at the first step)' if lay.lazy_optimizer_state else ''}"
         + ("; params gathered per layer (Megatron-FSDP)" if lay.param_gather.value == "layer" else "")
+        + (f"; weights stored in {lay.precision.value} only (fp8_param_gather)" if lay.fp8_param_gather else "")
         + (f"; the first {lay.activation_offload_layers} layers' activations offloaded to the host"
            if lay.activation_offload_layers else "")
         + (f"; offloaded to the host in every decoder layer: {', '.join(m.value for m in lay.offload_modules)} "

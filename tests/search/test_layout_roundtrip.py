@@ -48,8 +48,17 @@ def _round_trip(lay: k3opt.Layout) -> None:
         assert getattr(back, name) == getattr(lay, name), name
 
 
+def _fp8_weights_layout() -> k3opt.Layout:
+    """MXFP8 weights stored only in MXFP8: Megatron's distributed optimizer (optim) on both groups and an AdamW
+    model, which neither layout above has together."""
+    return k3opt.make_layout(
+        gpus=64, pp=4, vp=5, dense_fsdp=16, microbatches=16, context=8192, split=[4] * 20, recompute=Recompute.NONE,
+        dense_sharding=ShardingPolicy.OPTIM, expert_sharding=ShardingPolicy.OPTIM, precision=Precision.MXFP8,
+        fp8_param_gather=True, model="llama3-70b", cluster="gb300-nvl72", name="fp8-weights")
+
+
 def test_every_layout_field_survives_the_search_types() -> None:
-    layouts = [_unusual_layout(), _single_chunk_fsdp_layout()]
+    layouts = [_unusual_layout(), _single_chunk_fsdp_layout(), _fp8_weights_layout()]
     defaults = {name: f.get_default(call_default_factory=True) for name, f in k3opt.Layout.model_fields.items()}
     unset = {name for name in k3opt.Layout.model_fields
              if all(getattr(lay, name) == defaults[name] for lay in layouts)} - NOT_PRICED
