@@ -159,7 +159,8 @@ def _precision(out: _Decisions, lay: Layout) -> None:
         fmt, fmt_field, fmt_value, rec, rec_field, rec_value = _COMPUTE_RECIPES[lay.precision]
         out.settings += [Setting(fmt, f"mixed_precision.{fmt_field}", fmt_value),
                          Setting(rec, f"mixed_precision.{rec_field}", rec_value)]
-        if lay.fp8_param_gather:
+        # Megatron-FSDP's per-tensor FP8 units are priced as FP8 primary weights (cost.coefficients._unit_weight_bytes).
+        if lay.fp8_param_gather or (lay.precision == Precision.FP8 and lay.param_gather == ParamGather.LAYER):
             out.settings.append(Setting("--fp8-param-gather", "mixed_precision.fp8_param_gather", True))
             if lay.precision == Precision.MXFP8:
                 out.settings.append(Setting("--reuse-grad-buf-for-mxfp8-param-ag",

@@ -320,7 +320,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
     # The searched sharding (dense/expert policy, gradient dtype) and compute precision.
     table["sharding"] = [sharding_text(it.layout) for it in plan.layouts]
-    table["precision"] = [it.layout.precision.value for it in plan.layouts]
+    table["precision"] = [it.layout.precision.value + (" params" if it.layout.fp8_param_gather else "")
+                          for it in plan.layouts]
     table["toggles"] = [toggles_text(it.layout) for it in plan.layouts]
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     lines.append("")
@@ -333,7 +334,10 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
                  "binds are at the ranked time. Ties in step time go to the lower worst-rank peak. "
                  "live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
                  "allocator slack and memory outside the allocator (the job's runtime); headroom = HBM - reserve - "
-                 "device.")
+                 "device."
+                 + (" precision 'fp8 params' / 'mxfp8 params': the weights are stored in that precision only "
+                    "(Megatron --fp8-param-gather under its distributed optimizer; no BF16 copy)."
+                    if any(it.layout.fp8_param_gather for it in plan.layouts) else ""))
     lines += schedule_gap_lines(plan.layouts)
     if show_ledger is not None:
         if not 1 <= show_ledger <= len(plan.layouts):

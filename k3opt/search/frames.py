@@ -68,6 +68,8 @@ class Frame:
     """GPUs used per NVLink domain (one of `domain_options`); None: whole domains."""
     param_gather: ParamGather = ParamGather.UPDATE
     """How the optim_grads_params groups gather their parameters (Layout.param_gather)."""
+    fp8_param_gather: bool = False
+    """The compute-precision weights stored only in it (Layout.fp8_param_gather; `fp8_weights`)."""
 
 
 DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)
@@ -83,7 +85,18 @@ def frame_of(layout: Layout) -> Frame:
     """The frame of a layout (its degrees, microbatches, sharding, gradient dtype and precision)."""
     return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
                  layout.microbatches, layout.gpus, layout.dense_sharding, layout.expert_sharding, layout.grad_dtype,
-                 layout.precision, layout.domain_gpus_used, layout.param_gather)
+                 layout.precision, layout.domain_gpus_used, layout.param_gather, layout.fp8_param_gather)
+
+
+def fp8_weights(job: Job, model: ModelSpec, precision: Precision, dense: ShardingPolicy, expert: ShardingPolicy,
+                gather: ParamGather) -> bool:
+    """Whether a frame stores its compute-precision weights only in that precision (Layout.fp8_param_gather):
+    wherever Megatron takes it, FP8 or MXFP8 under its distributed optimizer (`optim`, the view kept for the update)
+    with AdamW, for a Megatron target or none. It only removes bytes (the BF16 copy; per-tensor FP8's second copy)
+    and link bytes (per-tensor FP8's gather), so the search sets it rather than branching on it, as
+    Megatron-Bridge's precision configs do."""
+    return (precision in (Precision.FP8, Precision.MXFP8) and dense == expert == ShardingPolicy.OPTIM
+            and gather == ParamGather.UPDATE and model.optimizer.name == "adamw" and job.target != "torchtitan")
 
 
 def default_sharding(s: SearchSpace) -> list[ShardingPolicy]:
@@ -194,7 +207,8 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                                     domain_options(job, gpus, p, c, e, fe, fd, cluster.nvlink_domain_gpus)):
                                 if v == 1 or m % p == 0:  # interleaving needs whole groups of p (Layout)
                                     for pg in _gathers(s, pd, pe, fd, fe, model.moe is not None):
-                                        frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg))
+                                        frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg,
+                                                            fp8_weights(job, model, q, pd, pe, pg)))
     return frames
 
 
@@ -372,7 +386,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         document_length=job.document_length or job.context, recompute=mode.recompute, fsdp_lifecycle=lifecycle,
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
-        param_gather=f.param_gather, offload_modules=offload,
+        param_gather=f.param_gather, offload_modules=offload, fp8_param_gather=f.fp8_param_gather,
     )
 
 

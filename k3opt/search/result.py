@@ -159,7 +159,7 @@ def plan_frame(items: list[PlanItem]) -> pd.DataFrame:
             "dense_sharding": lay.dense_sharding.value, "expert_sharding": lay.expert_sharding.value,
             "optimizer_shard_granularity": lay.optimizer_shard_granularity.value,
             "grad_dtype": lay.grad_dtype.value, "optimizer_state_dtype": ev.layout.optimizer_state_dtype.value,
-            "param_gather": lay.param_gather.value,
+            "param_gather": lay.param_gather.value, "fp8_param_gather": lay.fp8_param_gather,
             "runtime": ev.runtime.name if ev.runtime is not None else "",
             "gpus_per_domain": ev.gpus_per_domain, "domains_held": ev.domains_held, "gpus_held": ev.gpus_held,
             "ranked_tokens_per_s_per_gpu_held": ev.tokens_per_s_per_gpu_held,
