@@ -43,6 +43,7 @@ CHOICE_CONTROLS: dict[str, tuple[str, ...]] = {
     "dense_sharding": tuple(ShardingPolicy), "expert_sharding": tuple(ShardingPolicy),
     "grad_dtype": tuple(Dtype), "optimizer_state_dtype": ("model", *Dtype), "precision": tuple(Precision),
     "param_gather": tuple(ParamGather), "cuda_graph_impl": ("unstated", *CudaGraphImpl),
+    "fp8_param_gather": ("off", "on"),
 }
 PRESET_CONTROLS = {"model": "model", "cluster": "cluster", "runtime": "runtime"}
 """Controls that name a shipped preset (never a path: the page cannot make the server read a file)."""
@@ -203,6 +204,7 @@ def layout_from_form(form: dict[str, Any]) -> tuple[Layout, ModelSpec, ClusterSp
         fields["optimizer_state_dtype"] = None
     if fields["cuda_graph_impl"] == "unstated":  # the exports then leave Megatron's default
         fields["cuda_graph_impl"] = None
+    fields["fp8_param_gather"] = fields["fp8_param_gather"] == "on"
     text = str(form.get("pipeline_layout") or "").strip()
     if text:
         # Megatron's layout string sets the split (Layout reads it); the split control then only shows it.

@@ -36,6 +36,7 @@ def form_of(layout: Layout, runtime: str | None) -> dict[str, Any]:
     out["mtp_layers"] = "" if layout.mtp_layers is None else layout.mtp_layers
     out["optimizer_state_dtype"] = out["optimizer_state_dtype"] or "model"
     out["cuda_graph_impl"] = out["cuda_graph_impl"] or "unstated"
+    out["fp8_param_gather"] = "on" if layout.fp8_param_gather else "off"
     out["split"] = split_text(layout.split)
     out["pipeline_layout"] = layout.pipeline_layout or ""
     for k in MODULE_CONTROLS:

@@ -391,3 +391,23 @@ def test_serve_bad_options_get_one_line_and_exit_2(tmp_path: Path, args: list[st
     res = CliRunner().invoke(main, ["serve", *args])
     errors = [ln for ln in res.output.splitlines() if ln.startswith(("Error:", "k3opt:"))]
     assert res.exit_code == 2 and len(errors) == 1 and words in errors[0]
+
+
+def test_the_fp8_weights_control_round_trips_and_prices_as_evaluate(client: TestClient) -> None:
+    """MB-13's MXFP8 weights stored only in MXFP8 (its recipe's fp8_param_gather): the explorer loads the control on
+    and prices the layout as evaluate() does; off, the worst rank holds the BF16 copies too, as the layout without the
+    field does."""
+    from k3opt.serve.views import form_of
+
+    lay = load_layout("mb-13-deepseek-v3-gb200")
+    form = form_of(lay, lay.runtime)
+    assert form["fp8_param_gather"] == "on"
+    on = client.post("/api/evaluate", json=form).json()
+    off = client.post("/api/evaluate", json={**form, "fp8_param_gather": "off"}).json()
+    assert on["form"]["fp8_param_gather"] == "on" and off["form"]["fp8_param_gather"] == "off"
+    bf16 = k3opt.evaluate(lay.model_copy(update={"fp8_param_gather": False}))
+    assert on["view"]["summary"]["rank_time_s"] == pytest.approx(k3opt.evaluate(lay).step.rank_time_s, rel=1e-12)
+    assert off["view"]["summary"]["peak_gib"] == pytest.approx(bf16.peak_bytes / 2**30, rel=1e-9)
+    assert on["view"]["summary"]["peak_gib"] < off["view"]["summary"]["peak_gib"]
+    bad = client.post("/api/evaluate", json={**form, "precision": "bf16"})
+    assert "fp8_param_gather" in bad.text
