@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from k3opt.inputs.specs import CudaGraphImpl, Layout, ModelSpec, Recompute
+from k3opt.inputs.specs import CudaGraphImpl, Layout, ModelSpec, Precision, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
 from k3opt.launch.limits import no_switch_for
 
@@ -73,7 +73,12 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
                                                      "activation_checkpoint": []}
     sections["model"].append(("name", "kimi_k3"))
-    if lay.toggles.fp8_activations:
+    if lay.precision in (Precision.FP8, Precision.NVFP4):
+        # torchtitan b5bcd76c components/quantization/float8.py L58: its Float8 converter scales row-wise only.
+        miss.append(Missing(f"precision = \"{lay.precision.value}\"", "torchtitan's Float8 converter scales "
+                            "row-wise (float8.py L58) and it has no NVFP4 converter; price the layout with precision "
+                            "\"mxfp8\" (its MX converters) or \"bf16\""))
+    if lay.toggles.fp8_activations or lay.precision == Precision.MXFP8:
         sections["model"].append(("converters", ["quantize.linear.mx", "quantize.grouped_mm.mx"]))
         sections["quantize.linear.mx"] = [("recipe_name", "mxfp8_cublas")]
         # The grouped-GEMM converter acts only on the MoE modules listed (default: none).

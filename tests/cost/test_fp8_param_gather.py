@@ -114,3 +114,37 @@ def test_muon_cannot_gather_fp8_weights(tmp_path):
     assert out.exit_code == 2
     lines = [ln for ln in out.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "fp8_param_gather needs Megatron's distributed optimizer" in lines[0], lines
+
+
+DATA = Path(__file__).parents[1] / "data"
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8"])
+def test_every_exported_switch_exists_at_the_pinned_commits(precision):
+    """The flags and keys come from Megatron-LM d98e8a64's argument parser and Megatron-Bridge 067f987d's config
+    fields (tests/data, as tests/launch checks every other switch)."""
+    from k3opt.launch import to_launch
+
+    lay = _layout(precision=precision)
+    flags = {ln for ln in (DATA / "megatron_lm_flags.txt").read_text().splitlines() if ln and not ln.startswith("#")}
+    emitted = [tok for ln in to_launch(lay, "megatron-lm").text.splitlines() if not ln.lstrip().startswith("#")
+               for tok in ln.split() if tok.startswith("--")]
+    assert "--fp8-param-gather" in emitted and sorted(set(emitted) - flags) == []
+    keys = {ln for ln in (DATA / "megatron_bridge_keys.txt").read_text().splitlines()
+            if ln and not ln.startswith("#")}
+    bridge = [k for k, _ in to_launch(lay, "megatron-bridge").settings]
+    assert "mixed_precision.fp8_param_gather" in bridge and sorted(set(bridge) - keys) == []
+
+
+def test_torchtitan_runs_mxfp8_with_its_mx_converters_and_names_what_it_cannot():
+    """torchtitan b5bcd76c: MX converters for MXFP8; its Float8 converter scales row-wise only (float8.py L58), so a
+    per-tensor FP8 layout is listed as not expressible there."""
+    import tomllib
+
+    from k3opt.launch import to_launch
+
+    mx = to_launch(_layout(fp8_param_gather=False), "torchtitan")
+    assert tomllib.loads(mx.body)["model"]["converters"] == ["quantize.linear.mx", "quantize.grouped_mm.mx"]
+    assert not [m for m in mx.missing if "precision" in m.decision]
+    fp8 = to_launch(_layout(precision="fp8", fp8_param_gather=False), "torchtitan")
+    assert [m.decision for m in fp8.missing if "precision" in m.decision] == ['precision = "fp8"']
