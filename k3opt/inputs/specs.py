@@ -541,12 +541,18 @@ def _check_fp8_param_gather(lay: Layout) -> None:
     if lay.precision not in (Precision.FP8, Precision.MXFP8):
         raise ValueError(f"fp8_param_gather stores the weights in the compute precision, but precision is "
                          f"\"{lay.precision.value}\"; use precision \"fp8\" or \"mxfp8\", or drop fp8_param_gather")
-    if (lay.dense_sharding, lay.expert_sharding) != (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM) \
-            or lay.param_gather != ParamGather.UPDATE:
+    if not (distributed_optimizer(lay.dense_sharding, lay.dense_fsdp)
+            and distributed_optimizer(lay.expert_sharding, lay.expert_fsdp)) or lay.param_gather != ParamGather.UPDATE:
         raise ValueError(f"fp8_param_gather is priced under Megatron's distributed optimizer (dense_sharding = "
                          f"expert_sharding = \"optim\", param_gather = \"update\"), got {lay.dense_sharding.value} / "
                          f"{lay.expert_sharding.value}, param_gather {lay.param_gather.value}; set those or drop "
                          "fp8_param_gather")
+
+
+def distributed_optimizer(policy: ShardingPolicy, group: int) -> bool:
+    """A shard group that runs as Megatron's distributed optimizer: `optim`, or any policy over one rank, which
+    shards nothing whatever it is called (the search keeps one representative policy for such a group)."""
+    return policy == ShardingPolicy.OPTIM or group == 1
 
 
 def _check_cuda_graphs(lay: Layout) -> None:

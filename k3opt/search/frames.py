@@ -35,6 +35,7 @@ from k3opt.inputs.specs import (
     SearchSpace,
     ShardingPolicy,
     Toggles,
+    distributed_optimizer,
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 
@@ -89,14 +90,15 @@ def frame_of(layout: Layout) -> Frame:
 
 
 def fp8_weights(job: Job, model: ModelSpec, precision: Precision, dense: ShardingPolicy, expert: ShardingPolicy,
-                gather: ParamGather) -> bool:
+                gather: ParamGather, fd: int, fe: int) -> bool:
     """Whether a frame stores its compute-precision weights only in that precision (Layout.fp8_param_gather):
     wherever Megatron takes it, FP8 or MXFP8 under its distributed optimizer (`optim`, the view kept for the update)
-    with AdamW, for a Megatron target or none. It only removes bytes (the BF16 copy; per-tensor FP8's second copy)
-    and link bytes (per-tensor FP8's gather), so the search sets it rather than branching on it, as
-    Megatron-Bridge's precision configs do."""
-    return (precision in (Precision.FP8, Precision.MXFP8) and dense == expert == ShardingPolicy.OPTIM
-            and gather == ParamGather.UPDATE and model.optimizer.name == "adamw" and job.target != "torchtitan")
+    with AdamW, for a Megatron target or none (a group of one rank, fd or fe = 1, under any policy). It only removes
+    bytes (the BF16 copy; per-tensor FP8's second copy) and link bytes (per-tensor FP8's gather), so the search sets
+    it rather than branching on it, as Megatron-Bridge's precision configs do."""
+    return (precision in (Precision.FP8, Precision.MXFP8) and distributed_optimizer(dense, fd)
+            and distributed_optimizer(expert, fe) and gather == ParamGather.UPDATE
+            and model.optimizer.name == "adamw" and job.target != "torchtitan")
 
 
 def default_sharding(s: SearchSpace) -> list[ShardingPolicy]:
@@ -208,7 +210,7 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                                 if v == 1 or m % p == 0:  # interleaving needs whole groups of p (Layout)
                                     for pg in _gathers(s, pd, pe, fd, fe, model.moe is not None):
                                         frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg,
-                                                            fp8_weights(job, model, q, pd, pe, pg)))
+                                                            fp8_weights(job, model, q, pd, pe, pg, fd, fe)))
     return frames
 
 

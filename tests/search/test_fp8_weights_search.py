@@ -62,3 +62,26 @@ def test_a_planned_mxfp8_layout_keeps_no_bf16_weights():
     assert plan.to_frame("layouts")["fp8_param_gather"].tolist() == [True]
     text = plan_text(plan)
     assert " mxfp8 params " in text and "the weights are stored in that precision only" in text
+
+
+def test_a_group_of_one_rank_counts_as_the_distributed_optimizer():
+    """Llama 3 70B for a Megatron target: its expert group is empty (expert_fsdp 1), where the search keeps one
+    representative policy (optim_grads_params, the target allowing Megatron-FSDP); a one-rank group shards nothing
+    under any policy, so those frames store their FP8 weights in FP8 too, and the layout validates."""
+    from k3opt.launch import apply_target_limits
+
+    model = k3opt.load_model("llama3-70b")
+    job = apply_target_limits(_job(model="llama3-70b", gpus=64, rows=1, context=8192, tokens_per_update=4194304,
+                                   precisions=["fp8"], target="megatron-lm", search={"pp": [8], "vp": [1]}), model)
+    frames = enumerate_frames(job, model, 64, k3opt.load_cluster("b200"))
+    on = [f for f in frames if f.fp8_param_gather]
+    assert on and all(f.expert_fsdp == 1 and f.param_gather == ParamGather.UPDATE for f in on)
+    assert any(f.expert_sharding == ShardingPolicy.OPTIM_GRADS_PARAMS for f in on)
+    assert all(f.dense_sharding == OPTIM or f.dense_fsdp == 1 for f in on)
+    k3opt.make_layout(gpus=64, pp=8, dense_fsdp=8, microbatches=64, context=8192, split=[10] * 8,
+                      dense_sharding="optim", expert_sharding="optim_grads_params", precision="fp8",
+                      fp8_param_gather=True, model="llama3-70b", cluster="b200")
+    with pytest.raises(k3opt.LayoutError, match="distributed optimizer"):
+        k3opt.make_layout(gpus=64, pp=8, dense_fsdp=8, microbatches=64, context=8192, split=[10] * 8,
+                          dense_sharding="optim_grads", expert_sharding="optim", precision="fp8",
+                          fp8_param_gather=True, model="llama3-70b", cluster="b200")
