@@ -544,7 +544,8 @@ def _check_fp8_param_gather(lay: Layout) -> None:
     if not (distributed_optimizer(lay.dense_sharding, lay.dense_fsdp)
             and distributed_optimizer(lay.expert_sharding, lay.expert_fsdp)) or lay.param_gather != ParamGather.UPDATE:
         raise ValueError(f"fp8_param_gather is priced under Megatron's distributed optimizer (dense_sharding = "
-                         f"expert_sharding = \"optim\", param_gather = \"update\"), got {lay.dense_sharding.value} / "
+                         f"expert_sharding = \"optim\" on groups of more than one rank, param_gather = \"update\"), "
+                         f"got {lay.dense_sharding.value} / "
                          f"{lay.expert_sharding.value}, param_gather {lay.param_gather.value}; set those or drop "
                          "fp8_param_gather")
 
