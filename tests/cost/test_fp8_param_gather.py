@@ -148,3 +148,21 @@ def test_torchtitan_runs_mxfp8_with_its_mx_converters_and_names_what_it_cannot()
     assert not [m for m in mx.missing if "precision" in m.decision]
     fp8 = to_launch(_layout(precision="fp8", fp8_param_gather=False), "torchtitan")
     assert [m.decision for m in fp8.missing if "precision" in m.decision] == ['precision = "fp8"']
+
+
+def test_the_expert_group_gathers_per_tensor_fp8_experts_in_fp8():
+    """Qwen3-30B-A3B on 16 B200, EP 8, expert FSDP 2, the dense group of one rank (it gathers nothing): the update's
+    link bytes per layer are the expert group's alone, the BF16 gradient buffer reduce-scattered (2 B per routed
+    weight) and the weights all-gathered, 2 B in BF16 or 1 B in FP8 (every routed weight is a GEMM weight): 3/4 of
+    the bytes with the flag."""
+    model, cluster = k3opt.load_model("qwen3-30b-a3b"), k3opt.load_cluster("b200")
+    base = dict(gpus=16, ep=8, expert_fsdp=2, dense_fsdp=1, microbatches=8, rows=4, context=4096, split=[48],
+                recompute="none", fsdp_lifecycle="accumulate", dense_sharding="optim", expert_sharding="optim",
+                grad_dtype="bf16", precision="fp8", model="qwen3-30b-a3b", cluster="b200")
+    on = coefficients(Shape.of(k3opt.make_layout(**base, fp8_param_gather=True)), model, cluster)
+    off = coefficients(Shape.of(k3opt.make_layout(**base)), model, cluster)
+    L = on.n_layers
+    links_on = on.update["nvlink"][:L] + on.update["nic"][:L]
+    links_off = off.update["nvlink"][:L] + off.update["nic"][:L]
+    assert links_off.min() > 0
+    np.testing.assert_allclose(links_on, 0.75 * links_off, rtol=1e-12)
