@@ -156,17 +156,7 @@ def test_cli_plan_prints_the_placement_and_why(tmp_path, placement_job):
 
     from k3opt.cli import main
 
-    cluster = tmp_path / "six.toml"
-    cluster.write_text((DATA / "slow-cluster.toml").read_text().replace('name = "slow-test"', 'name = "slow-six"')
-                       .replace("nvlink_domain_gpus = 4", "nvlink_domain_gpus = 6")
-                       .replace("nic_gbps = 2", "nic_gbps = 0.05"))
-    job = tmp_path / "job.toml"
-    data = placement_job.model_dump(mode="json", exclude_none=True)
-    data["cluster"] = str(cluster)
-    search = data.pop("search")
-    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    lines += ["[search]"] + [f"{k} = {json.dumps(v)}" for k, v in search.items() if v not in (None, [])]
-    job.write_text("\n".join(lines) + "\n")
+    job = _job_file(tmp_path, placement_job, "six", domain=6, nic_gbps=0.05)
     out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0"])
     assert out.exit_code == 0, out.output
     text = out.output
@@ -184,22 +174,33 @@ def test_cli_plan_prints_the_placement_and_why(tmp_path, placement_job):
 
 def test_cli_plan_names_one_rack_in_the_singular(tmp_path, placement_job):
     """Eight GPUs in one 8-GPU domain: the placement line reads "1 rack x 8 of 8 GPUs", not "1 racks"."""
-    import json
 
     from click.testing import CliRunner
 
     from k3opt.cli import main
 
-    cluster = tmp_path / "eight.toml"
-    cluster.write_text((DATA / "slow-cluster.toml").read_text().replace('name = "slow-test"', 'name = "slow-eight"')
-                       .replace("nvlink_domain_gpus = 4", "nvlink_domain_gpus = 8"))
-    job = tmp_path / "job.toml"
-    data = placement_job.model_dump(mode="json", exclude_none=True)
+    job = _job_file(tmp_path, placement_job, "eight", domain=8)
+    out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0"])
+    assert out.exit_code == 0, out.output
+    assert "placement: 1 rack x 8 of 8 GPUs (8 GPUs used, 8 held, 0 idle)" in out.output, out.output
+
+
+def _job_file(tmp_path: Path, job: Job, name: str, domain: int, nic_gbps: float | None = None) -> Path:
+    """`job` as a TOML file on tests/data/slow-cluster.toml with `domain`-GPU NVLink domains (and its NIC at
+    `nic_gbps`), as `k3opt plan` reads it."""
+    import json
+
+    text = (DATA / "slow-cluster.toml").read_text().replace('name = "slow-test"', f'name = "slow-{name}"')
+    text = text.replace("nvlink_domain_gpus = 4", f"nvlink_domain_gpus = {domain}")
+    if nic_gbps is not None:
+        text = text.replace("nic_gbps = 2", f"nic_gbps = {nic_gbps}")
+    cluster = tmp_path / f"{name}.toml"
+    cluster.write_text(text)
+    data = job.model_dump(mode="json", exclude_none=True)
     data["cluster"] = str(cluster)
     search = data.pop("search")
     lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
     lines += ["[search]"] + [f"{k} = {json.dumps(v)}" for k, v in search.items() if v not in (None, [])]
-    job.write_text("\n".join(lines) + "\n")
-    out = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--gap", "0"])
-    assert out.exit_code == 0, out.output
-    assert "placement: 1 rack x 8 of 8 GPUs (8 GPUs used, 8 held, 0 idle)" in out.output, out.output
+    path = tmp_path / "job.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
