@@ -1032,9 +1032,15 @@ def _quantized_weight_bytes(b: _LayerBuild) -> np.ndarray:
     DDP parameter buffer Megatron maps it into (param_and_grad_buffer.py L1263-1290 @ d98e8a64)."""
     if not b.lowp:
         return np.zeros(b.n)
-    if b.shape.precision == Precision.FP8 and b.shape.fp8_param_gather:
+    if _fp8_one_buffer(b.shape):
         return b.qb * b.q_view
     return 2 * b.qb * (b.q_view - b.unit_q)
+
+
+def _fp8_one_buffer(shape: LayerShape) -> bool:
+    """Per-tensor FP8 weights stored only in FP8 (fp8_param_gather): one 1-byte buffer, which both usages read and
+    the update gathers; MXFP8's keep both copies and gather BF16 through the gradient buffer."""
+    return shape.fp8_param_gather and shape.precision == Precision.FP8
 
 
 def _fsdp_weight_bytes(precision: Precision) -> float:
@@ -1395,7 +1401,7 @@ def _update_link_bytes(b: _LayerBuild) -> tuple[np.ndarray, np.ndarray]:
     # kept gathered, are refreshed here.
     # Per-tensor FP8 weights under fp8_param_gather are gathered in FP8; MXFP8's gather BF16 into the gradient
     # buffer and cast there (param_and_grad_buffer.py _post_param_sync @ d98e8a64).
-    fp8 = sh.fp8_param_gather and sh.precision == Precision.FP8
+    fp8 = _fp8_one_buffer(sh)
     dense_ag = 2 * pn - (2 - b.qb) * b.sa.q_params_nonrouted if fp8 else 2 * pn
     routed_ag = (2 * p_routed - (2 - b.qb) * b.sa.q_params_routed) / e if fp8 else 2 * p_routed / e
     up_nvl, up_nic = _hier(dense_ag * (1 - b.gather_d * b.layer), b.opt_fd, sh.dense_fsdp_local)

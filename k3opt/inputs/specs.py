@@ -538,11 +538,11 @@ def _check_fp8_param_gather(lay: Layout) -> None:
     buffer the MXFP8 all-gather reuses (megatron/core/distributed/param_and_grad_buffer.py L1161-1178 @ d98e8a64)."""
     if not lay.fp8_param_gather:
         return
-    if lay.precision not in (Precision.FP8, Precision.MXFP8):
+    if lay.precision not in FP8_WEIGHT_PRECISIONS:
         raise ValueError(f"fp8_param_gather stores the weights in the compute precision, but precision is "
                          f"\"{lay.precision.value}\"; use precision \"fp8\" or \"mxfp8\", or drop fp8_param_gather")
-    if not (distributed_optimizer(lay.dense_sharding, lay.dense_fsdp)
-            and distributed_optimizer(lay.expert_sharding, lay.expert_fsdp)) or lay.param_gather != ParamGather.UPDATE:
+    if not fp8_weights_priced(lay.precision, lay.dense_sharding, lay.dense_fsdp, lay.expert_sharding,
+                              lay.expert_fsdp, lay.param_gather):
         raise ValueError(f"fp8_param_gather is priced under Megatron's distributed optimizer (dense_sharding = "
                          f"expert_sharding = \"optim\" on groups of more than one rank, param_gather = \"update\"), "
                          f"got {lay.dense_sharding.value} / "
@@ -554,6 +554,18 @@ def distributed_optimizer(policy: ShardingPolicy, group: int) -> bool:
     """A shard group that runs as Megatron's distributed optimizer: `optim`, or any policy over one rank, which
     shards nothing whatever it is called (the search keeps one representative policy for such a group)."""
     return policy == ShardingPolicy.OPTIM or group == 1
+
+
+FP8_WEIGHT_PRECISIONS = (Precision.FP8, Precision.MXFP8)
+"""The compute precisions whose weights fp8_param_gather stores (Megatron --fp8-param-gather)."""
+
+
+def fp8_weights_priced(precision: Precision, dense: ShardingPolicy, fd: int, expert: ShardingPolicy, fe: int,
+                       gather: ParamGather) -> bool:
+    """Where fp8_param_gather is priced: FP8 or MXFP8 under Megatron's distributed optimizer on both groups, the
+    view kept for the update. The layout's rule and the search's (frames.fp8_weights) both read it."""
+    return (precision in FP8_WEIGHT_PRECISIONS and distributed_optimizer(dense, fd)
+            and distributed_optimizer(expert, fe) and gather == ParamGather.UPDATE)
 
 
 def _check_cuda_graphs(lay: Layout) -> None:

@@ -35,7 +35,7 @@ from k3opt.inputs.specs import (
     SearchSpace,
     ShardingPolicy,
     Toggles,
-    distributed_optimizer,
+    fp8_weights_priced,
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
 
@@ -96,9 +96,8 @@ def fp8_weights(job: Job, model: ModelSpec, precision: Precision, dense: Shardin
     with AdamW, for a Megatron target or none (a group of one rank, fd or fe = 1, under any policy). It only removes
     bytes (the BF16 copy; per-tensor FP8's second copy) and link bytes (per-tensor FP8's gather), so the search sets
     it rather than branching on it, as Megatron-Bridge's precision configs do."""
-    return (precision in (Precision.FP8, Precision.MXFP8) and distributed_optimizer(dense, fd)
-            and distributed_optimizer(expert, fe) and gather == ParamGather.UPDATE
-            and model.optimizer.name == "adamw" and job.target != "torchtitan")
+    return (fp8_weights_priced(precision, dense, fd, expert, fe, gather) and model.optimizer.name == "adamw"
+            and job.target != "torchtitan")
 
 
 def default_sharding(s: SearchSpace) -> list[ShardingPolicy]:
