@@ -53,7 +53,8 @@ class LimitPrice:
     with this one lifted alone."""
 
     limit: str
-    """Its id (k3opt.launch.refusals): vp, cp, expert_fsdp, fsdp_lifecycle or toggle:NAME."""
+    """Its id (k3opt.launch.refusals): vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules,
+    precision or toggle:NAME."""
     text: str
     best_s: float | None
     """The best ranked step time with this limit lifted (None: nothing runnable was found even so)."""

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
-from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather
+from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather, Precision
 from k3opt.inputs.toggles import built_in, no_switch
 from k3opt.launch.common import FORMATS, check_format, kda_layers, runs_megatron_fsdp
 
@@ -82,7 +82,19 @@ LIMITS: tuple[Limit, ...] = (
     Limit("torchtitan", "offload_modules", "no offload modules: core torchtitan offloads no activations "
           "([training] enable_cpu_offload moves parameters, gradients and optimizer state)",
           f"torchtitan/config/job_config.py (Training.enable_cpu_offload) {TT}"),
+    Limit("torchtitan", "precision", "precision bf16 or mxfp8 (its MX converters), and fp8 on a model without routed "
+          "experts (Float8Linear, recipe 'tensorwise'): its FP8 grouped-GEMM converter scales row-wise and refuses "
+          "pipeline parallelism, and it has no NVFP4 converter",
+          f"torchtitan/config/job_config.py L738, torchtitan/components/quantization/float8.py L176-208 {TT}"),
 )
+
+
+def torchtitan_precisions(model: ModelSpec | None) -> tuple[Precision, ...]:
+    """The compute precisions torchtitan runs as k3opt prices them: BF16, MXFP8 (its MX linear and grouped-GEMM
+    converters), and per-tensor FP8 only where no routed expert needs its row-wise FP8 grouped GEMM (unknown
+    model: assume it has them, the stricter rule)."""
+    dense = model is not None and model.moe is None
+    return (Precision.BF16, Precision.MXFP8, *((Precision.FP8,) if dense else ()))
 
 
 def _source(target: str, name: str) -> str:
@@ -153,7 +165,7 @@ def degree_refusals(d: Degrees, target: str, model: ModelSpec | None = None,
 def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
-    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules) and
+    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules, precision) and
     `toggle:NAME` for a toggle with no switch."""
     out = degree_refusals(layout, target, model, frozenset())
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
@@ -170,6 +182,9 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
     if target == "torchtitan" and layout.offload_modules:
         out.append(("offload_modules", f"offload_modules {[m.value for m in layout.offload_modules]} has no key "
                                        f"[{_source(target, 'offload_modules')}]"))
+    if target == "torchtitan" and layout.precision not in torchtitan_precisions(model):
+        out.append(("precision", f"precision {layout.precision.value} has no converter "
+                                 f"[{_source(target, 'precision')}]"))
     return [(k, why) for k, why in out if k not in lifted]
 
 
@@ -225,6 +240,13 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         upd["param_gather"] = [ParamGather.UPDATE, ParamGather.LAYER]
     if target == "torchtitan" and "offload_modules" not in lifted:
         upd["offload_modules"] = []
+    precisions = job.precisions
+    if target == "torchtitan" and "precision" not in lifted:
+        precisions = [p for p in job.precisions if p in torchtitan_precisions(model)]
+        if not precisions:
+            raise InfeasibleJobError(
+                f"precisions {[p.value for p in job.precisions]} leave none target torchtitan runs "
+                f"({limit_text(target, 'precision')}); add \"bf16\" or \"mxfp8\" to precisions or drop the target")
     forbid = list(s.forbid_toggles)
     for ns in no_switch_for(target, model):
         if ns.toggle not in forbid and f"toggle:{ns.toggle}" not in lifted:
@@ -244,5 +266,5 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         if name in upd and not upd[name]:
             raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "
                                      f"allow {name} = 1 / accumulate / update or drop the target")
-    return job.model_copy(update={"search": s.model_copy(update=upd)})
+    return job.model_copy(update={"search": s.model_copy(update=upd), "precisions": precisions})
 

@@ -13,7 +13,7 @@ import json
 
 from k3opt.inputs.specs import CudaGraphImpl, Layout, ModelSpec, Precision, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
-from k3opt.launch.limits import no_switch_for
+from k3opt.launch.limits import no_switch_for, torchtitan_precisions
 
 
 def _toml(v: object) -> str:
@@ -73,12 +73,17 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
                                                      "activation_checkpoint": []}
     sections["model"].append(("name", "kimi_k3"))
-    if lay.precision in (Precision.FP8, Precision.NVFP4):
-        # torchtitan b5bcd76c components/quantization/float8.py L58: its Float8 converter scales row-wise only.
-        miss.append(Missing(f"precision = \"{lay.precision.value}\"", "torchtitan's Float8 converter scales "
-                            "row-wise (float8.py L58) and it has no NVFP4 converter; price the layout with precision "
-                            "\"mxfp8\" (its MX converters) or \"bf16\""))
-    if lay.toggles.fp8_activations or lay.precision == Precision.MXFP8:
+    if lay.precision not in torchtitan_precisions(model):
+        # The search's own limit (limits.LIMITS "precision"): a plan with target torchtitan never lands here.
+        miss.append(Missing(f"precision = \"{lay.precision.value}\"", "torchtitan's FP8 grouped-GEMM converter "
+                            "scales row-wise and refuses pipeline parallelism (float8.py L176-208), and it has no "
+                            "NVFP4 converter; price the layout with precision \"mxfp8\" (its MX converters) or "
+                            "\"bf16\""))
+    elif lay.precision == Precision.FP8:
+        # Per-tensor FP8 on the linears of a model without routed experts (job_config.py L738 at the pinned commit).
+        sections["model"].append(("converters", ["quantize.linear.float8"]))
+        sections["quantize.linear.float8"] = [("recipe_name", "tensorwise")]
+    elif lay.toggles.fp8_activations or lay.precision == Precision.MXFP8:
         sections["model"].append(("converters", ["quantize.linear.mx", "quantize.grouped_mm.mx"]))
         sections["quantize.linear.mx"] = [("recipe_name", "mxfp8_cublas")]
         # The grouped-GEMM converter acts only on the MoE modules listed (default: none).

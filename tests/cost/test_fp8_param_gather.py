@@ -136,20 +136,6 @@ def test_every_exported_switch_exists_at_the_pinned_commits(precision):
     assert "mixed_precision.fp8_param_gather" in bridge and sorted(set(bridge) - keys) == []
 
 
-def test_torchtitan_runs_mxfp8_with_its_mx_converters_and_names_what_it_cannot():
-    """torchtitan b5bcd76c: MX converters for MXFP8; its Float8 converter scales row-wise only (float8.py L58), so a
-    per-tensor FP8 layout is listed as not expressible there."""
-    import tomllib
-
-    from k3opt.launch import to_launch
-
-    mx = to_launch(_layout(fp8_param_gather=False), "torchtitan")
-    assert tomllib.loads(mx.body)["model"]["converters"] == ["quantize.linear.mx", "quantize.grouped_mm.mx"]
-    assert not [m for m in mx.missing if "precision" in m.decision]
-    fp8 = to_launch(_layout(precision="fp8", fp8_param_gather=False), "torchtitan")
-    assert [m.decision for m in fp8.missing if "precision" in m.decision] == ['precision = "fp8"']
-
-
 def test_the_expert_group_gathers_per_tensor_fp8_experts_in_fp8():
     """Qwen3-30B-A3B on 16 B200, EP 8, expert FSDP 2, the dense group of one rank (it gathers nothing): the update's
     link bytes per layer are the expert group's alone, the BF16 gradient buffer reduce-scattered (2 B per routed

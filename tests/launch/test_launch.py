@@ -296,6 +296,64 @@ def test_torchtitan_runs_no_offload_modules(model):
     assert "offload_modules" not in [k for k, _ in refusals(lay, "megatron-lm", model)]
 
 
+def test_torchtitan_runs_bf16_mxfp8_and_per_tensor_fp8_only_without_routed_experts(model):
+    """torchtitan at the pinned TOML commit: MX converters for BF16's MXFP8 (linear and grouped GEMM), a Float8Linear
+    'tensorwise' recipe for the linears (job_config.py L738), but an FP8 grouped GEMM that scales row-wise and asserts
+    pipeline degree 1 (float8.py L176-208), and no NVFP4 converter. A K3 job (routed experts) keeps BF16 and MXFP8 of
+    its precisions; Llama 3 70B (no routed experts) keeps per-tensor FP8 too; a lifted limit or another target
+    keeps them all."""
+    k3 = k3opt.Job.model_validate({**k3opt.load_job("k3-512-4k").model_dump(), "target": "torchtitan",
+                                   "precisions": ["bf16", "fp8", "mxfp8", "nvfp4"]})
+    assert [p.value for p in apply_target_limits(k3, model).precisions] == ["bf16", "mxfp8"]
+    assert apply_target_limits(k3, model, frozenset({"precision"})).precisions == k3.precisions
+    bridge = k3.model_copy(update={"target": "megatron-bridge"})
+    assert apply_target_limits(bridge, model).precisions == k3.precisions
+    llama = k3opt.load_model("llama3-70b")
+    dense = k3.model_copy(update={"model": "llama3-70b"})
+    assert [p.value for p in apply_target_limits(dense, llama).precisions] == ["bf16", "fp8", "mxfp8"]
+    only_fp8 = k3opt.Job.model_validate({**k3.model_dump(), "precisions": ["fp8", "nvfp4"]})
+    with pytest.raises(k3opt.InfeasibleJobError, match=r"^precisions \['fp8', 'nvfp4'\] leave none target "
+                                                        r"torchtitan runs .*add \"bf16\" or \"mxfp8\""):
+        apply_target_limits(only_fp8, model)
+    ids = {p: [k for k, _ in refusals(_layout(precision=p), "torchtitan", model)] for p in ("fp8", "mxfp8", "nvfp4")}
+    assert ids["fp8"].count("precision") == ids["nvfp4"].count("precision") == 1 and "precision" not in ids["mxfp8"]
+    assert "precision" not in [k for k, _ in refusals(_layout(precision="fp8"), "megatron-lm", model)]
+
+
+def test_torchtitan_exports_each_precision_with_its_converter_or_names_it_missing():
+    """MXFP8: the MX converters; per-tensor FP8 on a model without routed experts: Float8Linear with the 'tensorwise'
+    recipe (every key defined at the pinned commit); on K3, or NVFP4 anywhere: listed as missing."""
+    mx = to_launch(_layout(precision="mxfp8", toggles={}), "torchtitan")
+    assert tomllib.loads(mx.body)["model"]["converters"] == ["quantize.linear.mx", "quantize.grouped_mm.mx"]
+    assert not [m for m in mx.missing if "precision" in m.decision]
+    for lay in (_layout(precision="fp8"), _layout(precision="nvfp4")):
+        out = to_launch(lay, "torchtitan")
+        assert [m.decision for m in out.missing if "precision" in m.decision] == [
+            f'precision = "{lay.precision.value}"']
+    llama = k3opt.load_layout(str(Path(k3opt.__file__).parents[1] / "layouts" / "measured"
+                                  / "mb-1-llama3-70b-gb300.toml"))
+    assert llama.precision.value == "fp8"
+    out = to_launch(llama, "torchtitan")
+    cfg = tomllib.loads(out.body)
+    assert cfg["model"]["converters"] == ["quantize.linear.float8"]
+    assert cfg["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise"}
+    assert not [m for m in out.missing if "precision" in m.decision]
+    defined = {ln for ln in (DATA / "torchtitan_keys.txt").read_text().splitlines() if ln and not ln.startswith("#")}
+    assert sorted(set(_toml_keys(cfg)) - defined) == []
+
+
+def test_cli_plan_with_torchtitan_and_only_per_tensor_fp8_on_an_moe_model_exits_2(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'model = "{DATA / "tiny-moe.toml"}"\ncluster = "{DATA / "slow-cluster.toml"}"\ngpus = 8\ncontext = 2048\n'
+        'tokens_per_update = 32768\nreserve_gib = 1.5\nprecisions = ["fp8"]\ntarget = "torchtitan"\n'
+        '[search]\npp = [2]\nep = [2]\ndense_fsdp = [2]\nexpert_fsdp = [1]\nvp = [1]\nrecompute = ["full"]\n')
+    res = CliRunner().invoke(main, ["plan", str(job), "--top", "1", "--time-limit", "20"])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "precisions ['fp8'] leave none target torchtitan runs" in lines[0]
+
+
 def test_launch_refusals(model):
     ok = _layout(fsdp_lifecycle="accumulate", toggles={"fp8_activations": True})
     assert launch_refusals(ok, "megatron-bridge", model) == []

@@ -147,3 +147,24 @@ def test_a_limit_price_says_when_its_search_was_cut_or_not_run():
     skipped = k3opt.planner.LimitPrice("toggle:fused_situ", "t", None, None, proven=False, priced=False)
     assert skipped.line() == "fused_situ has no switch: not priced, the time limit was spent (raise --time-limit) (t)"
     assert k3opt.planner.LimitPrice("vp", "x", 10.0, 2.0).line() == "vp limited: -2.000 s per step lifted alone (x)"
+
+
+def test_torchtitan_precision_limit_is_priced_as_the_job_narrowed_to_bf16_by_hand(tiny):
+    """The tiny MoE model with BF16 and per-tensor FP8 accepted: without a target the fastest layout runs FP8 (the
+    slow cluster's FP8 peak is twice its BF16); for torchtitan (row-wise FP8 grouped GEMMs) every ranked layout
+    is BF16, and the precision limit lifted alone prices as the job with every other torchtitan limit kept and
+    precisions = ["bf16", "fp8"] (the lifted search) against precisions = ["bf16"] (the bound one)."""
+    model, cluster = tiny
+    spec = {**SPEC, "precisions": ["bf16", "fp8"], "search": {**SPEC["search"], "vp": [1], "cp": [1]}}
+    free = k3opt.plan(k3opt.Job.model_validate(spec), model=model, cluster=cluster, top=1, gap=0.0)
+    assert free.layouts[0].layout.precision.value == "fp8"
+    job = k3opt.Job.model_validate({**spec, "target": "torchtitan"})
+    bound = k3opt.plan(job, model=model, cluster=cluster, top=8, gap=0.0)
+    assert {it.layout.precision.value for it in bound.layouts} == {"bf16"}
+    by_hand = k3opt.plan(k3opt.Job.model_validate({**spec, "target": "torchtitan", "precisions": ["bf16"]}),
+                         model=model, cluster=cluster, top=1, gap=0.0)
+    assert bound.layouts[0].rank_time_s == pytest.approx(by_hand.layouts[0].rank_time_s, rel=1e-12)
+    assert "precision" in binding_limits(free.layouts[0].layout, "torchtitan", model)
+    (price,) = limit_prices(job, bound.layouts[0].rank_time_s, ["precision"], model, cluster, gap=0.0)
+    assert price.best_s < bound.layouts[0].rank_time_s
+    assert price.best_s >= free.layouts[0].rank_time_s - 1e-9
