@@ -65,14 +65,9 @@ def _model_missing(model: ModelSpec) -> list[Missing]:
     return miss
 
 
-def export(layout: Layout, model: ModelSpec) -> Launch:
-    """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
-    lay = layout
-    miss: list[Missing] = []
-    notes: list[str] = []
-    sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
-                                                     "activation_checkpoint": []}
-    sections["model"].append(("name", "kimi_k3"))
+def _precision(lay: Layout, model: ModelSpec, sections: dict[str, list[tuple[str, object]]], miss: list[Missing],
+               notes: list[str]) -> None:
+    """The compute precision's converters (or the precision listed as missing: limits.torchtitan_precisions)."""
     if lay.precision not in torchtitan_precisions(model):
         # The search's own limit (limits.LIMITS "precision"): a plan with target torchtitan never lands here.
         miss.append(Missing(f"precision = \"{lay.precision.value}\"", "torchtitan's FP8 grouped-GEMM converter "
@@ -91,6 +86,17 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
         if lay.fp8_block_size != 32:
             notes.append(f"FP8: torchtitan's block-scaled converter is MXFP8 (1x32 blocks); k3opt priced "
                          f"1x{lay.fp8_block_size} blocks: set fp8_block_size = 32 to price what runs")
+
+
+def export(layout: Layout, model: ModelSpec) -> Launch:
+    """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
+    lay = layout
+    miss: list[Missing] = []
+    notes: list[str] = []
+    sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
+                                                     "activation_checkpoint": []}
+    sections["model"].append(("name", "kimi_k3"))
+    _precision(lay, model, sections, miss, notes)
 
     par = sections["parallelism"]
     cp = lay.cp

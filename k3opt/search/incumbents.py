@@ -1006,92 +1006,140 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     Stops when no move improves, or a move gains less than `min_gain` (relative: the seeding passes its stall
     gain, a tenth of the search's gap), at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
     slowest stage are screened in only when they do not raise it, so a layout ranked by its replayed schedule
-    rather than its formula improves only as far as such moves reach.
+    rather than its formula improves only as far as such moves reach. Where single moves stop on a layout its
+    formula ranks, pairs of a sideways move and an improving one are tried (`_SplitClimb.escape`).
     The heuristic splits balance each layer's busiest resource, not each rank's; a rank bound by its host link
     or its NIC is balanced only here."""
     lay = item.layout
-    p, k = lay.pp, lay.pp * lay.vp
-    if job.search.split is not None or k < 2:
+    if job.search.split is not None or lay.pp * lay.vp < 2:
         return item
-    cf = coefficients(Shape.of(lay), model, cluster)
+    return _SplitClimb(job, item, model, cluster, deadline, runtime, stop, min_gain).run()
 
-    def loads(split: list[int]) -> list[float]:
-        return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(p)]
 
-    def replayed(split: list[int], ld: list[float]) -> float:
+class _SplitClimb:
+    """One split climb's state (`split_climb`): the layout's coefficients, the best layout and its split so far,
+    and the rank loads of that split."""
+
+    def __init__(self, job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
+                 runtime: RuntimeSpec | None, stop: Callable[[], bool] | None, min_gain: float) -> None:
+        self.job, self.model, self.cluster, self.runtime = job, model, cluster, runtime
+        self.deadline, self.stop, self.min_gain = deadline, stop, min_gain
+        self.lay = item.layout
+        self.p, self.k = self.lay.pp, self.lay.pp * self.lay.vp
+        self.cf = coefficients(Shape.of(self.lay), model, cluster)
+        self.best, self.cur = item, list(self.lay.split)
+        self.least = chunk_least(job, frame_of(self.lay))
+        self.now = self.loads(self.cur)
+
+    def loads(self, split: list[int]) -> list[float]:
+        cf = self.cf
+        return [max(rank_sums(cf, cf.time, cf.pp_seconds_per_byte, split, r).values()) for r in range(self.p)]
+
+    def replayed(self, split: list[int], ld: list[float]) -> float:
         """The ranked step's pipeline part at the coefficients' rates (the rank-load screen's): the step formula's
         slots x stage, or the schedule replayed over each chunk's share of its rank's stage where that is longer,
         as evaluate() ranks it at the cluster's achievable rates."""
-        fwd, bwd = chunk_times(chunk_work(cf, cf.time, split), ld, p, lay.recompute == Recompute.FULL)
-        return max(cf.slots * max(ld), replay_makespan(p, lay.vp, lay.microbatches, fwd, bwd))
+        cf, lay = self.cf, self.lay
+        fwd, bwd = chunk_times(chunk_work(cf, cf.time, split), ld, self.p, lay.recompute == Recompute.FULL)
+        return max(cf.slots * max(ld), replay_makespan(self.p, lay.vp, lay.microbatches, fwd, bwd))
 
-    best, cur = item, list(lay.split)
-    least = chunk_least(job, frame_of(lay))
-    now = loads(cur)
+    def over(self) -> bool:
+        return _time.monotonic() >= self.deadline or (self.stop is not None and self.stop())
 
-    def over() -> bool:
-        return _time.monotonic() >= deadline or (stop is not None and stop())
-
-    def moves(by_replay: bool) -> list[tuple[tuple[float, ...], list[int]]] | None:
-        """The screened moves (None past the deadline). Off the two slowest ranks' chunks, those that do not raise
-        the slowest stage, by rank loads; a layout ranked by its replayed schedule also moves layers between the
-        chunks of one rank (the rank loads stay, the replay's warm-up and drain change: Kimi K2 PP2 VP4, chunk 0 to
-        chunk 6, both rank 0's, 7.174 -> 7.163 s). `by_replay`: every move between two chunks that the replay
-        puts under the current one, by that replay (its chunks' places bind it, not its slowest rank)."""
-        line = replayed(cur, now) if by_replay else math.inf
+    def moves(self, by_replay: bool, base: list[int] | None = None, base_loads: list[float] | None = None,
+              sideways: bool = False) -> list[tuple[tuple[float, ...], list[int]]] | None:
+        """The screened moves of `base` (default: the current split; None past the deadline). Off the two slowest
+        ranks' chunks, those that do not raise the slowest stage, by rank loads; a layout ranked by its replayed
+        schedule also moves layers between the chunks of one rank (the rank loads stay, the replay's warm-up and
+        drain change: Kimi K2 PP2 VP4, chunk 0 to chunk 6, both rank 0's, 7.174 -> 7.163 s). `by_replay`: every
+        move between two chunks that the replay puts under the current one, by that replay (its chunks' places bind
+        it, not its slowest rank). `sideways`: the moves off every other rank that do not raise the slowest stage
+        (`escape`)."""
+        p, k = self.p, self.k
+        base = self.cur if base is None else base
+        ld0 = self.now if base_loads is None else base_loads
+        line = self.replayed(base, ld0) if by_replay else math.inf
+        slowest = sorted(range(p), key=lambda r: -ld0[r])[:2]
+        sources = range(p) if by_replay else [r for r in range(p) if r not in slowest] if sideways else slowest
         out: list[tuple[tuple[float, ...], list[int]]] = []
-        for src in range(p) if by_replay else sorted(range(p), key=lambda r: -now[r])[:2]:
+        for src in sources:
             for i in range(src, k, p):
-                if cur[i] <= least[i]:
+                if base[i] <= self.least[i]:
                     continue
                 for j in range(k):
-                    if j == i or (j % p == src and not best.ranks_by_replay):
+                    if j == i or (j % p == src and not self.best.ranks_by_replay):
                         continue
-                    s = cur[:]
+                    s = base[:]
                     s[i] -= 1
                     s[j] += 1
-                    ld = loads(s)
+                    ld = self.loads(s)
                     if by_replay:
-                        screen = replayed(s, ld)
-                        if screen < line * (1 - min_gain) - 1e-12 * line:
+                        screen = self.replayed(s, ld)
+                        if screen < line * (1 - self.min_gain) - 1e-12 * line:
                             out.append(((screen, *sorted(ld, reverse=True)), s))
-                    elif max(ld) <= max(now) * (1 + 1e-12):
+                    elif max(ld) <= max(ld0) * (1 + 1e-12):
                         out.append((tuple(sorted(ld, reverse=True)), s))
-            if over():
+            if self.over():
                 return None
         return out
 
-    def take(cands: list[tuple[tuple[float, ...], list[int]]] | None, most: int | None = None
+    def take(self, cands: list[tuple[tuple[float, ...], list[int]]] | None, most: int | None = None
              ) -> tuple[float, ...] | None:
         """Prices the moves in screen order (at most `most` of them); the first that ranks faster and fits, and
         the moves tied with it in the screen, the fastest taken (they differ in the layers' kinds, their edges and
         the replayed order: K3 PP8 VP4, 18.84 s or 18.63 s for one layer moved from rank 4 to rank 5, from chunk 4
         or from chunk 28)."""
-        nonlocal best, cur
         taken: tuple[float, ...] | None = None
         for n, (key, s) in enumerate(sorted(cands or [], key=lambda c: c[0])):
-            if over() or (taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0)) or n == most:
+            if self.over() or (taken is not None and not np.allclose(key, taken, rtol=1e-12, atol=0.0)) \
+                    or n == most:
                 break
-            moved = lay.model_copy(update={"split": s})
-            ev = evaluate(moved, model=model, cluster=cluster, runtime=runtime)
-            if fits(job, ev) and (ev.step.rank_time_s, ev.peak_bytes) < (best.rank_time_s, best.peak_bytes):
-                best, cur, taken = PlanItem(moved, ev), s, key
+            moved = self.lay.model_copy(update={"split": s})
+            ev = evaluate(moved, model=self.model, cluster=self.cluster, runtime=self.runtime)
+            if fits(self.job, ev) and (ev.step.rank_time_s, ev.peak_bytes) < (self.best.rank_time_s,
+                                                                              self.best.peak_bytes):
+                self.best, self.cur, taken = PlanItem(moved, ev), s, key
         return taken
 
-    while not over():
-        before = best.rank_time_s
-        taken = take(moves(False))
-        if taken is None and best.rank_time_s > best.evaluation.step.formula_time_s * (1 + min_gain) and not over():
-            # Where the rank-load moves stop, a layout its replay holds above its formula by more than a step's
-            # gain tries every move by its replay (DeepSeek-V3 PP8 VP4 on 512 B200, 61 layers in 32 chunks: the
-            # rank-load moves stop at 4.979 s, then two replay moves reach 4.531 s). The screen is evaluate()'s
-            # pipeline term at the coefficients' rates, so its first moves fail mostly on memory or on the rates:
-            # a few priced without a gain end the round (POLICY.replay_moves_priced).
-            taken = take(moves(True), POLICY.replay_moves_priced)
-        if taken is None or best.rank_time_s > before * (1 - min_gain):
-            return best
-        now = list(loads(cur))
-    return best
+    def escape(self) -> tuple[float, ...] | None:
+        """Where single moves stop on a layout its formula ranks: a sideways move (off a rank that is not among
+        the two slowest, the slowest stage kept) followed by a move off the two slowest ranks that lowers it, the
+        pair priced by evaluate(). Moving a layer shifts the layers of every chunk between, so it changes which
+        kinds of layer (KDA, MLA, the dense first one) the chunks between hold: K3 PP8 VP4 over 8 racks stops at
+        21.211 s, where a layer moved off rank 3 onto rank 6 (sideways) and then one off the last chunk reach
+        21.072 s, where the first such pair found gives 21.155 s. The sideways moves are tried in screen order,
+        POLICY.sideways_moves of them at most, each with its first improving move that fits, and the fastest pair
+        is taken."""
+        side = self.moves(False, sideways=True)
+        top = max(self.now)
+        line = top * (1 - self.min_gain) - 1e-12 * top
+        got: tuple[float, ...] | None = None
+        for _, s1 in sorted(side or [], key=lambda c: c[0])[:POLICY.sideways_moves]:
+            if self.over():
+                break
+            second = self.moves(False, s1, self.loads(s1))
+            # take() keeps a pair only when it beats the best so far, so the fastest pair of all stands.
+            got = self.take([c for c in second or [] if c[0][0] < line], POLICY.replay_moves_priced) or got
+        return got
+
+    def run(self) -> PlanItem:
+        while not self.over():
+            before = self.best.rank_time_s
+            taken = self.take(self.moves(False))
+            if (taken is None and self.best.rank_time_s > self.best.evaluation.step.formula_time_s
+                    * (1 + self.min_gain) and not self.over()):
+                # Where the rank-load moves stop, a layout its replay holds above its formula by more than a step's
+                # gain tries every move by its replay (DeepSeek-V3 PP8 VP4 on 512 B200, 61 layers in 32 chunks: the
+                # rank-load moves stop at 4.979 s, then two replay moves reach 4.531 s). The screen is evaluate()'s
+                # pipeline term at the coefficients' rates, so its first moves fail mostly on memory or on the
+                # rates: a few priced without a gain end the round (POLICY.replay_moves_priced).
+                taken = self.take(self.moves(True), POLICY.replay_moves_priced)
+            if taken is None and not self.best.ranks_by_replay and not self.over():
+                taken = self.escape()
+            if taken is None or self.best.rank_time_s > before * (1 - self.min_gain):
+                return self.best
+            self.now = list(self.loads(self.cur))
+        return self.best
 
 
 def cap_descent(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,

@@ -107,6 +107,15 @@ class SearchPolicy:
     many of the moves its replay screen puts under the current replay, best first: the screen is evaluate()'s
     pipeline term at the coefficients' rates, so the first moves miss mostly where they do not fit."""
 
+    sideways_moves: int = 24
+    """Where a split climb's single moves stop, it tries at most this many sideways moves, each followed by its
+    first improving move (incumbents.split_climb's `escape`): one sideways move screens a few hundred second moves
+    (about 40 ms at K3 PP8 VP4), so 24 take about a second."""
+
+    final_climb_s: float = 2.0
+    """Seconds the ranked layouts' splits are climbed once more when the seeding ends without a proof (the driver's
+    `_climb_ranked`): one K3 PP8 VP4 climb through its sideways moves takes about 1.3 s."""
+
     climb_configs: int = 3
     """The seeding climbs at most this many configurations of one frame (its fastest first)."""
 

@@ -4,6 +4,7 @@ layout, reaches the enumerated best split from the worst one, and respects a fix
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 import k3opt
 from k3opt.inputs.presets import make_layout
+from k3opt.search import incumbents
 from k3opt.search.incumbents import split_climb
 from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
@@ -294,3 +296,46 @@ def test_a_replay_ranked_layout_climbs_past_where_the_rank_loads_stop(dsv3_b200_
     got = split_climb(job, start, model, cluster, math.inf)
     assert got.evaluation.fits and got.layout.split != start.layout.split
     assert got.rank_time_s <= cpsat.step.rank_time_s
+
+
+def _k3_racks_layout(split: list[int]) -> k3opt.Layout:
+    """K3 PP8 VP4 EP64 on 8 racks x 64 GB200 (the k3-racks-8 job's best shape), BF16, selective recompute."""
+    return make_layout(gpus=512, pp=8, vp=4, ep=64, dense_fsdp=64, microbatches=64, rows=1, context=4096,
+                       split=split, recompute="selective", fsdp_lifecycle="per_microbatch", reserve_gib=4.0,
+                       domain_gpus_used=64, model="kimi-k3", cluster="gb200-nvl72", dense_sharding="optim_grads",
+                       expert_sharding="optim", runtime="megatron-te-hybridep-gb200",
+                       toggles={"fp8_activations": True, "activation_offload": True, "moe_backward_rewrite": True,
+                                "fused_situ": True, "p2p_muon": True})
+
+
+def test_a_climb_passes_a_plateau_through_a_sideways_move(monkeypatch):
+    """93 layers in 32 chunks, five ranks at 12 layers: moving a layer shifts the layers of every chunk between, so
+    which kinds (KDA, MLA every fourth, the dense first layer) each rank holds changes. From this split (the
+    k3-racks-8 plan's best at 60 s) one layer off chunk 3 onto chunk 6 leaves the step as it is, and one off the last
+    chunk onto chunk 27 alone is no faster; together they are. The climb's single moves stop at the start; through
+    its sideways moves it reaches the pair's step or better."""
+    job = k3opt.Job.model_validate({"racks": 8, "tokens_per_update": 16777216, "reserve_gib": 4.0})
+    model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
+
+    def moved(split: list[int], *moves: tuple[int, int]) -> list[int]:
+        s = list(split)
+        for i, j in moves:
+            s[i] -= 1
+            s[j] += 1
+        return s
+
+    start = [3] * 6 + [2] + [3] * 20 + [2] + [3] * 3 + [2]
+    assert sum(start) == model.num_layers and len(start) == 32
+    ev = {name: k3opt.evaluate(_k3_racks_layout(s), model=model, cluster=cluster)
+          for name, s in {"start": start, "sideways": moved(start, (3, 6)), "second": moved(start, (31, 27)),
+                          "pair": moved(start, (3, 6), (31, 27))}.items()}
+    assert all(e.fits for e in ev.values())
+    t0 = ev["start"].step.rank_time_s
+    assert ev["sideways"].step.rank_time_s == pytest.approx(t0, rel=1e-12)
+    assert ev["second"].step.rank_time_s >= t0 * (1 - 1e-12)
+    assert ev["pair"].step.rank_time_s < t0 * (1 - 0.005)
+    item = PlanItem(ev["start"].layout, ev["start"])
+    got = split_climb(job, item, model, cluster, math.inf)
+    assert got.evaluation.fits and got.rank_time_s <= ev["pair"].step.rank_time_s * (1 + 1e-12)
+    monkeypatch.setattr(incumbents, "POLICY", dataclasses.replace(POLICY, sideways_moves=0))
+    assert split_climb(job, item, model, cluster, math.inf).rank_time_s == pytest.approx(t0, rel=1e-12)
