@@ -625,17 +625,17 @@ class _Search:
             self._climb_ranked()
 
     def _climb_ranked(self) -> None:
-        """The ranked layouts' splits climbed once more (incumbents.split_climb), fastest first, for
-        POLICY.final_climb_s in all: the sibling pricing and the seeding's pricing by estimate bring layouts no climb
-        has started from (K3 on 8 racks: a sibling's 21.211 s, which a climb through a sideways move takes to
-        21.072 s)."""
+        """The ranked layouts' splits climbed once more (incumbents.split_climb, through sideways moves), fastest
+        first, for POLICY.final_climb_s in all: the sibling pricing and the seeding's pricing by estimate bring
+        layouts no climb has started from (K3 on 8 racks: a sibling's 21.211 s, which a climb through a sideways
+        move takes to 21.072 s)."""
         until = min(self.deadline, _time.monotonic() + POLICY.final_climb_s)
         ranked = sorted(self.best_of.items(), key=lambda fi: _key(fi[1].evaluation))[:self.top]
         for f, it in ranked:
             if _time.monotonic() >= until or self._stopped():
                 break
             got = split_climb(self.job, it, self.model, self.cluster, until, stop=self._stopped,
-                              min_gain=POLICY.seed_gain * self.gap)
+                              min_gain=POLICY.seed_gain * self.gap, sideways=True)
             if _key(got.evaluation) < _key(it.evaluation):
                 self.best_of[f] = got
 

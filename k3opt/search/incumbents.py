@@ -995,7 +995,7 @@ class SeedState:
 
 def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
                 runtime: RuntimeSpec | None = None, stop: Callable[[], bool] | None = None,
-                min_gain: float = 0.0) -> PlanItem:
+                min_gain: float = 0.0, sideways: bool = False) -> PlanItem:
     """A faster split of `item`'s layout, its frame and configuration kept (or `item`): local search by moves of
     one layer from a chunk of one of the two slowest ranks to a chunk of another rank (the chunks between shift by
     one layer), or of the same rank while the layout ranks by its replayed schedule. Candidates are screened by the
@@ -1006,14 +1006,15 @@ def split_climb(job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec
     Stops when no move improves, or a move gains less than `min_gain` (relative: the seeding passes its stall
     gain, a tenth of the search's gap), at the monotonic `deadline`, or when `stop()` (Ctrl-C). Moves that keep the
     slowest stage are screened in only when they do not raise it, so a layout ranked by its replayed schedule
-    rather than its formula improves only as far as such moves reach. Where single moves stop on a layout its
-    formula ranks, pairs of a sideways move and an improving one are tried (`_SplitClimb.escape`).
+    rather than its formula improves only as far as such moves reach. With `sideways`, where single moves stop on a
+    layout its formula ranks, pairs of a sideways move and an improving one are tried (`_SplitClimb.escape`, about
+    a second at K3 PP8 VP4: the driver's last climb of the ranked layouts, not the seeding's many climbs).
     The heuristic splits balance each layer's busiest resource, not each rank's; a rank bound by its host link
     or its NIC is balanced only here."""
     lay = item.layout
     if job.search.split is not None or lay.pp * lay.vp < 2:
         return item
-    return _SplitClimb(job, item, model, cluster, deadline, runtime, stop, min_gain).run()
+    return _SplitClimb(job, item, model, cluster, deadline, runtime, stop, min_gain, sideways).run()
 
 
 class _SplitClimb:
@@ -1021,9 +1022,10 @@ class _SplitClimb:
     and the rank loads of that split."""
 
     def __init__(self, job: Job, item: PlanItem, model: ModelSpec, cluster: ClusterSpec, deadline: float,
-                 runtime: RuntimeSpec | None, stop: Callable[[], bool] | None, min_gain: float) -> None:
+                 runtime: RuntimeSpec | None, stop: Callable[[], bool] | None, min_gain: float,
+                 sideways: bool) -> None:
         self.job, self.model, self.cluster, self.runtime = job, model, cluster, runtime
-        self.deadline, self.stop, self.min_gain = deadline, stop, min_gain
+        self.deadline, self.stop, self.min_gain, self.sideways = deadline, stop, min_gain, sideways
         self.lay = item.layout
         self.p, self.k = self.lay.pp, self.lay.pp * self.lay.vp
         self.cf = coefficients(Shape.of(self.lay), model, cluster)
@@ -1134,7 +1136,7 @@ class _SplitClimb:
                 # pipeline term at the coefficients' rates, so its first moves fail mostly on memory or on the
                 # rates: a few priced without a gain end the round (POLICY.replay_moves_priced).
                 taken = self.take(self.moves(True), POLICY.replay_moves_priced)
-            if taken is None and not self.best.ranks_by_replay and not self.over():
+            if taken is None and self.sideways and not self.best.ranks_by_replay and not self.over():
                 taken = self.escape()
             if taken is None or self.best.rank_time_s > before * (1 - self.min_gain):
                 return self.best

@@ -313,7 +313,7 @@ def test_a_climb_passes_a_plateau_through_a_sideways_move(monkeypatch):
     which kinds (KDA, MLA every fourth, the dense first layer) each rank holds changes. From this split (the
     k3-racks-8 plan's best at 60 s) one layer off chunk 3 onto chunk 6 leaves the step as it is, and one off the last
     chunk onto chunk 27 alone is no faster; together they are. The climb's single moves stop at the start; through
-    its sideways moves it reaches the pair's step or better."""
+    its sideways moves (`sideways`, the driver's last climb) it reaches the pair's step or better."""
     job = k3opt.Job.model_validate({"racks": 8, "tokens_per_update": 16777216, "reserve_gib": 4.0})
     model, cluster = k3opt.load_model("kimi-k3"), k3opt.load_cluster("gb200-nvl72")
 
@@ -335,7 +335,33 @@ def test_a_climb_passes_a_plateau_through_a_sideways_move(monkeypatch):
     assert ev["second"].step.rank_time_s >= t0 * (1 - 1e-12)
     assert ev["pair"].step.rank_time_s < t0 * (1 - 0.005)
     item = PlanItem(ev["start"].layout, ev["start"])
-    got = split_climb(job, item, model, cluster, math.inf)
+    got = split_climb(job, item, model, cluster, math.inf, sideways=True)
     assert got.evaluation.fits and got.rank_time_s <= ev["pair"].step.rank_time_s * (1 + 1e-12)
-    monkeypatch.setattr(incumbents, "POLICY", dataclasses.replace(POLICY, sideways_moves=0))
     assert split_climb(job, item, model, cluster, math.inf).rank_time_s == pytest.approx(t0, rel=1e-12)
+    monkeypatch.setattr(incumbents, "POLICY", dataclasses.replace(POLICY, sideways_moves=0))
+    assert split_climb(job, item, model, cluster, math.inf, sideways=True).rank_time_s == pytest.approx(t0, rel=1e-12)
+
+
+def test_a_plan_the_seeding_leaves_unproven_climbs_its_ranked_layouts_through_sideways_moves(
+        monkeypatch, tiny, pp2_job):
+    """The driver's last climb (`_climb_ranked`): with the seeding's proof test forced false, the ranked layouts are
+    climbed with `sideways`, fastest first, up to `top` of them; a climb that returns a faster layout replaces its
+    frame's entry (a recording climb returns each layout 1 ms faster, so the plan's best is its own layout's
+    evaluate() less that)."""
+    from k3opt.search import driver
+
+    calls: list[tuple[float, bool]] = []
+
+    def recording(job, item, model, cluster, deadline, *a, sideways=False, **k):  # noqa: ANN001, ANN002, ANN003
+        if sideways:
+            calls.append((item.rank_time_s, sideways))
+            step = dataclasses.replace(item.evaluation.step, achievable_step_time_s=item.rank_time_s - 1e-3)
+            return PlanItem(item.layout, dataclasses.replace(item.evaluation, step=step))
+        return item
+
+    monkeypatch.setattr(driver, "split_climb", recording)
+    monkeypatch.setattr(driver._Search, "_proven", lambda self, fastest: False)
+    _, model, cluster = tiny
+    plan = k3opt.plan(pp2_job, model=model, cluster=cluster, top=2, time_limit=20, gap=0.0)
+    assert len(calls) == 2 and calls[0][0] <= calls[1][0]
+    assert plan.layouts[0].rank_time_s == pytest.approx(calls[0][0] - 1e-3, abs=1e-12)
