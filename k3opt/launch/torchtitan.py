@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from k3opt.inputs.specs import CudaGraphImpl, Layout, ModelSpec, Precision, Recompute
+from k3opt.inputs.specs import CudaGraphImpl, Dtype, Layout, ModelSpec, Precision, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
 from k3opt.launch.limits import no_switch_for, torchtitan_precisions
 
@@ -37,6 +37,39 @@ def chunk_fqns(layout: Layout) -> list[list[str]]:
         parts.append(names)
         start += n
     return parts
+
+
+MODELS: dict[str, tuple[str, str, str]] = {
+    "llama3-70b": ("llama3", "70B", "torchtitan/models/llama3/__init__.py L82"),
+    "deepseek-v3": ("deepseek_v3", "671B", "torchtitan/models/deepseek_v3/__init__.py L130"),
+    "qwen3-30b-a3b": ("qwen3", "30B-A3B", "torchtitan/models/qwen3/__init__.py L145"),
+    "qwen3-235b-a22b": ("qwen3", "235B-A22B", "torchtitan/models/qwen3/__init__.py L168"),
+}
+"""k3opt's model presets that torchtitan builds (the pinned TOML commit): its [model] name and flavor, with source.
+Kimi K3 (KDA layers) and Kimi K2 (DeepSeek-V3's architecture at 384 experts, no flavor of it) are listed missing."""
+
+
+def _model_section(lay: Layout, model: ModelSpec, sections: dict[str, list[tuple[str, object]]],
+                   miss: list[Missing]) -> None:
+    """[model] name and flavor, and [optimizer] name, as torchtitan spells them; what it has no model or optimizer
+    for is listed missing."""
+    name, flavor, _ = MODELS.get(model.name, ("kimi_k3" if kda_layers(model) else model.name.replace("-", "_"),
+                                              None, ""))
+    sections["model"].append(("name", name))
+    if flavor is not None:
+        sections["model"].append(("flavor", flavor))
+    elif not kda_layers(model):
+        miss.append(Missing(f"{model.name} model", f"torchtitan has no model flavor with its shapes: register one "
+                            f"under [model] name = \"{name}\""))
+    if model.optimizer.name == "muon":
+        miss.append(Missing(f"Muon optimizer ({model.name}'s matrices)", "the TOML-era [optimizer] name offers "
+                            "Adam/AdamW only; torchtitan HEAD's DistMuon is set in Python config "
+                            "(optimizer.param_groups)"))
+    else:
+        sections["optimizer"] = [("name", "AdamW")]
+        if model.optimizer.state_of(lay.optimizer_state_dtype) != Dtype.FP32:
+            miss.append(Missing("AdamW moments in BF16", "no key: torchtitan's AdamW keeps its moments in the "
+                                "parameters' FP32; price the layout with optimizer_state_dtype = \"fp32\""))
 
 
 def _cuda_graphs_missing(lay: Layout) -> list[Missing]:
@@ -89,13 +122,14 @@ def _precision(lay: Layout, model: ModelSpec, sections: dict[str, list[tuple[str
 
 
 def export(layout: Layout, model: ModelSpec) -> Launch:
-    """A TOML config with [model], [parallelism], [training], [activation_checkpoint] sections."""
+    """A TOML config with [model], [parallelism], [training], [activation_checkpoint] and, for an AdamW model,
+    [optimizer] sections."""
     lay = layout
     miss: list[Missing] = []
     notes: list[str] = []
     sections: dict[str, list[tuple[str, object]]] = {"model": [], "parallelism": [], "training": [],
                                                      "activation_checkpoint": []}
-    sections["model"].append(("name", "kimi_k3"))
+    _model_section(lay, model, sections, miss)
     _precision(lay, model, sections, miss, notes)
 
     par = sections["parallelism"]
@@ -116,7 +150,7 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
             ("expert_tensor_parallel_degree", 1)]
     if lay.toggles.ep_dedup:
         par.append(("expert_parallel_comm_backend", "deepep"))
-    if lay.dense_fsdp != lay.ep * lay.expert_fsdp:
+    if model.moe is not None and lay.dense_fsdp != lay.ep * lay.expert_fsdp:
         miss.append(Missing(f"expert_fsdp = {lay.expert_fsdp} with dense_fsdp = {lay.dense_fsdp}, ep = {lay.ep}",
                             f"no key: torchtitan derives efsdp = dp_shard x cp / ep = "
                             f"{lay.dense_fsdp // lay.ep if lay.dense_fsdp >= lay.ep else 'below 1'}; "
@@ -151,8 +185,6 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
                         "no key: FSDP2's gradient reduce-scatter timing under a PP schedule is decided by "
                         "PyTorch's pipelining stage, not by the config; check it matches what k3opt priced"))
     miss += _cuda_graphs_missing(lay)
-    miss.append(Missing("Muon optimizer (K3's matrices)", "the TOML-era [optimizer] name offers Adam/AdamW only; "
-                        "torchtitan HEAD's DistMuon is set in Python config (optimizer.param_groups)"))
     miss += _model_missing(model)
     if lay.domain_gpus_used is not None:
         miss.append(Missing(f"{lay.domain_gpus_used} GPUs used per NVLink domain",

@@ -18,12 +18,13 @@ import k3opt
 from k3opt.cli import main
 from k3opt.inputs.errors import SpecError, UnknownTargetError
 from k3opt.inputs.frameworks import MEGATRON_LM_COMMIT
-from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
+from k3opt.inputs.specs import TOGGLE_NAMES, Dtype, FsdpLifecycle, Recompute
 from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch_refusals, refusals, to_launch
 from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
+MEASURED = Path(k3opt.__file__).parents[1] / "layouts" / "measured"
 # The default plan's layout (k3opt plan --top 1 on the k3-512-4k job).
 DEFAULT = {
     "gpus": 512, "pp": 8, "vp": 1, "cp": 1, "ep": 64, "expert_fsdp": 1, "dense_fsdp": 64, "microbatches": 64,
@@ -340,6 +341,43 @@ def test_torchtitan_exports_each_precision_with_its_converter_or_names_it_missin
     assert not [m for m in out.missing if "precision" in m.decision]
     defined = {ln for ln in (DATA / "torchtitan_keys.txt").read_text().splitlines() if ln and not ln.startswith("#")}
     assert sorted(set(_toml_keys(cfg)) - defined) == []
+
+
+@pytest.mark.parametrize(("run", "name", "flavor", "optimizer"), [
+    # torchtitan e347b1e5: models/llama3/__init__.py L82 "70B"; models/deepseek_v3/__init__.py L130 "671B";
+    # models/qwen3/__init__.py L168 "235B-A22B"; no flavor with Kimi K2's 384 experts; job_config.py Optimizer.name.
+    ("mb-1-llama3-70b-gb300.toml", "llama3", "70B", "AdamW"),
+    ("mb-22-deepseek-v3-gb200.toml", "deepseek_v3", "671B", "AdamW"),
+    ("mb-17-qwen3-235b-a22b-gb300.toml", "qwen3", "235B-A22B", "AdamW"),
+    ("mb-21-kimi-k2-gb300.toml", "kimi_k2", None, None),
+])
+def test_torchtitan_names_each_preset_model_and_its_optimizer(run, name, flavor, optimizer):
+    """The [model] name and flavor torchtitan builds for each preset, [optimizer] AdamW where the model trains with
+    it (Muon listed missing, as for K3); the derived expert sharding degree is listed only for a model with routed
+    experts; every key is one the pinned commit defines."""
+    lay = k3opt.load_layout(str(MEASURED / run))
+    out = to_launch(lay, "torchtitan")
+    cfg = tomllib.loads(out.body)
+    assert cfg["model"]["name"] == name and cfg["model"].get("flavor") == flavor
+    assert cfg.get("optimizer", {}).get("name") == optimizer
+    missing = [m.decision for m in out.missing]
+    assert any(d.startswith("Muon optimizer") for d in missing) == (optimizer is None)
+    assert any(d.endswith(" model") for d in missing) == (flavor is None)
+    if run.startswith("mb-1-"):  # Llama 3 70B: no routed experts, nothing derives an expert sharding degree
+        assert lay.dense_fsdp != lay.ep * lay.expert_fsdp and not any(d.startswith("expert_fsdp") for d in missing)
+    defined = {ln for ln in (DATA / "torchtitan_keys.txt").read_text().splitlines() if ln and not ln.startswith("#")}
+    assert sorted(set(_toml_keys(cfg)) - defined) == []
+
+
+def test_torchtitan_lists_bf16_adamw_moments_as_missing():
+    """MB-22 (DeepSeek-V3 25.11) keeps its AdamW moments in BF16, which torchtitan's AdamW (FP32 moments, those of
+    its FP32 parameters) cannot; the same layout at FP32 moments lists nothing about them."""
+    lay = k3opt.load_layout(str(MEASURED / "mb-22-deepseek-v3-gb200.toml"))
+    assert lay.optimizer_state_dtype is None or lay.optimizer_state_dtype.value == "bf16"
+    bf16 = [m.decision for m in to_launch(lay, "torchtitan").missing]
+    at_fp32 = lay.model_copy(update={"optimizer_state_dtype": Dtype.FP32})
+    fp32 = [m.decision for m in to_launch(at_fp32, "torchtitan").missing]
+    assert "AdamW moments in BF16" in bf16 and "AdamW moments in BF16" not in fp32
 
 
 def test_cli_plan_with_torchtitan_and_only_per_tensor_fp8_on_an_moe_model_exits_2(tmp_path):
