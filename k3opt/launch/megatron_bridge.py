@@ -27,12 +27,32 @@ def _value(v: object) -> str:
     return str(v)
 
 
+RECIPES: dict[str, tuple[str, str]] = {
+    "llama3-70b": ("llama3_70b_pretrain_config", "src/megatron/bridge/recipes/llama/__init__.py L32"),
+    "deepseek-v3": ("deepseek_v3_pretrain_config", "src/megatron/bridge/recipes/deepseek/__init__.py L29"),
+    "qwen3-30b-a3b": ("qwen3_30b_a3b_pretrain_config", "src/megatron/bridge/recipes/qwen/__init__.py L86"),
+    "qwen3-235b-a22b": ("qwen3_235b_a22b_pretrain_config", "src/megatron/bridge/recipes/qwen/__init__.py L89"),
+    "kimi-k2": ("kimi_k2_pretrain_config", "src/megatron/bridge/recipes/kimi/__init__.py L15"),
+}
+"""The library pretraining recipe Bridge ships (at the pinned commit) for each of k3opt's model presets, with its
+source; Kimi K3 has none."""
+
+
 def export(layout: Layout, model: ModelSpec) -> Launch:
     """`key=value` overrides, one per line, with the missing switches as comments."""
     settings, miss, notes = megatron_settings(layout, model, bridge=True)
-    notes = list(notes) + ["no Kimi K3 training recipe ships at this commit: pass these overrides to "
-                           "scripts/training/run_recipe.py with a recipe built on KimiK3ModelProvider"]
-    lines = ["python scripts/training/run_recipe.py --recipe <your_kimi_k3_recipe> \\"]
+    recipe = RECIPES.get(model.name)
+    if recipe is None:
+        k3 = model.name == "kimi-k3"
+        notes = list(notes) + [f"no {'Kimi K3' if k3 else model.name} training recipe ships at this commit: pass these "
+                               "overrides to scripts/training/run_recipe.py with a recipe built on "
+                               f"{'KimiK3ModelProvider' if k3 else 'its model provider'}"]
+        name = f"<your_{model.name.replace('-', '_')}_recipe>"
+    else:
+        notes = list(notes) + [f"the overrides apply to Bridge's {recipe[0]} ({recipe[1]}); its other settings "
+                               "(optimizer schedule, data, precision defaults) are the recipe's"]
+        name = recipe[0]
+    lines = [f"python scripts/training/run_recipe.py --recipe {name} \\"]
     pairs = []
     for st in settings:
         if st.key is None:

@@ -369,6 +369,21 @@ def test_torchtitan_names_each_preset_model_and_its_optimizer(run, name, flavor,
     assert sorted(set(_toml_keys(cfg)) - defined) == []
 
 
+@pytest.mark.parametrize(("run", "recipe"), [
+    # Megatron-Bridge 067f987d src/megatron/bridge/recipes/*/__init__.py export these library recipes; none for K3.
+    ("mb-1-llama3-70b-gb300.toml", "llama3_70b_pretrain_config"),
+    ("mb-22-deepseek-v3-gb200.toml", "deepseek_v3_pretrain_config"),
+    ("mb-20-qwen3-30b-a3b-gb200.toml", "qwen3_30b_a3b_pretrain_config"),
+    ("mb-18-qwen3-235b-a22b-gb200.toml", "qwen3_235b_a22b_pretrain_config"),
+    ("mb-21-kimi-k2-gb300.toml", "kimi_k2_pretrain_config"),
+    ("k3-gb200-512-reference.toml", "<your_kimi_k3_recipe>"),
+])
+def test_megatron_bridge_runs_each_preset_through_its_own_recipe(run, recipe):
+    out = to_launch(k3opt.load_layout(str(MEASURED / run)), "megatron-bridge")
+    assert out.body.splitlines()[0] == f"python scripts/training/run_recipe.py --recipe {recipe} \\"
+    assert any("KimiK3ModelProvider" in n for n in out.notes) == run.startswith("k3-")
+
+
 def test_torchtitan_lists_bf16_adamw_moments_as_missing():
     """MB-22 (DeepSeek-V3 25.11) keeps its AdamW moments in BF16, which torchtitan's AdamW (FP32 moments, those of
     its FP32 parameters) cannot; the same layout at FP32 moments lists nothing about them."""
