@@ -108,9 +108,9 @@ class SearchPolicy:
     pipeline term at the coefficients' rates, so the first moves miss mostly where they do not fit."""
 
     sideways_moves: int = 24
-    """Where a split climb's single moves stop, it tries at most this many sideways moves, each followed by its
-    first improving move (incumbents.split_climb's `escape`): one sideways move screens a few hundred second moves
-    (about 40 ms at K3 PP8 VP4), so 24 take about a second."""
+    """Where a split climb with `sideways` (the driver's last climb) stops under single moves, it tries at most this
+    many sideways moves, each followed by its first improving move (incumbents._SplitClimb.escape): one sideways
+    move screens a few hundred second moves (about 40 ms at K3 PP8 VP4), so 24 take about a second."""
 
     final_climb_s: float = 2.0
     """Seconds the ranked layouts' splits are climbed once more when the seeding ends without a proof (the driver's
