@@ -221,7 +221,8 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
         Setting("--num-experts", "model.num_moe_experts", model.moe.num_experts),
         Setting("--moe-router-topk", "model.moe_router_topk", model.moe.experts_per_token),
         Setting("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size", model.moe.expert_intermediate_size),
-        Setting("--moe-latent-size", "model.moe_latent_size", model.moe.latent_size),
+        *([Setting("--moe-latent-size", "model.moe_latent_size", model.moe.latent_size)]
+          if model.moe.latent_size is not None else []),  # no latent MoE: Megatron's default (None) is no flag
         Setting("--moe-layer-freq", "model.moe_layer_freq", run_length_expr(moe_layer_flags(model)),
                 moe_layer_flags(model)),
         Setting("--moe-grouped-gemm", "model.moe_grouped_gemm", True)]

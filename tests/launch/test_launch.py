@@ -568,3 +568,14 @@ def test_a_wider_request_that_does_worse_keeps_the_earlier_answer(monkeypatch):
     res = k3opt.plan(_tiny_target_job(), model=tiny, cluster=slow, top=6, time_limit=20)
     assert calls == [6, 24]
     assert res.layouts and res.layouts[0].layout == good.layout
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_no_export_of_a_measured_layout_writes_a_python_none(fmt):
+    """Every measured layout (six model presets) exported: no flag or key carries the text None, a field the model
+    does not have (DeepSeek-V3 has no latent MoE: Megatron's --moe-latent-size default is no flag, and
+    int('None') would fail its argparse)."""
+    for path in sorted(MEASURED.glob("*.toml")):
+        out = to_launch(k3opt.load_layout(str(path)), fmt)
+        assert [(k, v) for k, v in out.settings if "None" in str(v)] == [], path.name
+        assert not [ln for ln in out.body.splitlines() if not ln.lstrip().startswith("#") and "None" in ln], path.name
