@@ -332,7 +332,7 @@ def _megatron_fsdp(out: _Decisions, lay: Layout) -> None:
 
 
 def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
-    """MLA, hidden and FFN sizes; the KDA layers (Bridge only), AttnRes and the vision tower."""
+    """MLA or GQA, hidden and FFN sizes; the KDA layers (Bridge only), AttnRes and the vision tower."""
     if model.mla is not None:
         out.settings += [Setting("--multi-latent-attention", "model.multi_latent_attention", True),
                          Setting("--num-attention-heads", "model.num_attention_heads", model.mla.num_heads),
@@ -341,6 +341,18 @@ def _model_facts(out: _Decisions, model: ModelSpec, bridge: bool) -> None:
                          Setting("--qk-head-dim", "model.qk_head_dim", model.mla.qk_nope_head_dim),
                          Setting("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", model.mla.qk_rope_head_dim),
                          Setting("--v-head-dim", "model.v_head_dim", model.mla.v_head_dim)]
+    if model.gqa is not None:
+        # Grouped-query attention as Megatron-LM's arguments spell it; --group-query-attention is an argparse switch
+        # only (Megatron core reads num_query_groups).
+        gqa = model.gqa
+        out.settings += [Setting("--num-attention-heads", "model.num_attention_heads", gqa.num_heads),
+                         Setting("--group-query-attention", None, True),
+                         Setting("--num-query-groups", "model.num_query_groups", gqa.num_kv_heads),
+                         Setting("--kv-channels", "model.kv_channels", gqa.head_dim)]
+        if gqa.qk_norm:
+            out.settings.append(Setting("--qk-layernorm", "model.qk_layernorm", True))
+        if gqa.attention_bias:
+            out.settings.append(Setting("--add-qkv-bias", "model.add_qkv_bias", True))
     out.settings.append(Setting("--hidden-size", "model.hidden_size", model.hidden_size))
     # The ledger holds no dropout masks: the models train without dropout (Megatron-Bridge's model bridges set
     # hidden_dropout = 0.0, e.g. deepseek_v3_bridge.py L87, kimi_k3_bridge.py L127), while TransformerConfig's

@@ -579,3 +579,23 @@ def test_no_export_of_a_measured_layout_writes_a_python_none(fmt):
         out = to_launch(k3opt.load_layout(str(path)), fmt)
         assert [(k, v) for k, v in out.settings if "None" in str(v)] == [], path.name
         assert not [ln for ln in out.body.splitlines() if not ln.lstrip().startswith("#") and "None" in ln], path.name
+
+
+@pytest.mark.parametrize(("run", "heads", "groups", "qk_norm"), [
+    # Hugging Face configs: Llama 3 70B 64 heads / 8 KV heads, head dim 8192 / 64 = 128; Qwen3-30B-A3B 32 / 4,
+    # head_dim 128, with q_norm / k_norm.
+    ("mb-1-llama3-70b-gb300.toml", 64, 8, False),
+    ("mb-20-qwen3-30b-a3b-gb200.toml", 32, 4, True),
+])
+def test_megatron_exports_write_grouped_query_attention(run, heads, groups, qk_norm):
+    lay = k3opt.load_layout(str(MEASURED / run))
+    flags = _megatron_flags(to_launch(lay, "megatron-lm").body)
+    text = to_launch(lay, "megatron-lm").body
+    assert f"--num-attention-heads {heads}" in text and f"--num-query-groups {groups}" in text
+    assert "--kv-channels 128" in text and "--group-query-attention" in flags
+    assert ("--qk-layernorm" in flags) == qk_norm and "--multi-latent-attention" not in flags
+    defined = {ln for ln in FLAGS_FILE.read_text().splitlines() if ln and not ln.startswith("#")}
+    assert sorted(set(flags) - defined) == []
+    bridge = dict(to_launch(lay, "megatron-bridge").settings)
+    assert (bridge["model.num_attention_heads"], bridge["model.num_query_groups"]) == (str(heads), str(groups))
+    assert bridge["model.kv_channels"] == "128" and ("model.qk_layernorm" in bridge) == qk_norm
