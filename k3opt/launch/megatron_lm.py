@@ -408,6 +408,12 @@ def _flag_value(v: object) -> list[str]:
 def export(layout: Layout, model: ModelSpec) -> Launch:
     """`pretrain_gpt.py` flags, one per line, with the missing switches as comments."""
     settings, miss, notes = megatron_settings(layout, model, bridge=False)
+    # The shapes k3opt prices are written; the switches that change no byte or FLOP it counts are the model's own
+    # and not (Bridge's recipe carries them; pretrain_gpt.py's defaults are LayerNorm, GeLU and learned positions).
+    notes = list(notes) + [f"{model.name}'s architecture switches that k3opt does not price are not written "
+                           "(--normalization, --swiglu, --position-embedding-type and its base, the tokenizer and "
+                           "vocabulary, --untie-embeddings-and-output-weights, --disable-bias-linear, the router's "
+                           "score function): take them from the model's Megatron-LM example script"]
     lines = ["pretrain_gpt.py \\"]
     pairs = []
     for st in settings:
