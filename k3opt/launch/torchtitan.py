@@ -116,7 +116,7 @@ def _precision(lay: Layout, model: ModelSpec, sections: dict[str, list[tuple[str
         sections["quantize.linear.mx"] = [("recipe_name", "mxfp8_cublas")]
         # The grouped-GEMM converter acts only on the MoE modules listed (default: none).
         sections["quantize.grouped_mm.mx"] = [("recipe_name", "mxfp8"), ("fqns", ["experts"])]
-        if lay.fp8_block_size != 32:
+        if lay.precision == Precision.BF16 and lay.fp8_block_size != 32:  # MXFP8 compute prices 1x32 itself
             notes.append(f"FP8: torchtitan's block-scaled converter is MXFP8 (1x32 blocks); k3opt priced "
                          f"1x{lay.fp8_block_size} blocks: set fp8_block_size = 32 to price what runs")
 

@@ -599,3 +599,12 @@ def test_megatron_exports_write_grouped_query_attention(run, heads, groups, qk_n
     bridge = dict(to_launch(lay, "megatron-bridge").settings)
     assert (bridge["model.num_attention_heads"], bridge["model.num_query_groups"]) == (str(heads), str(groups))
     assert bridge["model.kv_channels"] == "128" and ("model.qk_layernorm" in bridge) == qk_norm
+
+
+def test_torchtitan_block_size_note_only_where_k3opt_priced_the_block():
+    """fp8_block_size prices the FP8 activation toggle's scales under BF16 compute; MXFP8 compute prices its own 1x32
+    scales (coefficients.saved_per_token), so only the BF16 layout with 1x128 blocks gets the note."""
+    bf16 = to_launch(_layout(toggles={"fp8_activations": True}), "torchtitan")
+    mx = to_launch(_layout(precision="mxfp8", toggles={"fp8_activations": True}), "torchtitan")
+    assert any("fp8_block_size = 32" in n for n in bf16.notes)
+    assert not any("fp8_block_size" in n for n in mx.notes)
