@@ -247,3 +247,16 @@ def test_mfu_convention_and_unpriced_items_are_stated(reference_eval):
     assert len(s.unpriced) == 5 and s.unpriced[0].startswith("CP: the KDA state pre-pass")
     assert any("routing imbalance" in u for u in s.unpriced)
     assert any("host-side kernel launch" in u for u in s.unpriced)
+
+
+def test_mfu_convention_and_unpriced_items_name_only_the_models_own_parts():
+    """Qwen3-30B-A3B (MB-20) has GQA attention, no KDA layer and no vision tower: its convention names GQA and no
+    KDA scan, and its unpriced list drops the KDA state pass and the vision tower's activations."""
+    lay = k3opt.load_layout(str(Path(k3opt.__file__).parents[1] / "layouts" / "measured"
+                                / "mb-20-qwen3-30b-a3b-gb200.toml"))
+    s = k3opt.evaluate(lay).step
+    assert s.mfu_convention == (
+        "6 x learned active matrices per token + GQA score/value contractions with the causal half (Megatron "
+        "convention), document length 4096; no recompute; denominator 2500 TFLOP/s dense BF16 per GPU")
+    assert len(s.unpriced) == 3 and not any("KDA" in u or "vision" in u for u in s.unpriced)
+    assert any("host-side kernel launch" in u for u in s.unpriced)

@@ -62,6 +62,25 @@ UNPRICED = (
     "host-side kernel launch: a layout is priced the same eager, partially or fully CUDA-graphed "
     "(cuda_graph_impl), and graph capture's static buffers and private pool are not in the ledger",
 )
+"""What the step time leaves out, for a model with every kind of part (`unpriced`: those of one model)."""
+
+
+def unpriced(model: ModelSpec) -> tuple[str, ...]:
+    """UNPRICED without the items about parts `model` does not have: the KDA state pass under CP (no KDA layers),
+    the vision tower's activations (no vision tower)."""
+    kda = model.kda is not None and len(model.full_attention_layers) < model.num_layers
+    return tuple(u for u in UNPRICED if (kda or not u.startswith("CP: the KDA"))
+                 and (model.vision is not None or not u.startswith("vision-tower")))
+
+
+def mfu_convention(model: ModelSpec, document_length: int, bf16_tflops: float) -> str:
+    """The MFU's FLOP convention in words: 6 x the learned active matrices, the softmax attention's score and value
+    contractions with the causal half (MLA and / or GQA, as the model has them), and what it leaves out."""
+    kinds = " / ".join(k for k, spec in (("MLA", model.mla), ("GQA", model.gqa)) if spec is not None)
+    kda = model.kda is not None and len(model.full_attention_layers) < model.num_layers
+    return (f"6 x learned active matrices per token + {kinds + ' ' if kinds else ''}score/value contractions with "
+            f"the causal half (Megatron convention), document length {document_length}; no recompute"
+            f"{', no KDA scan' if kda else ''}; denominator {bf16_tflops:g} TFLOP/s dense BF16 per GPU")
 
 
 @dataclass(frozen=True)
@@ -763,11 +782,8 @@ def _step(cf: Coefficients, ranks: list[RankEvaluation], model: ModelSpec, clust
         bubble_fraction=bubble_fraction(sh.pp, sh.vp, sh.microbatches), slots=cf.slots,
         tokens_per_update=tokens, tokens_per_s=tps, tokens_per_s_per_gpu=tps / sh.gpus, mfu=mfu,
         model_flops_per_token=cf.model_flops_per_token,
-        mfu_convention=("6 x learned active matrices per token + MLA score/value contractions with the causal "
-                        "half (Megatron convention), document length "
-                        f"{min(sh.document_length, sh.context)}; no recompute, no KDA scan; "
-                        f"denominator {cluster.bf16_tflops:g} TFLOP/s dense BF16 per GPU"),
-        unpriced=UNPRICED,
+        mfu_convention=mfu_convention(model, min(sh.document_length, sh.context), cluster.bf16_tflops),
+        unpriced=unpriced(model),
         schedule_step_time_s=replay_makespan(sh.pp, sh.vp, sh.microbatches, fwd, bwd) + update,
         ranked_chunk_s=tuple(zip(fwd.tolist(), bwd.tolist(), strict=True)),
         offload_stall_s=float(cf.offload_stall.sum()),
