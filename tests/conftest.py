@@ -6,6 +6,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -143,6 +144,18 @@ def contiguous_splits(layers: int, chunks: int, empty_edges: bool = False):
                 continue
             for split in contiguous_splits(layers, inner):
                 yield ([] if first else [0]) + split + ([] if last else [0])
+
+
+MEASURED = Path(k3opt.__file__).parents[1] / "layouts" / "measured"
+"""The measured layouts (public runs, the K3 reference)."""
+
+
+def measured_variant(name: str, **update) -> k3opt.Layout:  # noqa: ANN003 - Layout fields
+    """The measured layout file `name` (under layouts/measured) with its measurement dropped and `update` applied."""
+    data = k3opt.load_layout(str(MEASURED / name)).model_dump()
+    data.pop("measured")
+    data.update(update)
+    return k3opt.make_layout(**data)
 
 
 def explain_refusal(tmp_path, text: str) -> str:  # noqa: ANN001 - a pytest tmp_path

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import MEASURED
 
 import k3opt
 from k3opt.cli import main
@@ -252,8 +253,7 @@ def test_mfu_convention_and_unpriced_items_are_stated(reference_eval):
 def test_mfu_convention_and_unpriced_items_name_only_the_models_own_parts():
     """Qwen3-30B-A3B (MB-20) has GQA attention, no KDA layer and no vision tower: its convention names GQA and no
     KDA scan, and its unpriced list drops the KDA state pass and the vision tower's activations."""
-    lay = k3opt.load_layout(str(Path(k3opt.__file__).parents[1] / "layouts" / "measured"
-                                / "mb-20-qwen3-30b-a3b-gb200.toml"))
+    lay = k3opt.load_layout(str(MEASURED / "mb-20-qwen3-30b-a3b-gb200.toml"))
     s = k3opt.evaluate(lay).step
     assert s.mfu_convention == (
         "6 x learned active matrices per token + GQA score/value contractions with the causal half (Megatron "

@@ -970,6 +970,7 @@ class _LayerBuild:
         gd_ = float(per_layer and pol_d == ShardingPolicy.OPTIM_GRADS_PARAMS)
         ge_ = float(per_layer and pol_e == ShardingPolicy.OPTIM_GRADS_PARAMS)
         layer = np.arange(n) < model.num_layers
+        q_view = sa.q_params_nonrouted + sa.q_params_routed / e  # local params of the low-precision GEMMs
         return cls(
             shape=shape, cm=cm, model=model, cluster=cm.cluster, sa=sa, n=n,
             layer=layer, full=shape.recompute == Recompute.FULL,
@@ -985,9 +986,8 @@ class _LayerBuild:
             g_fe=fe if pol_e in _GRADS_SHARDED else 1, gd=shape.grad_dtype.bytes,
             sd=model.optimizer.state_of(shape.optimizer_state_dtype).bytes,
             lowp=shape.precision != Precision.BF16, qb=quantized_bytes_per_element(shape.precision),
-            q_view=sa.q_params_nonrouted + sa.q_params_routed / e,
-            fp8_params=(sa.q_params_nonrouted + sa.q_params_routed / e) if shape.fp8_param_gather
-            else np.zeros(n),
+            q_view=q_view,
+            fp8_params=q_view if shape.fp8_param_gather else np.zeros(n),
         )
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import MEASURED, measured_variant
 
 import k3opt
 from k3opt.cli import main
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.launch.megatron_lm import megatron_settings
 
-RUN = Path(k3opt.__file__).parents[1] / "layouts" / "measured" / "llama3-70b-gb300-mxfp8.toml"
+RUN = "llama3-70b-gb300-mxfp8.toml"
 # Per decoder layer, the weights of the GEMMs in the compute precision: q and o 8192 x 8192, k and v 1024 x 8192,
 # gate, up and down 28672 x 8192 = 855,638,016; the layer's two RMSNorm vectors (2 x 8,192) stay BF16.
 Q = 855_638_016
@@ -30,11 +31,8 @@ HEAD = 128256 * 8192 + 8192
 GIB = 2**30
 
 
-def _layout(**update) -> k3opt.Layout:
-    data = k3opt.load_layout(str(RUN)).model_dump()
-    data.pop("measured")
-    data.update(update)
-    return k3opt.make_layout(**data)
+def _layout(**update) -> k3opt.Layout:  # noqa: ANN003 - Layout fields
+    return measured_variant(RUN, **update)
 
 
 def _cf(lay: k3opt.Layout):
@@ -104,7 +102,7 @@ def test_a_layout_it_does_not_price_is_one_line(update, fragment):
 def test_muon_cannot_gather_fp8_weights(tmp_path):
     """Kimi K2 trains with Muon, whose layer-wise optimizer has no shared gradient buffer (Megatron-Bridge turns the
     flag off for Muon + MXFP8): the layout is refused with one line, exit 2 from the CLI."""
-    src = Path(k3opt.__file__).parents[1] / "layouts" / "measured" / "mb-21-kimi-k2-gb300.toml"
+    src = MEASURED / "mb-21-kimi-k2-gb300.toml"
     text = src.read_text().replace('grad_dtype = "bf16"', 'grad_dtype = "bf16"\nfp8_param_gather = true', 1)
     path = tmp_path / "k2.toml"
     path.write_text(text)

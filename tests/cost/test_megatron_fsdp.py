@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import explain_refusal
+from conftest import MEASURED, explain_refusal, measured_variant
 
 import k3opt
 from k3opt.cost.coefficients import Shape, coefficients
 from k3opt.inputs.errors import LayoutError
 
-MB2 = Path(k3opt.__file__).parents[1] / "layouts" / "measured" / "mb-2-llama3-70b-gb200.toml"
+MB2 = "mb-2-llama3-70b-gb200.toml"
 # Per decoder layer: q 8192 x 8192, k and v 1024 x 8192 each, o 8192 x 8192, gate and up 28672 x 8192 each, down
 # 8192 x 28672 = 855,638,016 weights, plus two RMSNorm vectors of 8,192.
 LAYER = 855_638_016 + 2 * 8192
@@ -27,11 +27,8 @@ DP = 64
 GIB = 2**30
 
 
-def _layout(**update) -> k3opt.Layout:
-    data = k3opt.load_layout(str(MB2)).model_dump()
-    data.pop("measured")
-    data.update(update)
-    return k3opt.make_layout(**data)
+def _layout(**update) -> k3opt.Layout:  # noqa: ANN003 - Layout fields
+    return measured_variant(MB2, **update)
 
 
 def _cf(lay: k3opt.Layout):
@@ -212,5 +209,5 @@ def test_offloading_every_layer_is_refused(n: int):
 ])
 def test_explain_refuses_a_bad_setting_in_one_line(tmp_path: Path, line: str, words: str):
     key = line.split(" =")[0]
-    text = "\n".join(ln for ln in MB2.read_text().splitlines() if not ln.startswith(key))
+    text = "\n".join(ln for ln in (MEASURED / MB2).read_text().splitlines() if not ln.startswith(key))
     assert words in explain_refusal(tmp_path, text.replace("[toggles]", f"{line}\n\n[toggles]", 1))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import MEASURED
 
 import k3opt
 from k3opt.cli import main
@@ -24,7 +25,6 @@ from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
-MEASURED = Path(k3opt.__file__).parents[1] / "layouts" / "measured"
 # The default plan's layout (k3opt plan --top 1 on the k3-512-4k job).
 DEFAULT = {
     "gpus": 512, "pp": 8, "vp": 1, "cp": 1, "ep": 64, "expert_fsdp": 1, "dense_fsdp": 64, "microbatches": 64,
@@ -331,8 +331,7 @@ def test_torchtitan_exports_each_precision_with_its_converter_or_names_it_missin
         out = to_launch(lay, "torchtitan")
         assert [m.decision for m in out.missing if "precision" in m.decision] == [
             f'precision = "{lay.precision.value}"']
-    llama = k3opt.load_layout(str(Path(k3opt.__file__).parents[1] / "layouts" / "measured"
-                                  / "mb-1-llama3-70b-gb300.toml"))
+    llama = k3opt.load_layout(str(MEASURED / "mb-1-llama3-70b-gb300.toml"))
     assert llama.precision.value == "fp8"
     out = to_launch(llama, "torchtitan")
     cfg = tomllib.loads(out.body)

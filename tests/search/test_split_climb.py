@@ -13,7 +13,6 @@ import pytest
 
 import k3opt
 from k3opt.inputs.presets import make_layout
-from k3opt.search import incumbents
 from k3opt.search.incumbents import split_climb
 from k3opt.search.policy import POLICY
 from k3opt.search.result import PlanItem
@@ -308,7 +307,7 @@ def _k3_racks_layout(split: list[int]) -> k3opt.Layout:
                                 "fused_situ": True, "p2p_muon": True})
 
 
-def test_a_climb_passes_a_plateau_through_a_sideways_move(monkeypatch):
+def test_a_climb_passes_a_plateau_through_a_sideways_move(use_policy):
     """93 layers in 32 chunks, five ranks at 12 layers: moving a layer shifts the layers of every chunk between, so
     which kinds (KDA, MLA every fourth, the dense first layer) each rank holds changes. From this split (the
     k3-racks-8 plan's best at 60 s) one layer off chunk 3 onto chunk 6 leaves the step as it is, and one off the last
@@ -338,7 +337,7 @@ def test_a_climb_passes_a_plateau_through_a_sideways_move(monkeypatch):
     got = split_climb(job, item, model, cluster, math.inf, sideways=True)
     assert got.evaluation.fits and got.rank_time_s <= ev["pair"].step.rank_time_s * (1 + 1e-12)
     assert split_climb(job, item, model, cluster, math.inf).rank_time_s == pytest.approx(t0, rel=1e-12)
-    monkeypatch.setattr(incumbents, "POLICY", dataclasses.replace(POLICY, sideways_moves=0))
+    use_policy(sideways_moves=0)
     assert split_climb(job, item, model, cluster, math.inf, sideways=True).rank_time_s == pytest.approx(t0, rel=1e-12)
 
 
