@@ -124,6 +124,16 @@ def load_model(name_or_path: str | Path = "kimi-k3") -> ModelSpec:
     return load_spec(ModelSpec, name_or_path, "model")
 
 
+def shipped_model(model: ModelSpec) -> str | None:
+    """The preset name `model` is, field for field but for the MTP layers a layout trains (`trained_model`; the
+    exports write that count), or None: a model file that reuses a preset's name with other shapes is not that
+    preset (the exports name a framework's recipe or flavor only for the model it builds)."""
+    if model.name not in preset_names("model"):
+        return None
+    preset = load_model(model.name)
+    return model.name if preset.model_copy(update={"mtp": model.mtp}) == model else None
+
+
 def load_cluster(name_or_path: str | Path = "gb200-nvl72") -> ClusterSpec:
     """A cluster preset name (`gb200-nvl72`) or a path to a cluster TOML. Its `default_runtime`, if named, must
     exist."""

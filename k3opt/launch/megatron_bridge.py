@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 
+from k3opt.inputs.presets import shipped_model
 from k3opt.inputs.specs import Layout, ModelSpec
 from k3opt.launch.common import Launch
 from k3opt.launch.megatron_lm import megatron_settings
@@ -35,13 +36,15 @@ RECIPES: dict[str, tuple[str, str]] = {
     "kimi-k2": ("kimi_k2_pretrain_config", "src/megatron/bridge/recipes/kimi/__init__.py L15"),
 }
 """The library pretraining recipe Bridge ships (at the pinned commit) for each of k3opt's model presets, with its
-source; Kimi K3 has none."""
+source; Kimi K3 has none. Keyed by the preset a model is field for field (`shipped_model`): a model file that
+reuses a preset's name with other shapes gets no recipe."""
 
 
 def export(layout: Layout, model: ModelSpec) -> Launch:
     """`key=value` overrides, one per line, with the missing switches as comments."""
     settings, miss, notes = megatron_settings(layout, model, bridge=True)
-    recipe = RECIPES.get(model.name)
+    preset = shipped_model(model)
+    recipe = RECIPES.get(preset) if preset is not None else None
     if recipe is None:
         k3 = model.name == "kimi-k3"
         notes = list(notes) + [f"no {'Kimi K3' if k3 else model.name} training recipe ships at this commit: pass these "

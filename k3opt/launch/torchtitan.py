@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from k3opt.inputs.presets import shipped_model
 from k3opt.inputs.specs import CudaGraphImpl, Dtype, Layout, ModelSpec, Precision, Recompute
 from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
 from k3opt.launch.limits import no_switch_for, torchtitan_precisions
@@ -46,14 +47,16 @@ MODELS: dict[str, tuple[str, str, str]] = {
     "qwen3-235b-a22b": ("qwen3", "235B-A22B", "torchtitan/models/qwen3/__init__.py L168"),
 }
 """k3opt's model presets that torchtitan builds (the pinned TOML commit): its [model] name and flavor, with source.
-Kimi K3 (KDA layers) and Kimi K2 (DeepSeek-V3's architecture at 384 experts, no flavor of it) are listed missing."""
+Kimi K3 (KDA layers) and Kimi K2 (DeepSeek-V3's architecture at 384 experts, no flavor of it) are listed missing,
+and so is a model file that reuses a preset's name with other shapes (`shipped_model`)."""
 
 
 def _model_section(lay: Layout, model: ModelSpec, sections: dict[str, list[tuple[str, object]]],
                    miss: list[Missing]) -> None:
     """[model] name and flavor, and [optimizer] name, as torchtitan spells them; what it has no model or optimizer
     for is listed missing."""
-    name, flavor, _ = MODELS.get(model.name, ("kimi_k3" if kda_layers(model) else model.name.replace("-", "_"),
+    preset = shipped_model(model)
+    name, flavor, _ = MODELS.get(preset or "", ("kimi_k3" if kda_layers(model) else model.name.replace("-", "_"),
                                               None, ""))
     sections["model"].append(("name", name))
     if flavor is not None:

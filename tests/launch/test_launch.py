@@ -24,6 +24,7 @@ from k3opt.launch import FORMATS, LIMITS, NO_SWITCH, apply_target_limits, launch
 from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
+ROOT = Path(__file__).parents[2]
 FLAGS_FILE = DATA / "megatron_lm_flags.txt"
 # The default plan's layout (k3opt plan --top 1 on the k3-512-4k job).
 DEFAULT = {
@@ -381,6 +382,23 @@ def test_megatron_bridge_runs_each_preset_through_its_own_recipe(run, recipe):
     out = to_launch(k3opt.load_layout(str(MEASURED / run)), "megatron-bridge")
     assert out.body.splitlines()[0] == f"python scripts/training/run_recipe.py --recipe {recipe} \\"
     assert any("KimiK3ModelProvider" in n for n in out.notes) == run.startswith("k3-")
+
+
+def test_a_model_file_reusing_a_preset_name_gets_no_preset_recipe(tmp_path):
+    """A model file named `llama3-70b` whose vocabulary differs from the preset's (256,000 against 128,256) is not
+    the model Bridge's llama3_70b_pretrain_config or torchtitan's llama3 70B flavor builds: the exports name a
+    user recipe and list the flavor missing, as for a model no preset covers."""
+    text = (ROOT / "constraints" / "models" / "llama3-70b.toml").read_text()
+    changed = re.sub(r"(?m)^vocab_size = .*$", "vocab_size = 256000", text)
+    assert changed != text
+    path = tmp_path / "llama3-70b.toml"
+    path.write_text(changed)
+    lay = k3opt.load_layout(str(MEASURED / "mb-1-llama3-70b-gb300.toml")).model_copy(update={"model": str(path)})
+    bridge = to_launch(lay, "megatron-bridge")
+    assert bridge.body.splitlines()[0] == "python scripts/training/run_recipe.py --recipe <your_llama3_70b_recipe> \\"
+    titan = to_launch(lay, "torchtitan")
+    assert "flavor" not in tomllib.loads(titan.body)["model"]
+    assert "llama3-70b model" in [m.decision for m in titan.missing]
 
 
 def test_torchtitan_lists_bf16_adamw_moments_as_missing():
