@@ -23,6 +23,19 @@ def test_explain_reference_prints_ranks_step_and_gap():
     assert "unpriced: CP: the KDA state pre-pass" in out
 
 
+def test_explain_names_the_zero_terms_once_instead_of_printing_their_rows():
+    """Llama 3 70B (MB-1) has no AttnRes, no routed experts and no pipeline: its bank, EP buffers, routing map and PP
+    buffers are zero on its one rank and are named in one line, not printed as rows; its activations stay rows."""
+    out = CliRunner().invoke(main, ["explain", "mb-1-llama3-70b-gb300"]).output
+    rows = {ln.split()[0] for ln in out.splitlines() if ln and not ln.startswith(" ") and len(ln.split()) == 2}
+    named = next(ln for ln in out.splitlines() if ln.startswith("zero on every rank"))
+    for key in ("attnres_bank", "ep_buffers", "routing_map", "pp_buffers"):
+        assert key not in rows and key in named
+    assert {"activations", "logits", "master"} <= rows
+    terms = out.split("Ledger terms")[1]
+    assert "attnres_bank" not in terms and "activations" in terms
+
+
 def test_explain_json_has_the_same_numbers():
     text = CliRunner().invoke(main, ["explain", "k3-gb200-512-reference"]).output
     data = json.loads(CliRunner().invoke(main, ["explain", "k3-gb200-512-reference", "--json"]).output)

@@ -61,6 +61,9 @@ def _fmt(df: pd.DataFrame, digits: int = 2) -> str:
 
 def explain_text(ev: Evaluation, terms: bool = True) -> str:
     lay, p, cl = ev.layout, ev.params, ev.cluster
+    # A ledger term at zero on every rank is a feature this layout or model does not use (MoonEP, the AttnRes
+    # bank of a model without AttnRes): named once below the table rather than printed as a row of zeros.
+    zero = [k for k in PERSISTENT + ACTIVATION + OPTIMIZER if all(r.ledger[k] == 0 for r in ev.ranks)]
     reserve = (cl.hbm_bytes - ev.capacity_bytes) / GIB
     lines = [
         f"{lay.name or 'layout'}: {ev.model.name} on {cl.name}, {lay.gpus} GPUs",
@@ -90,7 +93,11 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         "memory outside the allocator"
         + (f" (runtime {ev.runtime.name})" if ev.runtime is not None else
            " (no runtime: live tensors only, the reserve covers the rest)"),
-        _fmt(ledger_frame(ev)),
+        _fmt(ledger_frame(ev).drop(index=list(zero))),
+    ]
+    if zero:
+        lines.append("zero on every rank (rows left out): " + ", ".join(zero))
+    lines += [
         "",
     ]
     worst = max(ev.ranks, key=lambda r: r.device_bytes)
@@ -139,7 +146,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
     lines += ["", "Saved-for-backward values per token, no recompute, derived from shapes: " + "; ".join(cross)]
     if terms:
         lines += ["", "Ledger terms"]
-        for t in ev.ranks[0].terms:
+        for t in [t for t in ev.ranks[0].terms if t.key not in zero]:
             lines.append(f"  {t.key:<22} [{t.kind}] {t.formula}")
         if ev.runtime is not None:
             lines += ["", f"Memory beyond the ledger, rank {worst.rank} (runtime {ev.runtime.name}; "
