@@ -268,6 +268,12 @@ JOB_CASES = {
     # A job lists the precisions it may choose among: the layout's field name, singular, is pointed to the list.
     "job_precision_singular": ('gpus = 512\nprecision = "fp8"\n',
                                "precision: unknown key (did you mean 'precisions'?)"),
+    # A job key written under [search], and a [search] key written at the top: the line says where it belongs.
+    "job_key_under_search": ('gpus = 512\n[search]\nprecisions = ["mxfp8"]\n',
+                             "search.precisions: unknown key here; 'precisions' is a top-level key: move it above "
+                             "the [search] table"),
+    "search_key_at_the_top": ('gpus = 512\nrecompute = ["full"]\n',
+                              "recompute: unknown key here; 'recompute' belongs in the [search] table"),
     # Two lists each exclude every shape: neither alone is to blame, so the line names the job's sizes.
     "search_two_lists_leave_no_shape": ('gpus = 512\n[search]\npp = [3]\nep = [3]\n',
                                         "no parallel shape satisfies the job's rules (gpus 512"),

@@ -31,7 +31,9 @@ def format_validation_error(err: ValidationError, what: str, spec: type[BaseMode
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         near = _nearest_field(spec, first["loc"])
-        msg = f"unknown key (did you mean '{near}'?)" if near else "unknown key (remove it or check its spelling)"
+        home = _home_of(spec, first["loc"]) if near is None else None
+        msg = (f"unknown key (did you mean '{near}'?)" if near else
+               f"unknown key here; {home}" if home else "unknown key (remove it or check its spelling)")
     elif first["type"] == "missing":
         msg = "required field is missing"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
@@ -51,6 +53,23 @@ def _nearest_field(spec: type[BaseModel] | None, loc: tuple) -> str | None:
     names = list(model.model_fields) + [f.alias for f in model.model_fields.values() if f.alias]
     near = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.75)
     return near[0] if near else None
+
+
+def _home_of(spec: type[BaseModel] | None, loc: tuple) -> str | None:
+    """Where an unknown key belongs when it is a field of the file elsewhere: the top level (for a key written
+    under a table such as [search]) or a table of the top level (for a top-level key that is that table's), or
+    None."""
+    if spec is None or not loc:
+        return None
+    key = str(loc[-1])
+    if len(loc) > 1 and key in spec.model_fields:
+        return f"'{key}' is a top-level key: move it above the [{loc[0]}] table"
+    for name, field in spec.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and key in ann.model_fields and (
+                len(loc) == 1 or str(loc[0]) != name):
+            return f"'{key}' belongs in the [{name}] table"
+    return None
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
