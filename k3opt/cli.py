@@ -266,9 +266,7 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
     cost, prices = None, []
     if free is not None:
         best, unlimited = result.layouts[0].rank_time_s, free.layouts[0].rank_time_s
-        cost = (f"launch target {j.target}: best {best:.3f} s with its limits, {unlimited:.3f} s without "
-                f"({_short(free.layouts[0].layout)}); the limits cost "
-                f"{best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})")
+        cost = target_cost_line(j.target, best, unlimited, _short(free.layouts[0].layout), gap)
         binding = binding_limits(free.layouts[0].layout, j.target, j.model)
         todo = binding if best > unlimited else []
         for i, lim in enumerate(todo):
@@ -318,6 +316,17 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
         else:
             for m in launch.missing:
                 click.echo(f"k3opt: {launch.format}: {m.line()}", err=True)
+
+
+def target_cost_line(target: str, best: float, unlimited: float, layout: str, gap: float) -> str:
+    """What a launch target's limits cost: the best with them against the best without. Each search stops within
+    its gap, so the one without the limits may end above the one with them; that reads as no measurable cost, not
+    as a negative one."""
+    head = f"launch target {target}: best {best:.3f} s with its limits, {unlimited:.3f} s without ({layout}); "
+    if best <= unlimited:
+        return head + (f"the search without them found nothing faster: the limits cost nothing it can measure (each "
+                       f"search ends within {gap:.0%} of its bound)")
+    return head + f"the limits cost {best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})"
 
 
 def _short(layout) -> str:  # noqa: ANN001

@@ -532,6 +532,17 @@ def _tiny_target_job(target: str = "torchtitan") -> k3opt.Job:
                    "recompute": ["full"], "forbid_toggles": list(TOGGLE_NAMES)}})
 
 
+def test_the_target_cost_line_never_prints_a_negative_cost():
+    """Each search stops within its gap: Llama 3 70B at 16K on 128 GB300 with the Bridge target ends at 22.196 s
+    with the limits and 22.199 s without. That is no measurable cost, not -0.003 s. A real cost keeps its sign and
+    share: 35.905 s against 21.072 s is +14.833 s, 35.905 / 21.072 - 1 = +70.4%."""
+    from k3opt.cli import target_cost_line
+    none = target_cost_line("megatron-bridge", 22.196, 22.199, "PP1", 0.01)
+    assert "cost nothing it can measure" in none and "within 1% of its bound" in none and "-0.003" not in none
+    real = target_cost_line("megatron-bridge", 35.905, 21.072, "PP8", 0.01)
+    assert real.endswith("the limits cost +14.833 s per step (+70.4%)")
+
+
 def test_a_pareto_request_with_a_target_searches_once(monkeypatch):
     """The front is a pareto request's answer, and a wider ranked request would start it again with the time that
     is left (DeepSeek-V3 for Megatron-Bridge, 30 s: a front of 1 point from a 0.2-s search): one search."""
