@@ -8,7 +8,7 @@ import itertools
 import math
 import signal
 import time as _time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn
@@ -298,6 +298,9 @@ class _Search:
         self.size: dict[str, int] = {}
         self.timed_out = self.interrupted = False
         self.residual = math.inf
+        self.solved_under: list[_Entry] = []
+        """Nodes solved (to the gap, or exactly) whose bound stays in `residual`: a FEASIBLE plan names the one that
+        holds its bound when it is the least."""
         """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
         self.current = math.inf
         """The bound of the entry being worked on (inf between entries): Ctrl-C leaves it in the residual."""
@@ -366,8 +369,8 @@ class _Search:
             self.first_layout_s = _time.monotonic() - self.t0
 
     def _push(self, bound: float, peak: float, f: Frame, rc: Recompute | None = None,
-              lc: FsdpLifecycle | None = None, attempt: int = 0) -> None:
-        self.queue.push(_Entry(bound, peak, next(self.seq), f, rc, lc, attempt))
+              lc: FsdpLifecycle | None = None, attempt: int = 0, exact: bool = False) -> None:
+        self.queue.push(_Entry(bound, peak, next(self.seq), f, rc, lc, attempt, exact))
 
     def _requeue(self, e: _Entry, bound: float, peak: float | None = None) -> _Outcome:
         """e back in the queue as a fresh entry with a tighter `bound` (and `peak`); an infinite bound leaves it out."""
@@ -806,7 +809,7 @@ class _Search:
         if _time.monotonic() - self.t0 > self.time_limit:
             # The limit passed during the group's program (seconds at 8,192 GPUs): the node goes back with its bound,
             # not on to its own relaxation, which would run the plan past the limit.
-            self._push(e.bound, e.peak, f, rc, lc, e.attempt)
+            self._push(e.bound, e.peak, f, rc, lc, e.attempt, e.exact)
             self.current = math.inf
             self.timed_out = True
             return _Outcome.STOPPED
@@ -822,7 +825,7 @@ class _Search:
                 t_lb = self.current = tight  # the dive solves it now, with its tightened bound
         if not solving:
             # The bounding pass solves nothing: the node waits, with its tightened bound, for the seeding.
-            self.ready.append(_Entry(t_lb, e.peak, next(self.seq), f, rc, lc, e.attempt))
+            self.ready.append(_Entry(t_lb, e.peak, next(self.seq), f, rc, lc, e.attempt, e.exact))
             self.current = math.inf
             self.dive = None
             return _Outcome.WAITING
@@ -858,7 +861,7 @@ class _Search:
         remaining = self.time_limit - (_time.monotonic() - self.t0)
         res, item = solve_frame(self.job, f, self.model, self.cluster,
                                 min(remaining, self.base_slice * 2 ** e.attempt), self.workers,
-                                recompute=rc, lifecycle=lc, relative_gap=self.gap,
+                                recompute=rc, lifecycle=lc, relative_gap=0.0 if e.exact else self.gap,
                                 hint=(hint or mine).layout if (hint or mine) is not None else None,
                                 deadline=self.deadline)
         self.solved += 1
@@ -897,9 +900,16 @@ class _Search:
                 return _Outcome.INFEASIBLE
         if status in ("FEASIBLE", "UNKNOWN"):
             # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
-            self._push(node_bound, e.peak, f, rc, lc, e.attempt + 1)
+            self._push(node_bound, e.peak, f, rc, lc, e.attempt + 1, e.exact)
         elif status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
-            self.residual = min(self.residual, node_bound)  # proven to the relative gap only
+            if not e.exact and not _closed(node_bound, e.peak, self._kth(), self.gap):
+                # Proven to the gap against its own model's objective, which prices its layout under its ranked
+                # (replayed) time: CP-SAT stopped with a bound under the plan's line, and the node would hold the
+                # plan's bound there for good. Back to the queue, to be solved to optimality.
+                self._push(node_bound, e.peak, f, rc, lc, e.attempt + 1, exact=True)
+            else:
+                self.residual = min(self.residual, node_bound)  # proven to the relative gap only
+                self.solved_under.append(replace(e, bound=node_bound))
         self.current = math.inf
         return _Outcome.SOLVED
 
@@ -924,8 +934,8 @@ class _Search:
         proven_gap = (best_t - bound) / best_t if best_t else 0.0
         status = self._status(ranked, bound, proven_gap)
         open_shapes, holding = (0, None) if status == "OPTIMAL" else _open_bounds(
-            self.queue, ranked[self.top - 1] if len(ranked) >= self.top else None, self.gap, self.frame_tightened,
-            self.tightened)
+            [*self.queue, *self.solved_under], ranked[self.top - 1] if len(ranked) >= self.top else None, self.gap,
+            self.frame_tightened, self.tightened, frozenset(e.seq for e in self.solved_under))
         self._tick("done")
         return Plan(job=self.job, status=status, layouts=top_items, pareto=front, bound=bound, gap=proven_gap,
                     frames_total=len(self.frames), frames_solved=self.solved,
@@ -1107,11 +1117,12 @@ def _first_bounds(line: float, job: Job, model: ModelSpec, cluster: ClusterSpec,
     return out
 
 
-def _open_bounds(queue: _Queue, k: PlanItem | None, gap: float, frame_tightened: set[Frame], tightened: set
-                 ) -> tuple[int, OpenBound | None]:
-    """(How many parallel shapes have an entry in the queue that does not close the search against the top-th
-    layout k, the least such entry described): what a FEASIBLE plan leaves open."""
-    open_entries = [e for e in queue if not _closed(e.bound, e.peak, k, gap)]
+def _open_bounds(entries: Iterable[_Entry], k: PlanItem | None, gap: float, frame_tightened: set[Frame],
+                 tightened: set, solved: frozenset[int] = frozenset()) -> tuple[int, OpenBound | None]:
+    """(How many parallel shapes have an entry that does not close the search against the top-th layout k, the
+    least such entry described): what a FEASIBLE plan leaves open. `entries`: the queue's, and the nodes solved
+    whose bound stays under the line (their seqs in `solved`)."""
+    open_entries = [e for e in entries if not _closed(e.bound, e.peak, k, gap)]
     if not open_entries:
         return 0, None
     least = min(open_entries)
@@ -1119,6 +1130,9 @@ def _open_bounds(queue: _Queue, k: PlanItem | None, gap: float, frame_tightened:
     if rc is None:
         kind = ("shape bound over whole layers per rank (its recompute x lifecycle nodes not bounded yet)"
                 if f in frame_tightened else "shape bound (not tightened to the shape's own layers yet)")
+    elif least.seq in solved:
+        kind = (f"{rc.value} / {lc.value} node: solved {'to optimality' if least.exact else 'to the gap'} by CP-SAT, "
+                "its model's bound under the line")
     elif attempt > 0:
         kind = (f"{rc.value} / {lc.value} node: CP-SAT's bound after {attempt} time slice"
                 f"{'s' if attempt > 1 else ''}")
@@ -1301,6 +1315,8 @@ class _Entry:
     lifecycle: FsdpLifecycle | None = field(compare=False)
     attempt: int = field(compare=False)
     """CP-SAT slices that cut this node so far: its next slice is the base slice x 2^attempt."""
+    exact: bool = field(default=False, compare=False)
+    """Solve the node's model to optimality rather than to the plan's relative gap (`_Search._after_slice`)."""
 
 
 class _Queue:
