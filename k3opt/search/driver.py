@@ -902,7 +902,8 @@ class _Search:
             # Cut by its slice: back to the queue with CP-SAT's bound and twice the time.
             self._push(node_bound, e.peak, f, rc, lc, e.attempt + 1, e.exact)
         elif status == "OPTIMAL" and item is not None and node_bound < item.rank_time_s:
-            if not e.exact and not _closed(node_bound, e.peak, self._kth(), self.gap):
+            k = self._kth()
+            if not e.exact and k is not None and not _closed(node_bound, e.peak, k, self.gap):
                 # Proven to the gap against its own model's objective, which prices its layout under its ranked
                 # (replayed) time: CP-SAT stopped with a bound under the plan's line, and the node would hold the
                 # plan's bound there for good. Back to the queue, to be solved to optimality.

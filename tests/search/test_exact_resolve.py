@@ -63,3 +63,17 @@ def test_a_node_proven_at_the_line_is_left_behind_as_before():
     e = _Entry(at_line, 0.0, 10**9, frame, best.layout.recompute, best.layout.fsdp_lifecycle, 2)
     s._after_slice(e, at_line, "OPTIMAL", best)
     assert s.residual == at_line and not [x for x in s.queue if x.exact]
+
+
+def test_without_a_layout_to_measure_against_a_node_proven_to_its_gap_is_left_behind():
+    """With no top-th layout yet (a front region's search before its first layout) there is no line: the gap
+    against the node's own objective is all there is, and re-solving exactly cost the default job's front its
+    proven second point within 60 s."""
+    s = _searched()
+    best = s._kth()
+    frame = next(fr for fr in s.best_of if s.best_of[fr] is best)
+    s.best_of.clear()
+    under = best.rank_time_s * 0.97
+    e = _Entry(under, 0.0, 10**9, frame, best.layout.recompute, best.layout.fsdp_lifecycle, 2)
+    s._after_slice(e, under, "OPTIMAL", best)
+    assert s.residual == under and not [x for x in s.queue if x.exact]
