@@ -298,10 +298,10 @@ class _Search:
         self.size: dict[str, int] = {}
         self.timed_out = self.interrupted = False
         self.residual = math.inf
+        """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
         self.solved_under: list[_Entry] = []
         """Nodes solved (to the gap, or exactly) whose bound stays in `residual`: a FEASIBLE plan names the one that
         holds its bound when it is the least."""
-        """The least bound of the nodes left behind: pruned within the gap, or solved only to the gap."""
         self.current = math.inf
         """The bound of the entry being worked on (inf between entries): Ctrl-C leaves it in the residual."""
         self.share = {True: 0.0, False: 0.0}
