@@ -50,6 +50,7 @@ from k3opt.inputs.specs import (
     ShardGranularity,
     ShardingPolicy,
     check_layout,
+    kda_layers,
     trained_model,
 )
 
@@ -65,15 +66,10 @@ UNPRICED = (
 """What the step time leaves out, for a model with every kind of part (`unpriced`: those of one model)."""
 
 
-def _has_kda(model: ModelSpec) -> bool:
-    """Some decoder layer is KDA linear attention: one not listed as full attention, with a [kda] table."""
-    return model.kda is not None and len(model.full_attention_layers) < model.num_layers
-
-
 def unpriced(model: ModelSpec) -> tuple[str, ...]:
     """UNPRICED without the items about parts `model` does not have: the KDA state pass under CP (no KDA layers),
     the vision tower's activations (no vision tower)."""
-    return tuple(u for u in UNPRICED if (_has_kda(model) or not u.startswith("CP: the KDA"))
+    return tuple(u for u in UNPRICED if (kda_layers(model) or not u.startswith("CP: the KDA"))
                  and (model.vision is not None or not u.startswith("vision-tower")))
 
 
@@ -83,7 +79,7 @@ def mfu_convention(model: ModelSpec, document_length: int, bf16_tflops: float) -
     kinds = " / ".join(k for k, spec in (("MLA", model.mla), ("GQA", model.gqa)) if spec is not None)
     return (f"6 x learned active matrices per token + {kinds + ' ' if kinds else ''}score/value contractions with "
             f"the causal half (Megatron convention), document length {document_length}; no recompute"
-            f"{', no KDA scan' if _has_kda(model) else ''}; denominator {bf16_tflops:g} TFLOP/s dense BF16 per GPU")
+            f"{', no KDA scan' if kda_layers(model) else ''}; denominator {bf16_tflops:g} TFLOP/s dense BF16 per GPU")
 
 
 @dataclass(frozen=True)

@@ -1011,6 +1011,15 @@ class Job(StrictModel):
         return self
 
 
+def kda_layers(model: ModelSpec) -> list[int]:
+    """0-based indices of the linear-attention (KDA) layers: every layer not listed as full attention, in a model
+    with a [kda] table."""
+    if model.kda is None:
+        return []
+    full = set(model.full_attention_layers)
+    return [i for i in range(model.num_layers) if i not in full]
+
+
 def trained_model(spec: Layout | Job, model: ModelSpec) -> ModelSpec:
     """The model as a layout or a job trains it: the preset with its MTP layers cut to `spec.mtp_layers` (none at
     0); the preset itself when it does not say. Above the preset's count: LayoutError for a layout, SpecError for a

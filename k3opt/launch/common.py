@@ -72,14 +72,6 @@ class Launch:
 # ----------------------------------------------------------------------------------- model facts
 
 
-def kda_layers(model: ModelSpec) -> list[int]:
-    """0-based indices of the linear-attention (KDA) layers: every layer not listed as full attention."""
-    if model.kda is None:
-        return []
-    full = set(model.full_attention_layers)
-    return [i for i in range(model.num_layers) if i not in full]
-
-
 def moe_layer_flags(model: ModelSpec) -> list[int]:
     """1 for a MoE layer, 0 for a dense-FFN layer, by 0-based index (Megatron's --moe-layer-freq list)."""
     if model.moe is None:

@@ -12,9 +12,9 @@ from typing import Protocol
 
 from k3opt.inputs.errors import InfeasibleJobError, SpecError
 from k3opt.inputs.frameworks import MB, MLM, TT
-from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather, Precision
+from k3opt.inputs.specs import FsdpLifecycle, Job, Layout, ModelSpec, ParamGather, Precision, kda_layers
 from k3opt.inputs.toggles import built_in, no_switch
-from k3opt.launch.common import FORMATS, check_format, kda_layers, runs_megatron_fsdp
+from k3opt.launch.common import FORMATS, check_format, runs_megatron_fsdp
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 
 from k3opt.inputs.presets import shipped_model
-from k3opt.inputs.specs import Layout, ModelSpec
+from k3opt.inputs.specs import Layout, ModelSpec, kda_layers
 from k3opt.launch.common import Launch
 from k3opt.launch.megatron_lm import megatron_settings
 
@@ -46,7 +46,7 @@ def export(layout: Layout, model: ModelSpec) -> Launch:
     preset = shipped_model(model)
     recipe = RECIPES.get(preset) if preset is not None else None
     if recipe is None:
-        k3 = model.name == "kimi-k3"
+        k3 = bool(kda_layers(model))  # a KDA model is built on Bridge's Kimi K3 provider, whatever its name
         notes = list(notes) + [f"no {'Kimi K3' if k3 else model.name} training recipe ships at this commit: pass these "
                                "overrides to scripts/training/run_recipe.py with a recipe built on "
                                f"{'KimiK3ModelProvider' if k3 else 'its model provider'}"]

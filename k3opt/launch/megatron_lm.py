@@ -21,13 +21,13 @@ from k3opt.inputs.specs import (
     ParamGather,
     Precision,
     Recompute,
+    kda_layers,
 )
 from k3opt.inputs.toggles import built_in
 from k3opt.launch.common import (
     Launch,
     Missing,
     global_batch,
-    kda_layers,
     megatron_layout,
     moe_layer_flags,
     optimizer_instances,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 from k3opt.inputs.presets import shipped_model
-from k3opt.inputs.specs import CudaGraphImpl, Dtype, Layout, ModelSpec, Precision, Recompute
-from k3opt.launch.common import Launch, Missing, global_batch, kda_layers
+from k3opt.inputs.specs import CudaGraphImpl, Dtype, Layout, ModelSpec, Precision, Recompute, kda_layers
+from k3opt.launch.common import Launch, Missing, global_batch
 from k3opt.launch.limits import no_switch_for, torchtitan_precisions
 
 

@@ -97,9 +97,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
     ]
     if zero:
         lines.append("zero on every rank (rows left out): " + ", ".join(zero))
-    lines += [
-        "",
-    ]
+    lines.append("")
     worst = max(ev.ranks, key=lambda r: r.device_bytes)
     verdict = "fits" if ev.fits else "DOES NOT FIT"
     lines.append(f"worst rank {worst.rank}: allocated {worst.allocated_bytes / GIB:.2f} GiB, reserved "

@@ -377,6 +377,8 @@ def test_torchtitan_names_each_preset_model_and_its_optimizer(run, name, flavor,
     ("mb-18-qwen3-235b-a22b-gb200.toml", "qwen3_235b_a22b_pretrain_config"),
     ("mb-21-kimi-k2-gb300.toml", "kimi_k2_pretrain_config"),
     ("k3-gb200-512-reference.toml", "<your_kimi_k3_recipe>"),
+    # The 4-layer K3 proxy has KDA layers: no recipe of its own, built on the Kimi K3 provider all the same.
+    ("k3-4layer-dist-muon-8gpu.toml", "<your_kimi_k3_4layer_proxy_recipe>"),
 ])
 def test_megatron_bridge_runs_each_preset_through_its_own_recipe(run, recipe):
     out = to_launch(k3opt.load_layout(str(MEASURED / run)), "megatron-bridge")

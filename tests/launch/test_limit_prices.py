@@ -11,9 +11,8 @@ from click.testing import CliRunner
 
 import k3opt
 from k3opt.cli import main
-from k3opt.inputs.specs import TOGGLE_NAMES
+from k3opt.inputs.specs import TOGGLE_NAMES, kda_layers
 from k3opt.launch import NO_SWITCH, launch_refusals
-from k3opt.launch.common import kda_layers
 from k3opt.planner import binding_limits, limit_prices
 
 DATA = Path(__file__).parents[1] / "data"
