@@ -20,6 +20,7 @@ from conftest import MEASURED
 import k3opt
 from k3opt.cli import main
 from k3opt.cost.ledger import TERM_INFO
+from k3opt.inputs.specs import Dtype
 
 GIB = 2**30
 HBM = 189_471 * 2**20  # gb200-nvl72, nvidia-smi MiB
@@ -260,3 +261,19 @@ def test_mfu_convention_and_unpriced_items_name_only_the_models_own_parts():
         "convention), document length 4096; no recompute; denominator 2500 TFLOP/s dense BF16 per GPU")
     assert len(s.unpriced) == 3 and not any("KDA" in u or "vision" in u for u in s.unpriced)
     assert any("host-side kernel launch" in u for u in s.unpriced)
+
+
+def test_the_optimizer_term_names_only_the_optimizers_the_model_uses(reference):
+    """K3 trains its matrices with Muon and the rest with AdamW; DeepSeek-V3's recipe trains everything with AdamW,
+    so its ledger's optimizer formula names AdamW's two moments (2 x 2 B at BF16 state) and no Muon momentum."""
+    def formula(lay: k3opt.Layout) -> str:
+        return next(t.formula for t in k3opt.evaluate(lay).ranks[0].terms if t.key == "optimizer")
+
+    k3 = formula(reference.model_copy(update={"measured": None}))
+    assert "Muon momentum" in k3 and "AdamW moments" in k3
+    dsv3 = k3opt.load_layout("layouts/measured/mb-14-deepseek-v3-b200.toml")
+    assert formula(dsv3) == "AdamW moments 4 B per owned parameter"
+    fp32 = dsv3.model_copy(update={"optimizer_state_dtype": Dtype.FP32, "dense_sharding": "optim_grads_params",
+                                   "expert_sharding": "optim_grads_params", "grad_dtype": Dtype.FP32,
+                                   "measured": None})
+    assert formula(fp32) == "AdamW moments 8 B per owned parameter"

@@ -549,14 +549,23 @@ def _counts(rc: _RankChunks, tensor_terms: list[dict[str, int]] | None) -> dict[
     return counts
 
 
-def _policy_formulas(layout: Layout) -> dict[str, str]:
-    """Term formulas under a non-default sharding policy, dtype or granularity (default: TERM_INFO's)."""
+def _optimizer_formula(params: ParamCounts, state_bytes: int, owner: str) -> str:
+    """The optimizer-state term's formula, naming only the optimizers the model's parameters use: Muon keeps one
+    momentum, AdamW two moments, each `state_bytes` per owned parameter."""
+    parts = ([f"Muon momentum {state_bytes} B"] if params.muon else []) + (
+        [f"AdamW moments {2 * state_bytes} B"] if params.adamw else [])
+    return f"{' + '.join(parts)} per owned parameter{owner}"
+
+
+def _policy_formulas(layout: Layout, params: ParamCounts) -> dict[str, str]:
+    """Term formulas under the layout's sharding policy, dtype and granularity and the model's optimizers (TERM_INFO's
+    where they are the defaults)."""
     d, e_ = layout.dense_sharding, layout.expert_sharding
     default = ShardingPolicy.OPTIM_GRADS_PARAMS
     tensor = layout.optimizer_shard_granularity == ShardGranularity.TENSOR
     if (d == e_ == default and not tensor and layout.grad_dtype.bytes == 4
             and layout.optimizer_state_dtype.bytes == 4):
-        return {}
+        return {} if params.muon and params.adamw else {"optimizer": _optimizer_formula(params, 4, "")}
 
     def div(pol: ShardingPolicy, f: str, grads: bool = False) -> str:
         sharded = pol in (ShardingPolicy.OPTIM_GRADS, default) if grads else pol != ShardingPolicy.NO_SHARD
@@ -569,7 +578,7 @@ def _policy_formulas(layout: Layout) -> dict[str, str]:
         "master": f"FP32 masters{owner}: 4 x (D{div(d, 'f_d')} + E/e{div(e_, 'f_e')}) ({pol})",
         "grads": f"{layout.grad_dtype.value.upper()} gradients: {g} x (D{div(d, 'f_d', True)} + "
                  f"E/e{div(e_, 'f_e', True)}) ({pol}; unsharded = the whole buffer)",
-        "optimizer": f"Muon momentum {sd} B + AdamW moments {2 * sd} B per owned parameter{owner}",
+        "optimizer": _optimizer_formula(params, sd, owner),
         "optimizer_transient": "without P2P Muon, BF16 all-gathered at the step: optim_grads_params groups 2 x "
                                "params (plus Newton-Schulz), optim / optim_grads in place (element) or into "
                                "receive buffers after Newton-Schulz (tensor): max(2 x sharded params, NS)"
@@ -646,7 +655,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         opt_phase = sum(ledger[k] for k in OPTIMIZER)
         peak = persistent + max(act_phase, opt_phase)
         terms = []
-        policy_text = _policy_formulas(layout)
+        policy_text = _policy_formulas(layout, cf.cost.structure.params)
         for key in PERSISTENT + ACTIVATION + OPTIMIZER:
             kind, formula = TERM_INFO[key]
             formula = policy_text.get(key, formula)
