@@ -320,6 +320,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     }
     if rates:
         df["binding_resource"] = df["achievable_binding_resource"]
+    else:
+        del cols["achievable_step_time_s"]  # no rates file: step_s, the peak roofline, is the ranked time
     table = df[list(cols)].rename(columns=cols)
     table["tokens/s"] = table["tokens/s"].round().astype(int)
     table["split"] = [split_text(it.layout.split) for it in plan.layouts]
@@ -332,10 +334,13 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines.append("")
     lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
                  "FSDP degrees, M, sharding policies, gradient dtype, precision), each with its best split, "
-                 "recompute mode and toggles. Ranked by achievable_s "
-                 "(roofline plus bubble at the cluster's achievable rates, or the pipeline schedule replayed at "
-                 "those rates where that is longer; step_s, the peak roofline, is the optimistic bound beside it; "
-                 "without a rates file the ranking is at peak rates); tokens/s, MFU% and "
+                 "recompute mode and toggles. "
+                 + ("Ranked by achievable_s (roofline plus bubble at the cluster's achievable rates, or the pipeline "
+                    "schedule replayed at those rates where that is longer; step_s, the peak roofline, is the "
+                    "optimistic bound beside it); " if rates else
+                    f"Ranked by step_s, the peak roofline plus bubble: the cluster '{job.cluster}' has no rates "
+                    "file, so no achievable step time; ")
+                 + "tokens/s, MFU% and "
                  "binds are at the ranked time. Ties in step time go to the lower worst-rank peak. "
                  "live_GiB: the ledger's live tensors; device_GiB: + workspaces, "
                  "allocator slack and memory outside the allocator (the job's runtime); headroom = HBM - reserve - "

@@ -185,7 +185,10 @@ def test_without_rates_the_plan_ranks_by_the_roofline():
     plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
     it = plan.layouts[0]
     assert it.evaluation.step.achievable_step_time_s is None and it.rank_time_s == it.step_time_s
-    assert "(peak roofline: no rates file)" in k3opt.report.text.plan_text(plan)
+    text = k3opt.report.text.plan_text(plan)
+    assert "(peak roofline: no rates file)" in text and "Ranked by step_s" in text
+    header = next(ln for ln in text.splitlines() if ln.lstrip().startswith("#"))
+    assert "step_s" in header.split() and "achievable_s" not in header  # no column of None
 
 
 def _slower_links(tmp_path: Path) -> tuple[Path, k3opt.ClusterSpec]:
