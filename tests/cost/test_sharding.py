@@ -268,7 +268,7 @@ def test_formulas_name_the_degree_that_divides_each_term(proxy):
     """Masters and state are divided by the group when the policy shards them (optim and up); the gradient
     buffer only under optim_grads / optim_grads_params; 'of the rank owning the most whole tensors' with tensor
     granularity; the byte widths follow grad_dtype and optimizer_state_dtype."""
-    seed003 = _policy_formulas(proxy)  # optim / optim, tensor granularity, FP32 / FP32
+    seed003 = _policy_formulas(proxy, _params(proxy))  # optim / optim, tensor granularity, FP32 / FP32
     assert seed003 == {
         "master": "FP32 masters of the rank owning the most whole tensors: 4 x (D/f_d + E/e/f_e) "
                   "(dense optim, expert optim)",
@@ -278,7 +278,7 @@ def test_formulas_name_the_degree_that_divides_each_term(proxy):
         "optimizer_transient": TRANSIENT}
     mixed = _variant(proxy, dense_sharding="optim_grads", expert_sharding="no_shard",
                      optimizer_shard_granularity="element", grad_dtype="bf16", optimizer_state_dtype="bf16")
-    assert _policy_formulas(mixed) == {
+    assert _policy_formulas(mixed, _params(proxy)) == {
         "master": "FP32 masters: 4 x (D/f_d + E/e) (dense optim_grads, expert no_shard)",
         "grads": "BF16 gradients: 2 x (D/f_d + E/e) (dense optim_grads, expert no_shard; unsharded = the whole "
                  "buffer)",
@@ -288,10 +288,14 @@ def test_formulas_name_the_degree_that_divides_each_term(proxy):
                                            "params"}
     swapped = _variant(proxy, dense_sharding="no_shard", expert_sharding="optim_grads_params",
                        optimizer_shard_granularity="element")
-    f = _policy_formulas(swapped)
+    f = _policy_formulas(swapped, _params(proxy))
     assert f["master"] == "FP32 masters: 4 x (D + E/e/f_e) (dense no_shard, expert optim_grads_params)"
     assert f["grads"] == ("FP32 gradients: 4 x (D + E/e/f_e) (dense no_shard, expert optim_grads_params; "
                           "unsharded = the whole buffer)")
+
+
+def _params(lay):  # noqa: ANN001, ANN202 - the proxy's parameter counts: Muon matrices and AdamW tensors both
+    return k3opt.evaluate(lay).params
 
 
 @pytest.mark.parametrize("fields", [
@@ -302,16 +306,16 @@ def test_any_one_non_default_choice_replaces_the_default_formulas(proxy, fields)
     of the five choices prints the policy formulas."""
     default = dict(dense_sharding="optim_grads_params", expert_sharding="optim_grads_params",
                    optimizer_shard_granularity="element", grad_dtype="fp32", optimizer_state_dtype="fp32")
-    assert _policy_formulas(_variant(proxy, **default)) == {}
-    assert set(_policy_formulas(_variant(proxy, **{**default, **fields}))) == {"master", "grads", "optimizer",
-                                                                             "optimizer_transient"}
+    assert _policy_formulas(_variant(proxy, **default), _params(proxy)) == {}
+    changed = _policy_formulas(_variant(proxy, **{**default, **fields}), _params(proxy))
+    assert set(changed) == {"master", "grads", "optimizer", "optimizer_transient"}
 
 
 def test_evaluate_prints_the_policy_formulas(proxy):
     ev = k3opt.evaluate(proxy)
     terms = {t.key: t.formula for t in ev.ranks[0].terms}
     assert {k: terms[k] for k in ("master", "grads", "optimizer")} == {
-        k: v for k, v in _policy_formulas(proxy).items() if k != "optimizer_transient"}
+        k: v for k, v in _policy_formulas(proxy, _params(proxy)).items() if k != "optimizer_transient"}
 
 
 def test_unsharded_tensor_ownership_holds_the_whole_rank(proxy, inventory):
