@@ -107,9 +107,9 @@ def test_achievable_step_is_slower_than_the_peak_bound_and_ep_overlap_hides_the_
 
 
 def test_cluster_without_rates_has_only_the_peak_roofline():
-    h100 = k3opt.load_cluster("h100-sxm")
-    assert rates_for(h100) is None
-    ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=h100)
+    h200 = k3opt.load_cluster("h200-sxm")
+    assert rates_for(h200) is None
+    ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=h200)
     assert ev.step.achievable_step_time_s is None and ev.step.step_time_s > 0
     # Without rates the timeline draws the peak-rate chunks: one chunk (PP1), its stage split forward : backward =
     # 1 : 2 (a backward pass is two forward passes of matmuls, SC21 section 3.5; selective recompute adds none).

@@ -26,16 +26,16 @@ def _base(model: str, cluster: str, **kw: object) -> Shape:
 
 
 @pytest.mark.parametrize(("model", "cluster", "kw"), [
-    # DeepSeek-V3 on H100 nodes: EP across the NIC, interleaved pipeline, dense FSDP
-    ("deepseek-v3", "h100-sxm", dict(gpus=1024, pp=16, vp=1, ep=8, expert_fsdp=2, dense_fsdp=64,
+    # DeepSeek-V3 on H200 nodes: EP across the NIC, interleaved pipeline, dense FSDP
+    ("deepseek-v3", "h200-sxm", dict(gpus=1024, pp=16, vp=1, ep=8, expert_fsdp=2, dense_fsdp=64,
                                      microbatches=32, split=[4] * 15 + [1])),
-    ("deepseek-v3", "h100-sxm", dict(gpus=1024, pp=8, vp=2, ep=64, expert_fsdp=1, dense_fsdp=128,
+    ("deepseek-v3", "h200-sxm", dict(gpus=1024, pp=8, vp=2, ep=64, expert_fsdp=1, dense_fsdp=128,
                                      microbatches=32, split=[4] * 15 + [1])),
     # Qwen3-30B-A3B on H200 with context parallelism
     ("qwen3-30b-a3b", "h200-sxm", dict(gpus=64, pp=2, vp=1, cp=2, ep=8, expert_fsdp=2, dense_fsdp=16,
                                        microbatches=8, split=[24, 24])),
     # Llama 3 70B (no MoE: the MoE toggles change nothing)
-    ("llama3-70b", "h100-sxm", dict(gpus=64, pp=4, vp=1, ep=1, expert_fsdp=1, dense_fsdp=16, microbatches=16,
+    ("llama3-70b", "h200-sxm", dict(gpus=64, pp=4, vp=1, ep=1, expert_fsdp=1, dense_fsdp=16, microbatches=16,
                                     split=[20] * 4)),
 ])
 def test_peak_floor_is_the_least_of_every_mode(model: str, cluster: str, kw: dict) -> None:
@@ -65,8 +65,8 @@ def test_peak_floor_hbm_cut_is_real() -> None:
     """The HBM-only toggles do lower the peak HBM time of a DeepSeek-V3 MoE layer on H100 (the MoE backward rewrite
     and FP8 activations shrink the saved set written and read), so the floor's HBM time sits under the mode
     without toggles there: the fast path cannot pass by ignoring them. The first three layers are dense."""
-    m, c = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("h100-sxm")
-    base = _base("deepseek-v3", "h100-sxm", gpus=1024, pp=16, vp=1, ep=8, expert_fsdp=2, dense_fsdp=64,
+    m, c = k3opt.load_model("deepseek-v3"), k3opt.load_cluster("h200-sxm")
+    base = _base("deepseek-v3", "h200-sxm", gpus=1024, pp=16, vp=1, ep=8, expert_fsdp=2, dense_fsdp=64,
                  microbatches=32, split=[4] * 15 + [1])
     floor = work_floor(base, m, c)
     plain = ranked_coefficients(base, m, c)
