@@ -42,7 +42,7 @@ def test_the_shipped_presets_are_the_ones_with_spec_sheets():
     assert preset_names("runtime") == ["megatron-te-hybridep-gb200", "megatron-te-hybridep-gb200-expandable",
                                        "megatron-te-hybridep-gb200-expandable-nvls-off",
                                        "megatron-te-hybridep-gb200-nvls-off"]
-    assert preset_names("rates") == ["b200", "gb200-nvl72", "gb300-nvl72", "h100-sxm"]
+    assert preset_names("rates") == ["b200", "gb200-nvl72", "gb300-nvl72", "h100-sxm", "h200-sxm"]
 
 
 @pytest.mark.parametrize("name", sorted(SPEC_SHEET))
