@@ -50,6 +50,33 @@ def test_gb300_gemm_fractions_are_its_own_microbenchmarks():
     assert r.gemm_grouped["bf16"].value == pytest.approx(3308.5 * 1416.9 / 2765.0 / 2500 * ratio, abs=1e-3)
 
 
+def test_hopper_fractions_are_their_microbenchmarks_over_the_datasheet_peaks():
+    """H100 SXM (989 TFLOP/s BF16, 1,979 FP8, 3,350 GB/s HBM, 450 GB/s NVLink): cuBLAS BF16 8192^3 797.8 (fast.cu),
+    cuBLASLt FP8 16384^3 1,377.3 and its sweep 274.1 / 1,011.3 / 1,216.9 / 1,290.1 at 1024-8192^3 (Azure ND H100 v5),
+    TE multi-stream grouped BF16 627.9, DeepGEMM grouped FP8 1,346 and 1,214 weighted by FLOPs, FlashAttention-3
+    602 / 559, BabelStream copy 2.90 TB/s, nccl-tests busbw 360 GB/s, DeepEP in a node 328.97 / 287.14 GB/s.
+    H200 (4,800 GB/s HBM3e): BabelStream copy 4.01 TB/s, cuBLASLt FP8 16384^3 1,366.3 and 290.8 / 1,013.4 at
+    1024 / 2048^3 (Azure ND H200 v5), UCCL-EP in a node 320 / 319 GB/s."""
+    r = load_rates("h100-sxm")
+    assert r.gemm_dense["bf16"].value == round(797.8 / 989, 3)
+    assert r.gemm_dense["fp8"].value == round(1377.3 / 1979, 3)
+    assert r.gemm_grouped["bf16"].value == round(627.9 / 989, 3)
+    up, down = 2 * 8192 * 4096 * 7168, 2 * 8192 * 7168 * 2048  # FLOPs of one group's GEMM in each DeepGEMM row
+    assert r.gemm_grouped["fp8"].value == round((up + down) / (up / 1346 + down / 1214) / 1979, 3)
+    assert (r.attention_core.value, r.attention_core_backward.value) == (round(602 / 989, 3), round(559 / 989, 3))
+    assert r.hbm.value == round(2.90 / 3.35, 3) and r.collective_nvlink.value == round(360 / 450, 2)
+    assert r.a2a_nvlink_gbps["deepep"].value == pytest.approx(2 / (1 / 328.97 + 1 / 287.14), abs=0.05)
+    assert r.size_factor(np.array([1024.0, 2048.0, 4096.0, 8192.0, 16384.0])) == pytest.approx(
+        [274.1 / 1377.3, 1011.3 / 1377.3, 1216.9 / 1377.3, 1290.1 / 1377.3, 1.0], abs=1e-3)
+    h200 = load_rates("h200-sxm")
+    assert h200.hbm.value == round(4.01 / 4.8, 3) and h200.gemm_dense["fp8"].value == round(1366.3 / 1979, 3)
+    assert h200.size_factor(np.array([1024.0, 2048.0])) == pytest.approx([290.8 / 1366.3, 1013.4 / 1366.3],
+                                                                          abs=1e-3)
+    assert h200.a2a_nvlink_gbps["deepep"].value == pytest.approx(2 / (1 / 320 + 1 / 319), abs=0.05)
+    # Without an H200 measurement of its own, a fraction is H100's (the same GH100 die), marked as an assumption.
+    assert h200.attention_core.value == r.attention_core.value and h200.attention_core.kind == "assumption"
+
+
 def test_bf16_and_fp8_gemm_fractions_come_from_one_campaign():
     """GB200 and B200: BF16 at the FP8 fraction (Azure GB200 cuBLASLt 2,819.5 of 5 PF) times the BF16 / FP8
     fraction ratio of one device (XLA's sm_100 table at 4096^3: 1,416.9 of 2.5 PF against 2,765.0 of 5 PF)."""
