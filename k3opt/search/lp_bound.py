@@ -1366,9 +1366,9 @@ def required_toggle_bound(job: Job, f: Frame, rc: Recompute, lc: FsdpLifecycle, 
     at most SearchPolicy.required_check_s); where no contiguous whole-layer split fits without it, every layout of
     the node has it on, and the bound is the relaxation over the variants with it on (and those required before).
     The relaxation's fractional layers fit without the toggle where whole ones do not: DeepSeek-V3 PP8 VP4 EP16
-    dFSDP4 on 1,024 H100 (61 layers in 32 chunks), full recompute: 4.10 s with offload alone, 7.13 s once
-    pipeline ZeRO-2 is required (its layouts replay at 8.4 s). `members`: as in interleaved_lp_bound, the group
-    node of f's sharding group (a toggle is then required when no member fits without it)."""
+    dFSDP4 on 1,024 H100 at the peak roofline (61 layers in 32 chunks), full recompute: 4.10 s with offload alone,
+    7.13 s once pipeline ZeRO-2 is required (its layouts replay at 8.4 s). `members`: as in interleaved_lp_bound,
+    the group node of f's sharding group (a toggle is then required when no member fits without it)."""
     tried: set[str] = set()
     allowed = allowed_on(job)
     while bound < stop_at * (1 - STOP_ROUNDING) and time.monotonic() < deadline:

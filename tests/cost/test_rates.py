@@ -73,6 +73,8 @@ def test_hopper_fractions_are_their_microbenchmarks_over_the_datasheet_peaks():
     assert h200.size_factor(np.array([1024.0, 2048.0])) == pytest.approx([290.8 / 1366.3, 1013.4 / 1366.3],
                                                                           abs=1e-3)
     assert h200.a2a_nvlink_gbps["deepep"].value == pytest.approx(2 / (1 / 320 + 1 / 319), abs=0.05)
+    # The quantize kernels' H100 fraction scaled by H200's / H100's BabelStream copy fractions.
+    assert h200.hbm_quantize.value == round(2770 / 3350 * (4.01 / 4.8) / (2.90 / 3.35), 3)
     # Without an H200 measurement of its own, a fraction is H100's (the same GH100 die), marked as an assumption.
     assert h200.attention_core.value == r.attention_core.value and h200.attention_core.kind == "assumption"
 
