@@ -234,6 +234,14 @@ def _per_domain(u: int | None, d: int) -> str:
     return f"whole racks ({d} per rack)" if u is None or u == d else f"{u} of {d} GPUs per rack"
 
 
+def _racks_text(racks: int, per_rack: int, used: int) -> str:
+    """'8 racks x 64', or, where the GPUs used leave the last rack part-filled, '12 racks x 8 and 1 rack x 4'."""
+    full, rest = divmod(used, per_rack)
+    if rest == 0 or full + 1 != racks:
+        return f"{racks} {'rack' if racks == 1 else 'racks'} x {per_rack}"
+    return f"{full} {'rack' if full == 1 else 'racks'} x {per_rack} and 1 rack x {rest}"
+
+
 def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     """The best layout's placement (racks held against GPUs used, throughput per GPU used and held) and, against
     each other placement searched at its GPU count, why it was chosen."""
@@ -241,9 +249,8 @@ def placement_lines(plan) -> list[str]:  # noqa: ANN001 - Plan
     d = ev.cluster.nvlink_domain_gpus
     used, held = ev.layout.gpus, ev.gpus_held
     per_used = ev.step.rank_tokens_per_s_per_gpu
-    racks = "rack" if ev.domains_held == 1 else "racks"
-    lines = [f"placement: {ev.domains_held} {racks} x {ev.gpus_per_domain} of {d} GPUs ({used} GPUs used, {held} "
-             f"held, {held - used} idle); tokens/s per GPU used {per_used:,.0f}, per GPU held "
+    lines = [f"placement: {_racks_text(ev.domains_held, ev.gpus_per_domain, used)} of {d} GPUs ({used} GPUs used, "
+             f"{held} held, {held - used} idle); tokens/s per GPU used {per_used:,.0f}, per GPU held "
              f"{ev.tokens_per_s_per_gpu_held:,.0f}"]
     mine = ev.layout.domain_gpus_used
     others = [o for o in plan.placements if o.domain_gpus_used != mine]

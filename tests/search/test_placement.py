@@ -185,6 +185,17 @@ def test_cli_plan_names_one_rack_in_the_singular(tmp_path, placement_job):
     assert "placement: 1 rack x 8 of 8 GPUs (8 GPUs used, 8 held, 0 idle)" in out.output, out.output
 
 
+def test_a_part_filled_last_rack_is_named():
+    """100 GPUs over 8-GPU domains hold 13 racks, 12 full and one with 4 GPUs (12 x 8 + 4 = 100); whole 6-GPU racks
+    for 8 GPUs are one of 6 and one of 2."""
+    from k3opt.report.text import _racks_text
+
+    assert _racks_text(13, 8, 100) == "12 racks x 8 and 1 rack x 4"
+    assert _racks_text(2, 6, 8) == "1 rack x 6 and 1 rack x 2"
+    assert _racks_text(8, 64, 512) == "8 racks x 64" and _racks_text(1, 8, 8) == "1 rack x 8"
+    assert _racks_text(2, 4, 8) == "2 racks x 4"
+
+
 def _job_file(tmp_path: Path, job: Job, name: str, domain: int, nic_gbps: float | None = None) -> Path:
     """`job` as a TOML file on tests/data/slow-cluster.toml with `domain`-GPU NVLink domains (and its NIC at
     `nic_gbps`), as `k3opt plan` reads it."""
