@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from conftest import peak_roofline_cluster
 
 import k3opt
 from k3opt.cost import coefficients as C
@@ -143,8 +144,7 @@ def test_k3_ranked_views_and_work_floors_equal_fresh_builds(k3):
      dict(BASE, gpus=64, pp=2, vp=1, ep=8, expert_fsdp=2, dense_fsdp=8, microbatches=8, domain_gpus_used=None),
      [{"ep": 4}, {"ep": 2, "expert_fsdp": 4}, {"dense_fsdp": 2}, {"pp": 1}, {"cp": 2}, {"vp": 2},
       {"precision": Precision.MXFP8}]),
-    # A dense GQA model (no MoE arrays) on H200's preset under another name, which has no rates file (no achievable
-    # arrays).
+    # A dense GQA model (no MoE arrays) on H200's hardware without a rates file (no achievable arrays).
     ("llama3-70b", "h200-sxm-peak",
      dict(BASE, gpus=64, pp=4, vp=1, ep=1, expert_fsdp=1, dense_fsdp=8, microbatches=8, domain_gpus_used=None),
      [{"dense_fsdp": 2}, {"dense_fsdp": 16}, {"pp": 1}, {"pp": 8}, {"cp": 2}, {"vp": 2},
@@ -152,7 +152,8 @@ def test_k3_ranked_views_and_work_floors_equal_fresh_builds(k3):
 ])
 def test_small_models_through_the_caches_equal_fresh_builds(model_name, cluster_name, base, variants):
     model = k3opt.load_model(model_name)
-    cluster = k3opt.load_cluster(cluster_name.removesuffix("-peak")).model_copy(update={"name": cluster_name})
+    peak = cluster_name.removesuffix("-peak")
+    cluster = peak_roofline_cluster(peak) if peak != cluster_name else k3opt.load_cluster(cluster_name)
     shapes = list(_shapes(base, FIELD_VARIANTS + variants))
     assert _mismatches(shapes, lambda s: coefficients(s, model, cluster)) == {}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import peak_roofline_cluster
 
 import k3opt
 import k3opt.report.text
@@ -136,8 +137,7 @@ def test_achievable_step_is_slower_than_the_peak_bound_and_ep_overlap_hides_the_
 
 
 def test_cluster_without_rates_has_only_the_peak_roofline():
-    # H200's preset under another name: no shipped rates file is named like it.
-    own = k3opt.load_cluster("h200-sxm").model_copy(update={"name": "h200-own"})
+    own = peak_roofline_cluster("h200-sxm")
     assert rates_for(own) is None and rates_for(k3opt.load_cluster("h200-sxm")) is not None
     ev = k3opt.evaluate(_llama(), model="llama3-70b", cluster=own)
     assert ev.step.achievable_step_time_s is None and ev.step.step_time_s > 0

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import peak_roofline_cluster
 
 import k3opt
 from k3opt.cost.coefficients import Shape
@@ -18,11 +19,6 @@ from k3opt.search.ranking import ranked_coefficients, work_floor
 
 RANKS = [{}, {"fused_cross_entropy": True}, {"pipeline_zero2_host_grads": True}, {"p2p_muon": True},
          {"activation_offload": True}]
-
-
-def _peak_cluster(name: str) -> k3opt.ClusterSpec:
-    """The preset under another name, which has no rates file: the search ranks at the peak roofline."""
-    return k3opt.load_cluster(name).model_copy(update={"name": f"{name}-peak"})
 
 
 def _base(model: str, cluster: str, **kw: object) -> Shape:
@@ -44,7 +40,7 @@ def _base(model: str, cluster: str, **kw: object) -> Shape:
                                     split=[20] * 4)),
 ])
 def test_peak_floor_is_the_least_of_every_mode(model: str, cluster: str, kw: dict) -> None:
-    m, c = k3opt.load_model(model), _peak_cluster(cluster)
+    m, c = k3opt.load_model(model), peak_roofline_cluster(cluster)
     base = _base(model, cluster, **kw)
     assert not ranked_coefficients(base, m, c).achievable  # no rates file: the peak roofline
     for rank in RANKS:
@@ -70,7 +66,7 @@ def test_peak_floor_hbm_cut_is_real() -> None:
     """The HBM-only toggles do lower the peak HBM time of a DeepSeek-V3 MoE layer on H100 (the MoE backward rewrite
     and FP8 activations shrink the saved set written and read), so the floor's HBM time sits under the mode
     without toggles there: the fast path cannot pass by ignoring them. The first three layers are dense."""
-    m, c = k3opt.load_model("deepseek-v3"), _peak_cluster("h200-sxm")
+    m, c = k3opt.load_model("deepseek-v3"), peak_roofline_cluster("h200-sxm")
     base = _base("deepseek-v3", "h200-sxm", gpus=1024, pp=16, vp=1, ep=8, expert_fsdp=2, dense_fsdp=64,
                  microbatches=32, split=[4] * 15 + [1])
     floor = work_floor(base, m, c)

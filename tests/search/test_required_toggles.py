@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import contiguous_splits
+from conftest import contiguous_splits, peak_roofline_cluster
 
 import k3opt
 from k3opt.inputs.presets import make_layout
@@ -135,7 +135,7 @@ def test_deepseek_v3_node_needs_pipeline_zero2(monkeypatch: pytest.MonkeyPatch):
     job = k3opt.Job.model_validate({"model": "deepseek-v3", "cluster": "h100-sxm", "gpus": 1024,
                                     "tokens_per_update": 8388608, "reserve_gib": 2.0})
     model = k3opt.load_model("deepseek-v3")
-    cluster = k3opt.load_cluster("h100-sxm").model_copy(update={"name": "h100-sxm-peak"})
+    cluster = peak_roofline_cluster("h100-sxm")
     f = Frame(pp=8, vp=4, cp=1, ep=16, expert_fsdp=1, dense_fsdp=4, microbatches=16, gpus=1024,
               dense_sharding=ShardingPolicy.OPTIM, expert_sharding=ShardingPolicy.OPTIM, domain_gpus_used=8)
     alone = lp_bound.interleaved_lp_bound(job, f, Recompute.FULL, LC, model, cluster)
