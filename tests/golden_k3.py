@@ -465,6 +465,7 @@ def golden(g: Golden) -> dict:
         gather = 2 * tot("res_muon") + 2 * tot("d_adam") if t.p2p_muon else 2 * tot("view")
         led["optimizer_transient"] = gather + ws
         led["quantized_weights"] = 0  # BF16 compute precision: no cached low-precision weight copies
+        led["paged_stash"] = 0  # no sync-free MoE: the routed experts' saved tensors are in `activations`
         time = {res: sum(u["time"][res] for u in units) for res in ("tensor", "hbm", "nvlink", "nic", "host_link")}
         time["nvlink"] += pp_time["nvlink"]
         time["nic"] += pp_time["nic"]

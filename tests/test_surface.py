@@ -60,7 +60,8 @@ STEP_COMPONENTS = frozenset({"compute", "hbm", "nvlink", "nic", "host_link", "mi
 
 LEDGER_KEYS = frozenset({"master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
                          "activations", "attnres_bank", "recompute_working_set", "grad_transient", "pp_buffers",
-                         "ep_buffers", "routing_map", "logits", "optimizer_transient", "quantized_weights"})
+                         "ep_buffers", "routing_map", "logits", "optimizer_transient", "quantized_weights",
+                         "paged_stash"})
 
 
 def test_all_is_the_frozen_set():
@@ -143,7 +144,7 @@ def test_json_result_carries_the_same_numbers_under_frozen_keys(live):
         assert set(info) == {"phase", "kind", "formula"} and info["formula"]
         assert info["phase"] == ("optimizer" if key == "optimizer_transient" else "persistent" if key in {
             "master", "grads", "optimizer", "bf16_view", "moonep_slots", "grad_accum", "moonep_buffers",
-            "quantized_weights"}
+            "quantized_weights", "paged_stash"}
             else "activation")
         assert info["kind"] in {"derived", "assumption"}
     assert d["step"] == {f.name: getattr(ev.step, f.name) for f in dataclasses.fields(k3opt.StepTime)}

@@ -100,6 +100,10 @@ class Shape:
     """Layout.fp8_param_gather: those GEMMs' weights stored only in the compute precision."""
     ep_overlap: bool = False
     dispatcher: str | None = None
+    capacity_factor: float | None = None
+    """Layout.moe_expert_rank_capacity_factor."""
+    paged_stash: tuple[float, float] | None = None
+    """Layout.moe_paged_stash's (CUDA, host) buffer factors; None: no paged stash."""
 
     @classmethod
     def of(cls, layout: Layout) -> Shape:
@@ -119,6 +123,9 @@ class Shape:
             fp8_param_gather=layout.fp8_param_gather,
             recompute_modules=tuple(m.value for m in layout.recompute_modules),
             offload_modules=tuple(m.value for m in layout.offload_modules),
+            capacity_factor=layout.moe_expert_rank_capacity_factor,
+            paged_stash=(layout.moe_paged_stash_buffer_size_factor_cuda,
+                         layout.moe_paged_stash_buffer_size_factor_cpu) if layout.moe_paged_stash else None,
         )
 
     @property
@@ -173,6 +180,8 @@ class LayerShape:
     precision: Precision
     fp8_param_gather: bool
     dispatcher: str | None
+    capacity_factor: float | None
+    paged_stash: tuple[float, float] | None
     ep_local: int
     """Members per NVLink domain (comm.Placement) of the EP, dense FSDP and expert FSDP groups; the CP groups'."""
     dense_fsdp_local: int
@@ -198,6 +207,7 @@ class LayerShape:
             param_gather=shape.param_gather, grad_dtype=shape.grad_dtype,
             optimizer_state_dtype=shape.optimizer_state_dtype,
             precision=shape.precision, fp8_param_gather=shape.fp8_param_gather, dispatcher=shape.dispatcher,
+            capacity_factor=shape.capacity_factor, paged_stash=shape.paged_stash,
             ep_local=pl.ep_local,
             dense_fsdp_local=pl.dense_fsdp_local, expert_fsdp_local=pl.expert_fsdp_local,
             cp_in_domain=pl.cp_in_domain,
@@ -235,6 +245,12 @@ class Coefficients:
     offloaded_act: np.ndarray = field(repr=False)
     """Saved bytes per in-flight microbatch the layout's activation_offload_layers or offload_modules keep in host
     memory."""
+    stash: np.ndarray = field(repr=False)
+    """Under Megatron's paged stash, per in-flight microbatch: the routed experts' saved bytes at balanced routing
+    x the CUDA buffer factor (the static buffer is this at the rank's peak composition); out of `act`. Zeros
+    without the paged stash."""
+    stash_host: np.ndarray = field(repr=False)
+    """The same x the host spill buffer's factor, in pinned host memory."""
     working_set: np.ndarray = field(repr=False)
     """Bytes live only while this layer runs backward: its recomputed saved set (selective/full recompute) or its
     reloaded one (offload_modules), its unsharded gradient before the reduce-scatter, the two BF16 gradient
@@ -720,9 +736,10 @@ def _build_saved(cm: CostModel, tokens: int, toggles: Toggles, fp8_block: int,
 
 
 def _build_module_recompute(cm: CostModel, tokens: int, toggles: Toggles, fp8_block: int, precision: Precision,
-                            modules: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+                            modules: tuple[str, ...], routed: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(saved bytes dropped, replayed active matrix weights) per microbatch of each layer and edge under Megatron's
-    recompute `modules` (structure.MEGATRON_RECOMPUTE)."""
+    recompute `modules` (structure.MEGATRON_RECOMPUTE); `routed`: of the dropped bytes, only the routed experts'
+    (True), as in saved_per_token."""
     st = cm.structure
     blocks: list[list[Block]] = [*st.layers, st.first, st.last]
     dropped, replayed = np.zeros(len(blocks)), np.zeros(len(blocks))
@@ -730,7 +747,7 @@ def _build_module_recompute(cm: CostModel, tokens: int, toggles: Toggles, fp8_bl
         for b in bl:
             names, weights = module_recompute(b, modules)
             if names:
-                dropped[i] += saved_per_token(b, toggles, fp8_block, precision, only=names)[0] * tokens
+                dropped[i] += saved_per_token(b, toggles, fp8_block, precision, routed, only=names)[0] * tokens
             replayed[i] += weights
     return dropped, replayed
 
@@ -867,16 +884,33 @@ def _build_layer_terms(cm: CostModel, shape: LayerShape) -> dict[str, object]:
     return _read_only(dict(
         n_layers=b.model.num_layers, tokens=shape.tokens, hidden=b.model.hidden_size,
         **_persistent_bytes(b), **ns, **_logits(b),
-        act=acts.act - acts.offloaded, offloaded_act=acts.offloaded, working_set=working_set,
+        **_routed_capacity(shape, acts),
+        offloaded_act=acts.offloaded, working_set=working_set,
         recompute_ws=acts.recompute_ws + acts.reloaded, grad_transient=acts.grad_transient,
         closes=b.sa.closes, moe=b.sa.moe, routing_map_allgathers_per_layer=ep.allgathers,
         time=time, update=_peak_update_seconds(b, ns["ns_flops"], up), offload_stall=stall,
         tensor_flops=work.tensor_flops, model_flops_per_token=work.model_flops_per_token,
-        stream_bytes=b.stream, ep_buffers=0.0 if moonep else ep.buffers,
+        stream_bytes=b.stream, ep_buffers=0.0 if moonep else ep.buffers * (shape.capacity_factor or 1.0),
         moonep_buffers=ep.buffers if moonep else 0.0, routing_map=ep.routing_map,
         cost=cm, gemm_flops=work.gemm_flops,
         **_achievable_terms(b, acts, work, traffic, ns["ns_flops"], up),
     ))
+
+
+def _routed_capacity(shape: LayerShape, acts: _Activations) -> dict[str, np.ndarray]:
+    """`act`, `stash` and `stash_host` under Megatron's sync-free MoE. The fused grouped MLP's saved tensors have
+    the rows of HybridEP's capacity-sized receive buffer (experts.py L766-777 @ d98e8a64: max_num_tokens is its
+    row count, the balanced count that / the factor), so the routed part of the kept saved set takes the capacity
+    factor; under the paged stash it leaves `act` for the static buffer, sized at the CUDA factor x the balanced
+    peak (paged_stash.py allocate_stash_buffers: avg-based maxima x the factor) and the host spill buffer at the
+    host factor x the same."""
+    act = acts.act - acts.offloaded
+    none = np.zeros_like(act)
+    if shape.paged_stash is not None:
+        cuda, host = shape.paged_stash
+        return dict(act=act - acts.routed, stash=cuda * acts.routed, stash_host=host * acts.routed)
+    cap = shape.capacity_factor or 1.0
+    return dict(act=act + (cap - 1.0) * acts.routed, stash=none, stash_host=none)
 
 
 _GRADS_SHARDED = (ShardingPolicy.OPTIM_GRADS, ShardingPolicy.OPTIM_GRADS_PARAMS)
@@ -1114,6 +1148,8 @@ class _Activations:
     reloaded: np.ndarray
     """Under offload_modules, the offloaded part back on the GPU while the layer runs backward: its own, reloaded,
     and the next layer's, prefetched (offload_resident_layers copies of the layer's)."""
+    routed: np.ndarray
+    """Of `act`, the routed experts' saved tensors the recompute mode keeps (what the fused grouped MLP saves)."""
 
 
 def _saved_activations(b: _LayerBuild) -> _Activations:
@@ -1123,17 +1159,22 @@ def _saved_activations(b: _LayerBuild) -> _Activations:
     sh, n, e = b.shape, b.n, b.shape.ep
     saved, recomputable, fp8_values = b.cm.saved(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
                                                  sh.precision)
+    r_saved, r_recomputable, _ = b.cm.saved(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
+                                            sh.precision, routed=True)
     if sh.recompute == Recompute.NONE:
-        act, recompute_ws = saved.copy(), np.zeros(n)
+        act, recompute_ws, routed = saved.copy(), np.zeros(n), r_saved
     elif sh.recompute == Recompute.SELECTIVE and sh.recompute_modules:
         dropped = b.cm.module_recompute(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
                                         sh.precision, sh.recompute_modules)[0]
         act, recompute_ws = saved - dropped, dropped.copy()
+        routed = r_saved - b.cm.module_recompute(sh.tokens, _activation_toggles(sh.toggles), sh.fp8_block_size,
+                                                 sh.precision, sh.recompute_modules, True)[0]
     elif sh.recompute == Recompute.SELECTIVE:
-        act, recompute_ws = saved - recomputable, recomputable.copy()
+        act, recompute_ws, routed = saved - recomputable, recomputable.copy(), r_saved - r_recomputable
     else:
         act = np.where(b.layer, b.stream, saved)
         recompute_ws = np.where(b.layer, saved, 0.0)
+        routed = np.zeros(n)
     # Unsharded BF16 gradient of the layer, live until its reduce-scatter (per-microbatch lifecycle).
     # Only where the gradients are sharded: a whole gradient buffer accumulates in place.
     grad_transient = np.zeros(n) if b.accumulate else (
@@ -1150,7 +1191,7 @@ def _saved_activations(b: _LayerBuild) -> _Activations:
     return _Activations(saved=saved, fp8_values=fp8_values, act=act, recompute_ws=recompute_ws,
                         grad_transient=grad_transient,
                         working_set=recompute_ws + reloaded + grad_transient + grad_streams,
-                        offloaded=offloaded, reloaded=reloaded)
+                        offloaded=offloaded, reloaded=reloaded, routed=routed)
 
 
 def _unit_transient(b: _LayerBuild) -> np.ndarray:

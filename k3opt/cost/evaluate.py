@@ -459,8 +459,8 @@ def _persistent_terms(rc: _RankChunks) -> tuple[dict[str, float], list[dict[str,
 
 def _in_flight_terms(rc: _RankChunks) -> _InFlight:
     """Saved activations and AttnRes bank at the worst in-flight composition (scaled to the balanced average);
-    under offload the resident layers stay on the GPU and the peak composition's bytes go to the host. Then the
-    working set of the layer whose backward needs the most."""
+    under offload the resident layers stay on the GPU and the peak composition's bytes go to the host. The paged
+    stash at its own peak composition. Then the working set of the layer whose backward needs the most."""
     cf, sh = rc.cf, rc.cf.shape
     act = rc.csum(cf.act)
     bank = [rc.closes_cum[rc.bounds[j][1]] * cf.stream_bytes for j in rc.mine]
@@ -482,6 +482,11 @@ def _in_flight_terms(rc: _RankChunks) -> _InFlight:
         out["activations"] = sum(c * a for c, a in zip(best, act, strict=True)) * scale
         out["attnres_bank"] = sum(c * b for c, b in zip(best, bank, strict=True)) * scale
         in_flight = sum(best) * scale
+    # Megatron's paged stash: a static buffer sized at the rank's own peak of in-flight routed bytes (its
+    # composition need not be the one that peaks the saved set), held through the optimizer step.
+    stash, stash_host = rc.csum(cf.stash), rc.csum(cf.stash_host)
+    out["paged_stash"] = max(sum(c * a for c, a in zip(comp, stash, strict=True)) for comp in comps) * scale
+    host_act += max(sum(c * a for c, a in zip(comp, stash_host, strict=True)) for comp in comps) * scale
     ws_i = max(rc.idx, key=lambda i: cf.working_set[i])
     out["recompute_working_set"] = float(cf.recompute_ws[ws_i])
     out["grad_transient"] = float(cf.working_set[ws_i] - cf.recompute_ws[ws_i])

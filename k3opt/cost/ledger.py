@@ -108,11 +108,16 @@ LEDGER: tuple[TermDecl, ...] = (
              "linear-layer weights, 2 x (b + 1/block) x params (0 under BF16, and for layers gathered per layer; "
              "fp8_param_gather: the weights themselves, MXFP8 both copies, per-tensor FP8 one shared buffer, "
              "(b + 1/block) x params)"),
+    TermDecl("paged_stash", Phase.PERSISTENT, Aggregate.IN_FLIGHT, "stash", "moe_paged_stash", "derived",
+             "Megatron's paged stash: one static CUDA buffer of the CUDA factor x the rank's peak in-flight routed "
+             "experts' saved bytes at balanced routing, held for the whole step (its host spill buffer in host "
+             "memory)"),
     TermDecl("activations", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "act", "recompute mode, activation toggles, "
              "activation_offload, offload_modules, balance_activations", "derived",
              "saved-for-backward tensors x in-flight microbatches (full recompute: one BF16 [T, d] layer input per "
              "layer; activation_offload_layers: the first N layers' in host memory; offload_modules: those "
-             "modules' tensors in host memory)"),
+             "modules' tensors in host memory; the routed experts' x moe_expert_rank_capacity_factor, or in the "
+             "paged stash)"),
     TermDecl("attnres_bank", Phase.ACTIVATION, Aggregate.IN_FLIGHT, "closes", "balance_activations", "derived",
              "AttnRes residual streams the rank holds: R(end of chunk) x BF16 [T, d] per in-flight microbatch"),
     TermDecl("recompute_working_set", Phase.ACTIVATION, Aggregate.LARGEST_LAYER, "recompute_ws",
@@ -127,7 +132,8 @@ LEDGER: tuple[TermDecl, ...] = (
              "one forward and one backward packet in each direction live: 2 x max over chunks (in + out packet), "
              "packet = (1 + R) x BF16 [T, d]"),
     TermDecl("ep_buffers", Phase.ACTIVATION, Aggregate.MOE_RANK, "ep_buffers", None, "derived",
-             "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B", moment=Moment.LAYER),
+             "dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B (x "
+             "moe_expert_rank_capacity_factor)", moment=Moment.LAYER),
     TermDecl("routing_map", Phase.ACTIVATION, Aggregate.MOE_RANK, "routing_map", "dispatcher", "derived",
              "HybridEP Boolean routing map gathered across EP: e x T x experts bytes"),
     TermDecl("logits", Phase.ACTIVATION, Aggregate.LAST_STAGE, "logits", "fused_cross_entropy", "derived",

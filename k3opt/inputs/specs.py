@@ -570,7 +570,8 @@ def fp8_weights_priced(precision: Precision, dense: ShardingPolicy, fd: int, exp
 
 def _check_cuda_graphs(lay: Layout) -> None:
     """Megatron's own rules on CUDA graph settings, one line each (megatron/core/transformer/transformer_config.py
-    @ d98e8a64, __post_init__); k3opt's MoE is dropless (token choice without a capacity factor)."""
+    @ d98e8a64, __post_init__); k3opt's MoE routes every token (dropless, or with a capacity factor a balanced
+    routing fills)."""
     impl, mods = lay.cuda_graph_impl, lay.cuda_graph_modules
     per_layer = impl in PER_LAYER_GRAPHS
     if mods and not per_layer:
@@ -605,6 +606,38 @@ def _check_cuda_graphs(lay: Layout) -> None:
         raise ValueError(f"recompute = \"full\" with cuda_graph_impl = \"{impl.value}\": Megatron runs full "
                          "recompute only under a full_iteration graph (Megatron transformer_config.py "
                          "L2854-2858); use selective recompute or cuda_graph_impl = \"full_iteration\"")
+
+
+def _check_paged_stash(lay: Layout) -> None:
+    """Megatron's rules on the sync-free MoE and its paged stash (megatron/core/transformer/transformer_config.py
+    @ d98e8a64, L1868-1882 and L2210-2227), and k3opt's: a budget that a balanced routing fills."""
+    cap = lay.moe_expert_rank_capacity_factor
+    if cap is None:
+        if lay.moe_paged_stash:
+            raise ValueError("moe_paged_stash needs moe_expert_rank_capacity_factor: the stash holds the fused "
+                             "grouped MLP's capacity-sized tensors (transformer_config.py L2213-2217); set the "
+                             "factor (e.g. 1.5) or drop moe_paged_stash")
+        return
+    if cap < 1:
+        raise ValueError(f"moe_expert_rank_capacity_factor ({cap}) is below 1: HybridEP would drop tokens of a "
+                         "balanced routing, which k3opt does not price; set it to 1 or more")
+    if lay.dispatcher != "hybridep":
+        raise ValueError(f"moe_expert_rank_capacity_factor needs dispatcher = \"hybridep\" (got "
+                         f"{lay.dispatcher or 'none'}): Megatron sizes only the flex dispatcher's HybridEP buffers "
+                         "by it (transformer_config.py L1868-1874); set dispatcher = \"hybridep\"")
+    expert_offload = sorted(m.value for m in set(lay.offload_modules) & EXPERT_OFFLOAD_MODULES)
+    if expert_offload:
+        raise ValueError(f"offload_modules {expert_offload} with moe_expert_rank_capacity_factor: Megatron refuses "
+                         "them beside the paged stash (transformer_config.py L2218-2227) and k3opt does not price "
+                         "their capacity-sized copies; drop them")
+    if lay.activation_offload_layers:
+        raise ValueError(f"moe_expert_rank_capacity_factor with activation_offload_layers = "
+                         f"{lay.activation_offload_layers}: Megatron refuses the paged stash beside CPU offloading "
+                         "(transformer_config.py L2211-2212) and k3opt does not price the capacity-sized tensors "
+                         "TransformerEngine would offload; drop one of them")
+    if lay.moe_paged_stash and lay.toggles.activation_offload:
+        raise ValueError("moe_paged_stash with the activation_offload toggle: the stash keeps the routed experts' "
+                         "saved tensors on the GPU, the toggle moves the whole saved set to the host; turn one off")
 
 
 def offload_set_rules(mods: list[OffloadModule]) -> None:
@@ -744,6 +777,23 @@ class Layout(StrictModel):
     """EP token dispatcher (a key of the rates file's a2a tables: hybridep, deepep). A hierarchical dispatcher
     crosses NVLink domains once per destination domain and forwards inside it. Absent: seed 002's per-rank
     copies, and HybridEP's measured bandwidth for the achievable step time."""
+    moe_expert_rank_capacity_factor: PosFloat | None = None
+    """Megatron's sync-free MoE (--moe-expert-rank-capacity-factor, with HybridEP): every expert rank's token budget
+    as a multiple of its balanced share. HybridEP's receive and combine buffers and the fused grouped MLP's
+    tensors are allocated for that many rows, so the routed experts' saved tensors and the dispatch buffers take
+    this factor x their balanced bytes; the GEMMs run on the received rows only (device-side counts), so no time
+    changes. At least 1: below it HybridEP drops tokens of a balanced routing, which k3opt does not price. Absent:
+    dropless, buffers sized per step from the received counts (a host sync per dispatch)."""
+    moe_paged_stash: StrictBool = False
+    """Megatron's paged stash (--moe-paged-stash, needs the capacity factor): the routed experts' saved tensors are
+    packed into one static paged CUDA buffer, sized at `moe_paged_stash_buffer_size_factor_cuda` x the rank's
+    peak of in-flight routed saved bytes at balanced routing and held for the whole step, instead of
+    capacity-sized tensors per microbatch (megatron/core/transformer/moe/paged_stash.py allocate_stash_buffers)."""
+    moe_paged_stash_buffer_size_factor_cuda: PosFloat = 1.10
+    """The CUDA stash buffer over the balanced peak (Megatron's default 1.10; its negative form, sized at the
+    measured peak, is the balanced peak under k3opt's balanced routing)."""
+    moe_paged_stash_buffer_size_factor_cpu: NonNegFloat = 0.0
+    """The pinned host spill buffer over the same peak, in host memory (0: none, Megatron's default)."""
     cuda_graph_impl: CudaGraphImpl | None = None
     """CUDA graph capture (Megatron --cuda-graph-impl): recorded, checked against Megatron's rules and exported.
     Not priced: eager, partially and fully graphed runs of a layout get the same step time (the host-side launch
@@ -822,6 +872,7 @@ class Layout(StrictModel):
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise ValueError("recompute_modules lists a module twice; name each once")
         _check_cuda_graphs(self)
+        _check_paged_stash(self)
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
         if n % (p * c):
             raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")
@@ -989,6 +1040,16 @@ class Job(StrictModel):
     """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
+    moe_expert_rank_capacity_factor: PosFloat | None = None
+    """Plan for Megatron's sync-free MoE (Layout.moe_expert_rank_capacity_factor): every layout then runs the
+    HybridEP dispatcher with this capacity, and its memory is priced so. Absent: dropless."""
+    moe_paged_stash: StrictBool = False
+    """Plan with Megatron's paged stash (Layout.moe_paged_stash; needs the capacity factor): the activation_offload
+    toggle and offload sets of the routed experts are then not searched (Megatron refuses them beside it)."""
+    moe_paged_stash_buffer_size_factor_cuda: PosFloat = 1.10
+    """Layout.moe_paged_stash_buffer_size_factor_cuda."""
+    moe_paged_stash_buffer_size_factor_cpu: NonNegFloat = 0.0
+    """Layout.moe_paged_stash_buffer_size_factor_cpu."""
     _runtime_from: Any = PrivateAttr(default=None)
     """Set on the job the search receives (k3opt.inputs.runtime.resolve_job_runtime): its RuntimeChoice."""
 
@@ -1008,6 +1069,22 @@ class Job(StrictModel):
             raise ValueError("give gpus (GPUs to run on) or racks (NVLink domains the job may hold), or both")
         if isinstance(self.gpus, list) and not self.gpus:
             raise ValueError("gpus is an empty list")
+        if self.moe_paged_stash and self.moe_expert_rank_capacity_factor is None:
+            raise ValueError("moe_paged_stash needs moe_expert_rank_capacity_factor (Megatron transformer_config.py "
+                             "L2213-2217); set the factor (e.g. 1.5) or drop moe_paged_stash")
+        cap = self.moe_expert_rank_capacity_factor
+        if cap is not None and cap < 1:
+            raise ValueError(f"moe_expert_rank_capacity_factor ({cap}) is below 1: HybridEP would drop tokens of a "
+                             "balanced routing, which k3opt does not price; set it to 1 or more")
+        if self.moe_paged_stash and "activation_offload" in self.search.require_toggles:
+            raise ValueError("moe_paged_stash with the activation_offload toggle required: the stash keeps the "
+                             "routed experts' saved tensors on the GPU; drop one of them")
+        expert = sorted({m.value for mods in self.search.offload_modules or [] for m in mods}
+                        & {m.value for m in EXPERT_OFFLOAD_MODULES})
+        if cap is not None and expert:
+            raise ValueError(f"[search] offload_modules {expert} with moe_expert_rank_capacity_factor: Megatron "
+                             "refuses them beside the paged stash and k3opt does not price their capacity-sized "
+                             "copies; drop them")
         return self
 
 
@@ -1077,13 +1154,17 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
                           "(transformer_config.py L2825-2829); drop them")
     impl = layout.cuda_graph_impl
     whole = impl == CudaGraphImpl.FULL_ITERATION or (impl in PER_LAYER_GRAPHS and not mods)
-    if model.moe is not None and whole:
-        # A dropless MoE layer's dispatch syncs the host on its token counts; only a capacity factor (which k3opt's
-        # dropless routing has not) makes the layer capturable.
+    if model.moe is None and (layout.moe_expert_rank_capacity_factor is not None or layout.moe_paged_stash):
+        raise LayoutError(f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop "
+                          "them")
+    if model.moe is not None and whole and layout.moe_expert_rank_capacity_factor is None:
+        # A dropless MoE layer's dispatch syncs the host on its token counts; a capacity factor pre-sizes its
+        # buffers and makes the layer capturable (Megatron-LM docs/user-guide/features/cuda_graph.md L170-174).
         raise LayoutError(f"cuda_graph_impl = \"{impl.value}\" captures {model.name}'s MoE layers whole, and dropless "
                           "MoE dispatch has dynamic shapes that cannot be captured (Megatron-LM "
                           "docs/user-guide/features/cuda_graph.md L161); name per-layer cuda_graph_modules such as "
-                          "[\"attn\", \"moe_router\", \"moe_preprocess\"]")
+                          "[\"attn\", \"moe_router\", \"moe_preprocess\"], or set moe_expert_rank_capacity_factor "
+                          "(HybridEP's sync-free MoE, L170-174)")
     if model.moe is not None and CudaGraphModule.MLP in mods and not model.dense_ffn_layers:
         raise LayoutError(f"cuda_graph_modules 'mlp' captures dense-FFN layers and every layer of {model.name} is MoE "
                           "(transformer_config.py L2831-2837); drop it")

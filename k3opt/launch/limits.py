@@ -82,6 +82,8 @@ LIMITS: tuple[Limit, ...] = (
     Limit("torchtitan", "offload_modules", "no offload modules: core torchtitan offloads no activations "
           "([training] enable_cpu_offload moves parameters, gradients and optimizer state)",
           f"torchtitan/config/job_config.py (Training.enable_cpu_offload) {TT}"),
+    Limit("torchtitan", "moe_capacity", "no expert-rank capacity factor or paged stash: its EP backends are "
+          "'standard' and 'deepep', both dropless", f"torchtitan/config/job_config.py L474 {TT}"),
     Limit("torchtitan", "precision", "precision bf16 or mxfp8 (its MX converters), and fp8 on a model without routed "
           "experts (Float8Linear, recipe 'tensorwise'): its FP8 grouped-GEMM converter scales row-wise and refuses "
           "pipeline parallelism, and it has no NVFP4 converter",
@@ -165,7 +167,8 @@ def degree_refusals(d: Degrees, target: str, model: ModelSpec | None = None,
 def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
-    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules, precision) and
+    Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules, moe_capacity,
+    precision) and
     `toggle:NAME` for a toggle with no switch."""
     out = degree_refusals(layout, target, model, frozenset())
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
@@ -182,6 +185,9 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
     if target == "torchtitan" and layout.offload_modules:
         out.append(("offload_modules", f"offload_modules {[m.value for m in layout.offload_modules]} has no key "
                                        f"[{_source(target, 'offload_modules')}]"))
+    if target == "torchtitan" and (layout.moe_expert_rank_capacity_factor is not None or layout.moe_paged_stash):
+        out.append(("moe_capacity", "moe_expert_rank_capacity_factor / moe_paged_stash have no key "
+                                    f"[{_source(target, 'moe_capacity')}]"))
     if target == "torchtitan" and layout.precision not in torchtitan_precisions(model):
         out.append(("precision", f"precision {layout.precision.value} has no converter "
                                  f"[{_source(target, 'precision')}]"))

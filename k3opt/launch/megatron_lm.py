@@ -214,7 +214,8 @@ def _activation_offload(out: _Decisions, lay: Layout) -> None:
 
 
 def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
-    """The MoE shape and the token dispatcher: flex with HybridEP under EP deduplication, else all-to-all."""
+    """The MoE shape and the token dispatcher: flex with HybridEP under EP deduplication or a capacity factor, else
+    all-to-all; the sync-free MoE's capacity factor and paged stash."""
     if model.moe is None:
         return
     out.settings += [
@@ -229,11 +230,23 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
     if model.moe.shared_intermediate_size:
         out.settings.append(Setting("--moe-shared-expert-intermediate-size",
                                     "model.moe_shared_expert_intermediate_size", model.moe.shared_intermediate_size))
-    if lay.toggles.ep_dedup:
+    cap = lay.moe_expert_rank_capacity_factor
+    if lay.toggles.ep_dedup or cap is not None:
         out.settings += [Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "flex"),
                          Setting("--moe-flex-dispatcher-backend", "model.moe_flex_dispatcher_backend", "hybridep")]
     else:
         out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
+    if cap is not None:
+        # HybridEP's capacity needs the op fuser's grouped MLP (transformer_config.py L1876-1882 @ d98e8a64).
+        out.settings += [Setting("--moe-expert-rank-capacity-factor", "model.moe_expert_rank_capacity_factor", cap),
+                         Setting("--use-transformer-engine-op-fuser", "model.use_transformer_engine_op_fuser", True)]
+    if lay.moe_paged_stash:
+        out.settings += [
+            Setting("--moe-paged-stash", "model.moe_paged_stash", True),
+            Setting("--moe-paged-stash-buffer-size-factor-cuda", "model.moe_paged_stash_buffer_size_factor_cuda",
+                    lay.moe_paged_stash_buffer_size_factor_cuda),
+            Setting("--moe-paged-stash-buffer-size-factor-cpu", "model.moe_paged_stash_buffer_size_factor_cpu",
+                    lay.moe_paged_stash_buffer_size_factor_cpu)]
 
 
 def _cuda_graphs(out: _Decisions, lay: Layout) -> None:

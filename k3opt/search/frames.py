@@ -329,7 +329,8 @@ def offload_sets(job: Job) -> list[tuple[str, ...]]:
 
 def resolve_offload_sets(job: Job, model: ModelSpec) -> Job:
     """The job with its offload sets written out; a set that offloads nothing in `model`
-    (k3opt.cost.structure.offloads_nothing), or names expert_fc1 beside per-tensor FP8 precision, is a SpecError."""
+    (k3opt.cost.structure.offloads_nothing), or names expert_fc1 beside per-tensor FP8 precision, is a SpecError,
+    as is a sync-free MoE on a model without one."""
     keep = []
     for mods in offload_sets(job):
         named = [OffloadModule(m) for m in mods]
@@ -340,12 +341,19 @@ def resolve_offload_sets(job: Job, model: ModelSpec) -> Job:
             raise SpecError(f"[search] offload_modules {list(mods)} with precision fp8 in precisions: Megatron then "
                             "offloads fc1's BF16 input, which k3opt does not price; drop expert_fc1 or fp8")
         keep.append(named)
+    if model.moe is None and job.moe_expert_rank_capacity_factor is not None:
+        raise SpecError(f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop "
+                        "them")
     return job.model_copy(update={"search": job.search.model_copy(update={"offload_modules": keep})})
 
 
 def choices(job: Job, name: str) -> list[bool]:
     if name in job.search.require_toggles:
         return [True]
+    if name == "activation_offload" and job.moe_paged_stash:
+        return [False]  # the paged stash keeps the routed experts' tensors on the GPU (Layout._check_paged_stash)
+    if name == "ep_dedup" and job.moe_expert_rank_capacity_factor is not None:
+        return [True]  # the sync-free MoE runs HybridEP, which sends a token once per destination rank
     if name in job.search.forbid_toggles:
         return [False]
     if name in FIXED_TOGGLES or name in NEVER_CHOSEN:
@@ -378,7 +386,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
     """The cost model's shape of frame f under activation mode `mode`, lifecycle and rank toggles. The
     activation_offload toggle moves the whole saved set and full recompute keeps only the layer inputs, so under
     either the mode's offload modules are dropped."""
-    fixed = {t: t in job.search.require_toggles for t in FIXED_TOGGLES}
+    fixed = {t: choices(job, t) == [True] for t in FIXED_TOGGLES}
     tg = Toggles(**mode.toggles(), **fixed, **rank_toggles)
     offload = () if rank_toggles.get("activation_offload") or mode.recompute == Recompute.FULL else mode.offload
     return Shape(
@@ -388,7 +396,19 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
         param_gather=f.param_gather, offload_modules=offload, fp8_param_gather=f.fp8_param_gather,
+        **sync_free(job),
     )
+
+
+def sync_free(job: Job) -> dict:
+    """The Shape fields of the job's sync-free MoE: its capacity factor on the HybridEP dispatcher, and its paged
+    stash's buffer factors; none for a dropless job."""
+    cap = job.moe_expert_rank_capacity_factor
+    if cap is None:
+        return {}
+    stash = ((job.moe_paged_stash_buffer_size_factor_cuda, job.moe_paged_stash_buffer_size_factor_cpu)
+             if job.moe_paged_stash else None)
+    return {"capacity_factor": cap, "paged_stash": stash, "dispatcher": "hybridep"}
 
 
 SHAPE_FIELDS_IN_LAYOUT = tuple(fl.name for fl in dataclasses.fields(Shape)
@@ -402,8 +422,11 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
     frame_shape copied from `f`, the node's recompute, lifecycle and toggles, the stack settings), the split, and
     the job's context, reserve, presets and MTP layers."""
     carried = {k: getattr(shape, k) for k in SHAPE_FIELDS_IN_LAYOUT}
+    stash = shape.paged_stash or (1.10, 0.0)
     return Layout(**carried, document_length=job.document_length, split=split, reserve_gib=job.reserve_gib,
-                  model=job.model, cluster=job.cluster, runtime=job.runtime, mtp_layers=job.mtp_layers, name=name)
+                  model=job.model, cluster=job.cluster, runtime=job.runtime, mtp_layers=job.mtp_layers, name=name,
+                  moe_expert_rank_capacity_factor=shape.capacity_factor, moe_paged_stash=shape.paged_stash is not None,
+                  moe_paged_stash_buffer_size_factor_cuda=stash[0], moe_paged_stash_buffer_size_factor_cpu=stash[1])
 
 
 def chunk_least(job: Job, f: Frame) -> tuple[int, ...]:

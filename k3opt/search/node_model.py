@@ -237,7 +237,7 @@ class FrameModel:
         ledger = RankLedgerModel(self, rk)
         host_act = ledger.host_act
         peak = ledger.peak
-        self._host_memory(rk, host_act)
+        self._host_memory(rk, host_act + ledger.host_stash)
         times = self._time_terms(rk)
         # The update's compute and communication, and (ranking view, search/ranking.py) its communication that
         # hides under compute: the same four cases of P2P Muon x ZeRO-2 host gradients for each field.
@@ -266,8 +266,9 @@ class FrameModel:
         """One rank-level figure in KiB, rounded up like the per-layer arrays."""
         return int(self.mem(np.array([nbytes]))[0])
 
-    def _host_memory(self, rk: RankView, host_act: cp_model.IntVar | None) -> None:
-        """Rank rk's host memory: its offloaded saved bytes and ZeRO-2's host gradients, under the host's bytes."""
+    def _host_memory(self, rk: RankView, host_act: cp_model.LinearExprT) -> None:
+        """Rank rk's host memory: its offloaded saved bytes (and a paged stash's spill buffer) and ZeRO-2's host
+        gradients, under the host's bytes."""
         m, tv = self.m, self.tv
         hostg = self.mem_var(rk, "hostg")
         m.add(hostg >= self.rank_sum(self.mem(self.z2.host_grads), rk.r)).only_enforce_if(

@@ -75,12 +75,14 @@ def ratio(x: float) -> tuple[int, int]:
 
 class RankLedgerModel:
     """Rank rk's ledger in the node model `fm`: `parts` (every LEDGER term, each in one part), the phases' sums,
-    `peak` (under the node's budget), `host_act` (the offloaded saved bytes) and `has_moe`."""
+    `peak` (under the node's budget), `host_act` (the offloaded saved bytes), `host_stash` and `has_moe`."""
 
     def __init__(self, fm: FrameModel, rk: RankView) -> None:
         self.fm, self.rk, self.m = fm, rk, fm.m
         self.has_moe = self._has_moe()
         self.host_act: cp_model.IntVar | None = None
+        self.host_stash: Expr = 0
+        """The paged stash's host spill buffer (0 without one)."""
         builders: dict[Aggregate, Callable[[list[TermDecl]], list[LedgerPart]]] = {
             Aggregate.LAYER_SUM: self._layer_sums,
             Aggregate.MOE_RANK: self._declared_each,
@@ -205,6 +207,8 @@ class RankLedgerModel:
         comps = c0.compositions[rk.r]
         n_peak = peak_inflight(comps)
         scale_bal = balanced_scale(fm.on["balance_activations"].balanced_inflight, n_peak)
+        stash = [t for t in decls if t.phase is Phase.PERSISTENT]
+        decls = [t for t in decls if t.phase is not Phase.PERSISTENT]
         stream = fm.mem_int(c0.stream_bytes)
         ends = [fm.closes_before(j + 1) if j + 1 < K else int(c0.closes[:L].sum()) for j in rk.mine]
         bank = [stream * e for e in ends]
@@ -239,7 +243,30 @@ class RankLedgerModel:
                     num, den = ratio(sc)
                     bk = sum(c * b for c, b in zip(comp, bank, strict=True))
                     m.add(den * acts >= den * res_layers * amax + num * bk).only_enforce_if([fm.mv[md], off, b_lit])
-        return [LedgerPart(tuple(t.key for t in decls), _one_phase(decls), acts)]
+        parts = [LedgerPart(tuple(t.key for t in decls), _one_phase(decls), acts)]
+        if stash:
+            parts.append(LedgerPart(tuple(t.key for t in stash), _one_phase(stash),
+                                    self._stash_peak("stash", comps, scale_bal)))
+            self.host_stash = self._stash_peak("stash_host", comps, scale_bal)
+        return parts
+
+    def _stash_peak(self, coefficient: str, comps: tuple[tuple[int, ...], ...], scale_bal: float) -> Expr:
+        """The paged stash's buffer (`coefficient`: its CUDA or host bytes per in-flight microbatch): at least every
+        in-flight composition's bytes, scaled as the saved set; 0 where no mode of the node has a stash."""
+        fm, rk, m = self.fm, self.rk, self.m
+        per_mode = {md: fm.mem(getattr(fm.base[(md, fm.lcs[0])], coefficient)) for md in fm.modes}
+        if not any(a.any() for a in per_mode.values()):
+            return 0
+        peak = fm.mem_var(rk, coefficient)
+        bal = fm.tv["balance_activations"]
+        for md, a in per_mode.items():
+            chunk = [fm.chunk(a, j) for j in rk.mine]
+            for comp in comps:
+                for b_lit, sc in ((bal, scale_bal), (~bal, 1.0)):
+                    num, den = ratio(sc)
+                    tot = sum(c * ca for c, ca in zip(comp, chunk, strict=True))
+                    m.add(den * peak >= num * tot).only_enforce_if([fm.mv[md], b_lit])
+        return peak
 
     def _largest_layer(self, decls: list[TermDecl]) -> list[LedgerPart]:
         """The backward working set of the rank's layer that needs the most (recompute's saved set and the

@@ -57,8 +57,17 @@ def _fp8_weights_layout() -> k3opt.Layout:
         fp8_param_gather=True, model="llama3-70b", cluster="gb300-nvl72", name="fp8-weights")
 
 
+def _sync_free_layout() -> k3opt.Layout:
+    """Megatron's sync-free MoE with its paged stash (HybridEP only, hence apart from the DeepEP layout above)."""
+    return k3opt.make_layout(
+        gpus=64, dense_fsdp=64, ep=8, expert_fsdp=8, microbatches=2, split=[61], recompute=Recompute.SELECTIVE,
+        dispatcher="hybridep", toggles={"ep_dedup": True}, moe_expert_rank_capacity_factor=1.25, moe_paged_stash=True,
+        moe_paged_stash_buffer_size_factor_cuda=1.3, moe_paged_stash_buffer_size_factor_cpu=0.5,
+        model="deepseek-v3", cluster="gb200-nvl72", name="sync-free")
+
+
 def test_every_layout_field_survives_the_search_types() -> None:
-    layouts = [_unusual_layout(), _single_chunk_fsdp_layout(), _fp8_weights_layout()]
+    layouts = [_unusual_layout(), _single_chunk_fsdp_layout(), _fp8_weights_layout(), _sync_free_layout()]
     defaults = {name: f.get_default(call_default_factory=True) for name, f in k3opt.Layout.model_fields.items()}
     unset = {name for name in k3opt.Layout.model_fields
              if all(getattr(lay, name) == defaults[name] for lay in layouts)} - NOT_PRICED

@@ -1,0 +1,220 @@
+"""Megatron's sync-free MoE (moe_expert_rank_capacity_factor) and its paged stash (moe_paged_stash): the ledger
+terms they change, the node model's agreement with evaluate(), the exports and the bad input. Expected bytes are
+derived from Kimi K3's shapes in the comments (the routed saved set per token is the one
+tests/cost/test_routed_saved.py derives by hand)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from ortools.sat.python import cp_model
+
+import k3opt
+from k3opt.cli import main
+from k3opt.cost.ledger import PERSISTENT
+from k3opt.inputs.errors import LayoutError, SpecError
+from k3opt.inputs.presets import make_layout
+from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle
+from k3opt.launch import launch_refusals, to_launch
+from k3opt.search import enumerate_frames
+from k3opt.search.frames import frame_shape, layout_of, sync_free
+from k3opt.search.node_model import FrameModel
+
+DATA = Path(__file__).parents[1] / "data"
+KIB = 1024
+SPLIT = [2, 1, 1, 2]
+
+# Kimi K3, BF16, fused SiTU and the MoE backward rewrite, no recompute: the routed experts save their dispatched
+# inputs 16 x 3584 x 2 = 114,688 B, the fused SiTU's BF16 input 2 x 16 x 3072 x 2 = 196,608 B and the activation
+# outputs 16 x 3072 x 2 = 98,304 B a token: 409,600 B; at 4,096 tokens 1,677,721,600 B per MoE layer and microbatch.
+ROUTED_LAYER = 409_600 * 4096
+MOE_LAYERS = 92  # 93 layers, the first dense
+# Dispatch receive + combine buffers of one MoE layer: 2 x T x k x latent x 2 B = 2 x 4096 x 16 x 3584 x 2.
+EP_BUFFERS = 2 * 4096 * 16 * 3584 * 2
+
+
+def _k3(**over) -> k3opt.Layout:  # noqa: ANN003
+    """K3 on one pipeline stage of 64 GPUs (one microbatch in flight), every layer on rank 0."""
+    fields = dict(gpus=64, pp=1, vp=1, ep=64, expert_fsdp=1, dense_fsdp=64, microbatches=4, context=4096,
+                  split=[93], recompute="none", fsdp_lifecycle="accumulate", dispatcher="hybridep",
+                  toggles={"fused_situ": True, "moe_backward_rewrite": True, "ep_dedup": True},
+                  model="kimi-k3", cluster="gb200-nvl72")
+    return make_layout(**{**fields, **over})
+
+
+@pytest.fixture(scope="module")
+def dropless():
+    return k3opt.evaluate(_k3()).ranks[0]
+
+
+def test_capacity_factor_scales_the_routed_saved_set_and_the_dispatch_buffers(dropless):
+    """At 1.5 the fused grouped MLP's tensors have 1.5 x the balanced rows: 0.5 x 1,677,721,600 x 92 more saved
+    bytes (77,175,193,600), and the dispatch buffers 1.5 x 939,524,096."""
+    cap = k3opt.evaluate(_k3(moe_expert_rank_capacity_factor=1.5)).ranks[0]
+    assert cap.ledger["activations"] - dropless.ledger["activations"] == pytest.approx(0.5 * ROUTED_LAYER * MOE_LAYERS,
+                                                                                       rel=1e-12)
+    assert dropless.ledger["ep_buffers"] == EP_BUFFERS
+    assert cap.ledger["ep_buffers"] == 1.5 * EP_BUFFERS
+    assert cap.ledger["paged_stash"] == 0 and dropless.ledger["paged_stash"] == 0
+
+
+def test_capacity_factor_reaches_only_the_routed_tensors_the_recompute_mode_keeps():
+    """k3opt's selective recompute replays the experts' activation outputs (98,304 B a token): the routed tensors
+    kept are the dispatched inputs and the fused SiTU's input, 114,688 + 196,608 = 311,296 B a token, and the
+    capacity factor 1.5 adds 0.5 x 311,296 x 4,096 x 92 bytes. Full recompute keeps none of them."""
+    for rc, per_token in (("selective", 311_296), ("full", 0)):
+        base = k3opt.evaluate(_k3(recompute=rc)).ranks[0]
+        cap = k3opt.evaluate(_k3(recompute=rc, moe_expert_rank_capacity_factor=1.5)).ranks[0]
+        assert cap.ledger["activations"] - base.ledger["activations"] == pytest.approx(
+            0.5 * per_token * 4096 * MOE_LAYERS, rel=1e-12, abs=1e-3)
+
+
+def test_paged_stash_holds_the_routed_set_for_the_whole_step(dropless):
+    """CUDA factor 1.2, host factor 1.0: the stash is 1.2 x 92 x 1,677,721,600 = 185,220,464,640 B, persistent; the
+    saved set drops the routed 92 x 1,677,721,600; the host holds 1.0 x the same;
+    and the stash stays held through the optimizer step."""
+    ev = k3opt.evaluate(_k3(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True,
+                            moe_paged_stash_buffer_size_factor_cuda=1.2, moe_paged_stash_buffer_size_factor_cpu=1.0))
+    r = ev.ranks[0]
+    routed = ROUTED_LAYER * MOE_LAYERS
+    assert r.ledger["paged_stash"] == pytest.approx(1.2 * routed, rel=1e-12)
+    assert dropless.ledger["activations"] - r.ledger["activations"] == pytest.approx(routed, rel=1e-12)
+    assert r.host_bytes - dropless.host_bytes == pytest.approx(routed, rel=1e-12)
+    # The peak is persistent + max(activation phase, optimizer phase) (seed 001's ledger). Dropless, the activation
+    # phase sets it; with the stash the persistent part grows by 1.2 x routed and the activation phase loses the
+    # routed set (and gains the capacity-sized dispatch buffers), so the optimizer phase may set it instead.
+    persistent = sum(dropless.ledger[k] for k in PERSISTENT)
+    act_phase, opt_phase = dropless.peak_bytes - persistent, dropless.ledger["optimizer_transient"]
+    assert act_phase > opt_phase
+    want = persistent + 1.2 * routed + max(act_phase - routed + 0.5 * EP_BUFFERS, opt_phase)
+    assert r.peak_bytes == pytest.approx(want, rel=1e-12)
+    assert r.peak_bytes > persistent + 1.2 * routed + opt_phase - 1  # the stash stays through the optimizer step
+
+
+def test_paged_stash_is_sized_at_the_rank_s_own_in_flight_peak():
+    """PP2 1F1B: rank 0 holds layers 0-45 (45 MoE layers) and two microbatches in flight at its peak, so its stash
+    is 1.1 (Megatron's default factor) x 45 x 2 x 1,677,721,600."""
+    lay = _k3(gpus=128, pp=2, split=[46, 47], moe_expert_rank_capacity_factor=1.0, moe_paged_stash=True)
+    r0 = k3opt.evaluate(lay).ranks[0]
+    assert r0.ledger["paged_stash"] == pytest.approx(1.1 * 45 * 2 * ROUTED_LAYER, rel=1e-12)
+
+
+def _least(fm: FrameModel, expr) -> int:  # noqa: ANN001 - a CP-SAT expression
+    """The least value expr takes in fm's model (KiB)."""
+    fm.m.minimize(expr)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 30
+    assert solver.solve(fm.m) == cp_model.OPTIMAL
+    return round(solver.objective_value)
+
+
+def test_the_node_model_prices_the_stash_as_evaluate_does(tiny, slow):  # noqa: ANN001 - fixtures
+    """A job pinned to one PP2 VP2 layout of the tiny model with the paged stash (CUDA 1.2, host 1.0): its node
+    model's stash part is at least evaluate()'s bytes and within one KiB per layer and in-flight copy above them,
+    and its host spill buffer (1.0 / 1.2 of it) likewise."""
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 0.0,
+        "moe_expert_rank_capacity_factor": 1.5, "moe_paged_stash": True,
+        "moe_paged_stash_buffer_size_factor_cuda": 1.2, "moe_paged_stash_buffer_size_factor_cpu": 1.0,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"], "recompute": ["none"], "fsdp_lifecycle": ["accumulate"],
+                   "forbid_toggles": [t for t in TOGGLE_NAMES if t != "ep_dedup"], "split": SPLIT}})
+    (f,) = enumerate_frames(job, tiny, 8)
+    fm = FrameModel(job, f, tiny, slow)
+    (md,) = fm.modes
+    lay = layout_of(job, f, frame_shape(job, f, md, FsdpLifecycle.ACCUMULATE), SPLIT)
+    assert lay.moe_paged_stash and lay.dispatcher == "hybridep" and lay.toggles.ep_dedup
+    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+    for r, rank in enumerate(ev.ranks):
+        led = fm.ranks[r]["ledger"]
+        want = rank.ledger["paged_stash"]
+        slack = KIB * (sum(e - s for s, e in rank.chunks) + 2) * (1 + int(rank.in_flight + 1))
+        assert want > 0
+        assert want <= _least(fm, led.part("paged_stash").expr) * KIB <= want + slack
+        # No offload and no ZeRO-2 host gradients: the rank's host bytes are the spill buffer, 1.0 / 1.2 of the stash.
+        assert rank.host_bytes == pytest.approx(want / 1.2, rel=1e-9)
+        assert rank.host_bytes <= _least(fm, led.host_stash) * KIB <= rank.host_bytes + slack
+
+
+def test_sync_free_is_the_job_s_and_only_the_job_s():
+    job = k3opt.load_job("k3-512-4k")
+    assert sync_free(job) == {}
+    on = job.model_copy(update={"moe_expert_rank_capacity_factor": 1.5, "moe_paged_stash": True})
+    assert sync_free(on) == {"capacity_factor": 1.5, "paged_stash": (1.10, 0.0), "dispatcher": "hybridep"}
+
+
+def test_exports_write_the_sync_free_settings_and_torchtitan_refuses_them():
+    lay = _k3(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.2)
+    flags = to_launch(lay, "megatron-lm").body
+    for flag in ("--moe-expert-rank-capacity-factor 1.5", "--use-transformer-engine-op-fuser", "--moe-paged-stash",
+                 "--moe-paged-stash-buffer-size-factor-cuda 1.2", "--moe-flex-dispatcher-backend hybridep"):
+        assert flag in flags
+    known = set((DATA / "megatron_lm_flags.txt").read_text().split())
+    assert {"--moe-expert-rank-capacity-factor", "--moe-paged-stash", "--use-transformer-engine-op-fuser"} <= known
+    bridge = to_launch(lay, "megatron-bridge").body
+    keys = set((DATA / "megatron_bridge_keys.txt").read_text().split())
+    for key, value in (("model.moe_expert_rank_capacity_factor", "1.5"), ("model.moe_paged_stash", "true"),
+                       ("model.moe_paged_stash_buffer_size_factor_cuda", "1.2"),
+                       ("model.moe_paged_stash_buffer_size_factor_cpu", "0.0")):
+        assert key in keys and f"{key}={value}" in bridge
+    assert any("moe_paged_stash" in why for why in launch_refusals(lay, "torchtitan"))
+    assert not any("moe_paged_stash" in why for why in launch_refusals(_k3(), "torchtitan"))
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"moe_paged_stash": True}, "needs moe_expert_rank_capacity_factor"),
+    ({"moe_expert_rank_capacity_factor": 0.8}, "below 1"),
+    ({"moe_expert_rank_capacity_factor": 1.5, "dispatcher": "deepep"}, "needs dispatcher"),
+    ({"moe_expert_rank_capacity_factor": 1.5, "recompute": "selective", "offload_modules": ["moe_act"]},
+     re.escape("offload_modules ['moe_act']")),
+    ({"moe_expert_rank_capacity_factor": 1.5, "moe_paged_stash": True,
+      "toggles": {"activation_offload": True, "ep_dedup": True}}, "activation_offload toggle"),
+])
+def test_bad_sync_free_layouts_get_one_line(over, needle):  # noqa: ANN001
+    with pytest.raises(LayoutError, match=needle) as err:
+        _k3(**over)
+    assert "\n" not in str(err.value)
+
+
+def test_sync_free_on_a_dense_model_is_refused():
+    lay = make_layout(gpus=64, pp=1, split=[80], dense_fsdp=64, model="llama3-70b", microbatches=4,
+                      dispatcher="hybridep", moe_expert_rank_capacity_factor=1.5)
+    with pytest.raises(LayoutError, match="no MoE layers"):
+        k3opt.evaluate(lay)
+    job = k3opt.Job.model_validate({"model": "llama3-70b", "gpus": 64, "tokens_per_update": 1 << 20,
+                                    "moe_expert_rank_capacity_factor": 1.5})
+    with pytest.raises(SpecError, match="no MoE layers"):
+        k3opt.plan(job, time_limit=5)
+
+
+def test_cli_exit_2_on_a_paged_stash_without_its_capacity(tmp_path):  # noqa: ANN001
+    job = tmp_path / "job.toml"
+    job.write_text('gpus = 512\ntokens_per_update = 16777216\nmoe_paged_stash = true\n')
+    res = CliRunner().invoke(main, ["plan", str(job), "--time-limit", "5"])
+    assert res.exit_code == 2
+    assert "moe_expert_rank_capacity_factor" in res.output
+
+
+def test_a_sync_free_job_plans_layouts_that_carry_it(tiny, slow):  # noqa: ANN001 - fixtures
+    """The tiny model on 8 GPUs with the sync-free MoE and the paged stash: every ranked layout runs HybridEP with
+    EP deduplication, carries the job's factors, never the activation_offload toggle, and holds a stash on every
+    rank with a MoE layer in the rank's chunks."""
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 0.0,
+        "moe_expert_rank_capacity_factor": 1.25, "moe_paged_stash": True,
+        "search": {"pp": [2], "vp": [1], "ep": [2]}})
+    res = k3opt.plan(job, model=tiny, cluster=slow, top=2, time_limit=30)
+    assert res.layouts
+    for it in res.layouts:
+        lay = it.layout
+        assert lay.moe_expert_rank_capacity_factor == 1.25 and lay.moe_paged_stash
+        assert lay.dispatcher == "hybridep" and lay.toggles.ep_dedup and not lay.toggles.activation_offload
+        ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+        assert ev.peak_bytes == it.evaluation.peak_bytes
+        assert any(r.ledger["paged_stash"] > 0 for r in ev.ranks)
