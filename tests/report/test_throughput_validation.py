@@ -15,17 +15,21 @@ from k3opt.inputs.presets import load_layout
 from k3opt.report.throughput import NOT_EXPRESSIBLE, measured_layouts, validate_throughput
 
 # The rows of the public table (Megatron-Bridge docs/performance-summary.md at 067f987d): id -> TPS/GPU. The MB rows
-# are the validation set's; the eight after them are public rows of the same table beside it (26.04.01, 26.04 for
-# the DeepSeek-V3 PP16 B200 run, 26.08 for the DeepSeek-V3 GB200 and GB300 runs with the paged stash).
+# are the validation set's; the twelve after them are public rows of the same table beside it (26.04.01, 26.04 for
+# the DeepSeek-V3 PP16 B200 run, 26.08 for the six GB200 and GB300 runs with the paged stash).
 PUBLIC_ROWS = {"MB-1": 5248, "MB-2": 4224, "MB-12": 4992, "MB-13": 4256, "MB-14": 3328, "MB-17": 6944,
                "MB-18": 5680, "MB-20": 26112, "MB-21": 5328, "MB-22": 3139, "MB-23": 4018,
                "deepseek-v3-b200-mxfp8-pp16": 2815, "llama3-70b-gb300-mxfp8": 4864,
                "qwen3-235b-a22b-b200-mxfp8": 3776, "qwen3-30b-a3b-b200-mxfp8": 27136,
                "qwen3-30b-a3b-gb300-mxfp8": 31744, "qwen3-30b-a3b-h100-fp8": 8960,
-               "deepseek-v3-gb200-mxfp8-paged-stash": 4912, "deepseek-v3-gb300-mxfp8-paged-stash": 6288}
+               "deepseek-v3-gb200-mxfp8-paged-stash": 4912, "deepseek-v3-gb300-mxfp8-paged-stash": 6288,
+               "qwen3-235b-a22b-gb200-mxfp8-paged-stash": 7280, "qwen3-235b-a22b-gb300-mxfp8-paged-stash": 8816,
+               "qwen3-30b-a3b-gb200-mxfp8-paged-stash": 39936, "qwen3-30b-a3b-gb300-mxfp8-paged-stash": 44544}
 BESIDE = ["deepseek-v3-b200-mxfp8-pp16", "deepseek-v3-gb200-mxfp8-paged-stash", "deepseek-v3-gb300-mxfp8-paged-stash",
-          "llama3-70b-gb300-mxfp8", "qwen3-235b-a22b-b200-mxfp8",
-          "qwen3-30b-a3b-b200-mxfp8", "qwen3-30b-a3b-gb300-mxfp8", "qwen3-30b-a3b-h100-fp8"]
+          "llama3-70b-gb300-mxfp8", "qwen3-235b-a22b-b200-mxfp8", "qwen3-235b-a22b-gb200-mxfp8-paged-stash",
+          "qwen3-235b-a22b-gb300-mxfp8-paged-stash", "qwen3-30b-a3b-b200-mxfp8",
+          "qwen3-30b-a3b-gb200-mxfp8-paged-stash", "qwen3-30b-a3b-gb300-mxfp8", "qwen3-30b-a3b-gb300-mxfp8-paged-stash",
+          "qwen3-30b-a3b-h100-fp8"]
 
 
 @pytest.fixture(scope="module")
