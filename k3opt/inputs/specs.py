@@ -608,6 +608,25 @@ def _check_cuda_graphs(lay: Layout) -> None:
                          "L2854-2858); use selective recompute or cuda_graph_impl = \"full_iteration\"")
 
 
+def ep_overlap_allowed(ep: int, pp: int, vp: int, recompute: Recompute) -> str:
+    """Why Megatron refuses its EP overlap schedule (overlap_moe_expert_parallel_comm) on these degrees and recompute
+    mode, or "" where it runs it (megatron/core/transformer/transformer_config.py L3007-3023 @ d98e8a64)."""
+    if ep < 2:
+        return "it needs expert parallelism (ep > 1; L3013-3015)"
+    if pp > 1 and vp < 2:
+        return "with pp > 1 it runs the interleaved schedule only (vp > 1; L3007-3011)"
+    if recompute == Recompute.FULL:
+        return "it refuses full recompute (L3021-3023)"
+    return ""
+
+
+def _check_ep_overlap(ep: int, pp: int, vp: int, recompute: Recompute) -> None:
+    why = ep_overlap_allowed(ep, pp, vp, recompute)
+    if why:
+        raise ValueError(f"ep_overlap with ep = {ep}, pp = {pp}, vp = {vp}, recompute = \"{recompute.value}\": "
+                         f"Megatron's EP overlap schedule {why}; change them or set ep_overlap = false")
+
+
 def _check_paged_stash(lay: Layout) -> None:
     """Megatron's rules on the sync-free MoE and its paged stash (megatron/core/transformer/transformer_config.py
     @ d98e8a64, L1868-1882 and L2210-2227), and k3opt's: a budget that a balanced routing fills."""
@@ -873,6 +892,8 @@ class Layout(StrictModel):
             raise ValueError("recompute_modules lists a module twice; name each once")
         _check_cuda_graphs(self)
         _check_paged_stash(self)
+        if self.ep_overlap:
+            _check_ep_overlap(self.ep, self.pp, self.vp, self.recompute)
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
         if n % (p * c):
             raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")
@@ -1040,6 +1061,10 @@ class Job(StrictModel):
     """Compute precisions the user accepts; the planner may choose any of them (default: BF16 only)."""
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
+    ep_overlap: StrictBool = False
+    """Plan for Megatron's EP overlap schedule (Layout.ep_overlap, overlap_moe_expert_parallel_comm): every layout
+    Megatron runs it on (ep > 1, vp > 1 or pp = 1, no full recompute: `ep_overlap_allowed`) is priced with it, the
+    others without."""
     moe_expert_rank_capacity_factor: PosFloat | None = None
     """Plan for Megatron's sync-free MoE (Layout.moe_expert_rank_capacity_factor): every layout then runs the
     HybridEP dispatcher with this capacity, and its memory is priced so. Absent: dropless."""

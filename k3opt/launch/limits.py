@@ -84,6 +84,9 @@ LIMITS: tuple[Limit, ...] = (
           f"torchtitan/config/job_config.py (Training.enable_cpu_offload) {TT}"),
     Limit("torchtitan", "moe_capacity", "no expert-rank capacity factor or paged stash: its EP backends are "
           "'standard' and 'deepep', both dropless", f"torchtitan/config/job_config.py L474 {TT}"),
+    Limit("torchtitan", "ep_overlap", "no EP overlap schedule under 1F1B or the interleaved schedule: its overlap of "
+          "the expert all-to-all (pipeline_parallel_expert_parallel_overlap) runs under DualPipeV only",
+          f"torchtitan/config/job_config.py L420-426 {TT}"),
     Limit("torchtitan", "precision", "precision bf16 or mxfp8 (its MX converters), and fp8 on a model without routed "
           "experts (Float8Linear, recipe 'tensorwise'): its FP8 grouped-GEMM converter scales row-wise and refuses "
           "pipeline parallelism, and it has no NVFP4 converter",
@@ -168,7 +171,7 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
              lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(limit id, reason with its source) of every limit of `target` that `layout` breaks, but those `lifted`.
     Limit ids: the Limit names (vp, cp, expert_fsdp, fsdp_lifecycle, param_gather, offload_modules, moe_capacity,
-    precision) and
+    ep_overlap, precision) and
     `toggle:NAME` for a toggle with no switch."""
     out = degree_refusals(layout, target, model, frozenset())
     if target in ("megatron-lm", "megatron-bridge") and layout.fsdp_lifecycle != FsdpLifecycle.ACCUMULATE \
@@ -188,6 +191,8 @@ def refusals(layout: Layout, target: str, model: ModelSpec | None = None,
     if target == "torchtitan" and (layout.moe_expert_rank_capacity_factor is not None or layout.moe_paged_stash):
         out.append(("moe_capacity", "moe_expert_rank_capacity_factor / moe_paged_stash have no key "
                                     f"[{_source(target, 'moe_capacity')}]"))
+    if target == "torchtitan" and layout.ep_overlap:
+        out.append(("ep_overlap", f"ep_overlap has no switch [{_source(target, 'ep_overlap')}]"))
     if target == "torchtitan" and layout.precision not in torchtitan_precisions(model):
         out.append(("precision", f"precision {layout.precision.value} has no converter "
                                  f"[{_source(target, 'precision')}]"))
@@ -213,7 +218,8 @@ def limit_text(target: str, limit: str) -> str:
 
 def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozenset[str] = frozenset()) -> Job:
     """The job narrowed to what job.target can run (unchanged when no target): vp / cp lists, the FSDP
-    lifecycle, every toggle without a switch added to forbid_toggles, and every toggle the target always runs for
+    lifecycle, torchtitan's EP overlap off (its sync-free MoE refused), every toggle without a switch added to
+    forbid_toggles, and every toggle the target always runs for
     the model (k3opt.inputs.toggles.BuiltIn) added to require_toggles; but the limits in `lifted` (ids as in
     `refusals`), left as the job had them, to price each limit alone.
 
@@ -272,5 +278,11 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         if name in upd and not upd[name]:
             raise InfeasibleJobError(f"[search] {name} leaves no value target {target} can run; "
                                      f"allow {name} = 1 / accumulate / update or drop the target")
-    return job.model_copy(update={"search": s.model_copy(update=upd), "precisions": precisions})
+    job_upd: dict = {"search": s.model_copy(update=upd), "precisions": precisions}
+    if target == "torchtitan" and job.moe_expert_rank_capacity_factor is not None and "moe_capacity" not in lifted:
+        raise SpecError(f"moe_expert_rank_capacity_factor with target torchtitan: {limit_text(target, 'moe_capacity')};"
+                        " drop the sync-free MoE fields or the target")
+    if target == "torchtitan" and job.ep_overlap and "ep_overlap" not in lifted:
+        job_upd["ep_overlap"] = False  # its 1F1B and interleaved schedules run the all-to-all exposed
+    return job.model_copy(update=job_upd)
 

@@ -215,7 +215,7 @@ def _activation_offload(out: _Decisions, lay: Layout) -> None:
 
 def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
     """The MoE shape and the token dispatcher: flex with HybridEP under EP deduplication or a capacity factor, else
-    all-to-all; the sync-free MoE's capacity factor and paged stash."""
+    all-to-all; the EP overlap schedule; the sync-free MoE's capacity factor and paged stash."""
     if model.moe is None:
         return
     out.settings += [
@@ -236,6 +236,9 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
                          Setting("--moe-flex-dispatcher-backend", "model.moe_flex_dispatcher_backend", "hybridep")]
     else:
         out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
+    if lay.ep_overlap:
+        out.settings.append(Setting("--overlap-moe-expert-parallel-comm", "model.overlap_moe_expert_parallel_comm",
+                                    True))
     if cap is not None:
         # HybridEP's capacity needs the op fuser's grouped MLP (transformer_config.py L1876-1882 @ d98e8a64).
         out.settings += [Setting("--moe-expert-rank-capacity-factor", "model.moe_expert_rank_capacity_factor", cap),

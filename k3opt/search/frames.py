@@ -35,6 +35,7 @@ from k3opt.inputs.specs import (
     SearchSpace,
     ShardingPolicy,
     Toggles,
+    ep_overlap_allowed,
     fp8_weights_priced,
 )
 from k3opt.search.ranking import ranked_coefficients as coefficients  # the ranked view (search/ranking.py)
@@ -396,7 +397,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
         param_gather=f.param_gather, offload_modules=offload, fp8_param_gather=f.fp8_param_gather,
-        **sync_free(job),
+        ep_overlap=job.ep_overlap and not ep_overlap_allowed(f.ep, f.pp, f.vp, mode.recompute), **sync_free(job),
     )
 
 

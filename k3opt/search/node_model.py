@@ -355,10 +355,12 @@ class FrameModel:
         moe = self.c0.moe[: self.L] > 0
         k_moe = -(-int(moe.sum()) // f.pp)
         for (md, lc), cf in self.base.items():
+            for res in cf.update:
+                m.add(f.pp * update >= int(self._t(cf.update[res]).sum())).only_enforce_if(self.lv[lc])
             for res in cf.time:
+                # Under an EP overlap schedule the time has the all-to-all's own resources, the update does not.
                 t = self._t(cf.time[res])
                 m.add(f.pp * stage >= int(t.sum())).only_enforce_if([self.mv[md], self.lv[lc]])
-                m.add(f.pp * update >= int(self._t(cf.update[res]).sum())).only_enforce_if(self.lv[lc])
                 if k_moe:
                     # Pigeonhole: some rank holds at least ceil(n_moe / p) MoE layers.
                     m.add(stage >= int(np.sort(t[: self.L][moe])[:k_moe].sum())).only_enforce_if(

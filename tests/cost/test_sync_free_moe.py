@@ -1,5 +1,6 @@
 """Megatron's sync-free MoE (moe_expert_rank_capacity_factor) and its paged stash (moe_paged_stash): the ledger
-terms they change, the node model's agreement with evaluate(), the exports and the bad input. Expected bytes are
+terms they change, the node model's agreement with evaluate(), the exports and the bad input; and Megatron's EP
+overlap schedule as a job plans it. Expected bytes are
 derived from Kimi K3's shapes in the comments (the routed saved set per token is the one
 tests/cost/test_routed_saved.py derives by hand)."""
 
@@ -17,10 +18,10 @@ from k3opt.cli import main
 from k3opt.cost.ledger import PERSISTENT
 from k3opt.inputs.errors import LayoutError, SpecError
 from k3opt.inputs.presets import make_layout
-from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle
-from k3opt.launch import launch_refusals, to_launch
+from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
+from k3opt.launch import apply_target_limits, launch_refusals, to_launch
 from k3opt.search import enumerate_frames
-from k3opt.search.frames import frame_shape, layout_of, sync_free
+from k3opt.search.frames import ActMode, frame_shape, layout_of, sync_free
 from k3opt.search.node_model import FrameModel
 
 DATA = Path(__file__).parents[1] / "data"
@@ -148,6 +149,18 @@ def test_sync_free_is_the_job_s_and_only_the_job_s():
     assert sync_free(on) == {"capacity_factor": 1.5, "paged_stash": (1.10, 0.0), "dispatcher": "hybridep"}
 
 
+def test_exports_write_the_ep_overlap_schedule():
+    """Megatron-LM --overlap-moe-expert-parallel-comm, Bridge model.overlap_moe_expert_parallel_comm: both in the
+    frameworks' lists at their pinned commits; nothing without the schedule."""
+    lay = k3opt.load_layout("deepseek-v3-gb200-mxfp8-paged-stash")
+    assert lay.ep_overlap
+    assert "--overlap-moe-expert-parallel-comm" in to_launch(lay, "megatron-lm").body
+    assert "model.overlap_moe_expert_parallel_comm=true" in to_launch(lay, "megatron-bridge").body
+    assert "--overlap-moe-expert-parallel-comm" in (DATA / "megatron_lm_flags.txt").read_text().split()
+    assert "model.overlap_moe_expert_parallel_comm" in (DATA / "megatron_bridge_keys.txt").read_text().split()
+    assert "overlap-moe" not in to_launch(_k3(), "megatron-lm").body
+
+
 def test_exports_write_the_sync_free_settings_and_torchtitan_refuses_them():
     lay = _k3(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=1.2)
     flags = to_launch(lay, "megatron-lm").body
@@ -218,3 +231,72 @@ def test_a_sync_free_job_plans_layouts_that_carry_it(tiny, slow):  # noqa: ANN00
         ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
         assert ev.peak_bytes == it.evaluation.peak_bytes
         assert any(r.ledger["paged_stash"] > 0 for r in ev.ranks)
+
+
+@pytest.mark.parametrize(("over", "needle"), [
+    ({"ep": 1, "expert_fsdp": 1, "dense_fsdp": 64}, "needs expert parallelism"),
+    ({"gpus": 128, "pp": 2, "split": [46, 47]}, "interleaved schedule only"),
+    ({"recompute": "full"}, "refuses full recompute"),
+])
+def test_megatron_s_ep_overlap_rules_are_one_line(over, needle):  # noqa: ANN001
+    """Megatron's EP overlap schedule needs EP > 1, the interleaved schedule under PP > 1, and no full recompute
+    (transformer_config.py L3007-3023 @ d98e8a64)."""
+    with pytest.raises(LayoutError, match=needle) as err:
+        _k3(ep_overlap=True, **over)
+    assert "\n" not in str(err.value)
+    _k3(ep_overlap=True)  # PP 1, EP 64, no recompute: Megatron runs it
+
+
+def test_a_job_s_ep_overlap_reaches_the_shapes_megatron_runs_it_on(tiny):  # noqa: ANN001 - a fixture
+    """The tiny model on 8 GPUs: PP2 VP2 EP2 runs the EP overlap schedule, PP2 VP1 and full recompute do not."""
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "ep_overlap": True,
+        "search": {"pp": [2], "ep": [2], "cp": [1]}})
+    seen = set()
+    for f in enumerate_frames(job, tiny, 8):
+        for rc in (Recompute.NONE, Recompute.FULL):
+            md = ActMode(rc, False, False, False, False)
+            on = frame_shape(job, f, md, FsdpLifecycle.ACCUMULATE).ep_overlap
+            assert on == (f.vp > 1 and rc != Recompute.FULL), (f, rc)
+            seen.add(on)
+    assert seen == {True, False}
+    off = job.model_copy(update={"ep_overlap": False})
+    assert not any(frame_shape(off, f, ActMode(Recompute.NONE, False, False, False, False),
+                               FsdpLifecycle.ACCUMULATE).ep_overlap for f in enumerate_frames(off, tiny, 8))
+
+
+def test_the_node_model_of_an_ep_overlap_job_prices_its_layout_as_evaluate_does(tiny, slow):  # noqa: ANN001
+    """A job pinned to one PP2 VP2 EP2 layout of the tiny model with the EP overlap schedule: its node model builds
+    (the all-to-all's own resources under the overlap are in the stage, not in the update), every rank's peak is at
+    least evaluate()'s, whose activation phase holds a layer's transients and the logits together, and within the
+    KiB rounding above it."""
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 0.0, "ep_overlap": True,
+        "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "dense_sharding": ["optim_grads_params"], "recompute": ["none"], "fsdp_lifecycle": ["accumulate"],
+                   "forbid_toggles": list(TOGGLE_NAMES), "split": SPLIT}})
+    (f,) = enumerate_frames(job, tiny, 8)
+    fm = FrameModel(job, f, tiny, slow)
+    (md,) = fm.modes
+    shape = frame_shape(job, f, md, FsdpLifecycle.ACCUMULATE)
+    lay = layout_of(job, f, shape, SPLIT)
+    assert lay.ep_overlap
+    ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+    for r, rank in enumerate(ev.ranks):
+        slack = KIB * 16 * (sum(e - s for s, e in rank.chunks) + 2) * (1 + int(rank.in_flight + 1))
+        assert rank.peak_bytes <= _least(fm, fm.ranks[r]["ledger"].peak) * KIB <= rank.peak_bytes + slack
+
+
+def test_torchtitan_runs_neither_the_ep_overlap_schedule_nor_the_sync_free_moe():
+    """torchtitan overlaps the expert all-to-all only under DualPipeV (job_config.py L420-426 at its pinned commit)
+    and has no capacity factor: a layout with either is refused, a job's EP overlap is turned off, and a job's
+    sync-free MoE is a one-line SpecError."""
+    assert any("ep_overlap" in why for why in launch_refusals(_k3(ep_overlap=True), "torchtitan"))
+    job = k3opt.load_job("k3-512-4k").model_copy(update={"ep_overlap": True, "target": "torchtitan"})
+    assert not apply_target_limits(job).ep_overlap
+    assert apply_target_limits(job.model_copy(update={"target": "megatron-lm"})).ep_overlap
+    with pytest.raises(SpecError, match="torchtitan") as err:
+        apply_target_limits(job.model_copy(update={"moe_expert_rank_capacity_factor": 1.5}))
+    assert "\n" not in str(err.value)
