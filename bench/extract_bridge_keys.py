@@ -35,6 +35,8 @@ GROUPS: dict[str, list[tuple[str, str, str]]] = {
     "ddp": [(B, "src/megatron/bridge/training/config.py", "DistributedDataParallelConfig"),
             (M, "megatron/core/distributed/distributed_data_parallel_config.py", "DistributedDataParallelConfig")],
     "mixed_precision": [(B, "src/megatron/bridge/training/mixed_precision.py", "MixedPrecisionConfig")],
+    # Bridge copies these onto the model at setup (comm_overlap.py _apply_cfgs), over the model's own fields.
+    "comm_overlap": [(B, "src/megatron/bridge/training/comm_overlap.py", "CommOverlapConfig")],
 }
 
 

@@ -266,7 +266,8 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
     cost, prices = None, []
     if free is not None:
         best, unlimited = result.layouts[0].rank_time_s, free.layouts[0].rank_time_s
-        cost = target_cost_line(j.target, best, unlimited, _short(free.layouts[0].layout), gap)
+        cost = target_cost_line(j.target, best, unlimited, _short(free.layouts[0].layout), gap,
+                                (result.gap, free.gap))
         binding = binding_limits(free.layouts[0].layout, j.target, j.model)
         todo = binding if best > unlimited else []
         for i, lim in enumerate(todo):
@@ -318,12 +319,17 @@ def plan(job: str | None, gpus: tuple[int, ...], top: int, time_limit: float, wo
                 click.echo(f"k3opt: {launch.format}: {m.line()}", err=True)
 
 
-def target_cost_line(target: str, best: float, unlimited: float, layout: str, gap: float) -> str:
+def target_cost_line(target: str, best: float, unlimited: float, layout: str, gap: float,
+                     ended: tuple[float, float] = (0.0, 0.0)) -> str:
     """What a launch target's limits cost: the best with them against the best without. Each search stops within
     its gap, so the one without the limits may end above the one with them; that reads as no measurable cost, not
-    as a negative one."""
+    as a negative one. `ended`: the gaps the two searches ended at (with, without the limits); where one is above
+    `gap`, its time limit cut it, and the line says so instead of claiming the gap."""
     head = f"launch target {target}: best {best:.3f} s with its limits, {unlimited:.3f} s without ({layout}); "
     if best <= unlimited:
+        if max(ended) > gap:
+            return head + (f"the search without them found nothing faster, but the searches ended {ended[0]:.2%} and "
+                           f"{ended[1]:.2%} above their bounds: a longer --time-limit measures the limits' cost")
         return head + (f"the search without them found nothing faster: the limits cost nothing it can measure (each "
                        f"search ends within {gap:.0%} of its bound)")
     return head + f"the limits cost {best - unlimited:+.3f} s per step ({(best / unlimited - 1):+.1%})"

@@ -264,7 +264,7 @@ def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None
     `cf` itself without a rates file (the search then ranks by the peak roofline). A search's step on this view,
     slots x max_r stage_r + max_r update_r + max(0, max_r hidden_r - hidden_stages x stage), is achievable_step's
     (the search's bounds take its least over stages at or above theirs: `search.ranking.step_floor`). Under
-    an EP overlap schedule (a layout field no search sets) the view leaves out the unpaired microbatches'
+    an EP overlap schedule (a layout's ep_overlap, or a job's) the view leaves out the unpaired microbatches'
     all-to-all (unpaired_ep_s), and is a lower bound."""
     rates = rates if rates is not None else rates_for(cluster)
     if rates is None or not cf.achievable:

@@ -809,8 +809,8 @@ class Layout(StrictModel):
     peak of in-flight routed saved bytes at balanced routing and held for the whole step, instead of
     capacity-sized tensors per microbatch (megatron/core/transformer/moe/paged_stash.py allocate_stash_buffers)."""
     moe_paged_stash_buffer_size_factor_cuda: PosFloat = 1.10
-    """The CUDA stash buffer over the balanced peak (Megatron's default 1.10; its negative form, sized at the
-    measured peak, is the balanced peak under k3opt's balanced routing)."""
+    """The CUDA stash buffer over the balanced peak (Megatron's default 1.10). Megatron's negative form sizes it at
+    the measured peak instead; under k3opt's balanced routing that is the same peak, so give its magnitude."""
     moe_paged_stash_buffer_size_factor_cpu: NonNegFloat = 0.0
     """The pinned host spill buffer over the same peak, in host memory (0: none, Megatron's default)."""
     cuda_graph_impl: CudaGraphImpl | None = None
@@ -1070,7 +1070,8 @@ class Job(StrictModel):
     HybridEP dispatcher with this capacity, and its memory is priced so. Absent: dropless."""
     moe_paged_stash: StrictBool = False
     """Plan with Megatron's paged stash (Layout.moe_paged_stash; needs the capacity factor): the activation_offload
-    toggle and offload sets of the routed experts are then not searched (Megatron refuses them beside it)."""
+    toggle is then not searched (Megatron refuses CPU offloading beside it). A job with the capacity factor may not
+    list offload sets of the routed experts (`expert_fc1`, `moe_act`) in `[search] offload_modules`."""
     moe_paged_stash_buffer_size_factor_cuda: PosFloat = 1.10
     """Layout.moe_paged_stash_buffer_size_factor_cuda."""
     moe_paged_stash_buffer_size_factor_cpu: NonNegFloat = 0.0
@@ -1182,14 +1183,15 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
     if model.moe is None and (layout.moe_expert_rank_capacity_factor is not None or layout.moe_paged_stash):
         raise LayoutError(f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop "
                           "them")
-    if model.moe is not None and whole and layout.moe_expert_rank_capacity_factor is None:
-        # A dropless MoE layer's dispatch syncs the host on its token counts; a capacity factor pre-sizes its
-        # buffers and makes the layer capturable (Megatron-LM docs/user-guide/features/cuda_graph.md L170-174).
+    if model.moe is not None and whole and not layout.moe_paged_stash:
+        # A dropless MoE layer's dispatch syncs the host on its token counts; the paged stash, with the capacity
+        # factor that pre-sizes the buffers, makes it capturable (Megatron-LM docs/user-guide/features/cuda_graph.md
+        # L170-174).
         raise LayoutError(f"cuda_graph_impl = \"{impl.value}\" captures {model.name}'s MoE layers whole, and dropless "
                           "MoE dispatch has dynamic shapes that cannot be captured (Megatron-LM "
                           "docs/user-guide/features/cuda_graph.md L161); name per-layer cuda_graph_modules such as "
-                          "[\"attn\", \"moe_router\", \"moe_preprocess\"], or set moe_expert_rank_capacity_factor "
-                          "(HybridEP's sync-free MoE, L170-174)")
+                          "[\"attn\", \"moe_router\", \"moe_preprocess\"], or set moe_paged_stash with "
+                          "moe_expert_rank_capacity_factor (Megatron's paged stash, L170-174)")
     if model.moe is not None and CudaGraphModule.MLP in mods and not model.dense_ffn_layers:
         raise LayoutError(f"cuda_graph_modules 'mlp' captures dense-FFN layers and every layer of {model.name} is MoE "
                           "(transformer_config.py L2831-2837); drop it")

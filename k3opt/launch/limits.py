@@ -50,7 +50,8 @@ class Limit:
 
 LIMITS: tuple[Limit, ...] = (
     Limit("megatron-bridge", "vp",
-          "vp = 1: build_kimi_k3_spec raises 'Kimi K3 does not support virtual pipeline parallelism yet'",
+          "vp = 1 when the model has KDA layers: build_kimi_k3_spec raises 'Kimi K3 does not support virtual "
+          "pipeline parallelism yet'",
           f"src/megatron/bridge/models/kimi/kimi_k3_spec.py L54-55 {MB}"),
     Limit("megatron-bridge", "cp",
           "cp = 1 when the model has KDA layers: KimiK3Attention raises 'Kimi K3 KDA context parallelism is not "
@@ -149,12 +150,12 @@ class Degrees(Protocol):
 def degree_refusals(d: Degrees, target: str, model: ModelSpec | None = None,
                     lifted: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """The limits of `refusals` that read the parallel degrees alone (a frame breaks them or not whatever its
-    split, modes and toggles): Bridge's VP and, with KDA layers, CP; the derived expert sharding degree
+    split, modes and toggles): Bridge's VP and CP with KDA layers; the derived expert sharding degree
     (dense_fsdp = ep x expert_fsdp, on a model with routed experts); torchtitan's CP dividing the dense FSDP group."""
     check_format(target)
     out: list[tuple[str, str]] = []
-    if target == "megatron-bridge" and d.vp > 1:
-        out.append(("vp", f"vp = {d.vp} > 1 [{_source(target, 'vp')}]"))
+    if target == "megatron-bridge" and d.vp > 1 and (model is None or _has_kda(model)):
+        out.append(("vp", f"vp = {d.vp} > 1 with KDA layers [{_source(target, 'vp')}]"))
     if target == "megatron-bridge" and d.cp > 1 and (model is None or _has_kda(model)):
         out.append(("cp", f"cp = {d.cp} > 1 with KDA layers [{_source(target, 'cp')}]"))
     # A model without routed experts has no expert group, and nothing derives its degree.
@@ -238,10 +239,10 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         cur = getattr(s, name)
         upd[name] = [v for v in cur if v in allowed] if cur is not None else list(allowed)
 
-    if target == "megatron-bridge":
+    if target == "megatron-bridge" and (model is None or _has_kda(model)):
+        # Kimi K3's spec (its KDA layers): the other models' Bridge recipes run interleaved schedules and CP.
         narrow("vp", [1])
-        if model is None or _has_kda(model):
-            narrow("cp", [1])
+        narrow("cp", [1])
     if target in ("megatron-lm", "megatron-bridge") and _muon(model):
         narrow("fsdp_lifecycle", [FsdpLifecycle.ACCUMULATE])
         narrow("param_gather", [ParamGather.UPDATE])

@@ -108,7 +108,7 @@ def _parallelism(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool) -
             out.missing.append(Missing(f"vp = {lay.vp} with M = {lay.microbatches} not divisible by pp = {lay.pp}",
                                        "Megatron's interleaved schedule raises on a last microbatch group smaller "
                                        "than PP (schedules.py L1160-1180): choose M divisible by pp"))
-        if bridge:
+        if bridge and kda_layers(model):
             out.missing.append(Missing(f"vp = {lay.vp}", "Megatron-Bridge's Kimi K3 spec raises on virtual pipeline "
                                        "stages (kimi_k3_spec.py L54); re-plan with target = \"megatron-bridge\""))
     if bridge and lay.cp > 1 and kda_layers(model):
@@ -237,8 +237,12 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
     else:
         out.settings.append(Setting("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type", "alltoall"))
     if lay.ep_overlap:
-        out.settings.append(Setting("--overlap-moe-expert-parallel-comm", "model.overlap_moe_expert_parallel_comm",
-                                    True))
+        # Bridge copies its comm_overlap config onto the model at setup (comm_overlap.py L438, L593-597 @ 067f987d),
+        # over a model key; Megatron refuses the shared-expert overlap beside it (transformer_config.py L3039-3041),
+        # which some Bridge recipes turn on.
+        out.settings += [
+            Setting("--overlap-moe-expert-parallel-comm", "comm_overlap.overlap_moe_expert_parallel_comm", True),
+            Setting(None, "model.moe_shared_expert_overlap", False)]
     if cap is not None:
         # HybridEP's capacity needs the op fuser's grouped MLP (transformer_config.py L1876-1882 @ d98e8a64).
         out.settings += [Setting("--moe-expert-rank-capacity-factor", "model.moe_expert_rank_capacity_factor", cap),

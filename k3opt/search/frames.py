@@ -423,7 +423,8 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
     frame_shape copied from `f`, the node's recompute, lifecycle and toggles, the stack settings), the split, and
     the job's context, reserve, presets and MTP layers."""
     carried = {k: getattr(shape, k) for k in SHAPE_FIELDS_IN_LAYOUT}
-    stash = shape.paged_stash or (1.10, 0.0)
+    stash = shape.paged_stash or (Layout.model_fields["moe_paged_stash_buffer_size_factor_cuda"].default,
+                                  Layout.model_fields["moe_paged_stash_buffer_size_factor_cpu"].default)
     return Layout(**carried, document_length=job.document_length, split=split, reserve_gib=job.reserve_gib,
                   model=job.model, cluster=job.cluster, runtime=job.runtime, mtp_layers=job.mtp_layers, name=name,
                   moe_expert_rank_capacity_factor=shape.capacity_factor, moe_paged_stash=shape.paged_stash is not None,

@@ -838,7 +838,7 @@ def _check_agreement(fm: FrameModel, res: FrameResult, ev: Evaluation) -> None:
     solver_step = (res.objective // fm.obj_scale) * TIME_UNIT / f.vp
     slack = (fm.L + 2 + 4 * fm.K) * TIME_UNIT * (f.vp * f.microbatches + f.pp) * 2 + 1e-6
     ranked = ev.step.formula_time_s  # the model's objective is at least the formula, at most the ranked time
-    # The ranking view leaves out the unpaired microbatches of an EP overlap schedule (no search sets ep_overlap).
+    # The ranking view leaves out the unpaired microbatches of an EP overlap schedule (a job's ep_overlap).
     below = ev.step.achievable_unpaired_ep_s
     exact = res.status == "OPTIMAL" and res.bound is not None and res.objective is not None \
         and res.bound >= res.objective

@@ -284,6 +284,22 @@ def test_apply_target_limits_narrows_the_search(model):
     assert apply_target_limits(untouched, model) == untouched
 
 
+def test_bridge_s_vp_and_cp_limits_are_kimi_k3_s_only():
+    """build_kimi_k3_spec and KimiK3Attention raise on VP > 1 and (KDA) CP > 1; Bridge's DeepSeek-V3 and Qwen3
+    recipes run VP 4 and VP 3 (perf_recipes at 067f987d): their jobs keep VP and CP, their layouts are not refused
+    and their exports name no missing switch for it."""
+    ds = k3opt.load_model("deepseek-v3")
+    job = k3opt.load_job("k3-512-4k").model_copy(update={"target": "megatron-bridge", "model": "deepseek-v3"})
+    narrowed = apply_target_limits(job, ds).search
+    assert narrowed.vp is None and narrowed.cp is None
+    lay = k3opt.load_layout("deepseek-v3-gb200-mxfp8-paged-stash")
+    assert not [why for why in launch_refusals(lay, "megatron-bridge", ds) if "vp" in why]
+    assert not [m for m in to_launch(lay, "megatron-bridge").missing if m.decision.startswith("vp")]
+    k3 = k3opt.load_model("kimi-k3")
+    assert [why for why in launch_refusals(_layout(vp=2, microbatches=64, split=[6] * 15 + [3]), "megatron-bridge",
+                                           k3) if "vp" in why]
+
+
 def test_torchtitan_runs_no_offload_modules(model):
     """Core torchtitan offloads no activations: a job's offload sets are dropped for it (and kept for Megatron), and
     a layout that offloads by module is refused, unless that limit is lifted to price it."""
@@ -541,6 +557,9 @@ def test_the_target_cost_line_never_prints_a_negative_cost():
     from k3opt.cli import target_cost_line
     none = target_cost_line("megatron-bridge", 22.196, 22.199, "PP1", 0.01)
     assert "cost nothing it can measure" in none and "within 1% of its bound" in none and "-0.003" not in none
+    # A search its time limit cut (3.50% above its bound) proves no 1%: the line names the gaps it ended at.
+    cut = target_cost_line("megatron-bridge", 12.022, 12.315, "PP4", 0.01, (0.035, 0.004))
+    assert "within 1%" not in cut and "3.50%" in cut and "0.40%" in cut and "--time-limit" in cut
     real = target_cost_line("megatron-bridge", 35.905, 21.072, "PP8", 0.01)
     assert real.endswith("the limits cost +14.833 s per step (+70.4%)")
 
