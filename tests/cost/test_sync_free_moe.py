@@ -17,9 +17,11 @@ import k3opt
 from k3opt.cli import main
 from k3opt.cost.ledger import PERSISTENT
 from k3opt.inputs.errors import LayoutError, SpecError
+from k3opt.inputs.labels import toggles_text
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import TOGGLE_NAMES, FsdpLifecycle, Recompute
 from k3opt.launch import apply_target_limits, launch_refusals, to_launch
+from k3opt.report.text import explain_text
 from k3opt.search import enumerate_frames
 from k3opt.search.frames import ActMode, frame_shape, layout_of
 from k3opt.search.node_model import FrameModel
@@ -312,3 +314,13 @@ def test_torchtitan_runs_neither_the_ep_overlap_schedule_nor_the_sync_free_moe()
     with pytest.raises(SpecError, match="torchtitan") as err:
         apply_target_limits(job.model_copy(update={"moe_expert_rank_capacity_factor": 1.5}))
     assert "\n" not in str(err.value)
+
+
+def test_the_plan_table_and_explain_name_the_schedule_settings():
+    """A layout's EP overlap, capacity factor and paged stash show beside its toggles, in the plan table's column and
+    in explain's layout line; a layout without them shows none of them."""
+    lay = k3opt.load_layout("deepseek-v3-gb200-mxfp8-paged-stash")
+    assert toggles_text(lay) == "moe_backward_rewrite,ep_dedup,ep_overlap,capacity(1.5),paged_stash(1.2/1)"
+    assert "ep_overlap,capacity(1.5),paged_stash(1.2/1)" in explain_text(k3opt.evaluate(lay))
+    plain = toggles_text(_k3())
+    assert not any(word in plain for word in ("ep_overlap", "capacity", "paged_stash"))
