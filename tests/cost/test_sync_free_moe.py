@@ -1,8 +1,7 @@
 """Megatron's sync-free MoE (moe_expert_rank_capacity_factor) and its paged stash (moe_paged_stash): the ledger
 terms they change, the node model's agreement with evaluate(), the exports and the bad input; and Megatron's EP
-overlap schedule as a job plans it. Expected bytes are
-derived from Kimi K3's shapes in the comments (the routed saved set per token is the one
-tests/cost/test_routed_saved.py derives by hand)."""
+overlap schedule as a job plans it. Expected bytes are derived from Kimi K3's and DeepSeek-V3's shapes in the
+docstrings (K3's routed saved set per token is the one tests/cost/test_routed_saved.py derives by hand)."""
 
 from __future__ import annotations
 
@@ -107,6 +106,22 @@ def test_paged_stash_is_sized_at_the_rank_s_own_in_flight_peak():
     lay = _k3(gpus=128, pp=2, split=[46, 47], moe_expert_rank_capacity_factor=1.0, moe_paged_stash=True)
     r0 = k3opt.evaluate(lay).ranks[0]
     assert r0.ledger["paged_stash"] == pytest.approx(1.1 * 45 * 2 * ROUTED_LAYER, rel=1e-12)
+
+
+def test_the_stash_takes_its_own_peak_composition_not_the_saved_set_s():
+    """DeepSeek-V3 PP2 VP2, M 4: Megatron's interleaved schedule runs 4 warmup forwards on rank 0 ((p - r - 1) x 2 +
+    (v - 1) x p), then one forward, one backward: chunk 0 F m0 m1, chunk 2 F m0 m1, then F c0m2 (3, 2 in flight on
+    chunks 0 and 2), B c2m0, F c0m3 (4, 1), ... Chunk 0 holds layers 0-3 (three dense, one MoE), chunk 2 layers 31-32
+    (two MoE). A MoE layer's routed set in BF16 with the backward rewrite: dispatched inputs 8 x 7168 x 2 + SwiGLU
+    input 2 x 8 x 2048 x 2 + activation outputs 8 x 2048 x 2 = 212,992 B a token, R = 212,992 x 4,096 a microbatch.
+    The stash's peak is max(3 R + 2 x 2 R, 4 R + 2 R) = 7 R, x 1.1; the saved set, heavier on the dense chunk 0,
+    peaks at (4, 1), where the routed bytes are 6 R."""
+    lay = make_layout(gpus=16, pp=2, vp=2, ep=8, expert_fsdp=1, dense_fsdp=8, microbatches=4, context=4096,
+                      split=[4, 27, 2, 28], recompute="none", fsdp_lifecycle="accumulate", dispatcher="hybridep",
+                      toggles={"moe_backward_rewrite": True, "ep_dedup": True}, model="deepseek-v3",
+                      cluster="gb200-nvl72", moe_expert_rank_capacity_factor=1.0, moe_paged_stash=True)
+    r0 = k3opt.evaluate(lay).ranks[0]
+    assert r0.ledger["paged_stash"] == pytest.approx(1.1 * 7 * 212_992 * 4096, abs=1)  # whole bytes
 
 
 def _least(fm: FrameModel, expr) -> int:  # noqa: ANN001 - a CP-SAT expression
