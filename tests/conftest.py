@@ -147,13 +147,25 @@ def contiguous_splits(layers: int, chunks: int, empty_edges: bool = False):
 
 
 MEASURED = Path(k3opt.__file__).parents[1] / "layouts" / "measured"
+"""The measured layouts (public runs, the K3 reference)."""
 
 
 def peak_roofline_cluster(name: str) -> k3opt.ClusterSpec:
     """A shipped cluster preset under another name (`<name>-peak`): rates files are found by the cluster's name, so
     it has none, and evaluate() and the search rank at the peak roofline on the preset's hardware."""
     return k3opt.load_cluster(name).model_copy(update={"name": f"{name}-peak"})
-"""The measured layouts (public runs, the K3 reference)."""
+
+
+def least_value(fm, expr) -> int:  # noqa: ANN001 - a node model and a CP-SAT expression
+    """The least value `expr` takes in node model `fm`'s CP-SAT model (KiB for its memory parts)."""
+    from ortools.sat.python import cp_model
+
+    fm.m.minimize(expr)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 30
+    assert solver.solve(fm.m) == cp_model.OPTIMAL
+    return round(solver.objective_value)
 
 
 def measured_variant(name: str, **update) -> k3opt.Layout:  # noqa: ANN003 - Layout fields

@@ -7,6 +7,7 @@ Every file is validated on load: unknown keys are rejected, sizes must be positi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -627,36 +628,36 @@ def _check_ep_overlap(ep: int, pp: int, vp: int, recompute: Recompute) -> None:
                          f"Megatron's EP overlap schedule {why}; change them or set ep_overlap = false")
 
 
-def _check_paged_stash(lay: Layout) -> None:
-    """Megatron's rules on the sync-free MoE and its paged stash (megatron/core/transformer/transformer_config.py
-    @ d98e8a64, L1868-1882 and L2210-2227), and k3opt's: a budget that a balanced routing fills."""
-    cap = lay.moe_expert_rank_capacity_factor
+def sync_free_refusal(cap: float | None, stash: bool, dispatcher: str | None, offload: Iterable[str],
+                      offload_toggle: bool, offload_layers: int) -> str:
+    """Why a layout or job cannot run Megatron's sync-free MoE and its paged stash as k3opt prices them, or "":
+    Megatron's rules (megatron/core/transformer/transformer_config.py @ d98e8a64, L1868-1882 and L2210-2227) and
+    k3opt's (a budget that a balanced routing fills; no capacity-sized tensor offloaded). `offload`: the offload
+    module names it may run."""
     if cap is None:
-        if lay.moe_paged_stash:
-            raise ValueError("moe_paged_stash needs moe_expert_rank_capacity_factor: the stash holds the fused "
-                             "grouped MLP's capacity-sized tensors (transformer_config.py L2213-2217); set the "
-                             "factor (e.g. 1.5) or drop moe_paged_stash")
-        return
+        return ("moe_paged_stash needs moe_expert_rank_capacity_factor: the stash holds the fused grouped MLP's "
+                "capacity-sized tensors (transformer_config.py L2213-2217); set the factor (e.g. 1.5) or drop "
+                "moe_paged_stash") if stash else ""
     if cap < 1:
-        raise ValueError(f"moe_expert_rank_capacity_factor ({cap}) is below 1: HybridEP would drop tokens of a "
-                         "balanced routing, which k3opt does not price; set it to 1 or more")
-    if lay.dispatcher != "hybridep":
-        raise ValueError(f"moe_expert_rank_capacity_factor needs dispatcher = \"hybridep\" (got "
-                         f"{lay.dispatcher or 'none'}): Megatron sizes only the flex dispatcher's HybridEP buffers "
-                         "by it (transformer_config.py L1868-1874); set dispatcher = \"hybridep\"")
-    expert_offload = sorted(m.value for m in set(lay.offload_modules) & EXPERT_OFFLOAD_MODULES)
-    if expert_offload:
-        raise ValueError(f"offload_modules {expert_offload} with moe_expert_rank_capacity_factor: Megatron refuses "
-                         "them beside the paged stash (transformer_config.py L2218-2227) and k3opt does not price "
-                         "their capacity-sized copies; drop them")
-    if lay.activation_offload_layers:
-        raise ValueError(f"moe_expert_rank_capacity_factor with activation_offload_layers = "
-                         f"{lay.activation_offload_layers}: Megatron refuses the paged stash beside CPU offloading "
-                         "(transformer_config.py L2211-2212) and k3opt does not price the capacity-sized tensors "
-                         "TransformerEngine would offload; drop one of them")
-    if lay.moe_paged_stash and lay.toggles.activation_offload:
-        raise ValueError("moe_paged_stash with the activation_offload toggle: the stash keeps the routed experts' "
-                         "saved tensors on the GPU, the toggle moves the whole saved set to the host; turn one off")
+        return (f"moe_expert_rank_capacity_factor ({cap}) is below 1: HybridEP would drop tokens of a balanced "
+                "routing, which k3opt does not price; set it to 1 or more")
+    if dispatcher != "hybridep":
+        return (f"moe_expert_rank_capacity_factor needs dispatcher = \"hybridep\" (got {dispatcher or 'none'}): "
+                "Megatron sizes only the flex dispatcher's HybridEP buffers by it (transformer_config.py "
+                "L1868-1874); set dispatcher = \"hybridep\"")
+    expert = sorted(set(offload) & {m.value for m in EXPERT_OFFLOAD_MODULES})
+    if expert:
+        return (f"offload_modules {expert} with moe_expert_rank_capacity_factor: Megatron refuses them beside the "
+                "paged stash (transformer_config.py L2218-2227) and k3opt does not price their capacity-sized "
+                "copies; drop them")
+    if offload_layers:
+        return (f"moe_expert_rank_capacity_factor with activation_offload_layers = {offload_layers}: Megatron "
+                "refuses the paged stash beside CPU offloading (transformer_config.py L2211-2212) and k3opt does "
+                "not price the capacity-sized tensors TransformerEngine would offload; drop one of them")
+    if stash and offload_toggle:
+        return ("moe_paged_stash with the activation_offload toggle: the stash keeps the routed experts' saved "
+                "tensors on the GPU, the toggle moves the whole saved set to the host; turn one off")
+    return ""
 
 
 def offload_set_rules(mods: list[OffloadModule]) -> None:
@@ -891,7 +892,11 @@ class Layout(StrictModel):
         if len(set(self.recompute_modules)) != len(self.recompute_modules):
             raise ValueError("recompute_modules lists a module twice; name each once")
         _check_cuda_graphs(self)
-        _check_paged_stash(self)
+        why = sync_free_refusal(self.moe_expert_rank_capacity_factor, self.moe_paged_stash, self.dispatcher,
+                                (m.value for m in self.offload_modules), self.toggles.activation_offload,
+                                self.activation_offload_layers)
+        if why:
+            raise ValueError(why)
         if self.ep_overlap:
             _check_ep_overlap(self.ep, self.pp, self.vp, self.recompute)
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
@@ -1095,22 +1100,13 @@ class Job(StrictModel):
             raise ValueError("give gpus (GPUs to run on) or racks (NVLink domains the job may hold), or both")
         if isinstance(self.gpus, list) and not self.gpus:
             raise ValueError("gpus is an empty list")
-        if self.moe_paged_stash and self.moe_expert_rank_capacity_factor is None:
-            raise ValueError("moe_paged_stash needs moe_expert_rank_capacity_factor (Megatron transformer_config.py "
-                             "L2213-2217); set the factor (e.g. 1.5) or drop moe_paged_stash")
-        cap = self.moe_expert_rank_capacity_factor
-        if cap is not None and cap < 1:
-            raise ValueError(f"moe_expert_rank_capacity_factor ({cap}) is below 1: HybridEP would drop tokens of a "
-                             "balanced routing, which k3opt does not price; set it to 1 or more")
-        if self.moe_paged_stash and "activation_offload" in self.search.require_toggles:
-            raise ValueError("moe_paged_stash with the activation_offload toggle required: the stash keeps the "
-                             "routed experts' saved tensors on the GPU; drop one of them")
-        expert = sorted({m.value for mods in self.search.offload_modules or [] for m in mods}
-                        & {m.value for m in EXPERT_OFFLOAD_MODULES})
-        if cap is not None and expert:
-            raise ValueError(f"[search] offload_modules {expert} with moe_expert_rank_capacity_factor: Megatron "
-                             "refuses them beside the paged stash and k3opt does not price their capacity-sized "
-                             "copies; drop them")
+        # The job's layouts run HybridEP (search.frames.sync_free); its offload sets and a required toggle are
+        # what its layouts may carry.
+        why = sync_free_refusal(self.moe_expert_rank_capacity_factor, self.moe_paged_stash, "hybridep",
+                                (m.value for mods in self.search.offload_modules or [] for m in mods),
+                                "activation_offload" in self.search.require_toggles, 0)
+        if why:
+            raise ValueError(why)
         return self
 
 

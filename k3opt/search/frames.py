@@ -352,7 +352,7 @@ def choices(job: Job, name: str) -> list[bool]:
     if name in job.search.require_toggles:
         return [True]
     if name == "activation_offload" and job.moe_paged_stash:
-        return [False]  # the paged stash keeps the routed experts' tensors on the GPU (Layout._check_paged_stash)
+        return [False]  # the paged stash keeps the routed experts' tensors on the GPU (specs.sync_free_refusal)
     if name == "ep_dedup" and job.moe_expert_rank_capacity_factor is not None:
         return [True]  # the sync-free MoE runs HybridEP, which sends a token once per destination rank
     if name in job.search.forbid_toggles:
@@ -423,12 +423,12 @@ def layout_of(job: Job, f: Frame, shape: Shape, split: list[int], name: str = ""
     frame_shape copied from `f`, the node's recompute, lifecycle and toggles, the stack settings), the split, and
     the job's context, reserve, presets and MTP layers."""
     carried = {k: getattr(shape, k) for k in SHAPE_FIELDS_IN_LAYOUT}
-    stash = shape.paged_stash or (Layout.model_fields["moe_paged_stash_buffer_size_factor_cuda"].default,
-                                  Layout.model_fields["moe_paged_stash_buffer_size_factor_cpu"].default)
+    if shape.paged_stash is not None:
+        carried.update(moe_paged_stash=True, moe_paged_stash_buffer_size_factor_cuda=shape.paged_stash[0],
+                       moe_paged_stash_buffer_size_factor_cpu=shape.paged_stash[1])
     return Layout(**carried, document_length=job.document_length, split=split, reserve_gib=job.reserve_gib,
                   model=job.model, cluster=job.cluster, runtime=job.runtime, mtp_layers=job.mtp_layers, name=name,
-                  moe_expert_rank_capacity_factor=shape.capacity_factor, moe_paged_stash=shape.paged_stash is not None,
-                  moe_paged_stash_buffer_size_factor_cuda=stash[0], moe_paged_stash_buffer_size_factor_cpu=stash[1])
+                  moe_expert_rank_capacity_factor=shape.capacity_factor)
 
 
 def chunk_least(job: Job, f: Frame) -> tuple[int, ...]:

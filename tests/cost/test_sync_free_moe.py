@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from ortools.sat.python import cp_model
+from conftest import least_value
 
 import k3opt
 from k3opt.cli import main
@@ -124,15 +124,6 @@ def test_the_stash_takes_its_own_peak_composition_not_the_saved_set_s():
     assert r0.ledger["paged_stash"] == pytest.approx(1.1 * 7 * 212_992 * 4096, abs=1)  # whole bytes
 
 
-def _least(fm: FrameModel, expr) -> int:  # noqa: ANN001 - a CP-SAT expression
-    """The least value expr takes in fm's model (KiB)."""
-    fm.m.minimize(expr)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 30
-    assert solver.solve(fm.m) == cp_model.OPTIMAL
-    return round(solver.objective_value)
-
 
 def test_the_node_model_prices_the_stash_as_evaluate_does(tiny, slow):  # noqa: ANN001 - fixtures
     """A job pinned to one PP2 VP2 layout of the tiny model with the paged stash (CUDA 1.2, host 1.0): its node
@@ -157,10 +148,10 @@ def test_the_node_model_prices_the_stash_as_evaluate_does(tiny, slow):  # noqa: 
         want = rank.ledger["paged_stash"]
         slack = KIB * (sum(e - s for s, e in rank.chunks) + 2) * (1 + int(rank.in_flight + 1))
         assert want > 0
-        assert want <= _least(fm, led.part("paged_stash").expr) * KIB <= want + slack
+        assert want <= least_value(fm, led.part("paged_stash").expr) * KIB <= want + slack
         # No offload and no ZeRO-2 host gradients: the rank's host bytes are the spill buffer, 1.0 / 1.2 of the stash.
         assert rank.host_bytes == pytest.approx(want / 1.2, rel=1e-9)
-        assert rank.host_bytes <= _least(fm, led.host_stash) * KIB <= rank.host_bytes + slack
+        assert rank.host_bytes <= least_value(fm, led.host_stash) * KIB <= rank.host_bytes + slack
 
 
 def test_exports_write_the_ep_overlap_schedule():
@@ -232,6 +223,25 @@ def test_sync_free_on_a_dense_model_is_refused():
                                     "moe_expert_rank_capacity_factor": 1.5})
     with pytest.raises(SpecError, match="no MoE layers"):
         k3opt.plan(job, time_limit=5)
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ("moe_paged_stash = true", "needs moe_expert_rank_capacity_factor"),
+    ("moe_expert_rank_capacity_factor = 0.5", "below 1"),
+    ("moe_expert_rank_capacity_factor = \"big\"", "moe_expert_rank_capacity_factor"),
+    ("moe_expert_rank_capacity_factor = 1.5\n[search]\noffload_modules = [[\"moe_act\"]]", "offload_modules"),
+    ("moe_expert_rank_capacity_factor = 1.5\nmoe_paged_stash = true\n[search]\n"
+     "require_toggles = [\"activation_offload\"]", "activation_offload toggle"),
+    ("moe_expert_rank_capacity_factor = 1.5\ntarget = \"torchtitan\"", "torchtitan"),
+    ("ep_overlap = \"yes\"", "ep_overlap"),
+])
+def test_bad_sync_free_and_ep_overlap_jobs_exit_2_in_one_line(tmp_path, fields, needle):  # noqa: ANN001
+    job = tmp_path / "job.toml"
+    job.write_text(f"gpus = 512\ntokens_per_update = 16777216\n{fields}\n")
+    res = CliRunner().invoke(main, ["plan", str(job), "--time-limit", "5"])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert len([ln for ln in res.output.splitlines() if ln.strip()]) == 1, res.output
 
 
 def test_cli_exit_2_on_a_paged_stash_without_its_capacity(tmp_path):  # noqa: ANN001
@@ -315,7 +325,7 @@ def test_the_node_model_of_an_ep_overlap_job_prices_its_layout_as_evaluate_does(
     ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
     for r, rank in enumerate(ev.ranks):
         slack = KIB * 16 * (sum(e - s for s, e in rank.chunks) + 2) * (1 + int(rank.in_flight + 1))
-        assert rank.peak_bytes <= _least(fm, fm.ranks[r]["ledger"].peak) * KIB <= rank.peak_bytes + slack
+        assert rank.peak_bytes <= least_value(fm, fm.ranks[r]["ledger"].peak) * KIB <= rank.peak_bytes + slack
 
 
 def test_torchtitan_runs_neither_the_ep_overlap_schedule_nor_the_sync_free_moe():

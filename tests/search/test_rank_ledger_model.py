@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from ortools.sat.python import cp_model
+from conftest import least_value
 
 import k3opt
 from k3opt.cost.ledger import LEDGER, Aggregate, Phase, TermDecl
@@ -51,15 +51,6 @@ def _pinned(rc: str, lc: str, on: tuple[str, ...], tiny,  # noqa: ANN001 - a fix
     return job, f, lay
 
 
-def _least(fm: FrameModel, expr) -> int:  # noqa: ANN001 - a CP-SAT expression
-    """The least value expr takes in fm's model (KiB)."""
-    fm.m.minimize(expr)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 30
-    assert solver.solve(fm.m) == cp_model.OPTIMAL
-    return round(solver.objective_value)
-
 
 @pytest.mark.parametrize(("rc", "lc", "on", "split"), CASES)
 def test_each_part_is_evaluates_bytes_rounded_up(tiny, slow, rc, lc, on, split):
@@ -75,10 +66,10 @@ def test_each_part_is_evaluates_bytes_rounded_up(tiny, slow, rc, lc, on, split):
         for part in led.parts:
             want = sum(rank.ledger[k] for k in part.keys)
             slack = KIB * len(part.keys) * layers * (1 + int(rank.in_flight + 1))
-            got = _least(fm, part.expr) * KIB
+            got = least_value(fm, part.expr) * KIB
             assert want <= got <= want + slack, (r, part.keys, got, want)
             assert (got == 0) == (want == 0), (r, part.keys, got, want)
-        peak = _least(fm, led.peak) * KIB
+        peak = least_value(fm, led.peak) * KIB
         assert rank.peak_bytes <= peak <= rank.peak_bytes + 16 * KIB * layers * (1 + int(rank.in_flight + 1))
 
 
@@ -89,8 +80,8 @@ def test_the_logits_on_the_last_rank_by_hand(tiny, slow):
     for on, want in (((), 393_216), (("fused_cross_entropy",), 196_608)):
         job, f, _ = _pinned("none", "per_microbatch", on, tiny)
         fm = FrameModel(job, f, tiny, slow)
-        assert _least(fm, fm.ranks[1]["ledger"].part("logits").expr) == want
-        assert _least(fm, fm.ranks[0]["ledger"].part("logits").expr) == 0
+        assert least_value(fm, fm.ranks[1]["ledger"].part("logits").expr) == want
+        assert least_value(fm, fm.ranks[0]["ledger"].part("logits").expr) == 0
 
 
 def test_zero2_grads_take_their_declared_chunk_pair_form(tiny, slow):
@@ -102,7 +93,7 @@ def test_zero2_grads_take_their_declared_chunk_pair_form(tiny, slow):
     kib = [-(-int(b) // KIB) for b in buf]
     # Rank 0 holds chunks 0 (layers 0-1 and the first edge) and 2 (layer 3).
     want = 2 * max(kib[0] + kib[1] + kib[6], kib[3])
-    assert _least(fm, fm.ranks[0]["ledger"].part("grads").expr) == want
+    assert least_value(fm, fm.ranks[0]["ledger"].part("grads").expr) == want
     plain = [-(-int(g) // KIB) for g in fm.c0.grads]
     assert want != plain[0] + plain[1] + plain[3] + plain[6]
 
@@ -117,7 +108,7 @@ def test_a_new_summed_term_needs_only_its_declaration(tiny, slow, monkeypatch):
     after = FrameModel(job, f, tiny, slow)
     master = [-(-int(b) // KIB) for b in before.c0.master]
     for r, layers in ((0, [0, 1, 3, 6]), (1, [2, 4, 5, 7])):
-        grown = _least(after, after.ranks[r]["ledger"].peak) - _least(before, before.ranks[r]["ledger"].peak)
+        grown = least_value(after, after.ranks[r]["ledger"].peak) - least_value(before, before.ranks[r]["ledger"].peak)
         assert abs(grown - sum(master[i] for i in layers)) <= len(layers)  # the shared rounding of the fixed sums
 
 
@@ -142,6 +133,6 @@ def test_the_lifecycle_chosen_selects_the_accumulation_buffer(tiny, slow):
         want = k3opt.evaluate(lay, model=tiny, cluster=slow).ranks[0].ledger["grad_accum"]
         fm = FrameModel(job, f, tiny, slow)
         fm.m.add(fm.lv[lc] == 1)
-        got = _least(fm, fm.ranks[0]["ledger"].part("grad_accum").expr) * KIB
+        got = least_value(fm, fm.ranks[0]["ledger"].part("grad_accum").expr) * KIB
         assert want <= got <= want + 4 * KIB
         assert (got > 0) == (lc is FsdpLifecycle.ACCUMULATE)
