@@ -628,6 +628,14 @@ def _check_ep_overlap(ep: int, pp: int, vp: int, recompute: Recompute) -> None:
                          f"Megatron's EP overlap schedule {why}; change them or set ep_overlap = false")
 
 
+def dense_sync_free_refusal(model: ModelSpec, cap: float | None, stash: bool) -> str:
+    """Why a layout or job of `model` may not set Megatron's sync-free MoE fields, or "": they size routed experts'
+    buffers, and a dense model has none."""
+    if model.moe is None and (cap is not None or stash):
+        return f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop them"
+    return ""
+
+
 def sync_free_refusal(cap: float | None, stash: bool, dispatcher: str | None, offload: Iterable[str],
                       offload_toggle: bool, offload_layers: int) -> str:
     """Why a layout or job cannot run Megatron's sync-free MoE and its paged stash as k3opt prices them, or "":
@@ -1067,9 +1075,10 @@ class Job(StrictModel):
     target: Literal["megatron-bridge", "megatron-lm", "torchtitan"] | None = None
     """Launch framework: the planner then searches only layouts it can run (k3opt.launch.limits)."""
     ep_overlap: StrictBool = False
-    """Plan for Megatron's EP overlap schedule (Layout.ep_overlap, overlap_moe_expert_parallel_comm): every layout
-    Megatron runs it on (ep > 1, vp > 1 or pp = 1, no full recompute: `ep_overlap_allowed`) is priced with it, the
-    others without."""
+    """Let the planner use Megatron's EP overlap schedule (Layout.ep_overlap, overlap_moe_expert_parallel_comm):
+    every shape Megatron runs it on (ep > 1, vp > 1 or pp = 1, no full recompute: `ep_overlap_allowed`) is searched
+    with it and without (the overlap hides the all-to-all but holds a layer's transients and the loss's logits at
+    once), the others without."""
     moe_expert_rank_capacity_factor: PosFloat | None = None
     """Plan for Megatron's sync-free MoE (Layout.moe_expert_rank_capacity_factor): every layout then runs the
     HybridEP dispatcher with this capacity, and its memory is priced so. Absent: dropless."""
@@ -1176,9 +1185,9 @@ def check_layout(layout: Layout, model: ModelSpec, cluster: ClusterSpec | None =
                           "(transformer_config.py L2825-2829); drop them")
     impl = layout.cuda_graph_impl
     whole = impl == CudaGraphImpl.FULL_ITERATION or (impl in PER_LAYER_GRAPHS and not mods)
-    if model.moe is None and (layout.moe_expert_rank_capacity_factor is not None or layout.moe_paged_stash):
-        raise LayoutError(f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop "
-                          "them")
+    why = dense_sync_free_refusal(model, layout.moe_expert_rank_capacity_factor, layout.moe_paged_stash)
+    if why:
+        raise LayoutError(why)
     if model.moe is not None and whole and not layout.moe_paged_stash:
         # A dropless MoE layer's dispatch syncs the host on its token counts; the paged stash, with the capacity
         # factor that pre-sizes the buffers, makes it capturable (Megatron-LM docs/user-guide/features/cuda_graph.md

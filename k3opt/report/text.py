@@ -340,7 +340,8 @@ def plan_text(plan, show_ledger: int | None = None) -> str:  # noqa: ANN001 - Pl
     lines.append(table.to_string(index=False, float_format=lambda x: f"{x:,.2f}"))
     lines.append("")
     lines.append("Every row is re-evaluated with evaluate(); layouts are distinct parallel shapes (PP, VP, CP, EP, "
-                 "FSDP degrees, M, sharding policies, gradient dtype, precision), each with its best split, "
+                 "FSDP degrees, M, sharding policies, gradient dtype, precision"
+                 + (", EP overlap schedule" if job.ep_overlap else "") + "), each with its best split, "
                  "recompute mode and toggles. "
                  + ("Ranked by achievable_s (roofline plus bubble at the cluster's achievable rates, or the pipeline "
                     "schedule replayed at those rates where that is longer; step_s, the peak roofline, is the "

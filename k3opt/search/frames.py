@@ -35,6 +35,7 @@ from k3opt.inputs.specs import (
     SearchSpace,
     ShardingPolicy,
     Toggles,
+    dense_sync_free_refusal,
     ep_overlap_allowed,
     fp8_weights_priced,
 )
@@ -72,6 +73,9 @@ class Frame:
     """How the optim_grads_params groups gather their parameters (Layout.param_gather)."""
     fp8_param_gather: bool = False
     """The compute-precision weights stored only in it (Layout.fp8_param_gather; `fp8_weights`)."""
+    ep_overlap: bool = False
+    """Megatron's EP overlap schedule under the activation modes it runs with (`frame_shape`); a job with
+    ep_overlap searches each frame that allows it with and without (`_overlaps`)."""
 
 
 DEFAULT_SHARDING = (ShardingPolicy.OPTIM, ShardingPolicy.OPTIM_GRADS)
@@ -87,7 +91,8 @@ def frame_of(layout: Layout) -> Frame:
     """The frame of a layout (its degrees, microbatches, sharding, gradient dtype and precision)."""
     return Frame(layout.pp, layout.vp, layout.cp, layout.ep, layout.expert_fsdp, layout.dense_fsdp,
                  layout.microbatches, layout.gpus, layout.dense_sharding, layout.expert_sharding, layout.grad_dtype,
-                 layout.precision, layout.domain_gpus_used, layout.param_gather, layout.fp8_param_gather)
+                 layout.precision, layout.domain_gpus_used, layout.param_gather, layout.fp8_param_gather,
+                 layout.ep_overlap)
 
 
 def fp8_weights(job: Job, model: ModelSpec, precision: Precision, dense: ShardingPolicy, expert: ShardingPolicy,
@@ -208,10 +213,22 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
                                     ms, _policy_pairs(s, fd, fe), grad_dtypes, precisions,
                                     domain_options(job, gpus, p, c, e, fe, fd, cluster.nvlink_domain_gpus)):
                                 if v == 1 or m % p == 0:  # interleaving needs whole groups of p (Layout)
-                                    for pg in _gathers(s, pd, pe, fd, fe, model.moe is not None):
+                                    for pg, o in itertools.product(_gathers(s, pd, pe, fd, fe, model.moe
+                                                                            is not None), _overlaps(job, e, p, v)):
                                         frames.append(Frame(p, v, c, e, fe, fd, m, gpus, pd, pe, g, q, u, pg,
-                                                            fp8_weights(job, model, q, pd, pe, pg, fd, fe)))
+                                                            fp8_weights(job, model, q, pd, pe, pg, fd, fe), o))
     return frames
+
+
+def _overlaps(job: Job, ep: int, pp: int, vp: int) -> list[bool]:
+    """The EP overlap settings searched on degrees (ep, pp, vp): both where the job asks for the schedule and
+    Megatron runs it there (under selective or no recompute), the overlapped one first; else none. The schedule
+    hides the all-to-all (never slower: `achievable.ep_overlap_stage_exposed`) but holds a layer's transients and
+    the loss's logits at once (`ledger.activation_moments`), so a shape whose overlap does not fit may fit
+    without it."""
+    if job.ep_overlap and not ep_overlap_allowed(ep, pp, vp, Recompute.NONE):
+        return [True, False]
+    return [False]
 
 
 SHAPE_LIST_RULES = {
@@ -342,9 +359,9 @@ def resolve_offload_sets(job: Job, model: ModelSpec) -> Job:
             raise SpecError(f"[search] offload_modules {list(mods)} with precision fp8 in precisions: Megatron then "
                             "offloads fc1's BF16 input, which k3opt does not price; drop expert_fc1 or fp8")
         keep.append(named)
-    if model.moe is None and job.moe_expert_rank_capacity_factor is not None:
-        raise SpecError(f"moe_expert_rank_capacity_factor / moe_paged_stash: {model.name} has no MoE layers; drop "
-                        "them")
+    why = dense_sync_free_refusal(model, job.moe_expert_rank_capacity_factor, job.moe_paged_stash)
+    if why:
+        raise SpecError(why)
     return job.model_copy(update={"search": job.search.model_copy(update={"offload_modules": keep})})
 
 
@@ -397,7 +414,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
         param_gather=f.param_gather, offload_modules=offload, fp8_param_gather=f.fp8_param_gather,
-        ep_overlap=job.ep_overlap and not ep_overlap_allowed(f.ep, f.pp, f.vp, mode.recompute), **sync_free(job),
+        ep_overlap=f.ep_overlap and not ep_overlap_allowed(f.ep, f.pp, f.vp, mode.recompute), **sync_free(job),
     )
 
 
@@ -456,14 +473,14 @@ def sharding_group(f: Frame) -> tuple:
     of another frame's shard the same state over more ranks (less persistent memory per rank) and leave the
     activations as they are: when such a frame is over a memory line, so is the other."""
     return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.dense_sharding, f.expert_sharding, f.grad_dtype,
-            f.precision, f.domain_gpus_used, f.param_gather)
+            f.precision, f.domain_gpus_used, f.param_gather, f.ep_overlap)
 
 
 def policy_group(f: Frame) -> tuple:
     """A frame's shape but for its FSDP degrees, sharding policies and gradient dtype: several sharding groups,
     which share the schedule and the activations. One group program over all of them (the least of their
     persistent bytes and work) settles them at once where the activations bind (long contexts)."""
-    return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.precision, f.domain_gpus_used)
+    return (f.gpus, f.pp, f.vp, f.cp, f.ep, f.microbatches, f.precision, f.domain_gpus_used, f.ep_overlap)
 
 
 def allowed_on(job: Job) -> set[str]:

@@ -5,7 +5,9 @@ docstrings (K3's routed saved set per token is the one tests/cost/test_routed_sa
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -66,10 +68,12 @@ def test_capacity_factor_scales_the_routed_saved_set_and_the_dispatch_buffers(dr
 def test_capacity_factor_reaches_only_the_routed_tensors_the_recompute_mode_keeps():
     """k3opt's selective recompute replays the experts' activation outputs (98,304 B a token): the routed tensors
     kept are the dispatched inputs and the fused SiTU's input, 114,688 + 196,608 = 311,296 B a token, and the
-    capacity factor 1.5 adds 0.5 x 311,296 x 4,096 x 92 bytes. Full recompute keeps none of them."""
-    for rc, per_token in (("selective", 311_296), ("full", 0)):
-        base = k3opt.evaluate(_k3(recompute=rc)).ranks[0]
-        cap = k3opt.evaluate(_k3(recompute=rc, moe_expert_rank_capacity_factor=1.5)).ranks[0]
+    capacity factor 1.5 adds 0.5 x 311,296 x 4,096 x 92 bytes. Full recompute keeps none of them. Megatron's module
+    recompute of the MLA up-projections and the dense MLP replays no routed tensor: all 409,600 B a token stay."""
+    for rc, mods, per_token in (("selective", [], 311_296), ("full", [], 0),
+                                ("selective", ["mla_up_proj", "mlp"], 409_600)):
+        base = k3opt.evaluate(_k3(recompute=rc, recompute_modules=mods)).ranks[0]
+        cap = k3opt.evaluate(_k3(recompute=rc, recompute_modules=mods, moe_expert_rank_capacity_factor=1.5)).ranks[0]
         assert cap.ledger["activations"] - base.ledger["activations"] == pytest.approx(
             0.5 * per_token * 4096 * MOE_LAYERS, rel=1e-12, abs=1e-3)
 
@@ -122,7 +126,6 @@ def test_the_stash_takes_its_own_peak_composition_not_the_saved_set_s():
                       cluster="gb200-nvl72", moe_expert_rank_capacity_factor=1.0, moe_paged_stash=True)
     r0 = k3opt.evaluate(lay).ranks[0]
     assert r0.ledger["paged_stash"] == pytest.approx(1.1 * 7 * 212_992 * 4096, abs=1)  # whole bytes
-
 
 
 def test_the_node_model_prices_the_stash_as_evaluate_does(tiny, slow):  # noqa: ANN001 - fixtures
@@ -287,20 +290,27 @@ def test_megatron_s_ep_overlap_rules_are_one_line(over, needle):  # noqa: ANN001
 
 
 def test_a_job_s_ep_overlap_reaches_the_shapes_megatron_runs_it_on(tiny):  # noqa: ANN001 - a fixture
-    """The tiny model on 8 GPUs: PP2 VP2 EP2 runs the EP overlap schedule, PP2 VP1 and full recompute do not."""
+    """The tiny model on 8 GPUs: PP2 VP2 EP2 runs the EP overlap schedule, PP2 VP1 and full recompute do not. Each
+    interleaved frame comes twice, with and without the overlap (it hides the all-to-all but holds more memory); each
+    PP2 VP1 frame once, without."""
     job = k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
         "context": 2048, "tokens_per_update": 32768, "ep_overlap": True,
         "search": {"pp": [2], "ep": [2], "cp": [1]}})
     seen = set()
-    for f in enumerate_frames(job, tiny, 8):
+    frames = enumerate_frames(job, tiny, 8)
+    for f in frames:
         for rc in (Recompute.NONE, Recompute.FULL):
             md = ActMode(rc, False, False, False, False)
             on = frame_shape(job, f, md, FsdpLifecycle.ACCUMULATE).ep_overlap
-            assert on == (f.vp > 1 and rc != Recompute.FULL), (f, rc)
+            assert on == (f.ep_overlap and rc != Recompute.FULL), (f, rc)
             seen.add(on)
     assert seen == {True, False}
+    twins = Counter(dataclasses.replace(f, ep_overlap=False) for f in frames)
+    assert twins and all(n == (2 if f.vp > 1 else 1) for f, n in twins.items())
+    assert {f.vp for f in twins} >= {1, 2}
     off = job.model_copy(update={"ep_overlap": False})
+    assert not any(f.ep_overlap for f in enumerate_frames(off, tiny, 8))
     assert not any(frame_shape(off, f, ActMode(Recompute.NONE, False, False, False, False),
                                FsdpLifecycle.ACCUMULATE).ep_overlap for f in enumerate_frames(off, tiny, 8))
 
@@ -316,7 +326,9 @@ def test_the_node_model_of_an_ep_overlap_job_prices_its_layout_as_evaluate_does(
         "search": {"pp": [2], "vp": [2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "dense_sharding": ["optim_grads_params"], "recompute": ["none"], "fsdp_lifecycle": ["accumulate"],
                    "forbid_toggles": list(TOGGLE_NAMES), "split": SPLIT}})
-    (f,) = enumerate_frames(job, tiny, 8)
+    frames = enumerate_frames(job, tiny, 8)
+    assert [g.ep_overlap for g in frames] == [True, False]  # searched with the overlap and without
+    f = frames[0]
     fm = FrameModel(job, f, tiny, slow)
     (md,) = fm.modes
     shape = frame_shape(job, f, md, FsdpLifecycle.ACCUMULATE)

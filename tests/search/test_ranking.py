@@ -299,3 +299,47 @@ def test_step_floor_takes_the_least_over_every_longer_stage():
     assert step_floor(10, 1.0, 0.5, 30.0, 20.0) == pytest.approx(15.5)
     assert step_floor(10, 2.0, 0.5, 30.0, 20.0) == pytest.approx(20.5)  # past 1.5 s it only grows
     assert step_floor(10, math.inf, 0.5, 3.0, 1.0) == math.inf
+
+
+def test_an_ep_overlap_job_plans_without_the_overlap_where_only_that_fits(rated):
+    """A job with ep_overlap on the six-layer model, PP 1 or 2, VP 1 or 2, EP2, 1.29-GiB reserve (2.71 GiB of the
+    4-GiB HBM): the fastest shape, PP1, holds a layer's transients and the loss's logits together under the overlap
+    and is then over the line; without it, it fits. The search tries both settings wherever Megatron runs the
+    schedule (PP1, PP2 VP2) and finds the enumerated optimum through evaluate() over both; pinned to the overlap, the
+    best would be the PP2 VP2 shape, about a fifth slower."""
+    tiny, slow = rated
+    allowed = ("fused_situ", "balance_activations")
+    job = k3opt.Job.model_validate({
+        "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.29, "ep_overlap": True,
+        "search": {"pp": [1, 2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
+                   "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
+                   "dense_sharding": ["optim_grads"],
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]}})
+    degrees = {(f.pp, f.vp) for f in enumerate_frames(job, tiny, 8)}
+    assert degrees == {(1, 1), (2, 1), (2, 2)}
+    rows = []  # (achievable s, overlap, fits, layout) of every layout, both overlap settings where allowed
+    for (p, v), rc, overlap in itertools.product(degrees, (Recompute.NONE, Recompute.FULL), (False, True)):
+        if overlap and (rc == Recompute.FULL or (p, v) == (2, 1)):
+            continue  # Megatron refuses the overlap there (specs.ep_overlap_allowed)
+        for flags in itertools.product([False, True], repeat=len(allowed)):
+            for split in contiguous_splits(tiny.num_layers, p * v):
+                lay = make_layout(gpus=8, pp=p, vp=v, ep=2, dense_fsdp=2, microbatches=32768 // (8 // p * 2048),
+                                  context=2048, split=split, recompute=rc,
+                                  fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,
+                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.29,
+                                  dense_sharding="optim_grads", expert_sharding="optim", ep_overlap=overlap)
+                ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
+                rows.append((ev.step.achievable_step_time_s, overlap, ev.fits, lay))
+    best = min((r for r in rows if r[2]), key=lambda r: r[0])
+    assert not best[1] and best[3].pp == 1
+    # Its overlapped twin, the faster layout, does not fit.
+    twin = next(r for r in rows if r[1] and r[3].model_copy(update={"ep_overlap": False}) == best[3])
+    assert twin[0] <= best[0] and not twin[2]
+    pinned = min(r[0] for r in rows if r[2] and (r[1] or r[3].pp * r[3].vp == 2 or
+                                                  r[3].recompute == Recompute.FULL))
+    assert pinned > 1.1 * best[0]
+    plan = k3opt.plan(job, model=tiny, cluster=slow, top=1, gap=0)
+    top = plan.layouts[0]
+    assert plan.status == "OPTIMAL" and top.rank_time_s == pytest.approx(best[0], abs=TOL_S)
+    assert not top.layout.ep_overlap and top.layout.pp == 1
