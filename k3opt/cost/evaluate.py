@@ -31,6 +31,7 @@ from k3opt.cost.ledger import (
     optimizer_transient_bytes,
     peak_inflight,
     pp_packet_bytes,
+    rank_peak,
 )
 from k3opt.cost.memory_outside import MemoryItem, kinds, runtime_items
 from k3opt.cost.schedule import bubble_fraction, bubble_overhead, chunk_times, replay_makespan
@@ -42,6 +43,7 @@ from k3opt.inputs.specs import (
     GIB,
     NO_RUNTIME,
     ClusterSpec,
+    CudaGraphImpl,
     Layout,
     MeasurementKind,
     ModelSpec,
@@ -61,7 +63,8 @@ UNPRICED = (
     "vision-tower activations: microbatches are text-only in this model",
     "collective latency, rank skew and routing imbalance (routing is modelled uniform / forced-balanced)",
     "host-side kernel launch: a layout is priced the same eager, partially or fully CUDA-graphed "
-    "(cuda_graph_impl), and graph capture's static buffers and private pool are not in the ledger",
+    "(cuda_graph_impl), and per-layer graphs' static buffers and pools are not in the ledger (a full-iteration "
+    "graph's pool is: ledger.rank_peak)",
 )
 """What the step time leaves out, for a model with every kind of part (`unpriced`: those of one model)."""
 
@@ -651,6 +654,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
     capacity = cluster.hbm_bytes - int(round(reserve * GIB))
     host_capacity = cluster.host_memory_bytes
 
+    graph_pool = layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION
     ranks = []
     for r in range(layout.pp):
         rl = rank_ledger(cf, layout.split, r)
@@ -658,7 +662,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
         persistent = sum(ledger[k] for k in PERSISTENT)
         act_phase = int(activation_phase_bytes(ledger, layout.ep_overlap))
         opt_phase = sum(ledger[k] for k in OPTIMIZER)
-        peak = persistent + max(act_phase, opt_phase)
+        peak = int(rank_peak(persistent, act_phase, opt_phase, graph_pool))
         terms = []
         policy_text = _policy_formulas(layout, cf.cost.structure.params)
         for key in PERSISTENT + ACTIVATION + OPTIMIZER:

@@ -175,6 +175,18 @@ def activation_phase_bytes(values: dict[str, float], concurrent: bool) -> float:
     return max(_group_bytes(values, group) for group in activation_moments(concurrent))
 
 
+def rank_peak(persistent: float, activation_phase: float, optimizer_phase: float, graph_pool: bool) -> float:
+    """A rank's ledger peak: persistent + max(activation phase, optimizer phase) (seed 001's ledger: the phases never
+    overlap), or persistent + both under a full-iteration CUDA graph (`graph_pool`): the graph's private pool keeps
+    the activation phase's bytes reserved for replay, and the optimizer step, run eagerly outside the graph, takes
+    its transients from the ordinary pool (Megatron-LM full_cuda_graph.py L205-233, training.py L4433-4453,
+    transformer_config.py L1046-1049 @ d98e8a64: the graph captures forward-backward only; PyTorch RFC #51075: a
+    graph's private pool serves only its captures)."""
+    if graph_pool:
+        return persistent + activation_phase + optimizer_phase
+    return persistent + max(activation_phase, optimizer_phase)
+
+
 def least_transient(layer: float | np.ndarray, loss: float | np.ndarray) -> float | np.ndarray:
     """What a layer's transients and the loss's logits add to the held bytes at the least, under either schedule
     (`activation_moments`): the larger of the two (under the EP overlap schedule their sum, which is more). The

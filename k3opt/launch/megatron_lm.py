@@ -278,8 +278,8 @@ def _cuda_graphs(out: _Decisions, lay: Layout) -> None:
         out.settings.append(Setting("--no-check-for-nan-in-loss-and-grad", "rerun_state_machine.check_for_nan_in_loss",
                                     True, bridge_value=False))
     out.notes.append("CUDA graphs: k3opt prices the step the same with or without them (the host launch cost "
-                     "they remove is unpriced), and the graphs' static buffers and private pool are not in the "
-                     "memory ledger: keep headroom for them")
+                     "they remove is unpriced); a full-iteration graph's pool is in the memory ledger, per-layer "
+                     "graphs' static buffers and pools are not: keep headroom for them")
 
 
 def _optimizer_sharding(out: _Decisions, lay: Layout, model: ModelSpec, bridge: bool, target: str) -> None:

@@ -24,7 +24,7 @@ from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
 from k3opt.inputs.errors import LayoutError, SpecError  # noqa: E402
 from k3opt.inputs.labels import degrees_text  # noqa: E402
-from k3opt.inputs.specs import GIB  # noqa: E402
+from k3opt.inputs.specs import GIB, CudaGraphImpl  # noqa: E402
 
 FORWARD_SHARE = 1 / (1 + BACKWARD_OVER_FORWARD)
 """Forward share of a microbatch's stage time in the timeline, from the schedule module's backward / forward
@@ -41,7 +41,8 @@ def _save(fig: plt.Figure, path: str | Path) -> None:
 
 def ledger_plot(ev: Evaluation, path: str | Path) -> None:
     """Stacked per-rank bars: persistent terms, then the activation-phase terms live at its peak; a tick marks
-    persistent + optimizer phase (peak = persistent + max of the two phases). Lines: HBM capacity and the usable share
+    persistent + optimizer phase (peak = persistent + max of the two phases; + both under a full-iteration CUDA
+    graph). Lines: HBM capacity and the usable share
     after the reserve."""
     ranks = list(ev.ranks)
     x = list(range(len(ranks)))
@@ -57,9 +58,12 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
         ax.bar(x, vals, bottom=bottom, color=cmap(i % 20), hatch=hatch, edgecolor="white", linewidth=0.4,
                label=f"{k} ({where})")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    opt = [(r.persistent_bytes + r.optimizer_phase_bytes) / GIB for r in ranks]
+    # Under a full-iteration CUDA graph the optimizer phase comes on top of the activation phase (ledger.rank_peak).
+    pool = ev.layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION
+    opt = [(r.persistent_bytes + r.optimizer_phase_bytes + (r.activation_phase_bytes if pool else 0)) / GIB
+           for r in ranks]
     ax.scatter(x, opt, marker="_", s=900, color="black", zorder=5,
-               label=f"persistent + {'/'.join(OPTIMIZER)} (optimizer phase)")
+               label=f"persistent + {'activation phase + ' if pool else ''}{'/'.join(OPTIMIZER)} (optimizer phase)")
     if ev.runtime is not None:
         # Measurement kinds above the live-tensor peak: allocated adds the allocator-held workspaces, reserved the
         # allocator's slack, device the memory outside the allocator (k3opt.cost.memory_outside).

@@ -56,9 +56,9 @@ def _ledger_segments(ev: Evaluation) -> list[dict[str, Any]]:
             segs.append({"key": k, "group": "persistent" if k in PERSISTENT else "activation phase",
                          "gib": [r.at_peak(k) / GIB for r in ranks],
                          "formula": next(t.formula for t in ranks[0].terms if t.key == k)})
-    # The ledger's peak is persistent + max(activation, optimizer phase): when the optimizer phase is the larger,
-    # the difference is drawn so the stack reaches the peak.
-    extra = [max(0, r.optimizer_phase_bytes - r.activation_phase_bytes) / GIB for r in ranks]
+    # The ledger's peak is persistent + max(activation, optimizer phase), or both under a full-iteration CUDA graph
+    # (ledger.rank_peak): what it holds beyond the activation phase is drawn so the stack reaches the peak.
+    extra = [(r.peak_bytes - r.persistent_bytes - r.activation_phase_bytes) / GIB for r in ranks]
     if any(extra):
         segs.append({"key": "optimizer phase beyond the activation phase", "group": "optimizer phase", "gib": extra,
                      "formula": " + ".join(OPTIMIZER)})

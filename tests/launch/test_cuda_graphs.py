@@ -9,6 +9,7 @@ import k3opt
 from k3opt.inputs.presets import load_layout
 from k3opt.inputs.specs import Layout
 from k3opt.launch import to_launch
+from k3opt.report.text import explain_text
 from k3opt.report.throughput import validate_throughput
 
 MEASURED = "layouts/measured/"
@@ -145,3 +146,20 @@ def test_exports_train_without_dropout_as_the_ledger_prices():
     assert lm["--cuda-graph-impl"] == "transformer_engine" and "--cuda-graph-modules" not in lm
     bridge = dict(to_launch(_measured("mb-13-deepseek-v3-gb200.toml"), "megatron-bridge", "deepseek-v3").settings)
     assert bridge["model.hidden_dropout"] == "0.0" and bridge["model.attention_dropout"] == "0.0"
+
+
+def test_a_full_iteration_graph_holds_the_activation_phase_through_the_optimizer_step():
+    """Megatron captures forward-backward into one graph whose private pool keeps its bytes reserved for replay, and
+    runs the optimizer step eagerly from the ordinary pool (full_cuda_graph.py L205-233, training.py L4433-4453 @
+    d98e8a64): the peak is persistent + activation phase + optimizer phase, where eager or per-layer graphs give
+    persistent + the larger phase (seed 001's ledger). Qwen3-30B-A3B on 8 GB300, one rank: the two differ by the
+    smaller phase, here the optimizer step's transient."""
+    graphed = k3opt.evaluate(_measured("qwen3-30b-a3b-gb300-mxfp8-paged-stash.toml"))
+    eager = k3opt.evaluate(_with(graphed.layout, cuda_graph_impl="none"))
+    (g,), (e,) = graphed.ranks, eager.ranks
+    assert g.ledger == e.ledger  # the graph changes when bytes are live, not the bytes
+    assert g.activation_phase_bytes > g.optimizer_phase_bytes > 0
+    assert e.peak_bytes == e.persistent_bytes + e.activation_phase_bytes
+    assert g.peak_bytes == g.persistent_bytes + g.activation_phase_bytes + g.ledger["optimizer_transient"]
+    assert g.peak_bytes - e.peak_bytes == g.optimizer_phase_bytes
+    assert "activation phase + optimizer phase" in explain_text(graphed)
