@@ -12,8 +12,9 @@ The EP all-to-all (dispatch + combine) is exposed on its own microbatch's critic
 an overlap schedule on (`ep_overlap`); the NVLink- and NIC-side parts of one layer's all-to-all run concurrently
 (max per layer), the layers one after another (sum). Overlapped, it
 still holds the SMs its bandwidth was measured with, and the compute beside it runs on the rest; with the rates
-file's `ep_overlap_stages`, each exchange hides only under the compute Megatron's combined 1F1B pairs it with, and
-the excess adds to the compute path (ep_overlap_stage_exposed). Data-parallel
+file's `ep_overlap_stages`, each exchange hides only under the compute Megatron's combined 1F1B runs beside it, by
+its streams' order and dependencies (with `delay_wgrad_compute`, the experts' weight gradients later), and the
+excess adds to the compute path (ep_overlap_stage_exposed). Data-parallel
 communication of the update hides under `dp_overlap_microbatches` stage-microbatches of compute (Megatron
 overlap_grad_reduce / overlap_param_gather); pipeline send/recv is on its own stream, inside the max.
 """
@@ -221,8 +222,12 @@ def ranking_arrays(cf: Coefficients, rates: RatesSpec, cluster: ClusterSpec | No
             mlp_vector = cf.moe_vector_achievable
             mlp_tensor = cf.moe_compute_achievable - mlp_vector
             pre_fwd, pre_bwd = forward_backward(a["tensor"] - mlp_tensor, a["vector"] - mlp_vector, full)
-            _, mlp_bwd = forward_backward(mlp_tensor, mlp_vector, full)
-            tensor = tensor + ep_overlap_stage_exposed(pre_fwd, pre_bwd, mlp_bwd, ep, share, _exchanges(cf))
+            mlp_fwd, mlp_bwd = forward_backward(mlp_tensor, mlp_vector, full)
+            # The experts' weight-gradient GEMMs have their forward GEMMs' FLOPs (SC21 section 3.5).
+            wgrad = (forward_backward(mlp_tensor, np.zeros_like(mlp_vector), False)[0]
+                     if cf.shape.delay_wgrad_compute else None)
+            tensor = tensor + ep_overlap_stage_exposed(pre_fwd, pre_bwd, mlp_fwd, mlp_bwd, ep, share,
+                                                       _exchanges(cf), wgrad)
         time = dict(over, tensor=tensor, ep_nvlink=a["ep_nvlink"], ep_nic=a["ep_nic"])
         exposed = np.zeros_like(ep)
     update = {res: (arr if res in UPDATE_COMPUTE else np.zeros_like(arr))
@@ -238,24 +243,50 @@ def _exchanges(cf: Coefficients) -> int:
     return comm.ep_exchanges(sh.recompute == Recompute.FULL, sh.toggles.dispatch_recompute)
 
 
-def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_bwd: np.ndarray, ep: np.ndarray,
-                             share: float, exchanges: int) -> np.ndarray:
-    """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its paired compute, as
-    Megatron's combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i)
-    (NVIDIA/Megatron-LM megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
-        comm stream:  combine bwd     | dispatch fwd, dispatch bwd | -       | combine fwd
-        comp stream:  pre-dispatch fwd| mlp bwd                    | mlp fwd | pre-dispatch bwd
+def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_fwd: np.ndarray, mlp_bwd: np.ndarray,
+                             ep: np.ndarray, share: float, exchanges: int,
+                             mlp_wgrad: np.ndarray | None = None) -> np.ndarray:
+    """Per layer, the all-to-all seconds an EP overlap schedule leaves exposed beyond its compute, as Megatron's
+    combined 1F1B runs one layer's forward (microbatch i+1) beside one layer's backward (microbatch i) on two streams
+    (NVIDIA/Megatron-LM@d98e8a64 megatron/core/models/common/model_chunk_schedule_plan.py,
+    TransformerLayerSchedulePlan.run):
+        comm stream:  combine bwd       | dispatch fwd -> dispatch bwd     | combine fwd
+        comp stream:  pre-dispatch fwd  | mlp bwd -> mlp bwd dw -> mlp fwd | pre-dispatch bwd
+    with the data dependencies of run(): mlp bwd after combine bwd, dispatch fwd after pre-dispatch fwd, dispatch
+    bwd after mlp bwd, mlp fwd after dispatch fwd, combine fwd after mlp fwd, pre-dispatch bwd after dispatch bwd;
+    the next layer's pre-dispatch fwd after combine fwd, its combine bwd after pre-dispatch bwd. The layer's steady
+    state (identical layers in a row) less its compute is the exposure. Without `delay_wgrad_compute` the experts'
+    weight gradients run inside mlp bwd; with it (`mlp_wgrad`, their seconds, taken out of `mlp_bwd`) they run as
+    mlp bwd dw, after dispatch bwd has been released. The pre-dispatch block's own delayed weight gradients are kept
+    in its backward (its attention core has none to split out), which can only over-count the exposure.
 
-    Each stage lasts max(compute + share x comm, comm) (the all-to-all holds `share` of the SMs, as priced on the
-    whole stage already), so beyond that priced part it adds max(0, (1 - share) comm - compute):
-        exposed = max(0, (1-s) c - pre_fwd) + max(0, (1-s)(x-2) c - mlp_bwd) + max(0, (1-s) c - pre_bwd)
-
-    with c = ep / x the seconds of one of the layer's x exchanges (x = 4: dispatch and combine, forward and
-    backward; a replayed dispatch rides with the backward dispatch), and the layer's pre-dispatch and routed-expert
-    compute per microbatch split forward / backward by forward_backward. The paired layers are taken alike."""
+    Each all-to-all holds `share` of the SMs (priced on the whole stage already), so it lasts (1 - share) c here,
+    c = ep / x per exchange (x = 4: dispatch and combine, forward and backward; a replayed dispatch rides with the
+    backward dispatch). Without the delay the steady state is one layer after another and
+        exposed = max(0, c - pre_fwd) + max(0, c - mlp_bwd) + max(0, (x-3) c - mlp_fwd) + max(0, c - pre_bwd)."""
     c = (1 - share) * ep / exchanges
-    return (np.maximum(0.0, c - pre_fwd) + np.maximum(0.0, (exchanges - 2) * c - mlp_bwd)
-            + np.maximum(0.0, c - pre_bwd))
+    back = (exchanges - 3) * c
+    wgrad = np.zeros_like(ep) if mlp_wgrad is None else mlp_wgrad
+    dgrad = mlp_bwd - wgrad
+    comp = comm = grad = fwd = np.zeros_like(ep)
+    ends = []
+    for _ in range(_STEADY_LAYERS):
+        combine_bwd = np.maximum(comm, grad) + c
+        pre_f = np.maximum(comp, fwd) + pre_fwd
+        mlp_dgrad = np.maximum(pre_f, combine_bwd) + dgrad
+        dispatch_fwd = np.maximum(combine_bwd, pre_f) + c
+        mlp_f = np.maximum(mlp_dgrad + wgrad, dispatch_fwd) + mlp_fwd
+        dispatch_bwd = np.maximum(dispatch_fwd, mlp_dgrad) + back
+        combine_fwd = np.maximum(dispatch_bwd, mlp_f) + c
+        pre_b = np.maximum(mlp_f, dispatch_bwd) + pre_bwd
+        comp, comm, grad, fwd = pre_b, combine_fwd, pre_b, combine_fwd
+        ends.append(np.maximum(comp, comm))
+    return np.maximum(0.0, ends[-1] - ends[-2] - (pre_fwd + mlp_bwd + mlp_fwd + pre_bwd))
+
+
+_STEADY_LAYERS = 3
+"""Identical layers replayed to reach ep_overlap_stage_exposed's steady state: each layer's streams start where the
+previous layer's dependencies release them, and after the first layer the per-layer increment repeats."""
 
 
 def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:

@@ -99,6 +99,9 @@ class Shape:
     fp8_param_gather: bool = False
     """Layout.fp8_param_gather: those GEMMs' weights stored only in the compute precision."""
     ep_overlap: bool = False
+    delay_wgrad_compute: bool = False
+    """Layout.delay_wgrad_compute: under the EP overlap schedule, the experts' weight gradients run after the
+    backward dispatch is released."""
     dispatcher: str | None = None
     capacity_factor: float | None = None
     """Layout.moe_expert_rank_capacity_factor."""
@@ -120,6 +123,7 @@ class Shape:
             grad_dtype=layout.grad_dtype,
             optimizer_state_dtype=layout.optimizer_state_dtype, lazy_optimizer_state=layout.lazy_optimizer_state,
             precision=layout.precision, ep_overlap=layout.ep_overlap, dispatcher=layout.dispatcher,
+            delay_wgrad_compute=layout.delay_wgrad_compute,
             fp8_param_gather=layout.fp8_param_gather,
             recompute_modules=tuple(m.value for m in layout.recompute_modules),
             offload_modules=tuple(m.value for m in layout.offload_modules),

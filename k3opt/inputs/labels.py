@@ -20,12 +20,12 @@ def split_text(split: list[int] | tuple[int, ...]) -> str:
 
 def toggles_text(layout: Layout) -> str:
     """The toggles switched on, then the offload modules and Megatron's MoE schedule settings:
-    'fp8_activations,fused_situ,offload(moe_act)', '...,ep_overlap,capacity(1.5),paged_stash(1.2/1)'."""
+    'fp8_activations,fused_situ,offload(moe_act)', '...,ep_overlap(delay_wgrad),capacity(1.5),paged_stash(1.2/1)'."""
     on = [t for t in TOGGLE_NAMES if getattr(layout.toggles, t)]
     if layout.offload_modules:
         on.append(f"offload({','.join(m.value for m in layout.offload_modules)})")
     if layout.ep_overlap:
-        on.append("ep_overlap")
+        on.append("ep_overlap(delay_wgrad)" if layout.delay_wgrad_compute else "ep_overlap")
     if layout.moe_expert_rank_capacity_factor is not None:
         on.append(f"capacity({layout.moe_expert_rank_capacity_factor:g})")
     if layout.moe_paged_stash:

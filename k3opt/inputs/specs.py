@@ -621,6 +621,16 @@ def ep_overlap_allowed(ep: int, pp: int, vp: int, recompute: Recompute) -> str:
     return ""
 
 
+def delay_wgrad_refusal(delay: bool, overlap: bool) -> str:
+    """Why a layout or job may not set delay_wgrad_compute, or "": Megatron delays the weight gradients only under
+    its EP overlap schedule (transformer_config.py L3073-3077 @ d98e8a64)."""
+    if delay and not overlap:
+        return ("delay_wgrad_compute without ep_overlap: Megatron delays the weight gradients only under its EP "
+                "overlap schedule (transformer_config.py L3073-3077); set ep_overlap = true or drop "
+                "delay_wgrad_compute")
+    return ""
+
+
 def _check_ep_overlap(ep: int, pp: int, vp: int, recompute: Recompute) -> None:
     why = ep_overlap_allowed(ep, pp, vp, recompute)
     if why:
@@ -801,6 +811,10 @@ class Layout(StrictModel):
     ep_overlap: StrictBool = False
     """An EP communication overlap schedule is on (Megatron overlap_moe_expert_parallel_comm / DeepEP
     two-microbatch overlap): the all-to-all hides under compute. Off: it is exposed."""
+    delay_wgrad_compute: StrictBool = False
+    """Megatron's --delay-wgrad-compute under its EP overlap schedule (needs ep_overlap: transformer_config.py
+    L3073-3077 @ d98e8a64): the experts' weight gradients run after the backward dispatch is released, so it
+    hides under them too (k3opt.cost.achievable.ep_overlap_stage_exposed)."""
     dispatcher: str | None = None
     """EP token dispatcher (a key of the rates file's a2a tables: hybridep, deepep). A hierarchical dispatcher
     crosses NVLink domains once per destination domain and forwards inside it. Absent: seed 002's per-rank
@@ -907,6 +921,9 @@ class Layout(StrictModel):
             raise ValueError(why)
         if self.ep_overlap:
             _check_ep_overlap(self.ep, self.pp, self.vp, self.recompute)
+        why = delay_wgrad_refusal(self.delay_wgrad_compute, self.ep_overlap)
+        if why:
+            raise ValueError(why)
         n, p, c, e = self.gpus, self.pp, self.cp, self.ep
         if n % (p * c):
             raise ValueError(f"gpus ({n}) must be divisible by pp * cp ({p} * {c} = {p * c})")
@@ -1079,6 +1096,9 @@ class Job(StrictModel):
     every shape Megatron runs it on (ep > 1, vp > 1 or pp = 1, no full recompute: `ep_overlap_allowed`) is searched
     with it and without (the overlap hides the all-to-all but holds a layer's transients and the loss's logits at
     once), the others without."""
+    delay_wgrad_compute: StrictBool = False
+    """With ep_overlap: the overlapped layouts run Megatron's --delay-wgrad-compute (Layout.delay_wgrad_compute).
+    Without ep_overlap it is an error."""
     moe_expert_rank_capacity_factor: PosFloat | None = None
     """Plan for Megatron's sync-free MoE (Layout.moe_expert_rank_capacity_factor): every layout then runs the
     HybridEP dispatcher with this capacity, and its memory is priced so. Absent: dropless."""
@@ -1114,6 +1134,9 @@ class Job(StrictModel):
         why = sync_free_refusal(self.moe_expert_rank_capacity_factor, self.moe_paged_stash, "hybridep",
                                 (m.value for mods in self.search.offload_modules or [] for m in mods),
                                 "activation_offload" in self.search.require_toggles, 0)
+        if why:
+            raise ValueError(why)
+        why = delay_wgrad_refusal(self.delay_wgrad_compute, self.ep_overlap)
         if why:
             raise ValueError(why)
         return self

@@ -284,6 +284,7 @@ def apply_target_limits(job: Job, model: ModelSpec | None = None, lifted: frozen
         raise SpecError(f"moe_expert_rank_capacity_factor with target torchtitan: {limit_text(target, 'moe_capacity')};"
                         " drop the sync-free MoE fields or the target")
     if target == "torchtitan" and job.ep_overlap and "ep_overlap" not in lifted:
-        job_upd["ep_overlap"] = False  # its 1F1B and interleaved schedules run the all-to-all exposed
+        # Its 1F1B and interleaved schedules run the all-to-all exposed.
+        job_upd.update(ep_overlap=False, delay_wgrad_compute=False)
     return job.model_copy(update=job_upd)
 

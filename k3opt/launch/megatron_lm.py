@@ -243,6 +243,8 @@ def _moe_dispatch(out: _Decisions, lay: Layout, model: ModelSpec) -> None:
         out.settings += [
             Setting("--overlap-moe-expert-parallel-comm", "comm_overlap.overlap_moe_expert_parallel_comm", True),
             Setting(None, "model.moe_shared_expert_overlap", False)]
+    if lay.delay_wgrad_compute:
+        out.settings.append(Setting("--delay-wgrad-compute", "comm_overlap.delay_wgrad_compute", True))
     if cap is not None:
         # HybridEP's capacity needs the op fuser's grouped MLP (transformer_config.py L1876-1882 @ d98e8a64).
         out.settings += [Setting("--moe-expert-rank-capacity-factor", "model.moe_expert_rank_capacity_factor", cap),

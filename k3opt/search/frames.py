@@ -407,6 +407,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
     fixed = {t: choices(job, t) == [True] for t in FIXED_TOGGLES}
     tg = Toggles(**mode.toggles(), **fixed, **rank_toggles)
     offload = () if rank_toggles.get("activation_offload") or mode.recompute == Recompute.FULL else mode.offload
+    overlap = f.ep_overlap and not ep_overlap_allowed(f.ep, f.pp, f.vp, mode.recompute)
     return Shape(
         gpus=f.gpus, pp=f.pp, vp=f.vp, cp=f.cp, ep=f.ep, expert_fsdp=f.expert_fsdp, dense_fsdp=f.dense_fsdp,
         microbatches=f.microbatches, rows=job.rows, context=job.context,
@@ -414,7 +415,7 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
         toggles=tg, domain_gpus_used=f.domain_gpus_used, dense_sharding=f.dense_sharding,
         expert_sharding=f.expert_sharding, grad_dtype=f.grad_dtype, precision=f.precision,
         param_gather=f.param_gather, offload_modules=offload, fp8_param_gather=f.fp8_param_gather,
-        ep_overlap=f.ep_overlap and not ep_overlap_allowed(f.ep, f.pp, f.vp, mode.recompute), **sync_free(job),
+        ep_overlap=overlap, delay_wgrad_compute=overlap and job.delay_wgrad_compute, **sync_free(job),
     )
 
 

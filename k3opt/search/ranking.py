@@ -276,7 +276,7 @@ def _least_arrays(shape: Shape, free: tuple[str, ...], cm: CostModel
     differ in their schedule share one computation."""
     base = replace(shape, toggles=shape.toggles.model_copy(update={t: False for t in free}))
     placement = cm.coefficients(shape).placement
-    key = (LayerShape.of(base, placement), shape.ep_overlap, free, cm)
+    key = (LayerShape.of(base, placement), shape.ep_overlap, shape.delay_wgrad_compute, free, cm)
     hit = _LEAST.get(key)
     if hit is not None:
         return hit

@@ -93,17 +93,56 @@ def test_routed_expert_compute_of_one_layer():
 
 
 def test_stage_exposure_by_hand():
-    """pre = 3 ms (1 forward, 2 backward), mlp backward 2 ms, one layer's all-to-all 16 ms (4 exchanges of
-    c = 4 ms), no SM share: combine bwd 4 - pre fwd 1 = 3; dispatch fwd + bwd 8 - mlp bwd 2 = 6; combine fwd
-    4 - pre bwd 2 = 2: 11 ms. With a quarter of the SMs held (c = 0.75 x 4 = 3): 2 + 4 + 1 = 7 ms. A short
-    all-to-all (4 ms: c = 1) hides under every paired part: 0."""
+    """pre = 3 ms (1 forward, 2 backward), mlp 1 forward + 2 backward, one layer's all-to-all 16 ms (4 exchanges of
+    c = 4 ms), no SM share. Megatron's run() order, one layer after another: combine bwd 4 beside pre fwd 1 (3
+    exposed); dispatch fwd 4 beside mlp bwd 2 (2); dispatch bwd 4 beside mlp fwd 1 (3); combine fwd 4 beside pre
+    bwd 2 (2): 10 ms. With a quarter of the SMs held (c = 0.75 x 4 = 3): 2 + 1 + 2 + 1 = 6 ms. A short all-to-all
+    (4 ms: c = 1) hides under every paired part: 0."""
     one, two = np.array([1.0]), np.array([2.0])
-    assert ep_overlap_stage_exposed(one, two, two, np.array([16.0]), 0.0, 4)[0] == pytest.approx(11.0)
-    assert ep_overlap_stage_exposed(one, two, two, np.array([16.0]), 0.25, 4)[0] == pytest.approx(7.0)
-    assert ep_overlap_stage_exposed(one, two, two, np.array([4.0]), 0.0, 4)[0] == 0.0
+    assert ep_overlap_stage_exposed(one, two, one, two, np.array([16.0]), 0.0, 4)[0] == pytest.approx(10.0)
+    assert ep_overlap_stage_exposed(one, two, one, two, np.array([16.0]), 0.25, 4)[0] == pytest.approx(6.0)
+    assert ep_overlap_stage_exposed(one, two, one, two, np.array([4.0]), 0.0, 4)[0] == 0.0
     # a dispatch replayed in backward (5 exchanges of c = 16 / 5) rides with the backward dispatch:
-    # max(0, 3.2 - 1) + max(0, 3 x 3.2 - 2) + max(0, 3.2 - 2) = 2.2 + 7.6 + 1.2 = 11.0
-    assert ep_overlap_stage_exposed(one, two, two, np.array([16.0]), 0.0, 5)[0] == pytest.approx(11.0)
+    # (3.2 - 1) + (3.2 - 2) + (2 x 3.2 - 1) + (3.2 - 2) = 2.2 + 1.2 + 5.4 + 1.2 = 10.0
+    assert ep_overlap_stage_exposed(one, two, one, two, np.array([16.0]), 0.0, 5)[0] == pytest.approx(10.0)
+
+
+def test_delayed_weight_gradients_hide_the_backward_dispatch():
+    """c = 2 ms (8 ms over 4 exchanges), pre fwd 2, pre bwd 3, mlp fwd 1, mlp bwd 4 of which 2 are the experts'
+    weight gradients. Without delay_wgrad_compute the backward dispatch waits for the whole mlp bwd and then hides
+    only under mlp fwd: exposed max(0, 2 - 2) + max(0, 2 - 4) + max(0, 2 - 1) + max(0, 2 - 3) = 1 ms. With it
+    (Megatron's run(): mlp bwd dw after the dispatch bwd is released) the streams run, from 0: combine bwd 0-2 and
+    pre fwd 0-2; mlp dgrad 2-4 beside dispatch fwd 2-4; wgrad 4-6 beside dispatch bwd 4-6; mlp fwd 6-7; combine fwd
+    7-9 beside pre bwd 7-10: 10 ms of compute in 10 ms, nothing exposed."""
+    pre_f, pre_b, mlp_f, mlp_b, wgrad = (np.array([x]) for x in (2.0, 3.0, 1.0, 4.0, 2.0))
+    ep = np.array([8.0])
+    assert ep_overlap_stage_exposed(pre_f, pre_b, mlp_f, mlp_b, ep, 0.0, 4)[0] == pytest.approx(1.0)
+    assert ep_overlap_stage_exposed(pre_f, pre_b, mlp_f, mlp_b, ep, 0.0, 4, wgrad)[0] == pytest.approx(0.0, abs=1e-12)
+    # An all-to-all longer than every part: the comm stream sets the layer, 4 c = 32 against 10 of compute, with or
+    # without the delay.
+    big = np.array([32.0])
+    for w in (None, wgrad):
+        assert ep_overlap_stage_exposed(pre_f, pre_b, mlp_f, mlp_b, big, 0.0, 4, w)[0] == pytest.approx(22.0)
+
+
+def test_stage_exposure_without_the_delay_is_the_per_pairing_sum_and_the_delay_never_adds():
+    """Without delay_wgrad_compute each layer's streams wait for both of the previous layer's ends (its forward
+    combine feeds the next pre-dispatch forward, its pre-dispatch backward the next backward combine), so the steady
+    state is the sum over Megatron's four pairings: max(0, c - pre fwd) + max(0, c - mlp bwd)
+    + max(0, (x - 3) c - mlp fwd) + max(0, c - pre bwd), c = (1 - share) a2a / x. Delaying part of the experts'
+    backward only loosens a dependency. 2,000 random layers, 4 and 5 exchanges, a tenth of the SMs held."""
+    rng = np.random.default_rng(7)
+    pf, pb, mf, mb = (rng.uniform(0.1, 5.0, 2000) for _ in range(4))
+    ep, wgrad = rng.uniform(0.1, 40.0, 2000), rng.uniform(0.0, 1.0, 2000) * mb
+    for x in (4, 5):
+        c = 0.9 * ep / x
+        by_hand = (np.maximum(0, c - pf) + np.maximum(0, c - mb) + np.maximum(0, (x - 3) * c - mf)
+                   + np.maximum(0, c - pb))
+        plain = ep_overlap_stage_exposed(pf, pb, mf, mb, ep, 0.1, x)
+        delayed = ep_overlap_stage_exposed(pf, pb, mf, mb, ep, 0.1, x, wgrad)
+        assert np.allclose(plain, by_hand, rtol=0, atol=1e-9)
+        assert np.all(delayed <= plain + 1e-9) and np.all(delayed >= 0)
+        assert np.any(delayed < plain - 1e-3)  # and somewhere it hides more
 
 
 def test_forward_backward_splits_each_part_by_its_own_ratio():
@@ -120,14 +159,14 @@ def test_forward_backward_splits_each_part_by_its_own_ratio():
 
 def test_stage_exposure_under_full_recompute_by_hand():
     """Full recompute puts the recomputed forward in the backward stage. pre = mlp = 4 ms of tensor-core time
-    (1 : 3) and no memory-bound time: pre fwd 1, pre bwd 3, mlp bwd 3; c = 4 ms, 4 exchanges: combine bwd 4 - 1 = 3;
-    dispatch 8 - 3 = 5; combine fwd 4 - 3 = 1: 9 ms (9.33 ms with the 1 : 2 split of no recompute)."""
-    zero, four = np.array([0.0]), np.array([4.0])
-    pre_f, pre_b = forward_backward(four, zero, True)
-    _, mlp_b = forward_backward(four, zero, True)
-    assert ep_overlap_stage_exposed(pre_f, pre_b, mlp_b, np.array([16.0]), 0.0, 4)[0] == pytest.approx(9.0)
-    pre_f, pre_b = forward_backward(four, zero, False)
-    assert ep_overlap_stage_exposed(pre_f, pre_b, pre_b, np.array([16.0]), 0.0, 4)[0] == pytest.approx(28 / 3)
+    (1 : 3) and no memory-bound time: fwd 1, bwd 3 each; c = 2 ms, 4 exchanges: combine bwd 2 - pre fwd 1 = 1,
+    dispatch fwd 2 - mlp bwd 3 = 0, dispatch bwd 2 - mlp fwd 1 = 1, combine fwd 2 - pre bwd 3 = 0: 2 ms. With the
+    1 : 2 split of no recompute (fwd 4/3, bwd 8/3): 2 x (2 - 4/3) = 4/3 ms."""
+    zero, four, ep = np.array([0.0]), np.array([4.0]), np.array([8.0])
+    f, b = forward_backward(four, zero, True)
+    assert ep_overlap_stage_exposed(f, b, f, b, ep, 0.0, 4)[0] == pytest.approx(2.0)
+    f, b = forward_backward(four, zero, False)
+    assert ep_overlap_stage_exposed(f, b, f, b, ep, 0.0, 4)[0] == pytest.approx(4 / 3)
 
 
 def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_the_all_to_all_is_long():
@@ -149,15 +188,17 @@ def test_stage_exposure_applies_only_under_the_overlap_schedule_and_only_when_th
     mlp_t = cf_on.moe_compute_achievable[5] - mlp_v
     pre_t, pre_v = a["tensor"][5] - mlp_t, a["vector"][5] - mlp_v
     c = (1 - 16 / 148) * ep / 4
-    want = (max(0, c - pre_t / 3 - 2 * pre_v / 5) + max(0, 2 * c - 2 * mlp_t / 3 - 3 * mlp_v / 5)
-            + max(0, c - 2 * pre_t / 3 - 3 * pre_v / 5))
-    assert want > 1e-3  # about 1.8 ms of a 4.2 ms NIC all-to-all beside 1.2 ms of expert and 1.1 ms of other compute
+    # one layer after another (no delayed weight gradients): combine bwd beside pre fwd, dispatch fwd beside mlp
+    # bwd, dispatch bwd beside mlp fwd, combine fwd beside pre bwd
+    want = (max(0, c - pre_t / 3 - 2 * pre_v / 5) + max(0, c - 2 * mlp_t / 3 - 3 * mlp_v / 5)
+            + max(0, c - mlp_t / 3 - 2 * mlp_v / 5) + max(0, c - 2 * pre_t / 3 - 3 * pre_v / 5))
+    assert want > 1e-3  # about 1.3 ms of a 4.2 ms NIC all-to-all beside 1.2 ms of expert and 1.1 ms of other compute
     # the exposure rides the compute stream's path (tensor), layer by layer
     t_on, t_off = ranking_arrays(cf_on, on, cluster).time, ranking_arrays(cf_off, off, cluster).time
     assert t_on["tensor"][5] - t_off["tensor"][5] == pytest.approx(want, rel=1e-9)
     assert t_on["ep_nic"][5] == t_off["ep_nic"][5]
     # off, the 48 layers' NIC all-to-all (4.2 ms each) bound the stage; on, the compute path with its exposure
-    # (about 2.7 + 0.45 + 1.8 ms a layer) binds and is longer
+    # (about 2.7 + 0.45 + 1.3 ms a layer) binds and is longer
     step_on, step_off = achievable_for(cf_on, lay.split, cluster, on), achievable_for(cf_off, lay.split, cluster, off)
     assert step_off.stage_time_s == pytest.approx(float(t_off["ep_nic"].sum()), rel=1e-9)
     assert step_on.stage_time_s == pytest.approx(float(t_on["tensor"].sum()), rel=1e-9)

@@ -173,6 +173,14 @@ def test_exports_write_the_ep_overlap_schedule():
     keys = set((DATA / "megatron_bridge_keys.txt").read_text().split())
     assert {"comm_overlap.overlap_moe_expert_parallel_comm", "model.moe_shared_expert_overlap"} <= keys
     assert "overlap-moe" not in to_launch(_k3(), "megatron-lm").body
+    # the recipe's delayed weight gradients (deepseek/common.py L76): Megatron-LM --delay-wgrad-compute, Bridge
+    # comm_overlap.delay_wgrad_compute, both in the frameworks' lists
+    assert lay.delay_wgrad_compute
+    assert "--delay-wgrad-compute" in to_launch(lay, "megatron-lm").body
+    assert "comm_overlap.delay_wgrad_compute=true" in bridge
+    assert "--delay-wgrad-compute" in (DATA / "megatron_lm_flags.txt").read_text().split()
+    assert "comm_overlap.delay_wgrad_compute" in keys
+    assert "delay-wgrad" not in to_launch(lay.model_copy(update={"delay_wgrad_compute": False}), "megatron-lm").body
 
 
 def test_exports_write_the_sync_free_settings_and_torchtitan_refuses_them():
@@ -237,6 +245,8 @@ def test_sync_free_on_a_dense_model_is_refused():
      "require_toggles = [\"activation_offload\"]", "activation_offload toggle"),
     ("moe_expert_rank_capacity_factor = 1.5\ntarget = \"torchtitan\"", "torchtitan"),
     ("ep_overlap = \"yes\"", "ep_overlap"),
+    ("delay_wgrad_compute = true", "delay_wgrad_compute without ep_overlap"),
+    ("ep_overlap = true\ndelay_wgrad_compute = 1", "delay_wgrad_compute"),
 ])
 def test_bad_sync_free_and_ep_overlap_jobs_exit_2_in_one_line(tmp_path, fields, needle):  # noqa: ANN001
     job = tmp_path / "job.toml"
@@ -289,6 +299,17 @@ def test_megatron_s_ep_overlap_rules_are_one_line(over, needle):  # noqa: ANN001
     _k3(ep_overlap=True)  # PP 1, EP 64, no recompute: Megatron runs it
 
 
+def test_delayed_weight_gradients_need_the_overlap_schedule():
+    """Megatron asserts overlap_moe_expert_parallel_comm under delay_wgrad_compute (transformer_config.py
+    L3073-3077 @ d98e8a64): a layout or job without it gets one line."""
+    with pytest.raises(LayoutError, match="delay_wgrad_compute without ep_overlap") as err:
+        _k3(delay_wgrad_compute=True)
+    assert "\n" not in str(err.value)
+    assert _k3(ep_overlap=True, delay_wgrad_compute=True).delay_wgrad_compute
+    with pytest.raises(ValueError, match="delay_wgrad_compute without ep_overlap"):
+        k3opt.Job.model_validate({"gpus": 512, "tokens_per_update": 1 << 24, "delay_wgrad_compute": True})
+
+
 def test_a_job_s_ep_overlap_reaches_the_shapes_megatron_runs_it_on(tiny):  # noqa: ANN001 - a fixture
     """The tiny model on 8 GPUs: PP2 VP2 EP2 runs the EP overlap schedule, PP2 VP1 and full recompute do not. Each
     interleaved frame comes twice, with and without the overlap (it hides the all-to-all but holds more memory); each
@@ -309,6 +330,14 @@ def test_a_job_s_ep_overlap_reaches_the_shapes_megatron_runs_it_on(tiny):  # noq
     twins = Counter(dataclasses.replace(f, ep_overlap=False) for f in frames)
     assert twins and all(n == (2 if f.vp > 1 else 1) for f, n in twins.items())
     assert {f.vp for f in twins} >= {1, 2}
+    # with delay_wgrad_compute the overlapped shapes (only they) delay the experts' weight gradients
+    delay = job.model_copy(update={"delay_wgrad_compute": True})
+    for f in frames:
+        for rc in (Recompute.NONE, Recompute.FULL):
+            sh = frame_shape(delay, f, ActMode(rc, False, False, False, False), FsdpLifecycle.ACCUMULATE)
+            assert sh.delay_wgrad_compute == sh.ep_overlap
+            assert not frame_shape(job, f, ActMode(rc, False, False, False, False),
+                                   FsdpLifecycle.ACCUMULATE).delay_wgrad_compute
     off = job.model_copy(update={"ep_overlap": False})
     assert not any(f.ep_overlap for f in enumerate_frames(off, tiny, 8))
     assert not any(frame_shape(off, f, ActMode(Recompute.NONE, False, False, False, False),
@@ -354,10 +383,12 @@ def test_torchtitan_runs_neither_the_ep_overlap_schedule_nor_the_sync_free_moe()
 
 
 def test_the_plan_table_and_explain_name_the_schedule_settings():
-    """A layout's EP overlap, capacity factor and paged stash show beside its toggles, in the plan table's column and
-    in explain's layout line; a layout without them shows none of them."""
+    """A layout's EP overlap (with its delayed weight gradients), capacity factor and paged stash show beside its
+    toggles, in the plan table's column and in explain's layout line; a layout without them shows none of them."""
     lay = k3opt.load_layout("deepseek-v3-gb200-mxfp8-paged-stash")
-    assert toggles_text(lay) == "moe_backward_rewrite,ep_dedup,ep_overlap,capacity(1.5),paged_stash(1.2/1)"
-    assert "ep_overlap,capacity(1.5),paged_stash(1.2/1)" in explain_text(k3opt.evaluate(lay))
+    assert toggles_text(lay) == ("moe_backward_rewrite,ep_dedup,ep_overlap(delay_wgrad),capacity(1.5),"
+                                 "paged_stash(1.2/1)")
+    assert "ep_overlap,capacity" in toggles_text(lay.model_copy(update={"delay_wgrad_compute": False}))
+    assert "ep_overlap(delay_wgrad),capacity(1.5),paged_stash(1.2/1)" in explain_text(k3opt.evaluate(lay))
     plain = toggles_text(_k3())
     assert not any(word in plain for word in ("ep_overlap", "capacity", "paged_stash"))

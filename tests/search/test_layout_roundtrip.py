@@ -26,6 +26,7 @@ def _unusual_layout() -> k3opt.Layout:
         expert_sharding=ShardingPolicy.OPTIM_GRADS, optimizer_shard_granularity=ShardGranularity.TENSOR,
         grad_dtype=Dtype.BF16, optimizer_state_dtype=Dtype.BF16, lazy_optimizer_state=True,
         runtime="megatron-te-hybridep-gb200", precision=Precision.MXFP8, ep_overlap=True, dispatcher="deepep",
+        delay_wgrad_compute=True,
         mtp_layers=0,
     )
 
