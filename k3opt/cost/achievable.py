@@ -252,41 +252,33 @@ def ep_overlap_stage_exposed(pre_fwd: np.ndarray, pre_bwd: np.ndarray, mlp_fwd: 
     TransformerLayerSchedulePlan.run):
         comm stream:  combine bwd       | dispatch fwd -> dispatch bwd     | combine fwd
         comp stream:  pre-dispatch fwd  | mlp bwd -> mlp bwd dw -> mlp fwd | pre-dispatch bwd
-    with the data dependencies of run(): mlp bwd after combine bwd, dispatch fwd after pre-dispatch fwd, dispatch
-    bwd after mlp bwd, mlp fwd after dispatch fwd, combine fwd after mlp fwd, pre-dispatch bwd after dispatch bwd;
-    the next layer's pre-dispatch fwd after combine fwd, its combine bwd after pre-dispatch bwd. The layer's steady
-    state (identical layers in a row) less its compute is the exposure. Without `delay_wgrad_compute` the experts'
-    weight gradients run inside mlp bwd; with it (`mlp_wgrad`, their seconds, taken out of `mlp_bwd`) they run as
-    mlp bwd dw, after dispatch bwd has been released. The pre-dispatch block's own delayed weight gradients are kept
-    in its backward (its attention core has none to split out), which can only over-count the exposure.
+    Each node waits for the previous node of its microbatch (one CUDA event per microbatch,
+    pipeline_parallel/utils.py ScheduleNode) and for its stream: mlp bwd after combine bwd, dispatch fwd after
+    pre-dispatch fwd, dispatch bwd after mlp bwd, mlp fwd after dispatch fwd, combine fwd after mlp fwd,
+    pre-dispatch bwd after dispatch bwd. The next layer's first nodes wait for both of this layer's last ones (its
+    combine fwd feeds the next pre-dispatch fwd, its pre-dispatch bwd the next combine bwd), so layers run one
+    after another and the exposure is one layer's makespan less its compute. Without `delay_wgrad_compute` the
+    experts' weight gradients run inside mlp bwd; with it (`mlp_wgrad`, their seconds, part of `mlp_bwd`) they run
+    as mlp bwd dw, which records no event (models/common/utils.py backward_dw), so dispatch bwd waits for the data
+    gradient only. Kept simple: the pre-dispatch block's own delayed weight gradients stay in its backward (its
+    attention core has none to split out; this can only over-count), and the paired layers are taken alike
+    (Megatron pairs forward layer i with backward layer n-1-i, possibly of another chunk, and runs the layers
+    without a partner alone, model_chunk_schedule_plan.py L554-590).
 
     Each all-to-all holds `share` of the SMs (priced on the whole stage already), so it lasts (1 - share) c here,
     c = ep / x per exchange (x = 4: dispatch and combine, forward and backward; a replayed dispatch rides with the
-    backward dispatch). Without the delay the steady state is one layer after another and
+    backward dispatch). Without the delay
         exposed = max(0, c - pre_fwd) + max(0, c - mlp_bwd) + max(0, (x-3) c - mlp_fwd) + max(0, c - pre_bwd)."""
     c = (1 - share) * ep / exchanges
-    back = (exchanges - 3) * c
     wgrad = np.zeros_like(ep) if mlp_wgrad is None else mlp_wgrad
-    dgrad = mlp_bwd - wgrad
-    comp = comm = grad = fwd = np.zeros_like(ep)
-    ends = []
-    for _ in range(_STEADY_LAYERS):
-        combine_bwd = np.maximum(comm, grad) + c
-        pre_f = np.maximum(comp, fwd) + pre_fwd
-        mlp_dgrad = np.maximum(pre_f, combine_bwd) + dgrad
-        dispatch_fwd = np.maximum(combine_bwd, pre_f) + c
-        mlp_f = np.maximum(mlp_dgrad + wgrad, dispatch_fwd) + mlp_fwd
-        dispatch_bwd = np.maximum(dispatch_fwd, mlp_dgrad) + back
-        combine_fwd = np.maximum(dispatch_bwd, mlp_f) + c
-        pre_b = np.maximum(mlp_f, dispatch_bwd) + pre_bwd
-        comp, comm, grad, fwd = pre_b, combine_fwd, pre_b, combine_fwd
-        ends.append(np.maximum(comp, comm))
-    return np.maximum(0.0, ends[-1] - ends[-2] - (pre_fwd + mlp_bwd + mlp_fwd + pre_bwd))
-
-
-_STEADY_LAYERS = 3
-"""Identical layers replayed to reach ep_overlap_stage_exposed's steady state: each layer's streams start where the
-previous layer's dependencies release them, and after the first layer the per-layer increment repeats."""
+    combine_bwd, pre_f = c, pre_fwd
+    dgrad = np.maximum(pre_f, combine_bwd) + mlp_bwd - wgrad
+    dispatch_fwd = np.maximum(combine_bwd, pre_f) + c
+    mlp_f = np.maximum(dgrad + wgrad, dispatch_fwd) + mlp_fwd
+    dispatch_bwd = np.maximum(dispatch_fwd, dgrad) + (exchanges - 3) * c
+    combine_fwd = np.maximum(dispatch_bwd, mlp_f) + c
+    pre_b = np.maximum(mlp_f, dispatch_bwd) + pre_bwd
+    return np.maximum(0.0, np.maximum(combine_fwd, pre_b) - (pre_fwd + mlp_bwd + mlp_fwd + pre_bwd))
 
 
 def ranking_view(cf: Coefficients, cluster: ClusterSpec, rates: RatesSpec | None = None) -> Coefficients:

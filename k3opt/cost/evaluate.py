@@ -1,6 +1,7 @@
 """evaluate(): the per-rank memory ledger and the roofline-plus-bubble step time of one layout.
 
-peak(r) = persistent(r) + max(activation-phase peak(r), optimizer-phase transient(r))   (spec section 2)
+peak(r) = persistent(r) + max(activation-phase peak(r), optimizer-phase transient(r))   (spec section 2;
+          + both under a full-iteration CUDA graph: ledger.rank_peak)
 step    = (M + (p - 1)/v) * max_r t_r + max_r update_r, t_r = max over resources       (seed 002)
 
 Every number is a sum of the per-layer coefficients in k3opt.cost.coefficients over the layout's split.

@@ -1,7 +1,8 @@
 """The rank ledger, declared once: every memory term a rank holds, with its phase, how it adds up over the rank's
 layers and chunks, what gates it, the per-layer (or per-rank) coefficient it reads, its kind and its formula.
 
-A rank's peak is persistent + max(activation phase, optimizer phase) (seed 001's ledger; the K3 memory lab). The
+A rank's peak is persistent + max(activation phase, optimizer phase) (seed 001's ledger; the K3 memory lab), or
+persistent + both under a full-iteration CUDA graph (`rank_peak`). The
 term order below is the ledger's printed order. evaluate() (cost/evaluate.rank_ledger), the search's node model and
 bounds (search/) and the reports read these declarations; the arithmetic that several of them share is named here
 too (`persistent_layer_bytes`, `pp_packet_bytes`, `peak_inflight`, `optimizer_transient_bytes`).
@@ -178,10 +179,12 @@ def activation_phase_bytes(values: dict[str, float], concurrent: bool) -> float:
 def rank_peak(persistent: float, activation_phase: float, optimizer_phase: float, graph_pool: bool) -> float:
     """A rank's ledger peak: persistent + max(activation phase, optimizer phase) (seed 001's ledger: the phases never
     overlap), or persistent + both under a full-iteration CUDA graph (`graph_pool`): the graph's private pool keeps
-    the activation phase's bytes reserved for replay, and the optimizer step, run eagerly outside the graph, takes
-    its transients from the ordinary pool (Megatron-LM full_cuda_graph.py L205-233, training.py L4433-4453,
-    transformer_config.py L1046-1049 @ d98e8a64: the graph captures forward-backward only; PyTorch RFC #51075: a
-    graph's private pool serves only its captures)."""
+    the activation phase's bytes for replay, and the optimizer step, run eagerly outside the graph, takes its
+    transients from the ordinary pool (Megatron-LM@d98e8a64 full_cuda_graph.py L206-243, training.py L4433-4453,
+    transformer_config.py L1049-1053; Megatron-Bridge@067f987d training/train.py L315-326, no optimizer graph in
+    the recipes; PyTorch RFC #51075: a graph's private pool serves only its captures). Between replays the pool's
+    blocks are free but reserved: counted here as live, they also take the allocator slack, so a measured
+    'allocated' figure of such a run reads lower than this peak."""
     if graph_pool:
         return persistent + activation_phase + optimizer_phase
     return persistent + max(activation_phase, optimizer_phase)

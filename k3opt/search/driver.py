@@ -8,7 +8,7 @@ import itertools
 import math
 import signal
 import time as _time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn
@@ -353,6 +353,16 @@ class _Search:
             settled = max(0, self.shapes_bounded - len(open_frames))
         return Progress(self.phase, elapsed, best, bound, settled, total, self.solved, front_points)
 
+    def _keep(self, items: Mapping[Frame, PlanItem]) -> None:
+        """Record each layout under its own frame (`frame_of`), the better of two for one frame staying: a frame
+        with the EP overlap schedule runs its full-recompute nodes without it, so their layouts are its twin's
+        shape, and every reader (the ranked list, the seeding's leads) looks a layout up by its own frame."""
+        for it in items.values():
+            g = frame_of(it.layout)
+            mine = self.best_of.get(g)
+            if mine is None or _key(it.evaluation) < _key(mine.evaluation):
+                self.best_of[g] = it
+
     def _ranked(self) -> list[PlanItem]:
         return sorted(self.best_of.values(), key=lambda it: _key(it.evaluation))
 
@@ -418,7 +428,7 @@ class _Search:
         # 48,615) listing them and bounding the heads took the whole budget from the search's start, and the pass
         # priced nothing.
         share = min(self.budget / 2, POLICY.first_pass_s)
-        self.best_of.update(incumbents(self.job, quick, self.model, self.cluster, self.top, share,
+        self._keep(incumbents(self.job, quick, self.model, self.cluster, self.top, share,
                                        min(max(self.t0 + self.budget, _time.monotonic() + share), self.deadline),
                                        stop=self._stopped))
         self._note_first_layout()
@@ -540,7 +550,7 @@ class _Search:
         configurations, after the helper process has started (it bounds while they walk)."""
         # 2 x budget from the walks' start, not from the plan's: a first pass that ran long would cut the second
         # walk short (the walks of the three fastest shapes take seconds on the default job).
-        self.best_of.update(seed(self.job, [], self.model, self.cluster, self.best_of,
+        self._keep(seed(self.job, [], self.model, self.cluster, self.best_of,
                                  _time.monotonic() + 2 * self.budget, stop=self._stopped, walked=self.walked,
                                  configs=self.configs, gain=POLICY.seed_gain * self.gap))
         self._note_first_layout()
@@ -564,7 +574,7 @@ class _Search:
         lead = min((it.rank_time_s for it in self.best_of.values()), default=math.inf)  # inf: no layout at hand
         near = bool(self.queue) and lead <= (1 + POLICY.round_robin_above) * self.queue.top().bound
         if not near:
-            self.best_of.update(incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
+            self._keep(incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
                                            stop=self._stopped))
         return near
 
@@ -580,7 +590,7 @@ class _Search:
         least: dict[Frame, float] = {}
         for e in self.queue:
             least[e.frame] = min(least.get(e.frame, math.inf), e.bound)
-        self.best_of.update(seed(self.job, frames_left, self.model, self.cluster, self.best_of,
+        self._keep(seed(self.job, frames_left, self.model, self.cluster, self.best_of,
                                  start + self.seed_left, stop=self._stopped, walked=self.walked, walk_first=False,
                                  lower=lambda g: max(self.lbs[g][0], least.get(g, -math.inf)), top=stall_top,
                                  gain=POLICY.seed_gain * self.gap, configs=self.configs,
@@ -603,7 +613,7 @@ class _Search:
 
     def _spread(self) -> None:
         """The fastest layouts' configurations and splits priced on their sibling shapes (incumbents.spread)."""
-        self.best_of.update(spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
+        self._keep(spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
                                    min(_time.monotonic() + self.budget, self.deadline),
                                    most=max(self.top, POLICY.spread_sources), stop=self._stopped))
 
@@ -640,7 +650,7 @@ class _Search:
             got = split_climb(self.job, it, self.model, self.cluster, until, stop=self._stopped,
                               min_gain=POLICY.seed_gain * self.gap, sideways=True)
             if _key(got.evaluation) < _key(it.evaluation):
-                self.best_of[f] = got
+                self._keep({f: got})
 
     def _search_queue(self, solving: bool, until: float = math.inf) -> None:
         """Entries taken off the queue and processed (`process`) until the queue's least entry is closed, the
@@ -857,7 +867,8 @@ class _Search:
                                deadline=self.deadline, repair_below=k.rank_time_s if k is not None else math.inf,
                                floor=t_lb) if e.attempt == 0 else None
         if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
-            self.best_of[f] = mine = hint
+            self._keep({f: hint})
+            mine = hint
         remaining = self.time_limit - (_time.monotonic() - self.t0)
         res, item = solve_frame(self.job, f, self.model, self.cluster,
                                 min(remaining, self.base_slice * 2 ** e.attempt), self.workers,
@@ -872,7 +883,7 @@ class _Search:
         self.size = {"variables": max(self.size.get("variables", 0), res.variables),
                      "constraints": max(self.size.get("constraints", 0), res.constraints)}
         if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-            self.best_of[f] = item
+            self._keep({f: item})
         self._note_first_layout()
         return self._after_slice(e, max(t_lb, res.bound_step_s), res.status, item)
 

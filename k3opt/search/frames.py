@@ -223,9 +223,9 @@ def enumerate_frames(job: Job, model: ModelSpec, gpus: int, cluster: ClusterSpec
 def _overlaps(job: Job, ep: int, pp: int, vp: int) -> list[bool]:
     """The EP overlap settings searched on degrees (ep, pp, vp): both where the job asks for the schedule and
     Megatron runs it there (under selective or no recompute), the overlapped one first; else none. The schedule
-    hides the all-to-all (never slower: `achievable.ep_overlap_stage_exposed`) but holds a layer's transients and
-    the loss's logits at once (`ledger.activation_moments`), so a shape whose overlap does not fit may fit
-    without it."""
+    hides the all-to-all (its stage is never longer: `achievable.ep_overlap_stage_exposed`) but holds a layer's
+    transients and the loss's logits at once (`ledger.activation_moments`), so a shape whose overlap does not fit
+    may fit without it."""
     if job.ep_overlap and not ep_overlap_allowed(ep, pp, vp, Recompute.NONE):
         return [True, False]
     return [False]

@@ -870,11 +870,11 @@ class Seeder:
         self.pos = {f: i for i, f in enumerate(self.ordered)}
         self.near = Neighbours(list(self.ordered))
         self.first = [f for f in st.first if f in known]
-        # One walk per shape up to its FSDP degrees and sharding policies (`_siblings_key`): its siblings are
+        # One walk per shape up to its FSDP degrees and sharding policies (`_walk_key`): its siblings are
         # priced under the configurations found, and `spread` prices the climbed split on them. At 8,192 GPUs
         # eight PP4 VP4 EP64 siblings, each at most 0.5% faster than the last, would take the seeding's time with
         # their walks, and PP8 VP4, 0.6 s faster (18.58 s against 19.14 s), would not be visited.
-        self.walked_keys = {_siblings_key(g) for g in self.walked}
+        self.walked_keys = {_walk_key(g) for g in self.walked}
         while self.first or queue:
             if self.stalled():
                 break
@@ -930,10 +930,11 @@ class Seeder:
         a walk finds the frame's own fast configurations, which the next frames are then priced under. Returns
         `tried`, or whether the walk priced f in full."""
         now = _time.monotonic()
+        key = _walk_key(f)
         if (self.walking <= POLICY.seed_walk_share * (now - self.started)
-                and _siblings_key(f) not in self.walked_keys):
+                and key not in self.walked_keys):
             self.walked.add(f)
-            self.walked_keys.add(_siblings_key(f))
+            self.walked_keys.add(key)
             self.keep(frame_walk(self.job, f, self.model, self.cluster, self.deadline, self.runtime))
             self.walking += _time.monotonic() - now
             tried = tried or not self.over()
@@ -1304,6 +1305,12 @@ class _Patience:
             self.last = now
         least = POLICY.patience_min_s if self.least is None else self.least
         return now - self.start >= least and now - self.last > self.last - self.start
+
+
+def _walk_key(f: Frame) -> tuple:
+    """What one walk stands for (`walk_shape`): `_siblings_key` and the EP overlap schedule. The twins with and
+    without it are walked apart: where the overlap does not fit, the overlapped walk finds nothing its twin would."""
+    return (*_siblings_key(f), f.ep_overlap)
 
 
 def _siblings_key(f: Frame) -> tuple:

@@ -272,7 +272,7 @@ def _least_arrays(shape: Shape, free: tuple[str, ...], cm: CostModel
                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Elementwise least `time` and `update` arrays of the ranked views over every combination of the `free`
     toggles (work_floor) under the shape's recompute mode and lifecycle. The ranked per-layer arrays read the
-    LayerShape (the per-layer build's key: no pipeline schedule) and the EP overlap flag only, so the shapes that
+    LayerShape (the per-layer build's key: no pipeline schedule) and the EP overlap flags only, so the shapes that
     differ in their schedule share one computation."""
     base = replace(shape, toggles=shape.toggles.model_copy(update={t: False for t in free}))
     placement = cm.coefficients(shape).placement

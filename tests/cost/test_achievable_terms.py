@@ -145,6 +145,35 @@ def test_stage_exposure_without_the_delay_is_the_per_pairing_sum_and_the_delay_n
         assert np.any(delayed < plain - 1e-3)  # and somewhere it hides more
 
 
+def test_the_ranked_stage_hands_the_experts_weight_gradients_to_the_delay(monkeypatch):
+    """Under delay_wgrad_compute the stage's exposure gets the experts' weight-gradient GEMMs as the delayed part:
+    as many FLOPs as their forward GEMMs (SC21 section 3.5), a third of their tensor-core time under no recompute
+    (forward : backward 1 : 2), none of their memory-bound time; without the flag, nothing. Qwen3-30B-A3B at EP32
+    over four B200 domains, layer 5."""
+    import k3opt.cost.achievable as achievable
+
+    seen = []
+    real = achievable.ep_overlap_stage_exposed
+
+    def spy(*args):  # noqa: ANN002, ANN202 - the exposure's arguments
+        seen.append(args[7] if len(args) > 7 else None)
+        return real(*args)
+
+    monkeypatch.setattr(achievable, "ep_overlap_stage_exposed", spy)
+    cluster, rates = k3opt.load_cluster("b200"), load_rates("b200")
+    for delay in (False, True):
+        lay = _qwen30b(gpus=32, ep=32, dense_fsdp=32, domain_gpus_used=8, ep_overlap=True, dispatcher="hybridep",
+                       delay_wgrad_compute=delay)
+        cf = _coefficients(lay, "qwen3-30b-a3b", "b200")
+        ranking_arrays(cf, rates, cluster)
+        if not delay:
+            assert seen[-1] is None
+        else:
+            mlp_t = cf.moe_compute_achievable[5] - cf.moe_vector_achievable[5]
+            assert seen[-1][5] == pytest.approx(mlp_t / 3, rel=1e-12)
+            assert seen[-1][5] > 0
+
+
 def test_forward_backward_splits_each_part_by_its_own_ratio():
     """12 ms of tensor-core time splits 1 : 2 (backward = weight + input gradient GEMMs, SC21 section 3.5): 4 : 8;
     10 ms of memory-bound kernels 2 : 3 (forward: written, read; backward: read as saved, gradient written, read):

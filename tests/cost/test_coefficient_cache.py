@@ -71,7 +71,6 @@ FIELD_VARIANTS: list[dict] = [
     {"dense_sharding": ShardingPolicy.OPTIM, "optimizer_shard_granularity": ShardGranularity.TENSOR},
     {"grad_dtype": Dtype.BF16}, {"optimizer_state_dtype": Dtype.BF16},
     {"fp8_block_size": 32}, {"ce_chunk_tokens": 512}, {"ep_overlap": True},
-    {"ep_overlap": True, "delay_wgrad_compute": True},
     *({"toggles": Toggles(**{t: True})} for t in Toggles.model_fields),
     {"toggles": Toggles(fused_cross_entropy=True, balance_activations=True)},
 ]

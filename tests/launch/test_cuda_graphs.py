@@ -150,7 +150,7 @@ def test_exports_train_without_dropout_as_the_ledger_prices():
 
 def test_a_full_iteration_graph_holds_the_activation_phase_through_the_optimizer_step():
     """Megatron captures forward-backward into one graph whose private pool keeps its bytes reserved for replay, and
-    runs the optimizer step eagerly from the ordinary pool (full_cuda_graph.py L205-233, training.py L4433-4453 @
+    runs the optimizer step eagerly from the ordinary pool (full_cuda_graph.py L206-243, training.py L4433-4453 @
     d98e8a64): the peak is persistent + activation phase + optimizer phase, where eager or per-layer graphs give
     persistent + the larger phase (seed 001's ledger). Qwen3-30B-A3B on 8 GB300, one rank: the two differ by the
     smaller phase, here the optimizer step's transient."""

@@ -18,6 +18,7 @@ import k3opt.report.text
 from k3opt.inputs.presets import make_layout
 from k3opt.inputs.specs import FsdpLifecycle, Recompute, ShardingPolicy
 from k3opt.search import enumerate_frames
+from k3opt.search.frames import frame_of
 
 DATA = Path(__file__).parents[1] / "data"
 TOL_S = 1e-4  # solver resolution: 100 ns per layer and rank term, times the schedule slots
@@ -301,36 +302,61 @@ def test_step_floor_takes_the_least_over_every_longer_stage():
     assert step_floor(10, math.inf, 0.5, 3.0, 1.0) == math.inf
 
 
-def test_an_ep_overlap_job_plans_without_the_overlap_where_only_that_fits(rated):
-    """A job with ep_overlap on the six-layer model, PP 1 or 2, VP 1 or 2, EP2, 1.29-GiB reserve (2.71 GiB of the
-    4-GiB HBM): the fastest shape, PP1, holds a layer's transients and the loss's logits together under the overlap
-    and is then over the line; without it, it fits. The search tries both settings wherever Megatron runs the
-    schedule (PP1, PP2 VP2) and finds the enumerated optimum through evaluate() over both; pinned to the overlap, the
-    best would be the PP2 VP2 shape, about a fifth slower."""
-    tiny, slow = rated
-    allowed = ("fused_situ", "balance_activations")
-    job = k3opt.Job.model_validate({
+OVERLAP_TOGGLES = ("fused_situ", "balance_activations")
+
+
+def _overlap_job(reserve: float) -> k3opt.Job:
+    """The six-layer model with ep_overlap on 8 GPUs: PP 1 or 2, VP 1 or 2, EP2, two activation toggles."""
+    return k3opt.Job.model_validate({
         "model": str(DATA / "tiny-moe.toml"), "cluster": str(DATA / "slow-cluster.toml"), "gpus": 8,
-        "context": 2048, "tokens_per_update": 32768, "reserve_gib": 1.29, "ep_overlap": True,
+        "context": 2048, "tokens_per_update": 32768, "reserve_gib": reserve, "ep_overlap": True,
         "search": {"pp": [1, 2], "vp": [1, 2], "cp": [1], "ep": [2], "expert_fsdp": [1], "dense_fsdp": [2],
                    "recompute": ["none", "full"], "fsdp_lifecycle": ["per_microbatch"],
                    "dense_sharding": ["optim_grads"],
-                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in allowed]}})
-    degrees = {(f.pp, f.vp) for f in enumerate_frames(job, tiny, 8)}
-    assert degrees == {(1, 1), (2, 1), (2, 2)}
-    rows = []  # (achievable s, overlap, fits, layout) of every layout, both overlap settings where allowed
-    for (p, v), rc, overlap in itertools.product(degrees, (Recompute.NONE, Recompute.FULL), (False, True)):
+                   "forbid_toggles": [t for t in k3opt.inputs.specs.TOGGLE_NAMES if t not in OVERLAP_TOGGLES]}})
+
+
+def _overlap_rows(tiny, slow, reserve: float) -> list:  # noqa: ANN001 - specs
+    """(achievable s, overlap, fits, layout) of every layout of `_overlap_job`, both overlap settings where
+    Megatron runs the schedule (specs.ep_overlap_allowed: not PP2 VP1, not full recompute), through evaluate()."""
+    rows = []
+    for (p, v), rc, overlap in itertools.product(((1, 1), (2, 1), (2, 2)), (Recompute.NONE, Recompute.FULL),
+                                                 (False, True)):
         if overlap and (rc == Recompute.FULL or (p, v) == (2, 1)):
-            continue  # Megatron refuses the overlap there (specs.ep_overlap_allowed)
-        for flags in itertools.product([False, True], repeat=len(allowed)):
+            continue
+        for flags in itertools.product([False, True], repeat=len(OVERLAP_TOGGLES)):
             for split in contiguous_splits(tiny.num_layers, p * v):
                 lay = make_layout(gpus=8, pp=p, vp=v, ep=2, dense_fsdp=2, microbatches=32768 // (8 // p * 2048),
                                   context=2048, split=split, recompute=rc,
                                   fsdp_lifecycle=FsdpLifecycle.PER_MICROBATCH,
-                                  toggles=dict(zip(allowed, flags, strict=True)), reserve_gib=1.29,
+                                  toggles=dict(zip(OVERLAP_TOGGLES, flags, strict=True)), reserve_gib=reserve,
                                   dense_sharding="optim_grads", expert_sharding="optim", ep_overlap=overlap)
                 ev = k3opt.evaluate(lay, model=tiny, cluster=slow)
                 rows.append((ev.step.achievable_step_time_s, overlap, ev.fits, lay))
+    return rows
+
+
+def _per_shape(rows: list) -> list[float]:
+    """The best fitting time of each distinct parallel shape (frame_of the layout: an overlapped frame's
+    full-recompute layouts run without the overlap, so they are its twin's shape), fastest first."""
+    best: dict = {}
+    for t, _, fits, lay in rows:
+        g = frame_of(lay)
+        if fits and (g not in best or t < best[g]):
+            best[g] = t
+    return sorted(best.values())
+
+
+def test_an_ep_overlap_job_plans_without_the_overlap_where_only_that_fits(rated):
+    """A job with ep_overlap on the six-layer model, 1.29-GiB reserve (2.71 GiB of the 4-GiB HBM): the fastest
+    shape, PP1, holds a layer's transients and the loss's logits together under the overlap and is then over the
+    line; without it, it fits. The search tries both settings wherever Megatron runs the schedule (PP1, PP2 VP2)
+    and finds the enumerated optimum through evaluate() over both; pinned to the overlap, the best would be the
+    PP2 VP2 shape, about a fifth slower. Its top three are the three fastest distinct shapes."""
+    tiny, slow = rated
+    job = _overlap_job(1.29)
+    assert {(f.pp, f.vp) for f in enumerate_frames(job, tiny, 8)} == {(1, 1), (2, 1), (2, 2)}
+    rows = _overlap_rows(tiny, slow, 1.29)
     best = min((r for r in rows if r[2]), key=lambda r: r[0])
     assert not best[1] and best[3].pp == 1
     # Its overlapped twin, the faster layout, does not fit.
@@ -343,3 +369,55 @@ def test_an_ep_overlap_job_plans_without_the_overlap_where_only_that_fits(rated)
     top = plan.layouts[0]
     assert plan.status == "OPTIMAL" and top.rank_time_s == pytest.approx(best[0], abs=TOL_S)
     assert not top.layout.ep_overlap and top.layout.pp == 1
+    three = k3opt.plan(job, model=tiny, cluster=slow, top=3, gap=0)
+    assert three.status == "OPTIMAL"
+    assert len({frame_of(it.layout) for it in three.layouts}) == len(three.layouts) == 3
+    assert [it.rank_time_s for it in three.layouts] == pytest.approx(_per_shape(rows)[:3], abs=TOL_S)
+
+
+def test_an_overlapped_frame_s_full_recompute_layouts_count_once(rated):
+    """At a 2.2-GiB reserve two shapes fit, PP2 VP2 and PP2 VP1, none of them overlapped (full recompute, which runs
+    without the overlap, or no recompute without it). The overlapped PP2 VP2 frame's full-recompute nodes find its
+    twin's layouts; counted as a third shape they set a top-3 line, and the plan, which returns the two, ended
+    FEASIBLE. Counted once, there is no third layout and the search proves the two."""
+    tiny, slow = rated
+    want = _per_shape(_overlap_rows(tiny, slow, 2.2))
+    assert len(want) == 2
+    plan = k3opt.plan(_overlap_job(2.2), model=tiny, cluster=slow, top=3, gap=0)
+    assert plan.status == "OPTIMAL"
+    assert [it.rank_time_s for it in plan.layouts] == pytest.approx(want, abs=TOL_S)
+    assert not any(it.layout.ep_overlap for it in plan.layouts)
+
+
+def test_the_search_files_each_layout_under_its_own_frame(rated):
+    """An overlapped frame's full-recompute node prices its layout without the overlap (Megatron refuses it under
+    full recompute), so the layout is its twin's shape: the search files it under the twin, where every reader (the
+    ranked list, the seeding's leads, which once looked it up by the twin's frame and found nothing) finds it, and
+    of two layouts for one frame keeps the faster."""
+    from k3opt.search import driver
+    from k3opt.search.frames import ActMode, frame_shape, layout_of
+    from k3opt.search.result import PlanItem
+
+    tiny, slow = rated
+    job = _overlap_job(2.4)
+    search = driver._Search(job, tiny, slow, top=3, time_limit=5, workers=1, pareto=False, pareto_step_gib=1.0,
+                            progress=None, gap=0.01)
+    ovl = next(f for f in search.frames if f.ep_overlap and f.vp == 2)
+    twin = next(f for f in search.frames if f == dataclasses.replace(ovl, ep_overlap=False))
+
+    def item(rc: Recompute, split: list[int]) -> PlanItem:
+        shape = frame_shape(search.job, ovl, ActMode(rc, False, False, False, False), FsdpLifecycle.PER_MICROBATCH)
+        lay = layout_of(search.job, ovl, shape, split)
+        return PlanItem(lay, k3opt.evaluate(lay, model=tiny, cluster=slow))
+
+    slow_split, fast_split = item(Recompute.FULL, [3, 1, 1, 1]), item(Recompute.FULL, [2, 1, 2, 1])
+    assert not slow_split.layout.ep_overlap
+    faster, slower = sorted((slow_split, fast_split), key=lambda it: it.evaluation.step.rank_time_s)
+    assert faster.evaluation.step.rank_time_s < slower.evaluation.step.rank_time_s
+    search._keep({ovl: faster})
+    search._keep({ovl: slower})
+    assert set(search.best_of) == {twin} and search.best_of[twin] is faster
+    overlapped = item(Recompute.NONE, [2, 1, 2, 1])
+    assert overlapped.layout.ep_overlap
+    search._keep({ovl: overlapped})
+    assert search.best_of[ovl] is overlapped and search.best_of[twin] is faster
