@@ -8,7 +8,7 @@ import itertools
 import math
 import signal
 import time as _time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NoReturn
@@ -54,6 +54,7 @@ from k3opt.search.frames import (
     frame_shape,
     layout_of,
     lifecycles,
+    node_frame,
     peak_cap_bytes,
     policy_group,
     resolve_offload_sets,
@@ -261,7 +262,7 @@ class _Search:
         self.queue = _Queue()
         self.seq = itertools.count()
         self.best_of: dict[Frame, PlanItem] = {}
-        """The best layout found of each frame."""
+        """The best layout found of each frame, filed under the layout's own frame (`_keep`)."""
         self.first_layout_s: float | None = None
         self.walked: set[Frame] = set()
         """Frames the seeding walked through their configurations (search/incumbents.seed)."""
@@ -353,11 +354,11 @@ class _Search:
             settled = max(0, self.shapes_bounded - len(open_frames))
         return Progress(self.phase, elapsed, best, bound, settled, total, self.solved, front_points)
 
-    def _keep(self, items: Mapping[Frame, PlanItem]) -> None:
+    def _keep(self, *items: PlanItem) -> None:
         """Record each layout under its own frame (`frame_of`), the better of two for one frame staying: a frame
         with the EP overlap schedule runs its full-recompute nodes without it, so their layouts are its twin's
         shape, and every reader (the ranked list, the seeding's leads) looks a layout up by its own frame."""
-        for it in items.values():
+        for it in items:
             g = frame_of(it.layout)
             mine = self.best_of.get(g)
             if mine is None or _key(it.evaluation) < _key(mine.evaluation):
@@ -428,9 +429,9 @@ class _Search:
         # 48,615) listing them and bounding the heads took the whole budget from the search's start, and the pass
         # priced nothing.
         share = min(self.budget / 2, POLICY.first_pass_s)
-        self._keep(incumbents(self.job, quick, self.model, self.cluster, self.top, share,
+        self._keep(*incumbents(self.job, quick, self.model, self.cluster, self.top, share,
                                        min(max(self.t0 + self.budget, _time.monotonic() + share), self.deadline),
-                                       stop=self._stopped))
+                                       stop=self._stopped).values())
         self._note_first_layout()
 
     def bound_shapes(self) -> None:
@@ -550,9 +551,9 @@ class _Search:
         configurations, after the helper process has started (it bounds while they walk)."""
         # 2 x budget from the walks' start, not from the plan's: a first pass that ran long would cut the second
         # walk short (the walks of the three fastest shapes take seconds on the default job).
-        self._keep(seed(self.job, [], self.model, self.cluster, self.best_of,
+        self._keep(*seed(self.job, [], self.model, self.cluster, self.best_of,
                                  _time.monotonic() + 2 * self.budget, stop=self._stopped, walked=self.walked,
-                                 configs=self.configs, gain=POLICY.seed_gain * self.gap))
+                                 configs=self.configs, gain=POLICY.seed_gain * self.gap).values())
         self._note_first_layout()
         self.prefetch.set_line(self._stop_line(self._kth()))
 
@@ -574,8 +575,8 @@ class _Search:
         lead = min((it.rank_time_s for it in self.best_of.values()), default=math.inf)  # inf: no layout at hand
         near = bool(self.queue) and lead <= (1 + POLICY.round_robin_above) * self.queue.top().bound
         if not near:
-            self._keep(incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
-                                           stop=self._stopped))
+            self._keep(*incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
+                                           stop=self._stopped).values())
         return near
 
     def _seed_frames(self, patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None,
@@ -590,12 +591,12 @@ class _Search:
         least: dict[Frame, float] = {}
         for e in self.queue:
             least[e.frame] = min(least.get(e.frame, math.inf), e.bound)
-        self._keep(seed(self.job, frames_left, self.model, self.cluster, self.best_of,
+        self._keep(*seed(self.job, frames_left, self.model, self.cluster, self.best_of,
                                  start + self.seed_left, stop=self._stopped, walked=self.walked, walk_first=False,
                                  lower=lambda g: max(self.lbs[g][0], least.get(g, -math.inf)), top=stall_top,
                                  gain=POLICY.seed_gain * self.gap, configs=self.configs,
                                  done=partial(self._publish, done), patience_min=patience_min,
-                                 state=self.seed_state))
+                                 state=self.seed_state).values())
         self.seed_left -= _time.monotonic() - start
         self._note_first_layout()
 
@@ -613,9 +614,9 @@ class _Search:
 
     def _spread(self) -> None:
         """The fastest layouts' configurations and splits priced on their sibling shapes (incumbents.spread)."""
-        self._keep(spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
+        self._keep(*spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
                                    min(_time.monotonic() + self.budget, self.deadline),
-                                   most=max(self.top, POLICY.spread_sources), stop=self._stopped))
+                                   most=max(self.top, POLICY.spread_sources), stop=self._stopped).values())
 
     def _bounding_pass(self) -> None:
         """The queue's shapes and nodes bounded, no CP-SAT solve, for POLICY.bound_share of the limit."""
@@ -643,14 +644,13 @@ class _Search:
         layouts no climb has started from (K3 on 8 racks: a sibling's 21.211 s, which a climb through a sideways
         move takes to 21.072 s)."""
         until = min(self.deadline, _time.monotonic() + POLICY.final_climb_s)
-        ranked = sorted(self.best_of.items(), key=lambda fi: _key(fi[1].evaluation))[:self.top]
-        for f, it in ranked:
+        for it in self._ranked()[:self.top]:
             if _time.monotonic() >= until or self._stopped():
                 break
             got = split_climb(self.job, it, self.model, self.cluster, until, stop=self._stopped,
                               min_gain=POLICY.seed_gain * self.gap, sideways=True)
             if _key(got.evaluation) < _key(it.evaluation):
-                self._keep({f: got})
+                self._keep(got)
 
     def _search_queue(self, solving: bool, until: float = math.inf) -> None:
         """Entries taken off the queue and processed (`process`) until the queue's least entry is closed, the
@@ -713,7 +713,9 @@ class _Search:
         """One step on entry e, taken off the queue: pruned against its frame's layout, or a shape's bounds
         (`_process_shape`), or a node's bounds and solve (`_process_node`)."""
         self.current = e.bound
-        mine = self.best_of.get(e.frame)
+        # A node is pruned against the frame its layouts are filed under (an overlapped frame's full-recompute node
+        # finds its twin's).
+        mine = self.best_of.get(e.frame if e.recompute is None else node_frame(e.frame, e.recompute))
         if mine is not None and (e.bound > mine.rank_time_s or (
                 self.gap > 0 and within_gap(mine.rank_time_s, e.bound, self.gap))):
             self.residual = min(self.residual, e.bound)
@@ -867,7 +869,7 @@ class _Search:
                                deadline=self.deadline, repair_below=k.rank_time_s if k is not None else math.inf,
                                floor=t_lb) if e.attempt == 0 else None
         if hint is not None and (mine is None or _key(hint.evaluation) < _key(mine.evaluation)):
-            self._keep({f: hint})
+            self._keep(hint)
             mine = hint
         remaining = self.time_limit - (_time.monotonic() - self.t0)
         res, item = solve_frame(self.job, f, self.model, self.cluster,
@@ -883,7 +885,7 @@ class _Search:
         self.size = {"variables": max(self.size.get("variables", 0), res.variables),
                      "constraints": max(self.size.get("constraints", 0), res.constraints)}
         if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-            self._keep({f: item})
+            self._keep(item)
         self._note_first_layout()
         return self._after_slice(e, max(t_lb, res.bound_step_s), res.status, item)
 

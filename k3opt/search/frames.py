@@ -419,6 +419,14 @@ def frame_shape(job: Job, f: Frame, mode: ActMode, lifecycle: FsdpLifecycle, **r
     )
 
 
+def node_frame(f: Frame, rc: Recompute) -> Frame:
+    """The frame whose layouts frame f's node under recompute rc finds: f, but its overlap-free twin where f runs
+    the EP overlap and Megatron refuses it under rc (full recompute: `frame_shape` runs that node without it)."""
+    if f.ep_overlap and ep_overlap_allowed(f.ep, f.pp, f.vp, rc):
+        return dataclasses.replace(f, ep_overlap=False)
+    return f
+
+
 def sync_free(job: Job) -> dict:
     """The Shape fields of the job's sync-free MoE: its capacity factor on the HybridEP dispatcher, and its paged
     stash's buffer factors; none for a dropless job."""

@@ -1359,10 +1359,11 @@ def spread(job: Job, found: dict[Frame, PlanItem], frames: list[Frame], model: M
                     return out
                 ev = evaluate(layout_of(job, g, cfg.shape(job, g), split), model=model, cluster=cluster,
                               runtime=runtime)
-                mine = out.get(g) or found.get(g)
+                h = frame_of(ev.layout)  # g's twin when g runs the EP overlap and cfg a mode refusing it
+                mine = out.get(h) or found.get(h)
                 if fits(job, ev) and (mine is None or (ev.step.rank_time_s, ev.peak_bytes) < (mine.rank_time_s,
                                                                                        mine.peak_bytes)):
-                    out[g] = PlanItem(ev.layout, ev)
+                    out[h] = PlanItem(ev.layout, ev)
                 if fits(job, ev) and ev.step.rank_time_s <= src.rank_time_s * (1 + within):
                     break  # within `within` of its source: the source's toggles cost it little
     return out

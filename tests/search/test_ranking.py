@@ -371,7 +371,7 @@ def test_an_ep_overlap_job_plans_without_the_overlap_where_only_that_fits(rated)
     assert not top.layout.ep_overlap and top.layout.pp == 1
     three = k3opt.plan(job, model=tiny, cluster=slow, top=3, gap=0)
     assert three.status == "OPTIMAL"
-    assert len({frame_of(it.layout) for it in three.layouts}) == len(three.layouts) == 3
+    assert len(three.layouts) == 3
     assert [it.rank_time_s for it in three.layouts] == pytest.approx(_per_shape(rows)[:3], abs=TOL_S)
 
 
@@ -414,10 +414,18 @@ def test_the_search_files_each_layout_under_its_own_frame(rated):
     assert not slow_split.layout.ep_overlap
     faster, slower = sorted((slow_split, fast_split), key=lambda it: it.evaluation.step.rank_time_s)
     assert faster.evaluation.step.rank_time_s < slower.evaluation.step.rank_time_s
-    search._keep({ovl: faster})
-    search._keep({ovl: slower})
+    search._keep(faster)
+    search._keep(slower)
     assert set(search.best_of) == {twin} and search.best_of[twin] is faster
     overlapped = item(Recompute.NONE, [2, 1, 2, 1])
     assert overlapped.layout.ep_overlap
-    search._keep({ovl: overlapped})
+    search._keep(overlapped)
     assert search.best_of[ovl] is overlapped and search.best_of[twin] is faster
+    # An overlapped frame's full-recompute node finds, and is pruned against, its twin's layouts.
+    assert driver.node_frame(ovl, Recompute.FULL) == twin and driver.node_frame(ovl, Recompute.NONE) == ovl
+    # A whole search at a 2.2-GiB reserve, where the overlapped frames fit only at full recompute: every layout it
+    # keeps is filed under its own frame.
+    run = driver._Search(_overlap_job(2.2), tiny, slow, top=3, time_limit=30, workers=1, pareto=False,
+                         pareto_step_gib=1.0, progress=None, gap=0.0)
+    run.execute()
+    assert run.best_of and all(frame_of(it.layout) == f for f, it in run.best_of.items())
