@@ -57,6 +57,12 @@ CASES = {
     "unknown_recompute": (_with(recompute='"some"'), k3opt.SpecError, "recompute"),
     "unknown_toggle": (REFERENCE + "[toggles]\nfp4_activations = true\n", k3opt.SpecError, "unknown key"),
     "unknown_key": (_with(pipeline="8"), k3opt.SpecError, "pipeline: unknown key (remove it or check its spelling)"),
+    # Megatron's EP overlap schedule and its delayed weight gradients (specs.ep_overlap_allowed,
+    # specs.delay_wgrad_refusal): this PP8 VP1 full-recompute layout can run neither.
+    "ep_overlap_on_vp1": (_with(ep_overlap="true"), k3opt.SpecError, "interleaved schedule only"),
+    "delay_wgrad_without_overlap": (_with(delay_wgrad_compute="true"), k3opt.SpecError,
+                                    "delay_wgrad_compute without ep_overlap"),
+    "delay_wgrad_not_bool": (_with(delay_wgrad_compute='"yes"'), k3opt.SpecError, "delay_wgrad_compute"),
     # A key one letter off a field names that field; a toggle one letter off names the toggle.
     "misspelled_key": (_with(microbatch="64"), k3opt.SpecError,
                        "microbatch: unknown key (did you mean 'microbatches'?)"),

@@ -44,7 +44,6 @@ from k3opt.inputs.specs import (
     GIB,
     NO_RUNTIME,
     ClusterSpec,
-    CudaGraphImpl,
     Layout,
     MeasurementKind,
     ModelSpec,
@@ -53,6 +52,7 @@ from k3opt.inputs.specs import (
     ShardGranularity,
     ShardingPolicy,
     check_layout,
+    holds_graph_pool,
     kda_layers,
     trained_model,
 )
@@ -655,7 +655,7 @@ def evaluate(layout: Layout, model: ModelSpec | str | None = None, cluster: Clus
     capacity = cluster.hbm_bytes - int(round(reserve * GIB))
     host_capacity = cluster.host_memory_bytes
 
-    graph_pool = layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION
+    graph_pool = holds_graph_pool(layout)
     ranks = []
     for r in range(layout.pp):
         rl = rank_ledger(cf, layout.split, r)

@@ -621,6 +621,12 @@ def ep_overlap_allowed(ep: int, pp: int, vp: int, recompute: Recompute) -> str:
     return ""
 
 
+def holds_graph_pool(layout: Layout) -> bool:
+    """Whether the layout's CUDA graph keeps the activation phase in a private pool through the optimizer step: a
+    full-iteration graph (k3opt.cost.ledger.rank_peak)."""
+    return layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION
+
+
 def delay_wgrad_refusal(delay: bool, overlap: bool) -> str:
     """Why a layout or job may not set delay_wgrad_compute, or "": Megatron delays the weight gradients only under
     its EP overlap schedule (transformer_config.py L3073-3077 @ d98e8a64)."""

@@ -24,7 +24,7 @@ from k3opt.cost.ledger import ACTIVATION, OPTIMIZER, PERSISTENT
 from k3opt.cost.schedule import BACKWARD_OVER_FORWARD, replay_ops  # noqa: E402
 from k3opt.inputs.errors import LayoutError, SpecError  # noqa: E402
 from k3opt.inputs.labels import degrees_text  # noqa: E402
-from k3opt.inputs.specs import GIB, CudaGraphImpl  # noqa: E402
+from k3opt.inputs.specs import GIB, holds_graph_pool  # noqa: E402
 
 FORWARD_SHARE = 1 / (1 + BACKWARD_OVER_FORWARD)
 """Forward share of a microbatch's stage time in the timeline, from the schedule module's backward / forward
@@ -59,7 +59,7 @@ def ledger_plot(ev: Evaluation, path: str | Path) -> None:
                label=f"{k} ({where})")
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     # Under a full-iteration CUDA graph the optimizer phase comes on top of the activation phase (ledger.rank_peak).
-    pool = ev.layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION
+    pool = holds_graph_pool(ev.layout)
     opt = [(r.persistent_bytes + r.optimizer_phase_bytes + (r.activation_phase_bytes if pool else 0)) / GIB
            for r in ranks]
     ax.scatter(x, opt, marker="_", s=900, color="black", zorder=5,

@@ -11,7 +11,7 @@ from k3opt.cost.structure import SEED_001_SAVED_VALUES_PER_TOKEN, structure_of
 from k3opt.inputs.errors import K3optError
 from k3opt.inputs.labels import layout_text, sharding_text, split_text, toggles_text
 from k3opt.inputs.runtime import planning_runtime
-from k3opt.inputs.specs import GIB, MIB, CudaGraphImpl
+from k3opt.inputs.specs import GIB, MIB, holds_graph_pool
 from k3opt.search.result import plan_frame
 
 
@@ -89,7 +89,7 @@ def explain_text(ev: Evaluation, terms: bool = True) -> str:
         "Per-rank memory ledger (GiB); peak = persistent + "
         + ("activation phase + optimizer phase (the full-iteration CUDA graph's pool keeps the activation phase "
            "reserved while the optimizer step runs eagerly)"
-           if ev.layout.cuda_graph_impl == CudaGraphImpl.FULL_ITERATION else
+           if holds_graph_pool(ev.layout) else
            "max(activation phase, optimizer phase)") + "; activation "
         "phase = held + max(a layer's transients, the logits)"
         + (" (together under the EP overlap schedule)" if ev.layout.ep_overlap else "") + "; "

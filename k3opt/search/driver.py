@@ -430,8 +430,8 @@ class _Search:
         # priced nothing.
         share = min(self.budget / 2, POLICY.first_pass_s)
         self._keep(*incumbents(self.job, quick, self.model, self.cluster, self.top, share,
-                                       min(max(self.t0 + self.budget, _time.monotonic() + share), self.deadline),
-                                       stop=self._stopped).values())
+                               min(max(self.t0 + self.budget, _time.monotonic() + share), self.deadline),
+                               stop=self._stopped).values())
         self._note_first_layout()
 
     def bound_shapes(self) -> None:
@@ -552,8 +552,8 @@ class _Search:
         # 2 x budget from the walks' start, not from the plan's: a first pass that ran long would cut the second
         # walk short (the walks of the three fastest shapes take seconds on the default job).
         self._keep(*seed(self.job, [], self.model, self.cluster, self.best_of,
-                                 _time.monotonic() + 2 * self.budget, stop=self._stopped, walked=self.walked,
-                                 configs=self.configs, gain=POLICY.seed_gain * self.gap).values())
+                         _time.monotonic() + 2 * self.budget, stop=self._stopped, walked=self.walked,
+                         configs=self.configs, gain=POLICY.seed_gain * self.gap).values())
         self._note_first_layout()
         self.prefetch.set_line(self._stop_line(self._kth()))
 
@@ -576,7 +576,7 @@ class _Search:
         near = bool(self.queue) and lead <= (1 + POLICY.round_robin_above) * self.queue.top().bound
         if not near:
             self._keep(*incumbents(self.job, rest, self.model, self.cluster, self.top, self.budget, deadline,
-                                           stop=self._stopped).values())
+                                   stop=self._stopped).values())
         return near
 
     def _seed_frames(self, patience_min: float | None, done: Callable[[list[PlanItem]], bool] | None,
@@ -592,11 +592,11 @@ class _Search:
         for e in self.queue:
             least[e.frame] = min(least.get(e.frame, math.inf), e.bound)
         self._keep(*seed(self.job, frames_left, self.model, self.cluster, self.best_of,
-                                 start + self.seed_left, stop=self._stopped, walked=self.walked, walk_first=False,
-                                 lower=lambda g: max(self.lbs[g][0], least.get(g, -math.inf)), top=stall_top,
-                                 gain=POLICY.seed_gain * self.gap, configs=self.configs,
-                                 done=partial(self._publish, done), patience_min=patience_min,
-                                 state=self.seed_state).values())
+                         start + self.seed_left, stop=self._stopped, walked=self.walked, walk_first=False,
+                         lower=lambda g: max(self.lbs[g][0], least.get(g, -math.inf)), top=stall_top,
+                         gain=POLICY.seed_gain * self.gap, configs=self.configs,
+                         done=partial(self._publish, done), patience_min=patience_min,
+                         state=self.seed_state).values())
         self.seed_left -= _time.monotonic() - start
         self._note_first_layout()
 
@@ -615,8 +615,8 @@ class _Search:
     def _spread(self) -> None:
         """The fastest layouts' configurations and splits priced on their sibling shapes (incumbents.spread)."""
         self._keep(*spread(self.job, self.best_of, list(self.estimates), self.model, self.cluster,
-                                   min(_time.monotonic() + self.budget, self.deadline),
-                                   most=max(self.top, POLICY.spread_sources), stop=self._stopped).values())
+                           min(_time.monotonic() + self.budget, self.deadline),
+                           most=max(self.top, POLICY.spread_sources), stop=self._stopped).values())
 
     def _bounding_pass(self) -> None:
         """The queue's shapes and nodes bounded, no CP-SAT solve, for POLICY.bound_share of the limit."""
@@ -884,8 +884,8 @@ class _Search:
                                min(self.deadline, _time.monotonic() + POLICY.climb_min_s))
         self.size = {"variables": max(self.size.get("variables", 0), res.variables),
                      "constraints": max(self.size.get("constraints", 0), res.constraints)}
-        if item is not None and (mine is None or _key(item.evaluation) < _key(mine.evaluation)):
-            self._keep(item)
+        if item is not None:
+            self._keep(item)  # kept where faster than its frame's layout
         self._note_first_layout()
         return self._after_slice(e, max(t_lb, res.bound_step_s), res.status, item)
 
